@@ -1,0 +1,36 @@
+// cuflash public C++ API. Host-only: includes no CUDA, CuTe or framework header.
+//
+// CPU tensors run on the reference implementation; CUDA tensors run on the sm_90a
+// kernels. All arguments are validated before any work starts; a bad argument or
+// a configuration this build does not contain throws cuflash::Error.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "cuflash/error.hpp"
+#include "cuflash/options.hpp"
+#include "cuflash/tensor.hpp"
+
+namespace cuflash {
+
+// Bytes of device workspace each call needs (0 on CPU).
+std::size_t forward_workspace_size(const ForwardArgs& args);
+std::size_t backward_workspace_size(const BackwardArgs& args);
+
+void forward(const ForwardArgs& args, StreamHandle stream = nullptr, Workspace workspace = {});
+void backward(const BackwardArgs& args, StreamHandle stream = nullptr, Workspace workspace = {});
+void combine(const CombineArgs& args, StreamHandle stream = nullptr);
+
+// Check arguments only (what forward/backward/combine do first).
+void validate(const ForwardArgs& args);
+void validate(const BackwardArgs& args);
+void validate(const CombineArgs& args);
+
+// Which kernel configurations this build holds, e.g. "fwd bf16 hdim128".
+std::vector<std::string> built_kernels();
+bool cuda_available();  // a CUDA device is present and usable
+const char* version();
+
+}  // namespace cuflash

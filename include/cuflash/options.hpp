@@ -1,0 +1,120 @@
+// Options of an attention call: every option of the seed interface (DESIGN.md section 2).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "cuflash/tensor.hpp"
+
+namespace cuflash {
+
+// Built-in score modifications (FlexAttention score_mod semantics: they see the
+// scaled, soft-capped score s and return a new score).
+enum class ScoreModKind : int {
+  kNone = 0,
+  // s + slopes[h] * (kv_idx - q_idx). aux[0]: slopes, fp32, shape (H,).
+  kAlibi = 1,
+  // s + table[h, clamp(kv_idx - q_idx, -R, R) + R]. aux[0]: table, fp32, shape (H, 2R+1).
+  kRelativeBias = 2,
+};
+
+// Built-in mask modifications (FlexAttention mask_mod semantics: true keeps (q_idx, kv_idx)).
+// A mask_mod intersects with causal / window / sequence-length masking.
+enum class MaskModKind : int {
+  kNone = 0,
+  // kv_idx <= q_idx, top-left aligned as in FlexAttention (the `causal` option is bottom-right).
+  kCausal = 1,
+  // |q_idx - kv_idx| within scalars[0] (left) and scalars[1] (right), top-left aligned.
+  kSlidingWindow = 2,
+  // kv_idx <= q_idx or kv_idx < scalars[0] (the prefix length).
+  kPrefixLM = 3,
+  // doc[b, q_idx] == doc[b, kv_idx]. aux[0]: int32 document ids, shape (B, L) with
+  // L >= max(seqlen_q, seqlen_k).
+  kDocument = 4,
+};
+
+struct ScoreMod {
+  ScoreModKind kind = ScoreModKind::kNone;
+  std::vector<double> scalars;
+  std::vector<TensorView> aux;
+};
+
+struct MaskMod {
+  MaskModKind kind = MaskModKind::kNone;
+  std::vector<double> scalars;
+  std::vector<TensorView> aux;
+};
+
+// FlexAttention BlockMask tensors (int32). H_b is 1 (broadcast over heads) or H.
+// Forward (row blocks):  *_cnt (B, H_b, ceil(Sq/block_m)),  *_idx (B, H_b, ceil(Sq/block_m), ceil(Sk/block_n)).
+// Backward (column blocks, the transposed lists), `q_` prefix:
+//                        q_*_cnt (B, H_b, ceil(Sk/block_n)), q_*_idx (B, H_b, ceil(Sk/block_n), ceil(Sq/block_m)).
+// A block in a `full` list is computed without mask_mod, a block in a `mask` list with it,
+// any other block is skipped. Causal / window / sequence-length masking always applies.
+struct BlockSparseTensors {
+  std::optional<TensorView> mask_block_cnt, mask_block_idx;
+  std::optional<TensorView> full_block_cnt, full_block_idx;
+  std::optional<TensorView> q_mask_block_cnt, q_mask_block_idx;
+  std::optional<TensorView> q_full_block_cnt, q_full_block_idx;
+  int block_m = 128;
+  int block_n = 128;
+};
+
+struct AttentionOptions {
+  std::optional<float> softmax_scale;  // default 1/sqrt(head_dim)
+  bool causal = false;                 // bottom-right aligned
+  // Sliding window, bottom-right aligned; negative means unbounded on that side.
+  int window_left = -1;
+  int window_right = -1;
+  float softcap = 0.0f;                // 0 disables
+  ScoreMod score_mod;
+  MaskMod mask_mod;
+  std::optional<BlockSparseTensors> block_sparse;
+};
+
+// Sequence layout: dense (B, S, H, D) when cu_seqlens_* are absent, packed
+// (total, H, D) with cu_seqlens_* (B+1, int32) otherwise. page_table switches k/v to
+// (num_pages, page_size, H_kv, D) with page_table (B, max_pages) int32.
+struct SequenceLayout {
+  std::optional<TensorView> cu_seqlens_q, cu_seqlens_k;
+  std::optional<TensorView> seqused_q, seqused_k;  // (B,) int32
+  std::optional<std::int64_t> max_seqlen_q, max_seqlen_k;
+  std::optional<TensorView> page_table;
+};
+
+struct ForwardArgs {
+  TensorView q, k, v;
+  TensorView out;                          // preallocated, q's dtype, (..., H, Dv)
+  std::optional<TensorView> lse;           // fp32 (B, H, Sq) or (H, total_q); written when given
+  std::optional<TensorView> learnable_sink;  // (H,), fp32 / bf16 / fp16
+  SequenceLayout seq;
+  AttentionOptions opts;
+  int num_splits = 1;                      // <= 0: heuristic
+  std::optional<bool> pack_gqa;            // default: H != H_kv
+};
+
+struct BackwardArgs {
+  TensorView q, k, v, out, dout;
+  TensorView lse;                          // fp32, from forward
+  TensorView dq, dk, dv;                   // preallocated, shapes of q, k, v
+  std::optional<TensorView> learnable_sink;
+  std::optional<TensorView> d_sink;        // (H,) fp32; required when learnable_sink is given
+  SequenceLayout seq;
+  AttentionOptions opts;
+  bool deterministic = false;
+};
+
+// Merges split-KV partial results by their log-sum-exp.
+// out_partial: fp32 (splits, B, S, H, D) or (splits, total, H, D)
+// lse_partial: fp32 (splits, B, S, H)    or (splits, total, H)
+// out: (B, S, H, D) or (total, H, D), fp16 / bf16 / fp32;  lse: (B, S, H) or (total, H), fp32.
+struct CombineArgs {
+  TensorView out_partial, lse_partial;
+  TensorView out;
+  std::optional<TensorView> lse;
+  std::optional<TensorView> cu_seqlens;  // (B+1,) int32, with the packed layout
+  std::optional<TensorView> seqused;     // (B,) int32
+};
+
+}  // namespace cuflash

@@ -1,0 +1,106 @@
+// Plain parameter structs handed from dispatch (src/api) to the device kernels.
+// No framework types; pointers are device pointers, strides are in elements.
+#pragma once
+
+#include <cstdint>
+
+namespace cuflash {
+
+struct FwdParams {
+  // q: (B, Sq, H, D) or packed (total_q, H, D) with cu_seqlens_q (batch stride unused).
+  const void* q = nullptr;
+  const void* k = nullptr;  // (B, Sk, H_kv, D), packed, or paged (pages, page_size, H_kv, D)
+  const void* v = nullptr;  // same as k with Dv
+  void* out = nullptr;      // (B, Sq, H, Dv) or (total_q, H, Dv)
+  float* lse = nullptr;     // (B, H, Sq) or (H, total_q); null: not written
+  std::int64_t q_batch_stride = 0, q_row_stride = 0, q_head_stride = 0;
+  std::int64_t k_batch_stride = 0, k_row_stride = 0, k_head_stride = 0;
+  std::int64_t v_batch_stride = 0, v_row_stride = 0, v_head_stride = 0;
+  std::int64_t o_batch_stride = 0, o_row_stride = 0, o_head_stride = 0;
+  std::int64_t lse_batch_stride = 0, lse_head_stride = 0;  // row stride is 1
+
+  int batch = 0;
+  int seqlen_q = 0;  // dense: Sq; packed: max_seqlen_q
+  int seqlen_k = 0;  // dense: Sk; packed: max_seqlen_k; paged: max_pages * page_size
+  int num_heads = 0, num_heads_kv = 0;
+  int head_dim = 0, head_dim_v = 0;
+  int total_q = 0;   // rows of q when packed
+
+  const int* cu_seqlens_q = nullptr;
+  const int* cu_seqlens_k = nullptr;
+  const int* seqused_q = nullptr;
+  const int* seqused_k = nullptr;
+
+  const int* page_table = nullptr;  // (B, max_pages)
+  std::int64_t page_table_batch_stride = 0;
+  int page_size = 0;
+
+  float softmax_scale = 1.f;
+  float softmax_scale_log2 = 1.f;  // softmax_scale * log2(e)
+  float softcap = 0.f;             // 0: off
+  bool is_causal = false;
+  bool is_local = false;
+  int window_left = -1;            // < 0: unbounded
+  int window_right = -1;
+
+  const void* learnable_sink = nullptr;  // (H,)
+  int sink_dtype = 0;                    // cuflash::DType value
+
+  // Split-KV: partial outputs (splits, B|1, Sq|total_q, H, Dv) and lse (splits, B|1, Sq|total_q, H), fp32.
+  int num_splits = 1;
+  float* out_partial = nullptr;
+  float* lse_partial = nullptr;
+
+  bool pack_gqa = false;
+  int num_sm = 0;
+  int dtype = 0;  // cuflash::DType value of q/k/v/out
+};
+
+struct BwdParams {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const void* out = nullptr;
+  const void* dout = nullptr;
+  const float* lse = nullptr;
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+  float* d_sink = nullptr;
+  std::int64_t q_batch_stride = 0, q_row_stride = 0, q_head_stride = 0;
+  std::int64_t k_batch_stride = 0, k_row_stride = 0, k_head_stride = 0;
+  std::int64_t v_batch_stride = 0, v_row_stride = 0, v_head_stride = 0;
+  std::int64_t o_batch_stride = 0, o_row_stride = 0, o_head_stride = 0;
+  std::int64_t do_batch_stride = 0, do_row_stride = 0, do_head_stride = 0;
+  std::int64_t dq_batch_stride = 0, dq_row_stride = 0, dq_head_stride = 0;
+  std::int64_t dk_batch_stride = 0, dk_row_stride = 0, dk_head_stride = 0;
+  std::int64_t dv_batch_stride = 0, dv_row_stride = 0, dv_head_stride = 0;
+  std::int64_t lse_batch_stride = 0, lse_head_stride = 0;
+
+  int batch = 0, seqlen_q = 0, seqlen_k = 0, num_heads = 0, num_heads_kv = 0;
+  int head_dim = 0, head_dim_v = 0, total_q = 0, total_k = 0;
+  const int* cu_seqlens_q = nullptr;
+  const int* cu_seqlens_k = nullptr;
+  const int* seqused_q = nullptr;
+  const int* seqused_k = nullptr;
+
+  float softmax_scale = 1.f, softmax_scale_log2 = 1.f, softcap = 0.f;
+  bool is_causal = false, is_local = false;
+  int window_left = -1, window_right = -1;
+  const void* learnable_sink = nullptr;
+  int sink_dtype = 0;
+  bool deterministic = false;
+
+  // Workspace (fp32): dPsum and lse_log2 (B, H, Sq_rounded), dq_accum (B, H, Sq_rounded, D),
+  // dk_accum / dv_accum for GQA (B, H_kv, Sk_rounded, D / Dv), semaphores for determinism.
+  float* dpsum = nullptr;
+  float* lse_log2 = nullptr;
+  float* dq_accum = nullptr;
+  float* dk_accum = nullptr;
+  float* dv_accum = nullptr;
+  int* dq_semaphore = nullptr;
+  int num_sm = 0;
+  int dtype = 0;
+};
+
+}  // namespace cuflash
