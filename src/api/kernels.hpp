@@ -1,0 +1,24 @@
+// Entry points into the device kernels (src/sm90), callable from host-only code.
+// Defined by the CUDA part of the library; absent when cuflash is built without nvcc.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "api/params.hpp"
+#include "cuflash/tensor.hpp"
+
+namespace cuflash::sm90 {
+
+// Throws cuflash::Error(kNotBuilt) naming the CMake option when the configuration
+// (dtype, head dims, features) was not compiled into this build.
+void run_forward(FwdParams& params, StreamHandle stream);
+void run_combine(const FwdParams& params, StreamHandle stream);  // merges params.out_partial/lse_partial
+void run_backward(BwdParams& params, StreamHandle stream);
+std::size_t backward_workspace_bytes(const BwdParams& params);
+std::vector<std::string> built_kernels();
+bool device_available();
+int device_sm_count(int device_index);
+
+}  // namespace cuflash::sm90

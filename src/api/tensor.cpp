@@ -1,0 +1,75 @@
+#include <sstream>
+
+#include "cuflash/tensor.hpp"
+
+namespace cuflash {
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat16: return "float16";
+    case DType::kBFloat16: return "bfloat16";
+    case DType::kFloat32: return "float32";
+    case DType::kInt32: return "int32";
+  }
+  return "unknown";
+}
+
+std::size_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat16:
+    case DType::kBFloat16: return 2;
+    case DType::kFloat32:
+    case DType::kInt32: return 4;
+  }
+  return 0;
+}
+
+std::string device_name(const Device& device) {
+  return device.type == DeviceType::kCPU ? std::string("cpu") : "cuda:" + std::to_string(device.index);
+}
+
+TensorView::TensorView(void* data_, DType dtype_, std::initializer_list<std::int64_t> shape_, Device device_)
+    : data(data_), dtype(dtype_), ndim(static_cast<int>(shape_.size())), device(device_) {
+  int i = 0;
+  for (std::int64_t s : shape_) shape[i++] = s;
+  std::int64_t running = 1;
+  for (int d = ndim - 1; d >= 0; --d) {
+    stride[d] = running;
+    running *= shape[d];
+  }
+}
+
+TensorView::TensorView(void* data_, DType dtype_, std::initializer_list<std::int64_t> shape_,
+                       std::initializer_list<std::int64_t> stride_, Device device_)
+    : data(data_), dtype(dtype_), ndim(static_cast<int>(shape_.size())), device(device_) {
+  int i = 0;
+  for (std::int64_t s : shape_) shape[i++] = s;
+  i = 0;
+  for (std::int64_t s : stride_) stride[i++] = s;
+}
+
+std::int64_t TensorView::numel() const {
+  std::int64_t n = 1;
+  for (int d = 0; d < ndim; ++d) n *= shape[d];
+  return n;
+}
+
+bool TensorView::is_contiguous() const {
+  std::int64_t running = 1;
+  for (int d = ndim - 1; d >= 0; --d) {
+    if (shape[d] != 1 && stride[d] != running) return false;
+    running *= shape[d];
+  }
+  return true;
+}
+
+std::string TensorView::shape_string() const {
+  std::ostringstream os;
+  os << "(";
+  for (int d = 0; d < ndim; ++d) os << (d ? ", " : "") << shape[d];
+  if (ndim == 1) os << ",";
+  os << ")";
+  return os.str();
+}
+
+}  // namespace cuflash
