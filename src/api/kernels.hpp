@@ -14,7 +14,7 @@ namespace cuflash::sm90 {
 // Throws cuflash::Error(kNotBuilt) naming the CMake option when the configuration
 // (dtype, head dims, features) was not compiled into this build.
 void run_forward(FwdParams& params, StreamHandle stream);
-void run_combine(const FwdParams& params, StreamHandle stream);  // merges params.out_partial/lse_partial
+void run_combine(const CombineParams& params, StreamHandle stream);
 void run_backward(BwdParams& params, StreamHandle stream);
 std::size_t backward_workspace_bytes(const BwdParams& params);
 std::vector<std::string> built_kernels();

@@ -103,4 +103,21 @@ struct BwdParams {
   int dtype = 0;
 };
 
+// Split-KV combine: out_partial (splits, rows, H, D) and lse_partial (splits, rows, H) in fp32,
+// rows = B * S (dense) or total (packed); out (rows, H, D), lse (rows, H).
+struct CombineParams {
+  const float* out_partial = nullptr;
+  const float* lse_partial = nullptr;
+  void* out = nullptr;
+  float* lse = nullptr;  // null: not written
+  std::int64_t op_split_stride = 0, op_batch_stride = 0, op_row_stride = 0, op_head_stride = 0;
+  std::int64_t lp_split_stride = 0, lp_batch_stride = 0, lp_row_stride = 0, lp_head_stride = 0;
+  std::int64_t o_batch_stride = 0, o_row_stride = 0, o_head_stride = 0;
+  std::int64_t lse_batch_stride = 0, lse_row_stride = 0, lse_head_stride = 0;
+  int num_splits = 0, batch = 0, seqlen = 0, num_heads = 0, head_dim = 0;
+  const int* cu_seqlens = nullptr;
+  const int* seqused = nullptr;
+  int out_dtype = 0;  // cuflash::DType value
+};
+
 }  // namespace cuflash

@@ -1,0 +1,94 @@
+# CUDA part of cuflash: CUTLASS/CuTe headers, sm_90a flags, and the selection of
+# generated kernel instantiations (src/instantiations) that this build compiles.
+
+# --- CUTLASS / CuTe headers -------------------------------------------------------
+set(CUTLASS_DIR "" CACHE PATH "CUTLASS root or its include/ folder (holding cute/tensor.hpp)")
+set(_cutlass_hints)
+if(CUTLASS_DIR)
+  list(APPEND _cutlass_hints ${CUTLASS_DIR} ${CUTLASS_DIR}/include)
+endif()
+if(DEFINED ENV{CUTLASS_DIR})
+  list(APPEND _cutlass_hints $ENV{CUTLASS_DIR} $ENV{CUTLASS_DIR}/include)
+endif()
+# A copy of the headers inside the checkout (tools/gpu_check.sh carries it to the GPU machine).
+list(APPEND _cutlass_hints ${PROJECT_SOURCE_DIR}/.cutlass/include)
+find_package(Python3 COMPONENTS Interpreter QUIET)
+if(Python3_Interpreter_FOUND)
+  execute_process(
+    COMMAND ${Python3_EXECUTABLE} -c
+      "import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), 'source', 'include'))"
+    OUTPUT_VARIABLE _cutlass_pip_include OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+  if(_cutlass_pip_include)
+    list(APPEND _cutlass_hints ${_cutlass_pip_include})
+  endif()
+endif()
+find_path(CUFLASH_CUTLASS_INCLUDE_DIR cute/tensor.hpp HINTS ${_cutlass_hints} NO_DEFAULT_PATH)
+if(NOT CUFLASH_CUTLASS_INCLUDE_DIR)
+  message(FATAL_ERROR
+    "cuflash: CUTLASS/CuTe headers not found. Install them with "
+    "`pip install --no-deps nvidia-cutlass==4.2.0.0` or pass -DCUTLASS_DIR=<path to cutlass or its include/>, "
+    "or configure with -DCUFLASH_ENABLE_CUDA=OFF for a CPU-only build.")
+endif()
+message(STATUS "cuflash: CUTLASS headers at ${CUFLASH_CUTLASS_INCLUDE_DIR}")
+
+# --- Compiler flags ---------------------------------------------------------------
+set(CUFLASH_CUDA_FLAGS
+  -gencode=arch=compute_90a,code=sm_90a
+  --expt-relaxed-constexpr
+  --expt-extended-lambda
+  --use_fast_math
+  -lineinfo
+  -Xcompiler=-Wno-unused-parameter
+  -DCUTLASS_ENABLE_GDC_FOR_SM90
+  -DNDEBUG)
+
+# --- Kernel selection ---------------------------------------------------------------
+if(CUFLASH_KERNEL_SET STREQUAL "ci")
+  set(_hdims 128)
+  set(_dtypes bf16)
+elseif(CUFLASH_KERNEL_SET STREQUAL "all")
+  set(_hdims 64 96 128 192 192x128 256)
+  set(_dtypes fp16 bf16)
+elseif(CUFLASH_KERNEL_SET STREQUAL "custom")
+  set(_hdims ${CUFLASH_HDIMS})
+  set(_dtypes ${CUFLASH_DTYPES})
+else()
+  message(FATAL_ERROR "cuflash: CUFLASH_KERNEL_SET must be ci, all or custom (got '${CUFLASH_KERNEL_SET}')")
+endif()
+
+file(GLOB _all_instantiations CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/src/instantiations/*.cu)
+set(CUFLASH_SELECTED_INSTANTIATIONS)
+foreach(_file ${_all_instantiations})
+  get_filename_component(_name ${_file} NAME_WE)
+  # Names look like flash_fwd_hdim128_bf16_sm90 or flash_fwd_hdim192x128_fp16_sm90.
+  string(REGEX MATCH "_hdim([0-9x]+)_(fp16|bf16)" _match ${_name})
+  if(NOT _match)
+    list(APPEND CUFLASH_SELECTED_INSTANTIATIONS ${_file})  # not hdim/dtype specific
+    continue()
+  endif()
+  set(_hdim ${CMAKE_MATCH_1})
+  set(_dtype ${CMAKE_MATCH_2})
+  if(_hdim IN_LIST _hdims AND _dtype IN_LIST _dtypes)
+    list(APPEND CUFLASH_SELECTED_INSTANTIATIONS ${_file})
+  endif()
+endforeach()
+list(LENGTH CUFLASH_SELECTED_INSTANTIATIONS _count)
+message(STATUS "cuflash: kernel set '${CUFLASH_KERNEL_SET}' (hdims ${_hdims}; dtypes ${_dtypes}): ${_count} instantiation files")
+
+# The list of compiled configurations, for dispatch to report what is missing.
+set(CUFLASH_BUILT_LIST "")
+foreach(_file ${CUFLASH_SELECTED_INSTANTIATIONS})
+  get_filename_component(_name ${_file} NAME_WE)
+  string(APPEND CUFLASH_BUILT_LIST "CUFLASH_BUILT(${_name})\n")
+endforeach()
+file(WRITE ${PROJECT_BINARY_DIR}/generated/cuflash_built_kernels.inc.tmp "${CUFLASH_BUILT_LIST}")
+configure_file(${PROJECT_BINARY_DIR}/generated/cuflash_built_kernels.inc.tmp
+  ${PROJECT_BINARY_DIR}/generated/cuflash_built_kernels.inc COPYONLY)
+
+file(GLOB CUFLASH_SM90_SOURCES CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/src/sm90/*.cu)
+target_sources(cuflash PRIVATE ${CUFLASH_SM90_SOURCES} ${CUFLASH_SELECTED_INSTANTIATIONS})
+target_include_directories(cuflash PRIVATE ${CUFLASH_CUTLASS_INCLUDE_DIR} ${PROJECT_BINARY_DIR}/generated)
+target_compile_definitions(cuflash PRIVATE CUFLASH_HAS_CUDA=1
+  CUFLASH_KERNEL_SET="${CUFLASH_KERNEL_SET}")
+target_compile_options(cuflash PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:${CUFLASH_CUDA_FLAGS}>)
+target_link_libraries(cuflash PUBLIC CUDA::cudart)
