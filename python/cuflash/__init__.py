@@ -1,0 +1,39 @@
+"""cuflash: FlashAttention for NVIDIA Hopper (sm_90a), with a CPU reference implementation.
+
+    >>> import cuflash
+    >>> out, lse = cuflash.flash_attn_func(q, k, v, causal=True)
+
+Tensors of torch, NumPy, CuPy or JAX cross by DLPack; CPU arrays run on the reference
+implementation, CUDA arrays on the Hopper kernels. torch is optional: with it, outputs are
+differentiable through torch.autograd.
+"""
+
+from . import _C, block_sparse, masks, scores
+from .interface import flash_attn_backward, flash_attn_combine, flash_attn_func, flash_attn_varlen_func
+
+__version__ = _C.version()
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_varlen_func",
+    "flash_attn_combine",
+    "flash_attn_backward",
+    "masks",
+    "scores",
+    "block_sparse",
+    "built_kernels",
+    "cuda_available",
+    "built_with_cuda",
+]
+
+built_with_cuda: bool = _C.built_with_cuda
+
+
+def built_kernels() -> list:
+    """The kernel configurations this build holds, e.g. ["fwd bf16 hdim128", ...]."""
+    return list(_C.built_kernels())
+
+
+def cuda_available() -> bool:
+    """Whether this build has the CUDA kernels and a usable CUDA device is present."""
+    return bool(_C.cuda_available())

@@ -1,0 +1,890 @@
+"""The public attention functions: flash_attn_func, flash_attn_varlen_func, flash_attn_combine.
+
+Signatures and defaults follow the seed interface (FlashAttention 3's Hopper interface).
+Tensors may come from torch, NumPy, CuPy or JAX (by DLPack); outputs are allocated with the
+input's framework. CPU arrays run on the C++ reference implementation, CUDA arrays on the
+sm_90a kernels. torch tensors get autograd (dq, dk, dv and d(learnable_sink)).
+
+Arguments are checked before any work starts; a bad one raises ValueError or TypeError whose
+message begins with the argument's name. A configuration that this build does not contain
+raises NotImplementedError naming the build option.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import sys
+from dataclasses import dataclass, field, replace
+from typing import Any, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from . import _C
+from ._tensors import Framework, _dtype_name, framework_of
+from ._variants import MaskMod, ScoreMod
+from .block_sparse import BLOCK_M, BLOCK_N, transpose_block_lists
+
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_combine", "flash_attn_backward"]
+
+Tensor = Any  # a torch.Tensor, numpy.ndarray, cupy.ndarray or jax.Array
+
+_INPUT_DTYPES = ("float16", "bfloat16")
+_SINK_DTYPES = ("float32", "bfloat16", "float16")
+_MAX_HEAD_DIM = 256
+_HEAD_DIM_MULTIPLE = 8  # 16 bytes of 16-bit elements
+_MAX_SPLITS = 256
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks
+
+
+def _fail(exception: type, argument: str, message: str):
+    raise exception(f"{argument}: {message}")
+
+
+def _check_tensor(x: Any, argument: str, framework: Optional[Framework] = None) -> Framework:
+    """`x` is an array cuflash knows and, when given, of the same framework as q."""
+    own = framework_of(x)
+    if own is None:
+        _fail(TypeError, argument, f"expected a tensor or array (torch, numpy, cupy or jax), got {type(x).__name__}")
+    if framework is not None and own is not framework:
+        _fail(TypeError, argument, f"expected a {framework.name} array like q, got a {own.name} array")
+    if own.name == "jax":
+        core = getattr(sys.modules["jax"], "core", None)
+        tracer = getattr(core, "Tracer", None)
+        if tracer is not None and isinstance(x, tracer):
+            _fail(TypeError, argument, "traced JAX values (inside jax.jit) are not supported; call cuflash eagerly")
+    return own
+
+
+def _check_bool(value: Any, argument: str, optional: bool = False) -> Optional[bool]:
+    if value is None and optional:
+        return None
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    expected = "a bool or None" if optional else "a bool"
+    _fail(TypeError, argument, f"expected {expected}, got {type(value).__name__}")
+
+
+def _check_int(value: Any, argument: str, optional: bool = False, minimum: Optional[int] = None) -> Optional[int]:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        expected = "an int or None" if optional else "an int"
+        _fail(TypeError, argument, f"expected {expected}, got {type(value).__name__}")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        _fail(ValueError, argument, f"expected a value >= {minimum}, got {value}")
+    return value
+
+
+def _check_float(value: Any, argument: str, optional: bool = False) -> Optional[float]:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        expected = "a float or None" if optional else "a float"
+        _fail(TypeError, argument, f"expected {expected}, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        _fail(ValueError, argument, f"expected a finite value, got {value}")
+    return value
+
+
+def _check_window(window_size: Any) -> Tuple[int, int]:
+    """(left, right) with None (or -1) for unbounded -> C++ convention, -1 for unbounded."""
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        _fail(TypeError, "window_size", f"expected a (left, right) pair of int or None, got {window_size!r}")
+    bounds = []
+    for side, value in zip(("left", "right"), window_size):
+        if value is None:
+            bounds.append(-1)
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            _fail(TypeError, "window_size", f"{side} must be an int or None, got {type(value).__name__}")
+        if value < -1:
+            _fail(ValueError, "window_size", f"{side} must be >= 0 (or None / -1 for unbounded), got {value}")
+        bounds.append(int(value))
+    return bounds[0], bounds[1]
+
+
+def _shape(x: Tensor) -> Tuple[int, ...]:
+    return tuple(int(s) for s in x.shape)
+
+
+def _check_shape(x: Tensor, argument: str, expected: Tuple[int, ...], what: str = "") -> None:
+    if _shape(x) != tuple(expected):
+        detail = f" {what}" if what else ""
+        _fail(ValueError, argument, f"expected shape {tuple(expected)}{detail}, got {_shape(x)}")
+
+
+def _check_dtype(framework: Framework, x: Tensor, argument: str, allowed: Sequence[str]) -> str:
+    dtype = framework.dtype(x)
+    if dtype not in allowed:
+        _fail(TypeError, argument, f"expected dtype {' or '.join(allowed)}, got {dtype}")
+    return dtype
+
+
+def _check_device(framework: Framework, x: Tensor, argument: str, device: Tuple[str, int]) -> None:
+    own = framework.device(x)
+    if own != device:
+        _fail(ValueError, argument, f"expected a tensor on {_device_str(device)} like q, got {_device_str(own)}")
+
+
+def _device_str(device: Tuple[str, int]) -> str:
+    return "cpu" if device[0] == "cpu" else f"{device[0]}:{device[1]}"
+
+
+def _maybe_contiguous(framework: Framework, x: Optional[Tensor]) -> Optional[Tensor]:
+    """Copies only when the last dimension is strided (the kernels need it contiguous)."""
+    if x is None or len(x.shape) == 0:
+        return x
+    if framework.strides(x)[-1] != 1 and x.shape[-1] > 1:
+        return framework.contiguous(x)
+    return x
+
+
+def _index_tensor(framework: Framework, x: Optional[Tensor], argument: str, expected: Tuple[int, ...],
+                  device: Tuple[str, int], what: str) -> Optional[Tensor]:
+    """cu_seqlens / seqused: int32, 1-D contiguous, on q's device."""
+    if x is None:
+        return None
+    _check_tensor(x, argument, framework)
+    _check_shape(x, argument, expected, what)
+    _check_dtype(framework, x, argument, ("int32",))
+    if expected[0] > 1 and framework.strides(x)[0] != 1:
+        _fail(ValueError, argument, "must be contiguous")
+    _check_device(framework, x, argument, device)
+    return x
+
+
+# ---------------------------------------------------------------------------------------------
+# A checked call: everything the extension needs, forward and backward
+
+
+@dataclass
+class _Call:
+    framework: Framework
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    device: Tuple[str, int]
+    dtype: str
+    batch: int
+    seqlen_q: Optional[int]  # None when q is packed
+    seqlen_k: int
+    total_q: int
+    num_heads: int
+    num_heads_kv: int
+    head_dim: int
+    head_dim_v: int
+    cu_seqlens_q: Optional[Tensor] = None
+    cu_seqlens_k: Optional[Tensor] = None
+    seqused_q: Optional[Tensor] = None
+    seqused_k: Optional[Tensor] = None
+    max_seqlen_q: Optional[int] = None
+    max_seqlen_k: Optional[int] = None
+    page_table: Optional[Tensor] = None
+    learnable_sink: Optional[Tensor] = None
+    softmax_scale: Optional[float] = None
+    causal: bool = False
+    window_left: int = -1
+    window_right: int = -1
+    softcap: float = 0.0
+    score_mod: Tuple[int, List[float], List[Tensor]] = (0, [], [])
+    mask_mod: Tuple[int, List[float], List[Tensor]] = (0, [], [])
+    # mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx, then the q_ (backward) lists.
+    block_sparse: List[Optional[Tensor]] = field(default_factory=list)
+    num_splits: int = 1
+    pack_gqa: Optional[bool] = None
+    deterministic: bool = False
+
+    @property
+    def out_shape(self) -> Tuple[int, ...]:
+        rows = (self.total_q,) if self.cu_seqlens_q is not None else (self.batch, self.seqlen_q)
+        return rows + (self.num_heads, self.head_dim_v)
+
+    @property
+    def lse_shape(self) -> Tuple[int, ...]:
+        if self.cu_seqlens_q is not None:
+            return (self.num_heads, self.total_q)
+        return (self.batch, self.num_heads, self.seqlen_q)
+
+    def stream(self) -> int:
+        return self.framework.stream(self.q)
+
+    def export(self, x: Optional[Tensor]) -> Any:
+        return None if x is None else self.framework.export(x)
+
+    def common_kwargs(self) -> dict:
+        """Arguments that _C.forward and _C.backward share."""
+        ex = self.export
+        score_kind, score_scalars, score_aux = self.score_mod
+        mask_kind, mask_scalars, mask_aux = self.mask_mod
+        return dict(
+            cu_seqlens_q=ex(self.cu_seqlens_q),
+            cu_seqlens_k=ex(self.cu_seqlens_k),
+            seqused_q=ex(self.seqused_q),
+            seqused_k=ex(self.seqused_k),
+            max_seqlen_q=self.max_seqlen_q,
+            max_seqlen_k=self.max_seqlen_k,
+            softmax_scale=self.softmax_scale,
+            causal=self.causal,
+            window_left=self.window_left,
+            window_right=self.window_right,
+            softcap=self.softcap,
+            score_mod_kind=score_kind,
+            score_mod_scalars=list(score_scalars),
+            score_mod_aux=[ex(a) for a in score_aux],
+            mask_mod_kind=mask_kind,
+            mask_mod_scalars=list(mask_scalars),
+            mask_mod_aux=[ex(a) for a in mask_aux],
+            block_sparse=[ex(t) for t in self.block_sparse],
+            block_m=BLOCK_M,
+            block_n=BLOCK_N,
+        )
+
+
+def _resolve_variant(mod: Any, argument: str, cls: type, aux_tensors: Optional[List[Tensor]],
+                     call: _Call) -> Tuple[Tuple[int, List[float], List[Tensor]], bool]:
+    """A cuflash.scores / cuflash.masks object -> (kind, scalars, aux); also whether it took
+    its tensors from aux_tensors."""
+    if mod is None:
+        return (0, [], []), False
+    module = "cuflash.scores" if cls is ScoreMod else "cuflash.masks"
+    if not isinstance(mod, cls):
+        other = MaskMod if cls is ScoreMod else ScoreMod
+        if isinstance(mod, other):
+            _fail(TypeError, argument, f"{mod!r} is a {other.role}_mod, not a {cls.role}_mod")
+        if callable(mod):
+            _fail(TypeError, argument,
+                  f"arbitrary Python callables are not supported yet (runtime compilation is future work); "
+                  f"use a built-in from {module}, e.g. "
+                  + ("cuflash.scores.alibi(slopes)" if cls is ScoreMod else "cuflash.masks.document(doc_ids)"))
+        _fail(TypeError, argument, f"expected a {module} object or None, got {type(mod).__name__}")
+
+    framework = call.framework
+    aux = list(mod.aux)
+    from_aux_tensors = False
+    if mod.num_aux and not aux:
+        if aux_tensors is None or len(aux_tensors) != mod.num_aux:
+            got = 0 if aux_tensors is None else len(aux_tensors)
+            _fail(ValueError, "aux_tensors" if aux_tensors is not None else argument,
+                  f"{mod!r} reads {mod.num_aux} tensor(s): pass them to it or in aux_tensors (got {got})")
+        aux = list(aux_tensors)
+        from_aux_tensors = True
+
+    resolved = []
+    for i, tensor in enumerate(aux):
+        name = f"{argument} aux[{i}]"
+        own = framework_of(tensor)
+        if own is None:
+            _fail(TypeError, name, f"expected a tensor or array, got {type(tensor).__name__}")
+        if own is not framework or own.device(tensor) != call.device:
+            if own.name != "numpy":
+                _fail(ValueError, name, f"expected a tensor on {_device_str(call.device)} like q, "
+                                        f"got a {own.name} array on {_device_str(own.device(tensor))}")
+            tensor = framework.from_numpy(tensor, like=call.q)
+        resolved.append(framework.contiguous(tensor))
+    aux = resolved
+
+    heads, batch = call.num_heads, call.batch
+    if mod.name == "alibi":
+        aux[0] = _aux_dtype(framework, aux[0], name=f"{argument} slopes", dtype="float32")
+        _check_shape(aux[0], f"{argument} slopes", (heads,), "(num_heads,)")
+    elif mod.name == "relative_bias":
+        aux[0] = _aux_dtype(framework, aux[0], name=f"{argument} table", dtype="float32")
+        shape = _shape(aux[0])
+        if len(shape) != 2 or shape[0] != heads or shape[1] % 2 != 1:
+            _fail(ValueError, f"{argument} table", f"expected shape (num_heads={heads}, 2R+1), got {shape}")
+    elif mod.name == "document":
+        aux[0] = _aux_dtype(framework, aux[0], name=f"{argument} doc_ids", dtype="int32")
+        shape = _shape(aux[0])
+        longest = max(call.seqlen_q if call.seqlen_q is not None else call.max_seqlen_q or call.total_q,
+                      call.seqlen_k if call.cu_seqlens_k is None else call.max_seqlen_k or call.seqlen_k)
+        if len(shape) != 2 or shape[0] != batch or shape[1] < longest:
+            _fail(ValueError, f"{argument} doc_ids",
+                  f"expected shape (batch={batch}, L) with L >= max(seqlen_q, seqlen_k) = {longest}, got {shape}")
+    return (mod.kind, list(mod.scalars), aux), from_aux_tensors
+
+
+def _aux_dtype(framework: Framework, x: Tensor, name: str, dtype: str) -> Tensor:
+    own = framework.dtype(x)
+    if own == dtype:
+        return x
+    if dtype == "int32" and own in ("int64", "int16", "int8", "uint8"):
+        return framework.contiguous(framework.astype(x, dtype))
+    if dtype == "float32" and own in ("float64", "float16", "bfloat16"):
+        return framework.contiguous(framework.astype(x, dtype))
+    _fail(TypeError, name, f"expected dtype {dtype}, got {own}")
+
+
+def _check_block_sparse(call: _Call, lists: Sequence[Optional[Tensor]], names: Sequence[str],
+                        transposed: bool) -> List[Optional[Tensor]]:
+    """(mask_cnt, mask_idx, full_cnt, full_idx) forward or q_ lists: int32, paired, shaped as
+    FlexAttention's BlockMask for block size BLOCK_M x BLOCK_N."""
+    framework = call.framework
+    if call.seqlen_q is None:
+        _fail(ValueError, names[0], "block sparsity needs fixed-length q (no cu_seqlens_q)")
+    rows = -(-call.seqlen_q // BLOCK_M)
+    cols = -(-call.seqlen_k // BLOCK_N)
+    if transposed:
+        rows, cols = cols, rows
+    checked: List[Optional[Tensor]] = []
+    heads_b = None
+    for pair in ((0, 1), (2, 3)):
+        cnt, idx = lists[pair[0]], lists[pair[1]]
+        cnt_name, idx_name = names[pair[0]], names[pair[1]]
+        if (cnt is None) != (idx is None):
+            missing = cnt_name if cnt is None else idx_name
+            given = idx_name if cnt is None else cnt_name
+            _fail(ValueError, missing, f"must be given together with {given}")
+        if cnt is None:
+            checked += [None, None]
+            continue
+        for tensor, name in ((cnt, cnt_name), (idx, idx_name)):
+            _check_tensor(tensor, name, framework)
+            _check_dtype(framework, tensor, name, ("int32",))
+            _check_device(framework, tensor, name, call.device)
+        h = int(cnt.shape[1]) if len(cnt.shape) == 3 else -1
+        if h not in (1, call.num_heads):
+            _fail(ValueError, cnt_name, f"expected shape (batch={call.batch}, 1 or num_heads={call.num_heads}, "
+                                        f"{rows}), got {_shape(cnt)}")
+        if heads_b is not None and h != heads_b:
+            _fail(ValueError, cnt_name, f"head dimension {h} differs from the other list's {heads_b}")
+        heads_b = h
+        block = f"for {BLOCK_M}x{BLOCK_N} blocks"
+        _check_shape(cnt, cnt_name, (call.batch, h, rows), block)
+        _check_shape(idx, idx_name, (call.batch, h, rows, cols), block)
+        checked += [framework.contiguous(cnt), framework.contiguous(idx)]
+    return checked
+
+
+def _prepare(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
+             max_seqlen_q=None, max_seqlen_k=None, page_table=None, softmax_scale=None, causal=False,
+             window_size=(None, None), learnable_sink=None, softcap=0.0, num_splits=1, pack_gqa=None,
+             deterministic=False, score_mod=None, mask_mod=None, aux_tensors=None,
+             block_sparse=(None, None, None, None), q_block_sparse=(None, None, None, None)) -> _Call:
+    """Checks every argument (the seed interface's checks, as ValueError / TypeError naming the
+    argument) and returns the call's description."""
+    framework = _check_tensor(q, "q")
+    _check_tensor(k, "k", framework)
+    _check_tensor(v, "v", framework)
+    q, k, v = (_maybe_contiguous(framework, t) for t in (q, k, v))
+
+    if cu_seqlens_q is None:
+        if len(q.shape) != 4:
+            _fail(ValueError, "q", f"expected 4 dimensions (batch, seqlen, num_heads, head_dim), got shape {_shape(q)}")
+        batch, seqlen_q = int(q.shape[0]), int(q.shape[1])
+        total_q = batch * seqlen_q
+    else:
+        _check_tensor(cu_seqlens_q, "cu_seqlens_q", framework)
+        if len(cu_seqlens_q.shape) != 1 or cu_seqlens_q.shape[0] < 1:
+            _fail(ValueError, "cu_seqlens_q", f"expected shape (batch_size + 1,), got {_shape(cu_seqlens_q)}")
+        if len(q.shape) != 3:
+            _fail(ValueError, "q", f"expected 3 dimensions (total_q, num_heads, head_dim) with cu_seqlens_q, "
+                                   f"got shape {_shape(q)}")
+        batch = int(cu_seqlens_q.shape[0]) - 1
+        seqlen_q = None
+        total_q = int(q.shape[0])
+    num_heads, head_dim = int(q.shape[-2]), int(q.shape[-1])
+
+    if page_table is not None:
+        if cu_seqlens_k is not None:
+            _fail(ValueError, "page_table", "is not supported with cu_seqlens_k")
+        _check_tensor(page_table, "page_table", framework)
+        _check_dtype(framework, page_table, "page_table", ("int32",))
+        if len(page_table.shape) != 2 or int(page_table.shape[0]) != batch:
+            _fail(ValueError, "page_table", f"expected shape (batch_size={batch}, max_num_pages_per_seq), "
+                                            f"got {_shape(page_table)}")
+        if framework.strides(page_table)[-1] != 1 and page_table.shape[-1] > 1:
+            _fail(ValueError, "page_table", "must be contiguous in the last dimension")
+        if len(k.shape) != 4:
+            _fail(ValueError, "k", f"expected 4 dimensions (num_pages, page_size, num_heads_kv, head_dim) "
+                                   f"with page_table, got shape {_shape(k)}")
+        num_pages, page_size = int(k.shape[0]), int(k.shape[1])
+        seqlen_k = num_pages * page_size
+    else:
+        expected_ndim = 3 if cu_seqlens_k is not None else 4
+        if len(k.shape) != expected_ndim:
+            layout = ("(total_k, num_heads_kv, head_dim) with cu_seqlens_k" if cu_seqlens_k is not None
+                      else "(batch, seqlen_k, num_heads_kv, head_dim)")
+            _fail(ValueError, "k", f"expected {expected_ndim} dimensions {layout}, got shape {_shape(k)}")
+        seqlen_k = int(k.shape[-3])
+    num_heads_kv = int(k.shape[-2])
+    head_dim_v = int(v.shape[-1]) if len(v.shape) else 0
+
+    if cu_seqlens_k is None:
+        if page_table is None:
+            _check_shape(k, "k", (batch, seqlen_k, num_heads_kv, head_dim), "(batch, seqlen_k, num_heads_kv, head_dim)")
+            _check_shape(v, "v", (batch, seqlen_k, num_heads_kv, head_dim_v),
+                         "(batch, seqlen_k, num_heads_kv, head_dim_v)")
+        else:
+            _check_shape(k, "k", (num_pages, page_size, num_heads_kv, head_dim),
+                         "(num_pages, page_size, num_heads_kv, head_dim)")
+            _check_shape(v, "v", (num_pages, page_size, num_heads_kv, head_dim_v),
+                         "(num_pages, page_size, num_heads_kv, head_dim_v)")
+    else:
+        _check_shape(k, "k", (seqlen_k, num_heads_kv, head_dim), "(total_k, num_heads_kv, head_dim)")
+        _check_shape(v, "v", (seqlen_k, num_heads_kv, head_dim_v), "(total_k, num_heads_kv, head_dim_v)")
+
+    dtype = _check_dtype(framework, q, "q", _INPUT_DTYPES)
+    for tensor, name in ((k, "k"), (v, "v")):
+        if framework.dtype(tensor) != dtype:
+            _fail(TypeError, name, f"expected the dtype of q ({dtype}), got {framework.dtype(tensor)}")
+    device = framework.device(q)
+    if device[0] not in ("cpu", "cuda"):
+        _fail(ValueError, "q", f"expected a CPU or CUDA tensor, got {_device_str(device)}")
+    _check_device(framework, k, "k", device)
+    _check_device(framework, v, "v", device)
+
+    cu_seqlens_q = _index_tensor(framework, cu_seqlens_q, "cu_seqlens_q", (batch + 1,), device, "(batch_size + 1,)")
+    cu_seqlens_k = _index_tensor(framework, cu_seqlens_k, "cu_seqlens_k", (batch + 1,), device, "(batch_size + 1,)")
+    seqused_q = _index_tensor(framework, seqused_q, "seqused_q", (batch,), device, "(batch_size,)")
+    seqused_k = _index_tensor(framework, seqused_k, "seqused_k", (batch,), device, "(batch_size,)")
+    if page_table is not None:
+        _check_device(framework, page_table, "page_table", device)
+    max_seqlen_q = _check_int(max_seqlen_q, "max_seqlen_q", optional=True, minimum=0)
+    max_seqlen_k = _check_int(max_seqlen_k, "max_seqlen_k", optional=True, minimum=0)
+
+    if learnable_sink is not None:
+        _check_tensor(learnable_sink, "learnable_sink", framework)
+        _check_shape(learnable_sink, "learnable_sink", (num_heads,), "(num_heads,)")
+        _check_dtype(framework, learnable_sink, "learnable_sink", _SINK_DTYPES)
+        _check_device(framework, learnable_sink, "learnable_sink", device)
+
+    if num_heads_kv == 0 or num_heads % num_heads_kv != 0:
+        _fail(ValueError, "k", f"num_heads ({num_heads}) must be divisible by num_heads_kv ({num_heads_kv})")
+    for dim, name, argument in ((head_dim, "head_dim", "q"), (head_dim_v, "head_dim_v", "v")):
+        if dim > _MAX_HEAD_DIM:
+            _fail(ValueError, argument, f"{name} must be less than or equal to {_MAX_HEAD_DIM}, got {dim}")
+        if dim % _HEAD_DIM_MULTIPLE != 0 or dim == 0:
+            _fail(ValueError, argument, f"{name} must be a positive multiple of {_HEAD_DIM_MULTIPLE}, got {dim}")
+
+    softmax_scale = _check_float(softmax_scale, "softmax_scale", optional=True)
+    causal = _check_bool(causal, "causal")
+    window_left, window_right = _check_window(window_size)
+    if causal:
+        window_right = 0  # as in the seed: causal overrides the window's right side
+    softcap = _check_float(softcap, "softcap", optional=True) or 0.0
+    if softcap < 0:
+        _fail(ValueError, "softcap", f"expected a value >= 0 (0 disables it), got {softcap}")
+    num_splits = _check_int(num_splits, "num_splits")
+    if num_splits > _MAX_SPLITS:
+        _fail(ValueError, "num_splits", f"expected at most {_MAX_SPLITS}, got {num_splits}")
+    pack_gqa = _check_bool(pack_gqa, "pack_gqa", optional=True)
+    deterministic = _check_bool(deterministic, "deterministic")
+    if score_mod is not None and softcap != 0.0:
+        _fail(ValueError, "softcap", "softcap and score_mod cannot be used together")
+    if aux_tensors is not None:
+        if not isinstance(aux_tensors, (list, tuple)):
+            _fail(TypeError, "aux_tensors", f"expected a list of tensors or None, got {type(aux_tensors).__name__}")
+        if score_mod is None and mask_mod is None:
+            _fail(ValueError, "aux_tensors", "given without a score_mod that reads them")
+
+    call = _Call(
+        framework=framework, q=q, k=k, v=v, device=device, dtype=dtype, batch=batch, seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k, total_q=total_q, num_heads=num_heads, num_heads_kv=num_heads_kv, head_dim=head_dim,
+        head_dim_v=head_dim_v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
+        seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, page_table=page_table,
+        learnable_sink=learnable_sink, softmax_scale=softmax_scale, causal=causal, window_left=window_left,
+        window_right=window_right, softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa,
+        deterministic=deterministic)
+
+    call.score_mod, score_used_aux = _resolve_variant(score_mod, "score_mod", ScoreMod, aux_tensors, call)
+    call.mask_mod, mask_used_aux = _resolve_variant(
+        mask_mod, "mask_mod", MaskMod, None if score_used_aux else aux_tensors, call)
+    if aux_tensors is not None and not (score_used_aux or mask_used_aux):
+        _fail(ValueError, "aux_tensors", "the given score_mod / mask_mod already holds its tensors")
+
+    if any(t is not None for t in block_sparse) or any(t is not None for t in q_block_sparse):
+        forward_lists = _check_block_sparse(
+            call, block_sparse, ("mask_block_cnt", "mask_block_idx", "full_block_cnt", "full_block_idx"),
+            transposed=False)
+        q_lists = [None] * 4
+        if any(t is not None for t in q_block_sparse):
+            q_lists = _check_block_sparse(
+                call, q_block_sparse, ("q_mask_block_cnt", "q_mask_block_idx", "q_full_block_cnt",
+                                       "q_full_block_idx"), transposed=True)
+        call.block_sparse = forward_lists + q_lists
+    return call
+
+
+def _with_backward_block_lists(call: _Call) -> _Call:
+    """The backward's column-block lists: the transposed forward lists (built on the CPU) when
+    the caller gave none."""
+    if not call.block_sparse or any(t is not None for t in call.block_sparse[4:]):
+        return call
+    framework = call.framework
+    lists = list(call.block_sparse[:4])
+    col_blocks = -(-call.seqlen_k // BLOCK_N)
+    for i in (0, 2):
+        cnt, idx = call.block_sparse[i], call.block_sparse[i + 1]
+        if cnt is None:
+            lists += [None, None]
+            continue
+        q_cnt, q_idx = transpose_block_lists(framework.to_numpy(cnt), framework.to_numpy(idx), col_blocks)
+        lists += [framework.from_numpy(q_cnt, like=call.q), framework.from_numpy(q_idx, like=call.q)]
+    return replace(call, block_sparse=lists)
+
+
+# ---------------------------------------------------------------------------------------------
+# Running the extension
+
+
+def _run_forward(call: _Call) -> Tuple[Tensor, Tensor]:
+    framework = call.framework
+    out = framework.empty(call.out_shape, call.dtype, like=call.q)
+    lse = framework.empty(call.lse_shape, "float32", like=call.q)
+    stream = call.stream()
+    _C.forward(call.export(call.q), call.export(call.k), call.export(call.v), call.export(out),
+               lse=call.export(lse), learnable_sink=call.export(call.learnable_sink),
+               page_table=call.export(call.page_table), num_splits=call.num_splits, pack_gqa=call.pack_gqa,
+               stream=stream, **call.common_kwargs())
+    framework.finish([out, lse], stream)
+    return out, lse
+
+
+def _run_backward(call: _Call, out: Tensor, dout: Tensor, lse: Tensor
+                  ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+    framework = call.framework
+    call = _with_backward_block_lists(call)
+    dq = framework.empty(_shape(call.q), call.dtype, like=call.q)
+    dk = framework.empty(_shape(call.k), call.dtype, like=call.q)
+    dv = framework.empty(_shape(call.v), call.dtype, like=call.q)
+    d_sink = None
+    if call.learnable_sink is not None:
+        d_sink = framework.zeros((call.num_heads,), "float32", like=call.q)
+    stream = call.stream()
+    _C.backward(call.export(call.q), call.export(call.k), call.export(call.v), call.export(out),
+                call.export(dout), call.export(lse), call.export(dq), call.export(dk), call.export(dv),
+                learnable_sink=call.export(call.learnable_sink), d_sink=call.export(d_sink),
+                deterministic=call.deterministic, stream=stream, **call.common_kwargs())
+    framework.finish([dq, dk, dv], stream)
+    return dq, dk, dv, d_sink
+
+
+def _check_backward_inputs(call: _Call, out: Tensor, dout: Tensor, lse: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    framework = call.framework
+    for tensor, name in ((out, "out"), (dout, "dout"), (lse, "lse")):
+        _check_tensor(tensor, name, framework)
+        _check_device(framework, tensor, name, call.device)
+    _check_shape(out, "out", call.out_shape)
+    _check_shape(dout, "dout", call.out_shape)
+    _check_shape(lse, "lse", call.lse_shape)
+    for tensor, name in ((out, "out"), (dout, "dout")):
+        if framework.dtype(tensor) != call.dtype:
+            _fail(TypeError, name, f"expected the dtype of q ({call.dtype}), got {framework.dtype(tensor)}")
+    _check_dtype(framework, lse, "lse", ("float32",))
+    if call.page_table is not None:
+        _fail(NotImplementedError, "page_table", "the backward pass does not take paged KV")
+    return tuple(_maybe_contiguous(framework, t) for t in (out, dout, lse))
+
+
+# ---------------------------------------------------------------------------------------------
+# torch autograd
+
+
+_autograd_function = None
+
+
+def _torch_function():
+    """The torch.autograd.Function, made on first use so that importing cuflash needs no torch."""
+    global _autograd_function
+    if _autograd_function is not None:
+        return _autograd_function
+    import torch
+
+    class FlashAttnFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, learnable_sink, call):
+            call = replace(call, q=q, k=k, v=v, learnable_sink=learnable_sink)
+            out, lse = _run_forward(call)
+            ctx.save_for_backward(q, k, v, out, lse, learnable_sink)
+            ctx.call = call
+            ctx.mark_non_differentiable(lse)
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, dout, _dlse):
+            q, k, v, out, lse, learnable_sink = ctx.saved_tensors
+            call = replace(ctx.call, q=q, k=k, v=v, learnable_sink=learnable_sink)
+            dout = _maybe_contiguous(call.framework, dout)
+            dq, dk, dv, d_sink = _run_backward(call, out, dout, lse)
+            if d_sink is not None:
+                d_sink = d_sink.to(learnable_sink.dtype)
+            return dq, dk, dv, d_sink, None
+
+    _autograd_function = FlashAttnFunction
+    return FlashAttnFunction
+
+
+def _attention(call: _Call) -> Tuple[Tensor, Tensor]:
+    if call.framework.name == "torch":
+        return _torch_function().apply(call.q, call.k, call.v, call.learnable_sink, call)
+    return _run_forward(call)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public functions
+
+
+def flash_attn_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[Optional[int], Optional[int]] = (None, None),
+    learnable_sink: Optional[Tensor] = None,
+    softcap: float = 0.0,
+    num_splits: int = 1,
+    pack_gqa: Optional[bool] = None,
+    deterministic: bool = False,
+    mask_mod: Optional[MaskMod] = None,
+    full_block_cnt: Optional[Tensor] = None,
+    full_block_idx: Optional[Tensor] = None,
+    mask_block_cnt: Optional[Tensor] = None,
+    mask_block_idx: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor]:
+    """Exact attention (FlashAttention) over fixed-length batches.
+
+    Args:
+        q: (batch, seqlen_q, num_heads, head_dim), float16 or bfloat16.
+        k: (batch, seqlen_k, num_heads_kv, head_dim); num_heads must be a multiple of
+            num_heads_kv (MHA, GQA, MQA).
+        v: (batch, seqlen_k, num_heads_kv, head_dim_v). head_dim and head_dim_v are at most
+            256 and multiples of 8. The last dimension of q, k, v must be contiguous (it is
+            copied otherwise); other strides are free.
+        softmax_scale: scale of q k^T; default 1 / sqrt(head_dim).
+        causal: causal mask, aligned bottom-right (key j visible to query i iff
+            j <= i + seqlen_k - seqlen_q).
+        window_size: (left, right) sliding window, bottom-right aligned; None (or -1) means
+            unbounded on that side. With causal, right is 0.
+        learnable_sink: (num_heads,) logit per head that joins the softmax denominator only
+            (float32, bfloat16 or float16). Differentiable.
+        softcap: if > 0, scores become softcap * tanh(score / softcap).
+        num_splits: split-KV count (flash decoding); <= 0 picks one by heuristic.
+        pack_gqa: process the query heads sharing a kv head in one tile; None: when GQA.
+        deterministic: bitwise reproducible backward.
+        mask_mod: a built-in mask from cuflash.masks (document, prefix_lm, causal,
+            sliding_window); it intersects with causal / window_size. Python callables are
+            not supported yet (TypeError).
+        full_block_cnt, full_block_idx, mask_block_cnt, mask_block_idx: FlexAttention
+            BlockMask lists for 128 x 128 blocks (see cuflash.block_sparse): int32
+            (batch, 1 or num_heads, ceil(seqlen_q/128)) counts and
+            (batch, 1 or num_heads, ceil(seqlen_q/128), ceil(seqlen_k/128)) column-block
+            indices of the blocks computed without (full) or with (mask) the mask_mod; other
+            blocks are skipped. The backward's transposed lists are built from these.
+
+    Returns:
+        (out, lse): out (batch, seqlen_q, num_heads, head_dim_v) in q's dtype and lse
+        (batch, num_heads, seqlen_q) float32, the log-sum-exp of each row's scores (-inf for a
+        row with no visible key, whose out is 0). Arrays of q's framework and device; with
+        torch, out is differentiable with respect to q, k, v and learnable_sink.
+    """
+    call = _prepare(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                    learnable_sink=learnable_sink, softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa,
+                    deterministic=deterministic, mask_mod=mask_mod,
+                    block_sparse=(mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx))
+    return _attention(call)
+
+
+def flash_attn_varlen_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Optional[Tensor] = None,
+    cu_seqlens_k: Optional[Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+    seqused_q: Optional[Tensor] = None,
+    seqused_k: Optional[Tensor] = None,
+    page_table: Optional[Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[Optional[int], Optional[int]] = (None, None),
+    learnable_sink: Optional[Tensor] = None,
+    softcap: float = 0.0,
+    num_splits: int = 1,
+    pack_gqa: Optional[bool] = None,
+    deterministic: bool = False,
+    score_mod: Optional[ScoreMod] = None,
+    aux_tensors: Optional[List[Tensor]] = None,
+) -> Tuple[Tensor, Tensor]:
+    """Exact attention over packed variable-length sequences (and paged KV).
+
+    Args:
+        q: (total_q, num_heads, head_dim) with cu_seqlens_q, else (batch, seqlen_q,
+            num_heads, head_dim); float16 or bfloat16.
+        k, v: (total_k, num_heads_kv, head_dim / head_dim_v) with cu_seqlens_k;
+            (num_pages, page_size, num_heads_kv, head_dim / head_dim_v) with page_table;
+            else (batch, seqlen_k, num_heads_kv, head_dim / head_dim_v).
+        cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 cumulative sequence starts.
+        max_seqlen_q, max_seqlen_k: upper bounds of the sequence lengths (hints).
+        seqused_q, seqused_k: (batch,) int32: use only this many tokens of each sequence.
+        page_table: (batch, max_num_pages_per_seq) int32 page numbers into k / v (not with
+            cu_seqlens_k).
+        softmax_scale, causal, window_size, learnable_sink, softcap, num_splits, pack_gqa,
+        deterministic: as in flash_attn_func.
+        score_mod: a built-in from cuflash.scores (alibi, relative_bias); not with softcap.
+            Python callables are not supported yet (TypeError).
+        aux_tensors: the tensors a score_mod reads, when it was made without them (e.g.
+            cuflash.scores.alibi() with aux_tensors=[slopes]).
+
+    Returns:
+        (out, lse): out (total_q, num_heads, head_dim_v) (or (batch, seqlen_q, ...) for
+        fixed-length q) in q's dtype and lse (num_heads, total_q) (or (batch, num_heads,
+        seqlen_q)) float32. With torch, out is differentiable with respect to q, k, v and
+        learnable_sink.
+    """
+    call = _prepare(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
+                    seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                    page_table=page_table, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                    learnable_sink=learnable_sink, softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa,
+                    deterministic=deterministic, score_mod=score_mod, aux_tensors=aux_tensors)
+    return _attention(call)
+
+
+def flash_attn_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seqlens_q: Optional[Tensor] = None,
+    cu_seqlens_k: Optional[Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+    seqused_q: Optional[Tensor] = None,
+    seqused_k: Optional[Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[Optional[int], Optional[int]] = (None, None),
+    learnable_sink: Optional[Tensor] = None,
+    softcap: float = 0.0,
+    deterministic: bool = False,
+    score_mod: Optional[ScoreMod] = None,
+    mask_mod: Optional[MaskMod] = None,
+    aux_tensors: Optional[List[Tensor]] = None,
+    full_block_cnt: Optional[Tensor] = None,
+    full_block_idx: Optional[Tensor] = None,
+    mask_block_cnt: Optional[Tensor] = None,
+    mask_block_idx: Optional[Tensor] = None,
+    q_full_block_cnt: Optional[Tensor] = None,
+    q_full_block_idx: Optional[Tensor] = None,
+    q_mask_block_cnt: Optional[Tensor] = None,
+    q_mask_block_idx: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """The backward pass without autograd (for NumPy, CuPy and JAX arrays, or explicit use).
+
+    Takes the forward's inputs, options, out and lse, and the gradient dout of out. The
+    block-sparse backward lists (q_* : per column block, the row blocks that see it) are the
+    transposed forward lists, built on the CPU when not given.
+
+    Returns:
+        (dq, dk, dv, d_sink): gradients of q, k, v in their dtype, and of learnable_sink as
+        (num_heads,) float32 (None without a sink).
+    """
+    call = _prepare(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
+                    seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                    softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                    learnable_sink=learnable_sink, softcap=softcap, deterministic=deterministic,
+                    score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors,
+                    block_sparse=(mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx),
+                    q_block_sparse=(q_mask_block_cnt, q_mask_block_idx, q_full_block_cnt, q_full_block_idx))
+    out, dout, lse = _check_backward_inputs(call, out, dout, lse)
+    return _run_backward(call, out, dout, lse)
+
+
+def flash_attn_combine(
+    out_partial: Tensor,
+    lse_partial: Tensor,
+    out: Optional[Tensor] = None,
+    out_dtype: Optional[Any] = None,
+    cu_seqlens: Optional[Tensor] = None,
+    seqused: Optional[Tensor] = None,
+    return_lse: bool = True,
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """Merges split attention results (e.g. from split-KV or from several devices) by their
+    log-sum-exp.
+
+    Args:
+        out_partial: float32 (num_splits, batch, seqlen, num_heads, head_dim), or
+            (num_splits, total_q, num_heads, head_dim) for packed sequences.
+        lse_partial: float32 (num_splits, batch, seqlen, num_heads) or
+            (num_splits, total_q, num_heads).
+        out: optional preallocated output of shape out_partial.shape[1:].
+        out_dtype: dtype of a newly allocated out (torch / numpy dtype or a name such as
+            "bfloat16"); default out_partial's dtype (float32).
+        cu_seqlens: (batch + 1,) int32, for packed sequences.
+        seqused: (batch,) int32: rows past a sequence's used length are not combined.
+        return_lse: also return the combined lse.
+
+    Returns:
+        (out, lse): out with shape out_partial.shape[1:], and lse float32 with shape
+        lse_partial.shape[1:] (None when return_lse is False).
+    """
+    framework = _check_tensor(out_partial, "out_partial")
+    _check_tensor(lse_partial, "lse_partial", framework)
+    if len(out_partial.shape) not in (4, 5):
+        _fail(ValueError, "out_partial", f"must have 4 or 5 dimensions, got shape {_shape(out_partial)}")
+    if len(lse_partial.shape) not in (3, 4):
+        _fail(ValueError, "lse_partial", f"must have 3 or 4 dimensions, got shape {_shape(lse_partial)}")
+    _check_dtype(framework, out_partial, "out_partial", ("float32",))
+    _check_dtype(framework, lse_partial, "lse_partial", ("float32",))
+    if _shape(lse_partial) != _shape(out_partial)[:-1]:
+        _fail(ValueError, "lse_partial", f"expected shape {_shape(out_partial)[:-1]} (out_partial.shape[:-1]), "
+                                         f"got {_shape(lse_partial)}")
+    device = framework.device(out_partial)
+    _check_device(framework, lse_partial, "lse_partial", device)
+    if framework.strides(out_partial)[-1] != 1 and out_partial.shape[-1] > 1:
+        _fail(ValueError, "out_partial", "must be contiguous in the last dimension")
+    num_splits = int(out_partial.shape[0])
+    if num_splits < 1 or num_splits > _MAX_SPLITS:
+        _fail(ValueError, "out_partial", f"num_splits (dimension 0) must be in [1, {_MAX_SPLITS}], got {num_splits}")
+    is_varlen = len(out_partial.shape) == 4
+    if is_varlen:
+        # Packed rows without cu_seqlens form one sequence.
+        batch = int(cu_seqlens.shape[0]) - 1 if cu_seqlens is not None and len(cu_seqlens.shape) == 1 else 1
+    else:
+        batch = int(out_partial.shape[1])
+        if cu_seqlens is not None:
+            _fail(ValueError, "cu_seqlens", "needs the packed layout (num_splits, total_q, num_heads, head_dim)")
+    if cu_seqlens is not None:
+        _check_tensor(cu_seqlens, "cu_seqlens", framework)
+        if len(cu_seqlens.shape) != 1 or cu_seqlens.shape[0] < 1:
+            _fail(ValueError, "cu_seqlens", f"expected shape (batch_size + 1,), got {_shape(cu_seqlens)}")
+        _index_tensor(framework, cu_seqlens, "cu_seqlens", (batch + 1,), device, "(batch_size + 1,)")
+    if seqused is not None:
+        _check_tensor(seqused, "seqused", framework)
+        _index_tensor(framework, seqused, "seqused", (batch,), device, "(batch_size,)")
+    return_lse = _check_bool(return_lse, "return_lse")
+
+    out_shape = _shape(out_partial)[1:]
+    if out is None:
+        dtype = "float32" if out_dtype is None else _dtype_arg(out_dtype)
+        out = framework.empty(out_shape, dtype, like=out_partial)
+    else:
+        _check_tensor(out, "out", framework)
+        _check_shape(out, "out", out_shape, "(out_partial.shape[1:])")
+        _check_dtype(framework, out, "out", ("float16", "bfloat16", "float32"))
+        _check_device(framework, out, "out", device)
+    lse = framework.empty(_shape(lse_partial)[1:], "float32", like=out_partial) if return_lse else None
+
+    stream = framework.stream(out_partial)
+    ex = framework.export
+    _C.combine(ex(out_partial), ex(lse_partial), ex(out), lse=None if lse is None else ex(lse),
+               cu_seqlens=None if cu_seqlens is None else ex(cu_seqlens),
+               seqused=None if seqused is None else ex(seqused), stream=stream)
+    framework.finish([out], stream)
+    return out, lse
+
+
+def _dtype_arg(dtype: Any) -> str:
+    name = _dtype_name(dtype)
+    if name not in ("float16", "bfloat16", "float32"):
+        _fail(TypeError, "out_dtype", f"expected float16, bfloat16 or float32, got {dtype!r}")
+    return name

@@ -1,0 +1,334 @@
+// cuflash._C: the nanobind extension under the Python package.
+//
+// Arrays of any framework cross by DLPack (nb::ndarray: torch, NumPy, CuPy, JAX) and become
+// cuflash::TensorView without a copy. The Python layer (python/cuflash/interface.py) checks
+// the arguments, allocates the outputs and passes the caller's stream as an integer handle.
+// cuflash::Error becomes ValueError (bad argument), NotImplementedError (not built or not
+// supported) or RuntimeError (CUDA), with the message kept and the argument name attached
+// as the exception's `argument` attribute.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#if CUFLASH_PYTHON_HAS_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+#include "cuflash/cuflash.hpp"
+
+namespace nb = nanobind;
+
+namespace {
+
+// Inputs may be read-only (e.g. NumPy views); outputs must be writable.
+using InArray = nb::ndarray<nb::ro>;
+using OutArray = nb::ndarray<>;
+using OptIn = std::optional<InArray>;
+using OptOut = std::optional<OutArray>;
+
+[[noreturn]] void raise_type(const std::string& argument, const std::string& message) {
+  throw nb::type_error((argument + ": " + message).c_str());
+}
+
+cuflash::DType to_dtype(nb::dlpack::dtype dtype, const std::string& argument) {
+  using Code = nb::dlpack::dtype_code;
+  const auto code = static_cast<Code>(dtype.code);
+  if (dtype.lanes == 1) {
+    if (code == Code::Float && dtype.bits == 16) return cuflash::DType::kFloat16;
+    if (code == Code::Bfloat && dtype.bits == 16) return cuflash::DType::kBFloat16;
+    if (code == Code::Float && dtype.bits == 32) return cuflash::DType::kFloat32;
+    if (code == Code::Int && dtype.bits == 32) return cuflash::DType::kInt32;
+    // NumPy has no bfloat16 in DLPack: the Python layer passes ml_dtypes.bfloat16 arrays as
+    // uint16 views of the same bits.
+    if (code == Code::UInt && dtype.bits == 16) return cuflash::DType::kBFloat16;
+  }
+  raise_type(argument, "unsupported dtype (code " + std::to_string(dtype.code) + ", " +
+                           std::to_string(dtype.bits) + " bits); expected float16, bfloat16, "
+                           "float32 or int32");
+}
+
+cuflash::Device to_device(int device_type, int device_id, const std::string& argument) {
+  switch (device_type) {
+    case nb::device::cpu::value:
+    case nb::device::cuda_host::value:  // pinned host memory is host memory
+      return {cuflash::DeviceType::kCPU, 0};
+    case nb::device::cuda::value:
+    case nb::device::cuda_managed::value:
+      return {cuflash::DeviceType::kCUDA, device_id};
+    default:
+      throw nb::value_error((argument + ": unsupported device (DLPack device type " +
+                             std::to_string(device_type) + "); expected CPU or CUDA")
+                                .c_str());
+  }
+}
+
+template <typename Array>
+cuflash::TensorView to_view(const Array& array, const std::string& argument) {
+  const int ndim = static_cast<int>(array.ndim());
+  if (ndim > cuflash::kMaxDims) {
+    throw nb::value_error((argument + ": at most " + std::to_string(cuflash::kMaxDims) +
+                           " dimensions are supported, got " + std::to_string(ndim))
+                              .c_str());
+  }
+  cuflash::TensorView view;
+  view.data = const_cast<void*>(static_cast<const void*>(array.data()));
+  view.dtype = to_dtype(array.dtype(), argument);
+  view.ndim = ndim;
+  view.device = to_device(array.device_type(), array.device_id(), argument);
+  const std::int64_t* strides = array.stride_ptr();
+  std::int64_t running = 1;
+  for (int d = ndim - 1; d >= 0; --d) {
+    view.shape[d] = static_cast<std::int64_t>(array.shape(d));
+    view.stride[d] = strides ? strides[d] : running;  // DLPack: null strides mean row-major
+    running *= view.shape[d];
+  }
+  return view;
+}
+
+template <typename Array>
+std::optional<cuflash::TensorView> to_view(const std::optional<Array>& array, const std::string& argument) {
+  if (!array) return std::nullopt;
+  return to_view(*array, argument);
+}
+
+std::vector<cuflash::TensorView> to_views(const std::vector<InArray>& arrays, const std::string& argument) {
+  std::vector<cuflash::TensorView> views;
+  views.reserve(arrays.size());
+  for (std::size_t i = 0; i < arrays.size(); ++i) {
+    views.push_back(to_view(arrays[i], argument + "[" + std::to_string(i) + "]"));
+  }
+  return views;
+}
+
+cuflash::StreamHandle to_stream(std::uintptr_t stream) { return reinterpret_cast<cuflash::StreamHandle>(stream); }
+
+// Everything that forward and backward share: sequence layout and attention options.
+struct CommonArgs {
+  cuflash::SequenceLayout seq;
+  cuflash::AttentionOptions opts;
+};
+
+CommonArgs make_common(const OptIn& cu_seqlens_q, const OptIn& cu_seqlens_k, const OptIn& seqused_q,
+                       const OptIn& seqused_k, std::optional<std::int64_t> max_seqlen_q,
+                       std::optional<std::int64_t> max_seqlen_k, const OptIn& page_table,
+                       std::optional<double> softmax_scale, bool causal, int window_left, int window_right,
+                       double softcap, int score_mod_kind, const std::vector<double>& score_mod_scalars,
+                       const std::vector<InArray>& score_mod_aux, int mask_mod_kind,
+                       const std::vector<double>& mask_mod_scalars, const std::vector<InArray>& mask_mod_aux,
+                       const std::vector<OptIn>& block_sparse, int block_m, int block_n) {
+  CommonArgs common;
+  common.seq.cu_seqlens_q = to_view(cu_seqlens_q, "cu_seqlens_q");
+  common.seq.cu_seqlens_k = to_view(cu_seqlens_k, "cu_seqlens_k");
+  common.seq.seqused_q = to_view(seqused_q, "seqused_q");
+  common.seq.seqused_k = to_view(seqused_k, "seqused_k");
+  common.seq.max_seqlen_q = max_seqlen_q;
+  common.seq.max_seqlen_k = max_seqlen_k;
+  common.seq.page_table = to_view(page_table, "page_table");
+
+  cuflash::AttentionOptions& opts = common.opts;
+  if (softmax_scale) opts.softmax_scale = static_cast<float>(*softmax_scale);
+  opts.causal = causal;
+  opts.window_left = window_left;
+  opts.window_right = window_right;
+  opts.softcap = static_cast<float>(softcap);
+  opts.score_mod.kind = static_cast<cuflash::ScoreModKind>(score_mod_kind);
+  opts.score_mod.scalars = score_mod_scalars;
+  opts.score_mod.aux = to_views(score_mod_aux, "score_mod aux");
+  opts.mask_mod.kind = static_cast<cuflash::MaskModKind>(mask_mod_kind);
+  opts.mask_mod.scalars = mask_mod_scalars;
+  opts.mask_mod.aux = to_views(mask_mod_aux, "mask_mod aux");
+
+  // Order: mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx, then the q_ lists.
+  static const char* const kBlockSparseNames[] = {
+      "mask_block_cnt",   "mask_block_idx",   "full_block_cnt",   "full_block_idx",
+      "q_mask_block_cnt", "q_mask_block_idx", "q_full_block_cnt", "q_full_block_idx"};
+  if (!block_sparse.empty()) {
+    if (block_sparse.size() != 8) throw nb::value_error("block_sparse: expected 8 entries (None allowed)");
+    std::optional<cuflash::TensorView> views[8];
+    bool any = false;
+    for (int i = 0; i < 8; ++i) {
+      views[i] = to_view(block_sparse[i], kBlockSparseNames[i]);
+      any = any || views[i].has_value();
+    }
+    if (any) {
+      cuflash::BlockSparseTensors tensors;
+      tensors.mask_block_cnt = views[0];
+      tensors.mask_block_idx = views[1];
+      tensors.full_block_cnt = views[2];
+      tensors.full_block_idx = views[3];
+      tensors.q_mask_block_cnt = views[4];
+      tensors.q_mask_block_idx = views[5];
+      tensors.q_full_block_cnt = views[6];
+      tensors.q_full_block_idx = views[7];
+      tensors.block_m = block_m;
+      tensors.block_n = block_n;
+      opts.block_sparse = tensors;
+    }
+  }
+  return common;
+}
+
+void forward(const InArray& q, const InArray& k, const InArray& v, const OutArray& out, const OptOut& lse,
+             const OptIn& learnable_sink, const OptIn& cu_seqlens_q, const OptIn& cu_seqlens_k,
+             const OptIn& seqused_q, const OptIn& seqused_k, std::optional<std::int64_t> max_seqlen_q,
+             std::optional<std::int64_t> max_seqlen_k, const OptIn& page_table,
+             std::optional<double> softmax_scale, bool causal, int window_left, int window_right, double softcap,
+             int score_mod_kind, const std::vector<double>& score_mod_scalars,
+             const std::vector<InArray>& score_mod_aux, int mask_mod_kind,
+             const std::vector<double>& mask_mod_scalars, const std::vector<InArray>& mask_mod_aux,
+             const std::vector<OptIn>& block_sparse, int block_m, int block_n, int num_splits,
+             std::optional<bool> pack_gqa, std::uintptr_t stream) {
+  cuflash::ForwardArgs args;
+  args.q = to_view(q, "q");
+  args.k = to_view(k, "k");
+  args.v = to_view(v, "v");
+  args.out = to_view(out, "out");
+  args.lse = to_view(lse, "lse");
+  args.learnable_sink = to_view(learnable_sink, "learnable_sink");
+  CommonArgs common = make_common(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
+                                  page_table, softmax_scale, causal, window_left, window_right, softcap,
+                                  score_mod_kind, score_mod_scalars, score_mod_aux, mask_mod_kind,
+                                  mask_mod_scalars, mask_mod_aux, block_sparse, block_m, block_n);
+  args.seq = std::move(common.seq);
+  args.opts = std::move(common.opts);
+  args.num_splits = num_splits;
+  args.pack_gqa = pack_gqa;
+  nb::gil_scoped_release release;
+  cuflash::forward(args, to_stream(stream));
+}
+
+void backward(const InArray& q, const InArray& k, const InArray& v, const InArray& out, const InArray& dout,
+              const InArray& lse, const OutArray& dq, const OutArray& dk, const OutArray& dv,
+              const OptIn& learnable_sink, const OptOut& d_sink, const OptIn& cu_seqlens_q,
+              const OptIn& cu_seqlens_k, const OptIn& seqused_q, const OptIn& seqused_k,
+              std::optional<std::int64_t> max_seqlen_q, std::optional<std::int64_t> max_seqlen_k,
+              std::optional<double> softmax_scale, bool causal, int window_left, int window_right, double softcap,
+              int score_mod_kind, const std::vector<double>& score_mod_scalars,
+              const std::vector<InArray>& score_mod_aux, int mask_mod_kind,
+              const std::vector<double>& mask_mod_scalars, const std::vector<InArray>& mask_mod_aux,
+              const std::vector<OptIn>& block_sparse, int block_m, int block_n, bool deterministic,
+              std::uintptr_t stream) {
+  cuflash::BackwardArgs args;
+  args.q = to_view(q, "q");
+  args.k = to_view(k, "k");
+  args.v = to_view(v, "v");
+  args.out = to_view(out, "out");
+  args.dout = to_view(dout, "dout");
+  args.lse = to_view(lse, "lse");
+  args.dq = to_view(dq, "dq");
+  args.dk = to_view(dk, "dk");
+  args.dv = to_view(dv, "dv");
+  args.learnable_sink = to_view(learnable_sink, "learnable_sink");
+  args.d_sink = to_view(d_sink, "d_sink");
+  CommonArgs common = make_common(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
+                                  std::nullopt, softmax_scale, causal, window_left, window_right, softcap,
+                                  score_mod_kind, score_mod_scalars, score_mod_aux, mask_mod_kind,
+                                  mask_mod_scalars, mask_mod_aux, block_sparse, block_m, block_n);
+  args.seq = std::move(common.seq);
+  args.opts = std::move(common.opts);
+  args.deterministic = deterministic;
+  nb::gil_scoped_release release;
+  cuflash::backward(args, to_stream(stream));
+}
+
+void combine(const InArray& out_partial, const InArray& lse_partial, const OutArray& out, const OptOut& lse,
+             const OptIn& cu_seqlens, const OptIn& seqused, std::uintptr_t stream) {
+  cuflash::CombineArgs args;
+  args.out_partial = to_view(out_partial, "out_partial");
+  args.lse_partial = to_view(lse_partial, "lse_partial");
+  args.out = to_view(out, "out");
+  args.lse = to_view(lse, "lse");
+  args.cu_seqlens = to_view(cu_seqlens, "cu_seqlens");
+  args.seqused = to_view(seqused, "seqused");
+  nb::gil_scoped_release release;
+  cuflash::combine(args, to_stream(stream));
+}
+
+// Waits for the work queued on `stream` (for frameworks that expose no stream of their own).
+void stream_synchronize(std::uintptr_t stream) {
+#if CUFLASH_PYTHON_HAS_CUDA
+  cudaError_t status;
+  {
+    nb::gil_scoped_release release;
+    status = cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(stream));
+  }
+  if (status != cudaSuccess) {
+    throw std::runtime_error(std::string("cudaStreamSynchronize: ") + cudaGetErrorString(status));
+  }
+#else
+  (void)stream;
+#endif
+}
+
+void translate_error(const std::exception_ptr& pointer, void*) {
+  try {
+    std::rethrow_exception(pointer);
+  } catch (const cuflash::Error& error) {
+    PyObject* type = PyExc_RuntimeError;
+    switch (error.kind()) {
+      case cuflash::Error::Kind::kInvalidArgument: type = PyExc_ValueError; break;
+      case cuflash::Error::Kind::kNotBuilt:
+      case cuflash::Error::Kind::kNotSupported: type = PyExc_NotImplementedError; break;
+      case cuflash::Error::Kind::kCuda: type = PyExc_RuntimeError; break;
+    }
+    PyObject* instance = PyObject_CallFunction(type, "s", error.what());
+    if (!instance) return;  // the Python error from the call stays set
+    PyObject* argument = PyUnicode_FromString(error.argument().c_str());
+    if (argument) {
+      PyObject_SetAttrString(instance, "argument", argument);
+      Py_DECREF(argument);
+    }
+    PyErr_Clear();  // a failed attribute assignment must not replace the real error
+    PyErr_SetObject(type, instance);
+    Py_DECREF(instance);
+  }
+}
+
+}  // namespace
+
+NB_MODULE(_C, m) {
+  m.doc() = "cuflash C++ extension: attention forward, backward and combine over DLPack arrays";
+  nb::register_exception_translator(translate_error);
+
+  using namespace nb::literals;
+  m.def("forward", &forward, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none() = nb::none(),
+        "learnable_sink"_a.none() = nb::none(), "cu_seqlens_q"_a.none() = nb::none(),
+        "cu_seqlens_k"_a.none() = nb::none(), "seqused_q"_a.none() = nb::none(),
+        "seqused_k"_a.none() = nb::none(), "max_seqlen_q"_a.none() = nb::none(),
+        "max_seqlen_k"_a.none() = nb::none(), "page_table"_a.none() = nb::none(),
+        "softmax_scale"_a.none() = nb::none(), "causal"_a = false, "window_left"_a = -1, "window_right"_a = -1,
+        "softcap"_a = 0.0, "score_mod_kind"_a = 0, "score_mod_scalars"_a = std::vector<double>{},
+        "score_mod_aux"_a = std::vector<InArray>{}, "mask_mod_kind"_a = 0,
+        "mask_mod_scalars"_a = std::vector<double>{}, "mask_mod_aux"_a = std::vector<InArray>{},
+        "block_sparse"_a = std::vector<OptIn>{}, "block_m"_a = 128, "block_n"_a = 128, "num_splits"_a = 1,
+        "pack_gqa"_a.none() = nb::none(), "stream"_a = 0,
+        "Runs cuflash::forward, writing out (and lse when given). Arguments are unchecked views.");
+  m.def("backward", &backward, "q"_a, "k"_a, "v"_a, "out"_a, "dout"_a, "lse"_a, "dq"_a, "dk"_a, "dv"_a,
+        "learnable_sink"_a.none() = nb::none(), "d_sink"_a.none() = nb::none(),
+        "cu_seqlens_q"_a.none() = nb::none(), "cu_seqlens_k"_a.none() = nb::none(),
+        "seqused_q"_a.none() = nb::none(), "seqused_k"_a.none() = nb::none(),
+        "max_seqlen_q"_a.none() = nb::none(), "max_seqlen_k"_a.none() = nb::none(),
+        "softmax_scale"_a.none() = nb::none(), "causal"_a = false, "window_left"_a = -1, "window_right"_a = -1,
+        "softcap"_a = 0.0, "score_mod_kind"_a = 0, "score_mod_scalars"_a = std::vector<double>{},
+        "score_mod_aux"_a = std::vector<InArray>{}, "mask_mod_kind"_a = 0,
+        "mask_mod_scalars"_a = std::vector<double>{}, "mask_mod_aux"_a = std::vector<InArray>{},
+        "block_sparse"_a = std::vector<OptIn>{}, "block_m"_a = 128, "block_n"_a = 128,
+        "deterministic"_a = false, "stream"_a = 0,
+        "Runs cuflash::backward, writing dq, dk, dv (and d_sink when given).");
+  m.def("combine", &combine, "out_partial"_a, "lse_partial"_a, "out"_a, "lse"_a.none() = nb::none(),
+        "cu_seqlens"_a.none() = nb::none(), "seqused"_a.none() = nb::none(), "stream"_a = 0,
+        "Runs cuflash::combine: merges split-KV partial results by their log-sum-exp.");
+  m.def("stream_synchronize", &stream_synchronize, "stream"_a,
+        "Waits for the work queued on a CUDA stream (no-op in a CPU-only build).");
+  m.def("built_kernels", &cuflash::built_kernels, "Kernel configurations this build holds.");
+  m.def("cuda_available", &cuflash::cuda_available, "Whether a usable CUDA device is present.");
+  m.def("version", &cuflash::version, "Version of the C++ library.");
+  m.attr("built_with_cuda") = bool(CUFLASH_PYTHON_HAS_CUDA);
+}

@@ -1,0 +1,451 @@
+"""Forward pass on the CPU (the C++ reference behind the Python API) against NumPy float64."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cuflash
+import attention_reference as ref
+from conftest import assert_close, assert_lse_close, randn
+
+
+def qkv(rng, batch, seqlen_q, seqlen_k, heads, heads_kv, dim, dim_v=None, dtype="float16"):
+    dim_v = dim if dim_v is None else dim_v
+    return (randn(rng, (batch, seqlen_q, heads, dim), dtype), randn(rng, (batch, seqlen_k, heads_kv, dim), dtype),
+            randn(rng, (batch, seqlen_k, heads_kv, dim_v), dtype))
+
+
+def check_dense(q, k, v, opts, dtype="float16", **kwargs):
+    out, lse = cuflash.flash_attn_func(q, k, v, **kwargs)
+    expected_out, expected_lse = ref.forward_dense(q, k, v, opts)
+    assert out.dtype == q.dtype
+    assert lse.dtype == np.float32
+    assert_close(out, expected_out, dtype, what="out")
+    assert_lse_close(lse, expected_lse)
+    return out, lse
+
+
+SHAPES = [  # batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, head_dim_v
+    (2, 64, 64, 4, 4, 64, 64),
+    (1, 17, 33, 6, 2, 32, 32),     # GQA, odd lengths
+    (2, 33, 17, 4, 1, 128, 64),    # MQA, Sq > Sk, head_dim != head_dim_v
+    (1, 1, 129, 8, 8, 64, 64),     # decode
+    (1, 130, 200, 2, 2, 256, 256),  # largest head_dim, more than one 128-block
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", [False, True])
+def test_dense(rng, shape, causal):
+    q, k, v = qkv(rng, *shape)
+    check_dense(q, k, v, ref.Options(causal=causal), causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_bfloat16(rng, causal):
+    q, k, v = qkv(rng, 2, 40, 56, 4, 2, 64, dtype="bfloat16")
+    out, _ = check_dense(q, k, v, ref.Options(causal=causal), dtype="bfloat16", causal=causal)
+    assert out.dtype.name == "bfloat16"
+
+
+def test_softmax_scale(rng):
+    q, k, v = qkv(rng, 1, 24, 40, 2, 2, 64)
+    check_dense(q, k, v, ref.Options(scale=0.3), softmax_scale=0.3)
+
+
+@pytest.mark.parametrize("window", [(8, 0), (4, 4), (None, 3), (5, None), (0, 0), (-1, 2)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_window(rng, window, causal):
+    q, k, v = qkv(rng, 2, 48, 64, 4, 2, 32)
+    check_dense(q, k, v, ref.Options(causal=causal, window=window), causal=causal, window_size=window)
+
+
+def test_fully_masked_rows(rng):
+    # Sq > Sk with causal: the first Sq - Sk queries see no key: out 0, lse -inf.
+    q, k, v = qkv(rng, 1, 40, 24, 2, 2, 32)
+    out, lse = check_dense(q, k, v, ref.Options(causal=True), causal=True)
+    assert np.all(np.asarray(out[:, :16], dtype=np.float32) == 0)
+    assert np.all(np.isneginf(lse[:, :, :16]))
+
+
+@pytest.mark.parametrize("softcap", [5.0, 30.0])
+def test_softcap(rng, softcap):
+    q, k, v = qkv(rng, 1, 32, 48, 4, 4, 64)
+    q *= 4  # large scores, so that the cap matters
+    check_dense(q, k, v, ref.Options(softcap=softcap, causal=True), softcap=softcap, causal=True)
+
+
+@pytest.mark.parametrize("sink_dtype", ["float32", "bfloat16", "float16"])
+def test_learnable_sink(rng, sink_dtype):
+    q, k, v = qkv(rng, 2, 40, 24, 4, 2, 32)
+    sink = randn(rng, (4,), sink_dtype)
+    # causal with Sq > Sk: rows without any key have lse == sink and out == 0.
+    out, lse = check_dense(q, k, v, ref.Options(causal=True, sink=sink), causal=True, learnable_sink=sink)
+    np.testing.assert_allclose(lse[0, :, 0], np.asarray(sink, dtype=np.float64), rtol=1e-6)
+
+
+@pytest.mark.parametrize("num_splits", [0, 1, 3])
+@pytest.mark.parametrize("pack_gqa", [None, False, True])
+def test_num_splits_and_pack_gqa(rng, num_splits, pack_gqa):
+    q, k, v = qkv(rng, 1, 9, 300, 8, 2, 64)
+    check_dense(q, k, v, ref.Options(causal=True), causal=True, num_splits=num_splits, pack_gqa=pack_gqa)
+
+
+def test_strided_inputs(rng):
+    # q, k, v slices of a packed qkv tensor: strided batch / sequence / head dims, no copies.
+    qkv_packed = randn(rng, (2, 30, 3, 4, 64))
+    q, k, v = qkv_packed[:, :, 0], qkv_packed[:, :, 1], qkv_packed[:, :, 2]
+    assert not q.flags.c_contiguous
+    check_dense(q, k, v, ref.Options(causal=True), causal=True)
+
+
+def test_last_dim_not_contiguous(rng):
+    q, k, v = qkv(rng, 1, 16, 16, 2, 2, 32)
+    q_t = np.ascontiguousarray(q.transpose(0, 1, 3, 2)).transpose(0, 1, 3, 2)  # stride(-1) != 1
+    check_dense(q_t, k, v, ref.Options())
+
+
+def test_read_only_inputs(rng):
+    q, k, v = qkv(rng, 1, 16, 16, 2, 2, 32)
+    for t in (q, k, v):
+        t.flags.writeable = False
+    check_dense(q, k, v, ref.Options())
+
+
+# ----------------------------------------------------------------------------------------------
+# varlen and paged KV
+
+
+def packed(rng, lengths, heads, dim, dtype="float16"):
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return randn(rng, (int(cu[-1]), heads, dim), dtype), cu
+
+
+def varlen_reference(q, k, v, cu_q, cu_k, opts, seqused_q=None, seqused_k=None):
+    heads, dim_v = q.shape[1], v.shape[2]
+    out = np.zeros((q.shape[0], heads, dim_v))
+    lse = np.full((heads, q.shape[0]), -np.inf)
+    valid = np.zeros(q.shape[0], dtype=bool)
+    for b, ((sq0, sq), (sk0, sk)) in enumerate(zip(ref.sequences(cu_q, seqused_q), ref.sequences(cu_k, seqused_k))):
+        o, l = ref.forward_one(q[sq0:sq0 + sq], k[sk0:sk0 + sk], v[sk0:sk0 + sk], b, opts)
+        out[sq0:sq0 + sq] = o
+        lse[:, sq0:sq0 + sq] = l
+        valid[sq0:sq0 + sq] = True
+    return out, lse, valid
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads_kv", [4, 1])
+def test_varlen(rng, causal, heads_kv):
+    lengths_q = [5, 0, 33, 17]
+    lengths_k = [9, 4, 33, 1]
+    q, cu_q = packed(rng, lengths_q, 4, 64)
+    k, cu_k = packed(rng, lengths_k, heads_kv, 64)
+    v = randn(rng, k.shape)
+    out, lse = cuflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal)
+    expected_out, expected_lse, _ = varlen_reference(q, k, v, cu_q, cu_k, ref.Options(causal=causal))
+    assert out.shape == (q.shape[0], 4, 64) and lse.shape == (4, q.shape[0])
+    assert_close(out, expected_out, what="out")
+    assert_lse_close(lse, expected_lse)
+
+
+def test_varlen_without_max_seqlen(rng):
+    q, cu_q = packed(rng, [7, 20], 2, 32)
+    k, cu_k = packed(rng, [30, 3], 2, 32)
+    v = randn(rng, k.shape)
+    out, lse = cuflash.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, window_size=(4, 1))
+    expected_out, expected_lse, _ = varlen_reference(q, k, v, cu_q, cu_k, ref.Options(window=(4, 1)))
+    assert_close(out, expected_out, what="out")
+    assert_lse_close(lse, expected_lse)
+
+
+def test_seqused(rng):
+    q, cu_q = packed(rng, [12, 20, 8], 4, 32)
+    k, cu_k = packed(rng, [16, 25, 8], 2, 32)
+    v = randn(rng, k.shape)
+    seqused_q = np.array([10, 20, 0], np.int32)
+    seqused_k = np.array([16, 7, 3], np.int32)
+    out, lse = cuflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, seqused_q=seqused_q, seqused_k=seqused_k,
+                                              causal=True)
+    expected_out, expected_lse, valid = varlen_reference(q, k, v, cu_q, cu_k, ref.Options(causal=True),
+                                                         seqused_q, seqused_k)
+    # Rows past seqused_q are not part of the result.
+    assert_close(out[valid], expected_out[valid], what="out")
+    assert_lse_close(lse[:, valid], expected_lse[:, valid])
+
+
+def test_varlen_q_dense_k(rng):
+    # Packed q with fixed-length k (cu_seqlens_k omitted).
+    q, cu_q = packed(rng, [3, 11], 2, 32)
+    k = randn(rng, (2, 14, 2, 32))
+    v = randn(rng, (2, 14, 2, 32))
+    out, lse = cuflash.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, causal=True)
+    cu_k = np.array([0, 14, 28], np.int32)
+    expected_out, expected_lse, _ = varlen_reference(q, k.reshape(28, 2, 32), v.reshape(28, 2, 32), cu_q, cu_k,
+                                                     ref.Options(causal=True))
+    assert_close(out, expected_out, what="out")
+    assert_lse_close(lse, expected_lse)
+
+
+@pytest.mark.parametrize("page_size", [16, 1])
+def test_paged_kv(rng, page_size):
+    batch, heads, heads_kv, dim = 3, 4, 2, 32
+    seqused_k = np.array([40, 7, 64], np.int32)
+    max_pages = 64 // page_size
+    num_pages = batch * max_pages + 5
+    k_cache = randn(rng, (num_pages, page_size, heads_kv, dim))
+    v_cache = randn(rng, (num_pages, page_size, heads_kv, dim))
+    page_table = rng.permutation(num_pages)[: batch * max_pages].reshape(batch, max_pages).astype(np.int32)
+    q = randn(rng, (batch, 5, heads, dim))
+    out, lse = cuflash.flash_attn_varlen_func(q, k_cache, v_cache, seqused_k=seqused_k, page_table=page_table,
+                                              causal=True)
+    opts = ref.Options(causal=True)
+    for b in range(batch):
+        keys = k_cache[page_table[b]].reshape(-1, heads_kv, dim)[: seqused_k[b]]
+        values = v_cache[page_table[b]].reshape(-1, heads_kv, dim)[: seqused_k[b]]
+        o, l = ref.forward_one(q[b], keys, values, b, opts)
+        assert_close(out[b], o, what=f"out[{b}]")
+        assert_lse_close(lse[b], l, what=f"lse[{b}]")
+
+
+# ----------------------------------------------------------------------------------------------
+# Built-in mask_mod / score_mod variants
+
+
+def document_ids(rng, batch, length):
+    ids = np.zeros((batch, length), np.int32)
+    for b in range(batch):
+        cuts = np.sort(rng.choice(np.arange(1, length), size=3, replace=False))
+        ids[b] = np.searchsorted(cuts, np.arange(length), side="right")
+    return ids
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_mask_document(rng, causal):
+    q, k, v = qkv(rng, 2, 50, 50, 4, 2, 32)
+    doc = document_ids(rng, 2, 50)
+    opts = ref.Options(causal=causal, mask=lambda b, i, j: doc[b][i] == doc[b][j])
+    check_dense(q, k, v, opts, causal=causal, mask_mod=cuflash.masks.document(doc))
+
+
+def test_mask_document_int64_ids(rng):
+    q, k, v = qkv(rng, 1, 20, 20, 2, 2, 32)
+    doc = document_ids(rng, 1, 24).astype(np.int64)  # converted; L may exceed the sequence
+    opts = ref.Options(mask=lambda b, i, j: doc[b][i] == doc[b][j])
+    check_dense(q, k, v, opts, mask_mod=cuflash.masks.document(doc))
+
+
+def test_mask_prefix_lm(rng):
+    q, k, v = qkv(rng, 1, 40, 40, 2, 2, 32)
+    opts = ref.Options(mask=lambda b, i, j: (j <= i) | (j < 12))
+    check_dense(q, k, v, opts, mask_mod=cuflash.masks.prefix_lm(12))
+
+
+def test_mask_causal_top_left(rng):
+    # mask_mod causal is top-left aligned: with Sk > Sq it differs from causal=True.
+    q, k, v = qkv(rng, 1, 20, 36, 2, 2, 32)
+    check_dense(q, k, v, ref.Options(mask=lambda b, i, j: j <= i), mask_mod=cuflash.masks.causal())
+
+
+def test_mask_sliding_window(rng):
+    q, k, v = qkv(rng, 2, 45, 45, 2, 1, 32)
+    opts = ref.Options(mask=lambda b, i, j: (j >= i - 6) & (j <= i + 2))
+    check_dense(q, k, v, opts, mask_mod=cuflash.masks.sliding_window(6, 2))
+
+
+def test_mask_with_window_intersects(rng):
+    q, k, v = qkv(rng, 1, 30, 30, 2, 2, 32)
+    opts = ref.Options(window=(3, 3), mask=lambda b, i, j: (j <= i) | (j < 5))
+    check_dense(q, k, v, opts, window_size=(3, 3), mask_mod=cuflash.masks.prefix_lm(5))
+
+
+def varlen_case(rng, heads=4, heads_kv=2, dim=32):
+    q, cu_q = packed(rng, [9, 30, 1], heads, dim)
+    k, cu_k = packed(rng, [12, 30, 20], heads_kv, dim)
+    v = randn(rng, k.shape)
+    return q, k, v, cu_q, cu_k
+
+
+def check_varlen(q, k, v, cu_q, cu_k, opts, **kwargs):
+    out, lse = cuflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, **kwargs)
+    expected_out, expected_lse, _ = varlen_reference(q, k, v, cu_q, cu_k, opts)
+    assert_close(out, expected_out, what="out")
+    assert_lse_close(lse, expected_lse)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_score_alibi(rng, causal):
+    q, k, v, cu_q, cu_k = varlen_case(rng)
+    slopes = cuflash.scores.alibi_slopes(4)
+    opts = ref.Options(causal=causal, score_bias=lambda b, h, i, j: slopes[h] * (j - i))
+    check_varlen(q, k, v, cu_q, cu_k, opts, causal=causal, score_mod=cuflash.scores.alibi(slopes))
+
+
+def test_score_alibi_from_aux_tensors(rng):
+    q, k, v, cu_q, cu_k = varlen_case(rng)
+    slopes = rng.uniform(0.01, 0.5, size=4).astype(np.float32)
+    opts = ref.Options(score_bias=lambda b, h, i, j: slopes[h] * (j - i))
+    check_varlen(q, k, v, cu_q, cu_k, opts, score_mod=cuflash.scores.alibi(), aux_tensors=[slopes])
+
+
+def test_score_alibi_dense(rng):
+    q, k, v = qkv(rng, 2, 20, 28, 4, 4, 32)
+    slopes = cuflash.scores.alibi_slopes(4)
+    out, lse = cuflash.flash_attn_varlen_func(q, k, v, score_mod=cuflash.scores.alibi(list(slopes)))
+    expected_out, expected_lse = ref.forward_dense(
+        q, k, v, ref.Options(score_bias=lambda b, h, i, j: slopes[h] * (j - i)))
+    assert_close(out, expected_out, what="out")
+    assert_lse_close(lse, expected_lse)
+
+
+def test_score_relative_bias(rng):
+    q, k, v, cu_q, cu_k = varlen_case(rng)
+    radius = 5
+    table = rng.standard_normal((4, 2 * radius + 1)).astype(np.float32)
+    opts = ref.Options(causal=True, score_bias=lambda b, h, i, j: table[h, np.clip(j - i, -radius, radius) + radius])
+    check_varlen(q, k, v, cu_q, cu_k, opts, causal=True, score_mod=cuflash.scores.relative_bias(table))
+
+
+def test_alibi_slopes():
+    slopes = cuflash.scores.alibi_slopes(8)
+    np.testing.assert_allclose(slopes, [2.0 ** (-(i + 1)) for i in range(8)], rtol=1e-6)
+    assert cuflash.scores.alibi_slopes(12).shape == (12,)
+
+
+# ----------------------------------------------------------------------------------------------
+# Block sparsity (FlexAttention BlockMask lists, 128 x 128 blocks)
+
+
+def random_block_lists(rng, batch, heads_b, rows, cols, density=0.5):
+    cnt = np.zeros((batch, heads_b, rows), np.int32)
+    idx = np.zeros((batch, heads_b, rows, cols), np.int32)
+    for b in range(batch):
+        for h in range(heads_b):
+            for m in range(rows):
+                chosen = np.flatnonzero(rng.random(cols) < density)
+                cnt[b, h, m] = len(chosen)
+                idx[b, h, m, : len(chosen)] = rng.permutation(chosen)
+    return cnt, idx
+
+
+def split_full_and_mask(rng, cnt, idx):
+    """Splits each row's blocks into a full and a mask list."""
+    full_cnt, mask_cnt = np.zeros_like(cnt), np.zeros_like(cnt)
+    full_idx, mask_idx = np.zeros_like(idx), np.zeros_like(idx)
+    for pos in np.ndindex(cnt.shape):
+        blocks = idx[pos][: cnt[pos]]
+        is_full = rng.random(len(blocks)) < 0.5
+        full, mask = blocks[is_full], blocks[~is_full]
+        full_cnt[pos], mask_cnt[pos] = len(full), len(mask)
+        full_idx[pos][: len(full)] = full
+        mask_idx[pos][: len(mask)] = mask
+    return full_cnt, full_idx, mask_cnt, mask_idx
+
+
+@pytest.mark.parametrize("heads_b", [1, 4])
+@pytest.mark.parametrize("with_mask_mod", [False, True])
+def test_block_sparse(rng, heads_b, with_mask_mod):
+    batch, seqlen_q, seqlen_k = 2, 300, 260
+    q, k, v = qkv(rng, batch, seqlen_q, seqlen_k, 4, 2, 32)
+    cnt, idx = random_block_lists(rng, batch, heads_b, 3, 3, density=0.7)
+    full_cnt, full_idx, mask_cnt, mask_idx = split_full_and_mask(rng, cnt, idx)
+    mask_mod = cuflash.masks.sliding_window(100, 40) if with_mask_mod else None
+    mask = (lambda b, i, j: (j >= i - 100) & (j <= i + 40)) if with_mask_mod else None
+    opts = ref.Options(causal=True, mask=mask,
+                       blocks=ref.block_masks((full_cnt, full_idx), (mask_cnt, mask_idx), seqlen_q, seqlen_k))
+    check_dense(q, k, v, opts, causal=True, mask_mod=mask_mod, full_block_cnt=full_cnt, full_block_idx=full_idx,
+                mask_block_cnt=mask_cnt, mask_block_idx=mask_idx)
+
+
+def test_block_mask_builder_matches_mask(rng):
+    doc = document_ids(rng, 2, 300)
+    mask_mod = cuflash.masks.document(doc)
+    lists = cuflash.block_sparse.create_block_mask(mask_mod, 2, 300, 300)
+    q, k, v = qkv(rng, 2, 300, 300, 2, 2, 32)
+    opts = ref.Options(mask=lambda b, i, j: doc[b][i] == doc[b][j])
+    check_dense(q, k, v, opts, mask_mod=mask_mod, **lists._asdict())
+
+
+def test_transpose_block_lists(rng):
+    cnt, idx = random_block_lists(rng, 2, 3, 4, 5)
+    q_cnt, q_idx = cuflash.block_sparse.transpose_block_lists(cnt, idx)
+    assert q_cnt.shape == (2, 3, 5) and q_idx.shape == (2, 3, 5, 4)
+    for b, h, n in np.ndindex(2, 3, 5):
+        expected = [m for m in range(4) if n in idx[b, h, m, : cnt[b, h, m]]]
+        assert list(q_idx[b, h, n, : q_cnt[b, h, n]]) == expected
+
+
+# ----------------------------------------------------------------------------------------------
+# Combine
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("out_dtype", [None, "float16", "bfloat16"])
+def test_combine(rng, varlen, out_dtype):
+    shape = (3, 37, 4, 64) if varlen else (3, 2, 19, 4, 64)
+    out_partial = rng.standard_normal(shape).astype(np.float32)
+    lse_partial = rng.standard_normal(shape[:-1]).astype(np.float32) * 3
+    lse_partial[0, 1] = -np.inf  # one split that saw no key
+    lse_partial.reshape(3, -1, 4)[:, 2] = -np.inf  # a row that no split saw
+    dtype = None if out_dtype is None else (out_dtype if out_dtype == "float16" else
+                                            pytest.importorskip("ml_dtypes").bfloat16)
+    out, lse = cuflash.flash_attn_combine(out_partial, lse_partial, out_dtype=dtype)
+    expected_out, expected_lse = ref.combine(out_partial, lse_partial)
+    assert out.shape == shape[1:] and lse.shape == shape[1:-1]
+    assert lse.dtype == np.float32
+    tolerance = {None: "float16", "float16": "float16", "bfloat16": "bfloat16"}[out_dtype]
+    assert_close(out, expected_out, tolerance, what="out")
+    assert_lse_close(lse, expected_lse)
+
+
+def test_combine_into_out_without_lse(rng):
+    out_partial = rng.standard_normal((2, 1, 8, 2, 32)).astype(np.float32)
+    lse_partial = rng.standard_normal((2, 1, 8, 2)).astype(np.float32)
+    out = np.empty((1, 8, 2, 32), np.float16)
+    result, lse = cuflash.flash_attn_combine(out_partial, lse_partial, out=out, return_lse=False)
+    assert result is out and lse is None
+    assert_close(out, ref.combine(out_partial, lse_partial)[0], what="out")
+
+
+def test_combine_matches_split_attention(rng):
+    # Two halves of the keys attended separately, then combined, equal attention over all keys.
+    q, k, v = qkv(rng, 1, 16, 64, 2, 2, 32)
+    parts = [ref.forward_dense(q, k[:, s], v[:, s], ref.Options()) for s in (slice(0, 40), slice(40, 64))]
+    out_partial = np.stack([p[0] for p in parts]).astype(np.float32)
+    lse_partial = np.stack([p[1].transpose(0, 2, 1) for p in parts]).astype(np.float32)  # (splits, B, S, H)
+    out, lse = cuflash.flash_attn_combine(out_partial, lse_partial)
+    expected_out, expected_lse = ref.forward_dense(q, k, v, ref.Options())
+    assert_close(out, expected_out, what="out")
+    assert_lse_close(lse, expected_lse.transpose(0, 2, 1))
+
+
+def test_combine_varlen_cu_seqlens(rng):
+    out_partial = rng.standard_normal((4, 20, 2, 32)).astype(np.float32)
+    lse_partial = rng.standard_normal((4, 20, 2)).astype(np.float32)
+    cu = np.array([0, 5, 5, 20], np.int32)
+    out, lse = cuflash.flash_attn_combine(out_partial, lse_partial, cu_seqlens=cu)
+    expected_out, expected_lse = ref.combine(out_partial, lse_partial)
+    assert_close(out, expected_out, what="out")
+    assert_lse_close(lse, expected_lse)
+
+
+# ----------------------------------------------------------------------------------------------
+# Package surface
+
+
+def test_package_surface():
+    assert callable(cuflash.flash_attn_func) and cuflash.flash_attn_func.__doc__
+    assert isinstance(cuflash.__version__, str) and cuflash.__version__
+    assert isinstance(cuflash.built_kernels(), list)
+    assert isinstance(cuflash.cuda_available(), bool)
+    assert repr(cuflash.masks.prefix_lm(3)) == "cuflash.masks.prefix_lm(3.0)"
+
+
+def test_import_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, cuflash; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
