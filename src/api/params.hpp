@@ -2,9 +2,39 @@
 // No framework types; pointers are device pointers, strides are in elements.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace cuflash {
+
+// A built-in score_mod or mask_mod (ScoreModKind / MaskModKind value) with its scalars and aux
+// arrays. Aux arrays are contiguous; aux_rows x aux_cols is their shape (aux_rows 1 for 1-D).
+struct ModParams {
+  int kind = 0;  // 0: none
+  int num_scalars = 0;
+  float scalars[4] = {};
+  int num_aux = 0;
+  const void* aux[2] = {};
+  int aux_dtype[2] = {};  // cuflash::DType value
+  std::int64_t aux_rows[2] = {};
+  std::int64_t aux_cols[2] = {};
+};
+
+// FlexAttention BlockMask lists (int32, contiguous), see BlockSparseTensors in options.hpp.
+// Forward: per (b, h_b, row block) counts and column-block indices; backward: the transposed
+// per (b, h_b, column block) lists. h_b = h when num_heads_b == num_heads, else 0.
+struct BlockSparseParams {
+  bool enabled = false;
+  const int* mask_block_cnt = nullptr;
+  const int* mask_block_idx = nullptr;
+  const int* full_block_cnt = nullptr;
+  const int* full_block_idx = nullptr;
+  int num_heads_b = 0;     // 1 or num_heads
+  int num_row_blocks = 0;  // ceil(seqlen_q / block_m): forward lists' third dim
+  int num_col_blocks = 0;  // ceil(seqlen_k / block_n)
+  int block_m = 128;
+  int block_n = 128;
+};
 
 struct FwdParams {
   // q: (B, Sq, H, D) or packed (total_q, H, D) with cu_seqlens_q (batch stride unused).
@@ -24,7 +54,8 @@ struct FwdParams {
   int seqlen_k = 0;  // dense: Sk; packed: max_seqlen_k; paged: max_pages * page_size
   int num_heads = 0, num_heads_kv = 0;
   int head_dim = 0, head_dim_v = 0;
-  int total_q = 0;   // rows of q when packed
+  int total_q = 0;  // rows of q when packed
+  int total_k = 0;  // rows of k/v when packed (cu_seqlens_k); bounds the TMA loads
 
   const int* cu_seqlens_q = nullptr;
   const int* cu_seqlens_k = nullptr;
@@ -40,13 +71,15 @@ struct FwdParams {
   float softcap = 0.f;             // 0: off
   bool is_causal = false;
   bool is_local = false;
-  int window_left = -1;            // < 0: unbounded
+  int window_left = -1;  // < 0: unbounded
   int window_right = -1;
 
   const void* learnable_sink = nullptr;  // (H,)
   int sink_dtype = 0;                    // cuflash::DType value
 
-  // Split-KV: partial outputs (splits, B|1, Sq|total_q, H, Dv) and lse (splits, B|1, Sq|total_q, H), fp32.
+  // Split-KV (num_splits > 1): the kernel writes fp32 partial outputs (splits, B, Sq, H, Dv) or
+  // (splits, total_q, H, Dv) and lse (splits, B, Sq, H) or (splits, total_q, H), contiguous,
+  // instead of out / lse; dispatch then merges them with run_combine.
   int num_splits = 1;
   float* out_partial = nullptr;
   float* lse_partial = nullptr;
@@ -54,6 +87,11 @@ struct FwdParams {
   bool pack_gqa = false;
   int num_sm = 0;
   int dtype = 0;  // cuflash::DType value of q/k/v/out
+
+  ModParams score_mod;
+  ModParams mask_mod;
+  BlockSparseParams block_sparse;  // forward (row-block) lists
+  int device_index = 0;
 };
 
 struct BwdParams {
@@ -99,12 +137,26 @@ struct BwdParams {
   float* dk_accum = nullptr;
   float* dv_accum = nullptr;
   int* dq_semaphore = nullptr;
+  // Device workspace of backward_workspace_bytes(params) bytes, handed in by dispatch;
+  // run_backward carves the buffers above from it.
+  void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
   int num_sm = 0;
   int dtype = 0;
+
+  ModParams score_mod;
+  ModParams mask_mod;
+  BlockSparseParams block_sparse;  // backward (transposed, q_*) lists
+  bool pack_gqa = false;
+  int device_index = 0;
 };
 
 // Split-KV combine: out_partial (splits, rows, H, D) and lse_partial (splits, rows, H) in fp32,
 // rows = B * S (dense) or total (packed); out (rows, H, D), lse (rows, H).
+// Dense: row r of sequence b is at b * *_batch_stride + r * *_row_stride, r < seqlen (or
+// seqused[b]). Packed: batch strides are 0, seqlen is the total row count, and sequence b
+// starts at row cu_seqlens[b] (0 when cu_seqlens is null, then batch is 1) and has
+// cu_seqlens[b + 1] - cu_seqlens[b] rows (seqused[b] when given).
 struct CombineParams {
   const float* out_partial = nullptr;
   const float* lse_partial = nullptr;

@@ -1,0 +1,167 @@
+// Public entry points: validate, then run on the CPU reference (host tensors) or on the sm90
+// kernels (device tensors). Device memory never falls back to the CPU.
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "api/params_builder.hpp"
+#include "api/validate.hpp"
+#include "cuflash/cuflash.hpp"
+#include "reference/reference.hpp"
+
+#if CUFLASH_HAS_CUDA
+#include "api/device_workspace.hpp"
+#include "api/kernels.hpp"
+#endif
+
+#ifndef CUFLASH_VERSION_STRING
+#define CUFLASH_VERSION_STRING "0.1.0"  // keep in step with project(VERSION) in CMakeLists.txt
+#endif
+
+namespace cuflash {
+namespace {
+
+bool on_cpu(const Device& device) { return device.type == DeviceType::kCPU; }
+
+#if CUFLASH_HAS_CUDA
+
+void require_device() {
+  if (!sm90::device_available()) {
+    throw Error(Error::Kind::kCuda, "device",
+                "device: CUDA tensors were passed but no usable CUDA device was found");
+  }
+}
+
+// Forward parameters with the device facts: SM count and split count.
+FwdParams device_fwd_params(const ForwardArgs& args, const detail::AttentionShape& shape) {
+  FwdParams params = detail::make_fwd_params(args, shape);
+  params.num_sm = sm90::device_sm_count(shape.device.index);
+  params.num_splits = detail::choose_num_splits(params, args.num_splits, params.num_sm);
+  return params;
+}
+
+BwdParams device_bwd_params(const BackwardArgs& args, const detail::AttentionShape& shape) {
+  BwdParams params = detail::make_bwd_params(args, shape);
+  params.num_sm = sm90::device_sm_count(shape.device.index);
+  return params;
+}
+
+#else
+
+[[noreturn]] void throw_not_built() {
+  throw Error(Error::Kind::kNotBuilt, "device",
+              "device: CUDA tensors were passed, but cuflash was built without CUDA (nvcc not "
+              "found or CUFLASH_ENABLE_CUDA=OFF); rebuild with the CUDA toolkit and "
+              "-DCUFLASH_ENABLE_CUDA=ON, or pass CPU tensors");
+}
+
+#endif
+
+}  // namespace
+
+std::size_t forward_workspace_size(const ForwardArgs& args) {
+  const detail::AttentionShape shape = detail::check_forward(args);
+  if (on_cpu(shape.device)) return 0;
+#if CUFLASH_HAS_CUDA
+  require_device();
+  detail::DeviceGuard guard(shape.device.index);
+  return detail::split_kv_workspace_bytes(device_fwd_params(args, shape));
+#else
+  throw_not_built();
+#endif
+}
+
+std::size_t backward_workspace_size(const BackwardArgs& args) {
+  const detail::AttentionShape shape = detail::check_backward(args);
+  if (on_cpu(shape.device)) return 0;
+#if CUFLASH_HAS_CUDA
+  require_device();
+  detail::DeviceGuard guard(shape.device.index);
+  return sm90::backward_workspace_bytes(device_bwd_params(args, shape));
+#else
+  throw_not_built();
+#endif
+}
+
+void forward(const ForwardArgs& args, StreamHandle stream, Workspace workspace) {
+  const detail::AttentionShape shape = detail::check_forward(args);
+  if (on_cpu(shape.device)) {
+    reference::forward(args);
+    return;
+  }
+#if CUFLASH_HAS_CUDA
+  require_device();
+  detail::DeviceGuard guard(shape.device.index);
+  FwdParams params = device_fwd_params(args, shape);
+  if (args.out.numel() == 0) return;  // no query rows: nothing to write
+  detail::DeviceWorkspace buffers(workspace, detail::split_kv_workspace_bytes(params), stream);
+  detail::assign_split_kv_buffers(params, buffers.data());
+  sm90::run_forward(params, stream);
+  if (params.num_splits > 1) {
+    sm90::run_combine(detail::make_split_combine_params(params, args, shape), stream);
+  }
+#else
+  (void)stream;
+  (void)workspace;
+  throw_not_built();
+#endif
+}
+
+void backward(const BackwardArgs& args, StreamHandle stream, Workspace workspace) {
+  const detail::AttentionShape shape = detail::check_backward(args);
+  if (on_cpu(shape.device)) {
+    reference::backward(args);
+    return;
+  }
+#if CUFLASH_HAS_CUDA
+  require_device();
+  detail::DeviceGuard guard(shape.device.index);
+  BwdParams params = device_bwd_params(args, shape);
+  const std::size_t bytes = sm90::backward_workspace_bytes(params);
+  detail::DeviceWorkspace buffers(workspace, bytes, stream);
+  params.workspace = buffers.data();
+  params.workspace_bytes = bytes;
+  sm90::run_backward(params, stream);
+#else
+  (void)stream;
+  (void)workspace;
+  throw_not_built();
+#endif
+}
+
+void combine(const CombineArgs& args, StreamHandle stream) {
+  const detail::CombineShape shape = detail::check_combine(args);
+  if (on_cpu(shape.device)) {
+    reference::combine(args);
+    return;
+  }
+#if CUFLASH_HAS_CUDA
+  require_device();
+  detail::DeviceGuard guard(shape.device.index);
+  if (args.out.numel() == 0) return;
+  sm90::run_combine(detail::make_combine_params(args, shape), stream);
+#else
+  (void)stream;
+  throw_not_built();
+#endif
+}
+
+std::vector<std::string> built_kernels() {
+#if CUFLASH_HAS_CUDA
+  return sm90::built_kernels();
+#else
+  return {};
+#endif
+}
+
+bool cuda_available() {
+#if CUFLASH_HAS_CUDA
+  return sm90::device_available();
+#else
+  return false;
+#endif
+}
+
+const char* version() { return CUFLASH_VERSION_STRING; }
+
+}  // namespace cuflash

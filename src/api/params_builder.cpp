@@ -1,0 +1,347 @@
+#include "api/params_builder.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+namespace cuflash::detail {
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr std::size_t kBufferAlignment = 256;
+
+std::size_t align_up(std::size_t bytes) {
+  return (bytes + kBufferAlignment - 1) / kBufferAlignment * kBufferAlignment;
+}
+
+template <typename T>
+const T* data_of(const std::optional<TensorView>& t) {
+  return t ? static_cast<const T*>(t->data) : nullptr;
+}
+
+// Batch, row and head strides of a (B, S, H, D) or packed (total, H, D) tensor; paged k/v
+// (pages, page_size, H, D) report the page stride as the batch stride.
+struct RowStrides {
+  std::int64_t batch = 0, row = 0, head = 0;
+};
+
+RowStrides row_strides(const TensorView& t) {
+  if (t.ndim == 4) return {t.stride[0], t.stride[1], t.stride[2]};
+  return {0, t.stride[0], t.stride[1]};
+}
+
+// lse: (B, H, Sq) or packed (H, total_q); the row stride is 1.
+RowStrides lse_strides(const TensorView& lse) {
+  if (lse.ndim == 3) return {lse.stride[0], 1, lse.stride[1]};
+  return {0, 1, lse.stride[0]};
+}
+
+ModParams make_mod_params(int kind, const std::vector<double>& scalars,
+                          const std::vector<TensorView>& aux) {
+  ModParams mod;
+  mod.kind = kind;
+  mod.num_scalars = static_cast<int>(std::min<std::size_t>(scalars.size(), 4));
+  for (int i = 0; i < mod.num_scalars; ++i) mod.scalars[i] = static_cast<float>(scalars[i]);
+  mod.num_aux = static_cast<int>(std::min<std::size_t>(aux.size(), 2));
+  for (int i = 0; i < mod.num_aux; ++i) {
+    mod.aux[i] = aux[i].data;
+    mod.aux_dtype[i] = static_cast<int>(aux[i].dtype);
+    mod.aux_rows[i] = aux[i].ndim >= 2 ? aux[i].numel() / aux[i].size(-1) : 1;
+    mod.aux_cols[i] = aux[i].size(-1);
+  }
+  return mod;
+}
+
+BlockSparseParams make_block_sparse_params(const AttentionOptions& opts,
+                                           const AttentionShape& shape, bool backward) {
+  BlockSparseParams params;
+  if (!opts.block_sparse) return params;
+  const BlockSparseTensors& b = *opts.block_sparse;
+  const auto& mask_cnt = backward ? b.q_mask_block_cnt : b.mask_block_cnt;
+  const auto& mask_idx = backward ? b.q_mask_block_idx : b.mask_block_idx;
+  const auto& full_cnt = backward ? b.q_full_block_cnt : b.full_block_cnt;
+  const auto& full_idx = backward ? b.q_full_block_idx : b.full_block_idx;
+  params.enabled = true;
+  params.mask_block_cnt = data_of<int>(mask_cnt);
+  params.mask_block_idx = data_of<int>(mask_idx);
+  params.full_block_cnt = data_of<int>(full_cnt);
+  params.full_block_idx = data_of<int>(full_idx);
+  const auto& any_cnt = mask_cnt ? mask_cnt : full_cnt;
+  params.num_heads_b = any_cnt ? static_cast<int>(any_cnt->shape[1]) : 1;
+  params.block_m = b.block_m;
+  params.block_n = b.block_n;
+  params.num_row_blocks = static_cast<int>((shape.seqlen_q + b.block_m - 1) / b.block_m);
+  params.num_col_blocks = static_cast<int>((shape.seqlen_k + b.block_n - 1) / b.block_n);
+  return params;
+}
+
+}  // namespace
+
+MaskWindow normalize_window(bool causal, int window_left, int window_right) {
+  MaskWindow w;
+  const int left = window_left < 0 ? -1 : window_left;
+  const int right = causal ? 0 : (window_right < 0 ? -1 : window_right);
+  if (left < 0 && right == 0) {
+    w.is_causal = true;
+    w.window_right = 0;
+  } else if (left >= 0 || right >= 0) {
+    w.is_local = true;
+    w.window_left = left;
+    w.window_right = right;
+  }
+  return w;
+}
+
+float default_softmax_scale(std::int64_t head_dim) {
+  return static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
+}
+
+FwdParams make_fwd_params(const ForwardArgs& args, const AttentionShape& shape) {
+  FwdParams p;
+  p.q = args.q.data;
+  p.k = args.k.data;
+  p.v = args.v.data;
+  p.out = args.out.data;
+  p.lse = args.lse ? static_cast<float*>(args.lse->data) : nullptr;
+
+  const RowStrides q = row_strides(args.q), k = row_strides(args.k), v = row_strides(args.v),
+                   o = row_strides(args.out);
+  p.q_batch_stride = q.batch, p.q_row_stride = q.row, p.q_head_stride = q.head;
+  p.k_batch_stride = k.batch, p.k_row_stride = k.row, p.k_head_stride = k.head;
+  p.v_batch_stride = v.batch, p.v_row_stride = v.row, p.v_head_stride = v.head;
+  p.o_batch_stride = o.batch, p.o_row_stride = o.row, p.o_head_stride = o.head;
+  if (args.lse) {
+    const RowStrides lse = lse_strides(*args.lse);
+    p.lse_batch_stride = lse.batch;
+    p.lse_head_stride = lse.head;
+  }
+
+  p.batch = static_cast<int>(shape.batch);
+  p.seqlen_q = static_cast<int>(shape.seqlen_q);
+  p.seqlen_k = static_cast<int>(shape.seqlen_k);
+  p.num_heads = static_cast<int>(shape.num_heads);
+  p.num_heads_kv = static_cast<int>(shape.num_heads_kv);
+  p.head_dim = static_cast<int>(shape.head_dim);
+  p.head_dim_v = static_cast<int>(shape.head_dim_v);
+  p.total_q = static_cast<int>(shape.total_q);
+  p.total_k = static_cast<int>(shape.total_k);
+
+  p.cu_seqlens_q = data_of<int>(args.seq.cu_seqlens_q);
+  p.cu_seqlens_k = data_of<int>(args.seq.cu_seqlens_k);
+  p.seqused_q = data_of<int>(args.seq.seqused_q);
+  p.seqused_k = data_of<int>(args.seq.seqused_k);
+  if (args.seq.page_table) {
+    p.page_table = data_of<int>(args.seq.page_table);
+    p.page_table_batch_stride = args.seq.page_table->stride[0];
+    p.page_size = static_cast<int>(shape.page_size);
+  }
+
+  p.softmax_scale = args.opts.softmax_scale.value_or(default_softmax_scale(shape.head_dim));
+  p.softmax_scale_log2 = p.softmax_scale * kLog2e;
+  p.softcap = args.opts.softcap;
+  const MaskWindow w =
+      normalize_window(args.opts.causal, args.opts.window_left, args.opts.window_right);
+  p.is_causal = w.is_causal;
+  p.is_local = w.is_local;
+  p.window_left = w.window_left;
+  p.window_right = w.window_right;
+
+  if (args.learnable_sink) {
+    p.learnable_sink = args.learnable_sink->data;
+    p.sink_dtype = static_cast<int>(args.learnable_sink->dtype);
+  }
+  p.num_splits = 1;
+  p.pack_gqa = args.pack_gqa.value_or(shape.num_heads != shape.num_heads_kv);
+  p.dtype = static_cast<int>(shape.dtype);
+  p.score_mod = make_mod_params(static_cast<int>(args.opts.score_mod.kind),
+                                args.opts.score_mod.scalars, args.opts.score_mod.aux);
+  p.mask_mod = make_mod_params(static_cast<int>(args.opts.mask_mod.kind),
+                               args.opts.mask_mod.scalars, args.opts.mask_mod.aux);
+  p.block_sparse = make_block_sparse_params(args.opts, shape, /*backward=*/false);
+  p.device_index = shape.device.index;
+  return p;
+}
+
+BwdParams make_bwd_params(const BackwardArgs& args, const AttentionShape& shape) {
+  BwdParams p;
+  p.q = args.q.data;
+  p.k = args.k.data;
+  p.v = args.v.data;
+  p.out = args.out.data;
+  p.dout = args.dout.data;
+  p.lse = static_cast<const float*>(args.lse.data);
+  p.dq = args.dq.data;
+  p.dk = args.dk.data;
+  p.dv = args.dv.data;
+  p.d_sink = args.d_sink ? static_cast<float*>(args.d_sink->data) : nullptr;
+
+  const RowStrides q = row_strides(args.q), k = row_strides(args.k), v = row_strides(args.v),
+                   o = row_strides(args.out), dout = row_strides(args.dout),
+                   dq = row_strides(args.dq), dk = row_strides(args.dk), dv = row_strides(args.dv),
+                   lse = lse_strides(args.lse);
+  p.q_batch_stride = q.batch, p.q_row_stride = q.row, p.q_head_stride = q.head;
+  p.k_batch_stride = k.batch, p.k_row_stride = k.row, p.k_head_stride = k.head;
+  p.v_batch_stride = v.batch, p.v_row_stride = v.row, p.v_head_stride = v.head;
+  p.o_batch_stride = o.batch, p.o_row_stride = o.row, p.o_head_stride = o.head;
+  p.do_batch_stride = dout.batch, p.do_row_stride = dout.row, p.do_head_stride = dout.head;
+  p.dq_batch_stride = dq.batch, p.dq_row_stride = dq.row, p.dq_head_stride = dq.head;
+  p.dk_batch_stride = dk.batch, p.dk_row_stride = dk.row, p.dk_head_stride = dk.head;
+  p.dv_batch_stride = dv.batch, p.dv_row_stride = dv.row, p.dv_head_stride = dv.head;
+  p.lse_batch_stride = lse.batch, p.lse_head_stride = lse.head;
+
+  p.batch = static_cast<int>(shape.batch);
+  p.seqlen_q = static_cast<int>(shape.seqlen_q);
+  p.seqlen_k = static_cast<int>(shape.seqlen_k);
+  p.num_heads = static_cast<int>(shape.num_heads);
+  p.num_heads_kv = static_cast<int>(shape.num_heads_kv);
+  p.head_dim = static_cast<int>(shape.head_dim);
+  p.head_dim_v = static_cast<int>(shape.head_dim_v);
+  p.total_q = static_cast<int>(shape.total_q);
+  p.total_k = static_cast<int>(shape.total_k);
+  p.cu_seqlens_q = data_of<int>(args.seq.cu_seqlens_q);
+  p.cu_seqlens_k = data_of<int>(args.seq.cu_seqlens_k);
+  p.seqused_q = data_of<int>(args.seq.seqused_q);
+  p.seqused_k = data_of<int>(args.seq.seqused_k);
+
+  p.softmax_scale = args.opts.softmax_scale.value_or(default_softmax_scale(shape.head_dim));
+  p.softmax_scale_log2 = p.softmax_scale * kLog2e;
+  p.softcap = args.opts.softcap;
+  const MaskWindow w =
+      normalize_window(args.opts.causal, args.opts.window_left, args.opts.window_right);
+  p.is_causal = w.is_causal;
+  p.is_local = w.is_local;
+  p.window_left = w.window_left;
+  p.window_right = w.window_right;
+  if (args.learnable_sink) {
+    p.learnable_sink = args.learnable_sink->data;
+    p.sink_dtype = static_cast<int>(args.learnable_sink->dtype);
+  }
+  p.deterministic = args.deterministic;
+  p.dtype = static_cast<int>(shape.dtype);
+  p.score_mod = make_mod_params(static_cast<int>(args.opts.score_mod.kind),
+                                args.opts.score_mod.scalars, args.opts.score_mod.aux);
+  p.mask_mod = make_mod_params(static_cast<int>(args.opts.mask_mod.kind),
+                               args.opts.mask_mod.scalars, args.opts.mask_mod.aux);
+  p.block_sparse = make_block_sparse_params(args.opts, shape, /*backward=*/true);
+  p.pack_gqa = false;  // backward processes one query head per tile
+  p.device_index = shape.device.index;
+  return p;
+}
+
+CombineParams make_combine_params(const CombineArgs& args, const CombineShape& shape) {
+  CombineParams p;
+  const TensorView& op = args.out_partial;
+  const TensorView& lp = args.lse_partial;
+  p.out_partial = static_cast<const float*>(op.data);
+  p.lse_partial = static_cast<const float*>(lp.data);
+  p.out = args.out.data;
+  p.lse = args.lse ? static_cast<float*>(args.lse->data) : nullptr;
+  // Dense tensors carry one more (batch) dimension than packed ones.
+  const int b = shape.varlen ? 0 : 1;
+  p.op_split_stride = op.stride[0];
+  p.op_batch_stride = shape.varlen ? 0 : op.stride[1];
+  p.op_row_stride = op.stride[1 + b];
+  p.op_head_stride = op.stride[2 + b];
+  p.lp_split_stride = lp.stride[0];
+  p.lp_batch_stride = shape.varlen ? 0 : lp.stride[1];
+  p.lp_row_stride = lp.stride[1 + b];
+  p.lp_head_stride = lp.stride[2 + b];
+  p.o_batch_stride = shape.varlen ? 0 : args.out.stride[0];
+  p.o_row_stride = args.out.stride[b];
+  p.o_head_stride = args.out.stride[1 + b];
+  if (args.lse) {
+    p.lse_batch_stride = shape.varlen ? 0 : args.lse->stride[0];
+    p.lse_row_stride = args.lse->stride[b];
+    p.lse_head_stride = args.lse->stride[1 + b];
+  }
+  p.num_splits = static_cast<int>(shape.num_splits);
+  p.batch = static_cast<int>(shape.batch);
+  p.seqlen = static_cast<int>(shape.seqlen);
+  p.num_heads = static_cast<int>(shape.num_heads);
+  p.head_dim = static_cast<int>(shape.head_dim);
+  p.cu_seqlens = data_of<int>(args.cu_seqlens);
+  p.seqused = data_of<int>(args.seqused);
+  p.out_dtype = static_cast<int>(args.out.dtype);
+  return p;
+}
+
+int choose_num_splits(const FwdParams& params, int requested, int num_sm) {
+  if (requested > 0) return std::min(requested, kMaxSplits);
+  constexpr int kBlockM = 128, kBlockN = 128, kMaxHeuristicSplits = 128;
+  const std::int64_t qheads_per_kvhead = params.num_heads / params.num_heads_kv;
+  std::int64_t seqlen_k_loaded = params.seqlen_k;
+  if (params.is_local && params.window_left >= 0 && params.window_right >= 0) {
+    seqlen_k_loaded = std::min<std::int64_t>(
+        seqlen_k_loaded, std::int64_t{params.window_left} + params.window_right + 1 + kBlockM);
+  }
+  const std::int64_t num_n_blocks = (seqlen_k_loaded + kBlockN - 1) / kBlockN;
+  if (num_n_blocks <= 4) return 1;  // short keys: splitting costs more than it gains
+  const std::int64_t num_m_blocks =
+      (std::int64_t{params.seqlen_q} * qheads_per_kvhead + kBlockM - 1) / kBlockM;
+  const std::int64_t total_m_blocks =
+      std::max<std::int64_t>(1, std::int64_t{params.batch} * params.num_heads_kv * num_m_blocks);
+  const std::int64_t splits = std::min(
+      {std::int64_t{num_sm} / total_m_blocks, std::int64_t{kMaxHeuristicSplits}, num_n_blocks});
+  return static_cast<int>(std::max<std::int64_t>(1, splits));
+}
+
+namespace {
+std::int64_t split_rows(const FwdParams& params) {
+  return params.cu_seqlens_q ? params.total_q : std::int64_t{params.batch} * params.seqlen_q;
+}
+std::size_t out_partial_bytes(const FwdParams& params) {
+  return static_cast<std::size_t>(params.num_splits) * split_rows(params) * params.num_heads *
+         params.head_dim_v * sizeof(float);
+}
+}  // namespace
+
+std::size_t split_kv_workspace_bytes(const FwdParams& params) {
+  if (params.num_splits <= 1) return 0;
+  const std::size_t lse_bytes = static_cast<std::size_t>(params.num_splits) * split_rows(params) *
+                                params.num_heads * sizeof(float);
+  return align_up(out_partial_bytes(params)) + align_up(lse_bytes);
+}
+
+void assign_split_kv_buffers(FwdParams& params, void* workspace) {
+  if (params.num_splits <= 1) return;
+  char* base = static_cast<char*>(workspace);
+  params.out_partial = reinterpret_cast<float*>(base);
+  params.lse_partial = reinterpret_cast<float*>(base + align_up(out_partial_bytes(params)));
+}
+
+CombineParams make_split_combine_params(const FwdParams& params, const ForwardArgs& args,
+                                        const AttentionShape& shape) {
+  CombineParams c;
+  const bool packed = shape.varlen_q;
+  const std::int64_t rows = split_rows(params);
+  const std::int64_t heads = params.num_heads, dim = params.head_dim_v;
+  c.out_partial = params.out_partial;
+  c.lse_partial = params.lse_partial;
+  c.out = args.out.data;
+  c.lse = params.lse;
+  c.op_split_stride = rows * heads * dim;
+  c.op_batch_stride = packed ? 0 : std::int64_t{params.seqlen_q} * heads * dim;
+  c.op_row_stride = heads * dim;
+  c.op_head_stride = dim;
+  c.lp_split_stride = rows * heads;
+  c.lp_batch_stride = packed ? 0 : std::int64_t{params.seqlen_q} * heads;
+  c.lp_row_stride = heads;
+  c.lp_head_stride = 1;
+  c.o_batch_stride = params.o_batch_stride;
+  c.o_row_stride = params.o_row_stride;
+  c.o_head_stride = params.o_head_stride;
+  c.lse_batch_stride = params.lse_batch_stride;
+  c.lse_row_stride = 1;
+  c.lse_head_stride = params.lse_head_stride;
+  c.num_splits = params.num_splits;
+  c.batch = params.batch;
+  c.seqlen = packed ? params.total_q : params.seqlen_q;
+  c.num_heads = params.num_heads;
+  c.head_dim = params.head_dim_v;
+  c.cu_seqlens = params.cu_seqlens_q;
+  c.seqused = params.seqused_q;
+  c.out_dtype = params.dtype;
+  return c;
+}
+
+}  // namespace cuflash::detail

@@ -1,0 +1,42 @@
+// Fills the plain kernel parameter structs (api/params.hpp) from checked arguments: strides,
+// sequence lengths, defaults and the normalisation of causal / window options.
+#pragma once
+
+#include <cstddef>
+
+#include "api/params.hpp"
+#include "api/validate.hpp"
+#include "cuflash/options.hpp"
+
+namespace cuflash::detail {
+
+// Causal / local after the seed's normalisation: `causal` sets window_right = 0, and a window
+// with an unbounded left side and window_right == 0 is causal. Negative sides are unbounded.
+struct MaskWindow {
+  bool is_causal = false;
+  bool is_local = false;
+  int window_left = -1;
+  int window_right = -1;
+};
+MaskWindow normalize_window(bool causal, int window_left, int window_right);
+
+float default_softmax_scale(std::int64_t head_dim);  // 1 / sqrt(head_dim)
+
+// Everything but num_sm, the split count and its buffers (device facts, set by dispatch).
+FwdParams make_fwd_params(const ForwardArgs& args, const AttentionShape& shape);
+BwdParams make_bwd_params(const BackwardArgs& args, const AttentionShape& shape);
+CombineParams make_combine_params(const CombineArgs& args, const CombineShape& shape);
+
+// num_splits <= 0 picks the split-KV heuristic of the seed (one split for short keys, else as
+// many as fill the SMs, at most 128); the result is in [1, kMaxSplits].
+int choose_num_splits(const FwdParams& params, int requested, int num_sm);
+
+// Split-KV buffers, fp32: out_partial (splits, rows, H, Dv) then lse_partial (splits, rows, H).
+std::size_t split_kv_workspace_bytes(const FwdParams& params);
+void assign_split_kv_buffers(FwdParams& params, void* workspace);
+
+// Merge of a split forward's partial buffers into its out / lse.
+CombineParams make_split_combine_params(const FwdParams& params, const ForwardArgs& args,
+                                        const AttentionShape& shape);
+
+}  // namespace cuflash::detail

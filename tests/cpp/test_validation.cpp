@@ -1,0 +1,973 @@
+// Argument validation: every bad input is rejected before any work starts, with an error that
+// names the argument and gives the expected and the actual value.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <initializer_list>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "cuflash/cuflash.hpp"
+
+namespace cuflash {
+namespace {
+
+const Device kCpu{};
+const Device kCuda0{DeviceType::kCUDA, 0};
+
+// Validation never reads floating-point data: every such tensor may share one dummy address.
+void* dummy_data() {
+  static float storage[4];
+  return storage;
+}
+
+TensorView tensor(DType dtype, std::initializer_list<std::int64_t> shape, Device device = kCpu) {
+  return TensorView(dummy_data(), dtype, shape, device);
+}
+
+TensorView int_tensor(std::vector<std::int32_t>& values, std::initializer_list<std::int64_t> shape,
+                      Device device = kCpu) {
+  return TensorView(values.data(), DType::kInt32, shape, device);
+}
+
+void expect_error(const std::function<void()>& call, Error::Kind kind, const std::string& argument,
+                  std::initializer_list<std::string> fragments) {
+  try {
+    call();
+  } catch (const Error& error) {
+    const std::string message = error.what();
+    EXPECT_EQ(static_cast<int>(error.kind()), static_cast<int>(kind)) << message;
+    EXPECT_EQ(error.argument(), argument) << message;
+    for (const std::string& fragment : fragments) {
+      EXPECT_NE(message.find(fragment), std::string::npos)
+          << "message: " << message << "\nmissing: " << fragment;
+    }
+    return;
+  } catch (const std::exception& other) {
+    ADD_FAILURE() << "expected cuflash::Error, got another exception: " << other.what();
+    return;
+  }
+  ADD_FAILURE() << "expected cuflash::Error naming " << argument << ", nothing was thrown";
+}
+
+#define EXPECT_INVALID(statement, argument, ...)                                              \
+  do {                                                                                        \
+    SCOPED_TRACE(#statement);                                                                 \
+    expect_error([&] { statement; }, Error::Kind::kInvalidArgument, argument, {__VA_ARGS__}); \
+  } while (0)
+
+#define EXPECT_UNSUPPORTED(statement, argument, ...)                                       \
+  do {                                                                                     \
+    SCOPED_TRACE(#statement);                                                              \
+    expect_error([&] { statement; }, Error::Kind::kNotSupported, argument, {__VA_ARGS__}); \
+  } while (0)
+
+// Dense problem: B = 2, Sq = Sk = 128, H = H_kv = 8, D = Dv = 64.
+ForwardArgs dense_forward(DType dtype = DType::kFloat32, Device device = kCpu) {
+  ForwardArgs args;
+  args.q = tensor(dtype, {2, 128, 8, 64}, device);
+  args.k = tensor(dtype, {2, 128, 8, 64}, device);
+  args.v = tensor(dtype, {2, 128, 8, 64}, device);
+  args.out = tensor(dtype, {2, 128, 8, 64}, device);
+  args.lse = tensor(DType::kFloat32, {2, 8, 128}, device);
+  return args;
+}
+
+BackwardArgs dense_backward(DType dtype = DType::kFloat32, Device device = kCpu) {
+  BackwardArgs args;
+  args.q = tensor(dtype, {2, 128, 8, 64}, device);
+  args.k = tensor(dtype, {2, 96, 2, 64}, device);
+  args.v = tensor(dtype, {2, 96, 2, 32}, device);
+  args.out = tensor(dtype, {2, 128, 8, 32}, device);
+  args.dout = tensor(dtype, {2, 128, 8, 32}, device);
+  args.lse = tensor(DType::kFloat32, {2, 8, 128}, device);
+  args.dq = tensor(dtype, {2, 128, 8, 64}, device);
+  args.dk = tensor(dtype, {2, 96, 2, 64}, device);
+  args.dv = tensor(dtype, {2, 96, 2, 32}, device);
+  return args;
+}
+
+class ForwardValidation : public ::testing::Test {
+ protected:
+  // Packed problem: two sequences of 30 and 20 queries, 40 and 60 keys; H = 4, H_kv = 2.
+  ForwardArgs varlen_forward() {
+    ForwardArgs args;
+    args.q = tensor(DType::kFloat32, {50, 4, 64});
+    args.k = tensor(DType::kFloat32, {100, 2, 64});
+    args.v = tensor(DType::kFloat32, {100, 2, 64});
+    args.out = tensor(DType::kFloat32, {50, 4, 64});
+    args.lse = tensor(DType::kFloat32, {4, 50});
+    args.seq.cu_seqlens_q = int_tensor(cu_q_, {3});
+    args.seq.cu_seqlens_k = int_tensor(cu_k_, {3});
+    return args;
+  }
+
+  // Paged k/v: 6 pages of 16 rows, B = 2 with up to 3 pages each.
+  ForwardArgs paged_forward() {
+    ForwardArgs args;
+    args.q = tensor(DType::kFloat32, {2, 10, 4, 64});
+    args.k = tensor(DType::kFloat32, {6, 16, 2, 64});
+    args.v = tensor(DType::kFloat32, {6, 16, 2, 64});
+    args.out = tensor(DType::kFloat32, {2, 10, 4, 64});
+    args.seq.page_table = int_tensor(page_table_, {2, 3});
+    args.seq.seqused_k = int_tensor(seqused_k_, {2});
+    return args;
+  }
+
+  // Block mask for the dense problem with 64 x 64 blocks: 2 row and 2 column blocks.
+  BlockSparseTensors block_mask() {
+    BlockSparseTensors b;
+    b.block_m = 64;
+    b.block_n = 64;
+    b.mask_block_cnt = int_tensor(cnt_, {2, 1, 2});
+    b.mask_block_idx = int_tensor(idx_, {2, 1, 2, 2});
+    return b;
+  }
+
+  std::vector<std::int32_t> cu_q_{0, 30, 50};
+  std::vector<std::int32_t> cu_k_{0, 40, 100};
+  std::vector<std::int32_t> page_table_{0, 1, 2, 5, 4, -1};
+  std::vector<std::int32_t> seqused_k_{40, 30};
+  std::vector<std::int32_t> cnt_{1, 2, 2, 0};
+  std::vector<std::int32_t> idx_{0, 0, 1, 0, 0, 1, 0, 0};
+};
+
+// --- Valid inputs -------------------------------------------------------------------------
+
+TEST_F(ForwardValidation, AcceptsValidLayouts) {
+  EXPECT_NO_THROW(validate(dense_forward()));
+  EXPECT_NO_THROW(validate(dense_forward(DType::kBFloat16)));
+  EXPECT_NO_THROW(validate(dense_forward(DType::kFloat16, kCuda0)));
+  EXPECT_NO_THROW(validate(varlen_forward()));
+  EXPECT_NO_THROW(validate(paged_forward()));
+
+  ForwardArgs gqa = dense_forward();
+  gqa.k = tensor(DType::kFloat32, {2, 77, 1, 64});
+  gqa.v = tensor(DType::kFloat32, {2, 77, 1, 128});
+  gqa.out = tensor(DType::kFloat32, {2, 128, 8, 128});
+  gqa.lse.reset();
+  EXPECT_NO_THROW(validate(gqa));
+}
+
+TEST_F(ForwardValidation, AcceptsStridedInputsWithContiguousLastDim) {
+  ForwardArgs args = dense_forward();
+  // q, k and v as slices of one packed qkv tensor (B, S, 3, H, D).
+  const std::int64_t row = 3 * 8 * 64;
+  args.q = TensorView(dummy_data(), DType::kFloat32, {2, 128, 8, 64}, {128 * row, row, 64, 1});
+  args.k = args.q;
+  args.v = args.q;
+  EXPECT_NO_THROW(validate(args));
+}
+
+TEST_F(ForwardValidation, AcceptsEmptyProblems) {
+  ForwardArgs args;
+  args.q = TensorView(nullptr, DType::kFloat32, {0, 128, 8, 64});
+  args.k = TensorView(nullptr, DType::kFloat32, {0, 128, 8, 64});
+  args.v = TensorView(nullptr, DType::kFloat32, {0, 128, 8, 64});
+  args.out = TensorView(nullptr, DType::kFloat32, {0, 128, 8, 64});
+  EXPECT_NO_THROW(validate(args));
+}
+
+// --- Sanity -------------------------------------------------------------------------------
+
+TEST_F(ForwardValidation, RejectsBrokenViews) {
+  ForwardArgs args = dense_forward();
+  args.q.data = nullptr;
+  EXPECT_INVALID(validate(args), "q", "expected a data pointer for 131072 elements, got null");
+
+  args = dense_forward();
+  args.v.shape[1] = -5;
+  EXPECT_INVALID(validate(args), "v", "expected non-negative sizes", "(2, -5, 8, 64)");
+
+  args = dense_forward();
+  args.out = TensorView();
+  EXPECT_INVALID(validate(args), "out", "expected 1 to 6 dimensions, got 0");
+
+  args = dense_forward();
+  args.k.stride[0] = -1;
+  EXPECT_INVALID(validate(args), "k", "expected non-negative strides");
+
+  args = dense_forward();
+  args.q.shape[1] = std::int64_t{1} << 32;
+  EXPECT_INVALID(validate(args), "q", "expected every size to fit in int32");
+}
+
+// --- Shapes -----------------------------------------------------------------------------------
+
+TEST_F(ForwardValidation, NamesShapeMismatchWithExpectedAndActual) {
+  ForwardArgs args = dense_forward();
+  args.k = tensor(DType::kFloat32, {2, 128, 8, 32});
+  try {
+    validate(args);
+    FAIL() << "expected an error";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.kind(), Error::Kind::kInvalidArgument);
+    EXPECT_EQ(error.argument(), "k");
+    EXPECT_STREQ(error.what(),
+                 "k: expected shape (2, 128, 8, 64) (batch, seqlen_k, num_heads_kv, head_dim), "
+                 "got (2, 128, 8, 32)");
+  }
+}
+
+TEST_F(ForwardValidation, RejectsWrongShapes) {
+  ForwardArgs args = dense_forward();
+  args.q = tensor(DType::kFloat32, {256, 8, 64});
+  EXPECT_INVALID(validate(args), "q",
+                 "expected 4 dimensions (batch, seqlen_q, num_heads, head_dim), got 3",
+                 "pass cu_seqlens_q");
+
+  args = dense_forward();
+  args.v = tensor(DType::kFloat32, {3, 128, 8, 64});
+  EXPECT_INVALID(validate(args), "v", "expected shape (2, 128, 8, 64)",
+                 "(batch, seqlen_k, num_heads_kv, head_dim_v)", "got (3, 128, 8, 64)");
+
+  args = dense_forward();
+  args.out = tensor(DType::kFloat32, {2, 128, 8, 32});
+  EXPECT_INVALID(validate(args), "out", "expected shape (2, 128, 8, 64)",
+                 "(batch, seqlen_q, num_heads, head_dim_v)", "got (2, 128, 8, 32)");
+
+  args = dense_forward();
+  args.lse = tensor(DType::kFloat32, {2, 128, 8});
+  EXPECT_INVALID(validate(args), "lse", "expected shape (2, 8, 128) (batch, num_heads, seqlen_q)",
+                 "got (2, 128, 8)");
+
+  args = varlen_forward();
+  args.lse = tensor(DType::kFloat32, {50, 4});
+  EXPECT_INVALID(validate(args), "lse", "expected shape (4, 50) (num_heads, total_q)",
+                 "got (50, 4)");
+
+  args = varlen_forward();
+  args.out = tensor(DType::kFloat32, {2, 25, 4, 64});
+  EXPECT_INVALID(validate(args), "out",
+                 "expected shape (50, 4, 64) (total_q, num_heads, head_dim_v)");
+}
+
+TEST_F(ForwardValidation, RejectsBadHeadDims) {
+  ForwardArgs args = dense_forward();
+  for (auto* t : {&args.q, &args.k, &args.v, &args.out})
+    *t = tensor(DType::kFloat32, {2, 128, 8, 264});
+  EXPECT_INVALID(validate(args), "q",
+                 "expected head_dim (last dimension) to be a multiple of 8 in [8, 256], got 264");
+
+  for (auto* t : {&args.q, &args.k, &args.v, &args.out})
+    *t = tensor(DType::kFloat32, {2, 128, 8, 36});
+  EXPECT_INVALID(validate(args), "q", "multiple of 8 in [8, 256], got 36");
+
+  args = dense_forward();
+  args.v = tensor(DType::kFloat32, {2, 128, 8, 20});
+  args.out = tensor(DType::kFloat32, {2, 128, 8, 20});
+  EXPECT_INVALID(validate(args), "v",
+                 "expected head_dim_v (last dimension) to be a multiple of 8 in [8, 256], got 20");
+}
+
+TEST_F(ForwardValidation, RejectsHeadCountsThatDoNotDivide) {
+  ForwardArgs args = dense_forward();
+  args.k = tensor(DType::kFloat32, {2, 128, 3, 64});
+  args.v = tensor(DType::kFloat32, {2, 128, 3, 64});
+  EXPECT_INVALID(validate(args), "k",
+                 "expected num_heads_kv to divide num_heads = 8, got num_heads_kv = 3");
+
+  args.k = tensor(DType::kFloat32, {2, 128, 0, 64});
+  args.v = tensor(DType::kFloat32, {2, 128, 0, 64});
+  EXPECT_INVALID(validate(args), "k", "expected num_heads_kv >= 1");
+}
+
+// --- dtypes and devices ---------------------------------------------------------------------
+
+TEST_F(ForwardValidation, RejectsWrongDtypes) {
+  ForwardArgs args = dense_forward(DType::kInt32);
+  EXPECT_INVALID(validate(args), "q",
+                 "expected dtype float16, bfloat16 or float32 (CPU tensors), got int32");
+
+  args = dense_forward(DType::kFloat32, kCuda0);
+  EXPECT_INVALID(validate(args), "q",
+                 "expected dtype float16 or bfloat16 (CUDA tensors), got float32");
+
+  args = dense_forward(DType::kBFloat16);
+  args.k.dtype = DType::kFloat16;
+  EXPECT_INVALID(validate(args), "k", "expected dtype bfloat16 (the dtype of q), got float16");
+
+  args = dense_forward(DType::kBFloat16);
+  args.v.dtype = DType::kFloat32;
+  EXPECT_INVALID(validate(args), "v", "expected dtype bfloat16 (the dtype of q), got float32");
+
+  args = dense_forward(DType::kBFloat16);
+  args.out.dtype = DType::kFloat32;
+  EXPECT_INVALID(validate(args), "out", "expected dtype bfloat16 (the dtype of q), got float32");
+
+  args = dense_forward(DType::kBFloat16);
+  args.lse->dtype = DType::kBFloat16;
+  EXPECT_INVALID(validate(args), "lse", "expected dtype float32, got bfloat16");
+}
+
+TEST_F(ForwardValidation, RejectsMixedDevices) {
+  ForwardArgs args = dense_forward();
+  args.k.device = kCuda0;
+  EXPECT_INVALID(validate(args), "k", "expected device cpu (the device of q), got cuda:0");
+
+  args = dense_forward(DType::kBFloat16, kCuda0);
+  args.lse->device = Device{DeviceType::kCUDA, 1};
+  EXPECT_INVALID(validate(args), "lse", "expected device cuda:0 (the device of q), got cuda:1");
+
+  args = varlen_forward();
+  args.seq.cu_seqlens_k->device = kCuda0;
+  EXPECT_INVALID(validate(args), "cu_seqlens_k",
+                 "expected device cpu (the device of q), got cuda:0");
+}
+
+TEST_F(ForwardValidation, RequiresContiguousLastDim) {
+  for (const char* name : {"q", "k", "v", "out"}) {
+    ForwardArgs args = dense_forward();
+    TensorView& t = std::string(name) == "q"   ? args.q
+                    : std::string(name) == "k" ? args.k
+                    : std::string(name) == "v" ? args.v
+                                               : args.out;
+    t = TensorView(dummy_data(), DType::kFloat32, {2, 128, 8, 64},
+                   {128 * 8 * 128, 8 * 128, 128, 2});
+    EXPECT_INVALID(validate(args), name,
+                   "expected the last dimension to be contiguous (stride 1), got strides (131072, "
+                   "1024, 128, 2)");
+  }
+  ForwardArgs args = dense_forward();
+  args.lse = TensorView(dummy_data(), DType::kFloat32, {2, 8, 128}, {1, 2, 16});
+  EXPECT_INVALID(validate(args), "lse", "expected the last dimension to be contiguous");
+}
+
+// --- Sequence layouts ---------------------------------------------------------------------
+
+TEST_F(ForwardValidation, ChecksPackedSequences) {
+  ForwardArgs args = varlen_forward();
+  args.q = tensor(DType::kFloat32, {2, 25, 4, 64});
+  EXPECT_INVALID(validate(args), "q",
+                 "expected 3 dimensions (total_q, num_heads, head_dim) with cu_seqlens_q, got 4");
+
+  std::vector<std::int32_t> long_cu{0, 10, 20, 30};
+  args = varlen_forward();
+  args.seq.cu_seqlens_k = int_tensor(long_cu, {4});
+  EXPECT_INVALID(validate(args), "cu_seqlens_k", "expected shape (3,) (batch + 1,), got (4,)");
+
+  args = varlen_forward();
+  args.seq.cu_seqlens_q->dtype = DType::kFloat32;
+  EXPECT_INVALID(validate(args), "cu_seqlens_q", "expected dtype int32, got float32");
+
+  args = varlen_forward();
+  args.seq.cu_seqlens_q->stride[0] = 2;
+  EXPECT_INVALID(validate(args), "cu_seqlens_q", "expected a contiguous (row-major) tensor");
+
+  args = varlen_forward();
+  args.k = tensor(DType::kFloat32, {2, 50, 2, 64});
+  EXPECT_INVALID(validate(args), "k", "expected 3 dimensions (total_k, num_heads_kv, head_dim)");
+
+  std::vector<std::int32_t> decreasing{0, 30, 20};
+  args = varlen_forward();
+  args.seq.cu_seqlens_q = int_tensor(decreasing, {3});
+  EXPECT_INVALID(validate(args), "cu_seqlens_q",
+                 "expected non-decreasing offsets in [0, total_q = 50], got cu_seqlens_q[2] = 20 "
+                 "after 30");
+
+  std::vector<std::int32_t> beyond{0, 40, 120};
+  args = varlen_forward();
+  args.seq.cu_seqlens_k = int_tensor(beyond, {3});
+  EXPECT_INVALID(validate(args), "cu_seqlens_k", "total_k = 100", "cu_seqlens_k[2] = 120");
+}
+
+TEST_F(ForwardValidation, ChecksSequsedAndLengthHints) {
+  std::vector<std::int32_t> used{10, 20, 30};
+  ForwardArgs args = dense_forward();
+  args.seq.seqused_q = int_tensor(used, {3});
+  EXPECT_INVALID(validate(args), "seqused_q", "expected shape (2,) (batch,), got (3,)");
+
+  std::vector<std::int32_t> too_long{10, 129};
+  args = dense_forward();
+  args.seq.seqused_k = int_tensor(too_long, {2});
+  EXPECT_INVALID(validate(args), "seqused_k", "expected seqused_k[1] in [0, 128]", "got 129");
+
+  std::vector<std::int32_t> ok{10, 128};
+  args = dense_forward();
+  args.seq.seqused_q = int_tensor(ok, {2});
+  args.seq.seqused_k = int_tensor(ok, {2});
+  EXPECT_NO_THROW(validate(args));
+
+  args = varlen_forward();
+  args.seq.max_seqlen_q = 20;
+  EXPECT_INVALID(validate(args), "max_seqlen_q",
+                 "expected at least 30 (the longest sequence in cu_seqlens_q), got 20");
+
+  args = varlen_forward();
+  args.seq.max_seqlen_k = -1;
+  EXPECT_INVALID(validate(args), "max_seqlen_k", "expected a non-negative length, got -1");
+
+  args = varlen_forward();
+  args.seq.max_seqlen_q = 30;
+  args.seq.max_seqlen_k = 64;
+  EXPECT_NO_THROW(validate(args));
+}
+
+TEST_F(ForwardValidation, ChecksPagedKV) {
+  ForwardArgs args = paged_forward();
+  args.seq.page_table->dtype = DType::kFloat32;
+  EXPECT_INVALID(validate(args), "page_table", "expected dtype int32, got float32");
+
+  std::vector<std::int32_t> table(9, 0);
+  args = paged_forward();
+  args.seq.page_table = int_tensor(table, {3, 3});
+  EXPECT_INVALID(validate(args), "page_table",
+                 "expected shape (2, 3) (batch, max_pages), got (3, 3)");
+
+  args = paged_forward();
+  args.seq.page_table = TensorView(page_table_.data(), DType::kInt32, {2, 3}, {1, 2});
+  EXPECT_INVALID(validate(args), "page_table", "expected the last dimension to be contiguous");
+
+  args = paged_forward();
+  args.seq.cu_seqlens_k = int_tensor(cu_k_, {3});
+  EXPECT_INVALID(validate(args), "page_table", "cannot be combined with cu_seqlens_k");
+
+  args = paged_forward();
+  args.v = tensor(DType::kFloat32, {6, 8, 2, 64});
+  EXPECT_INVALID(validate(args), "v", "expected shape (6, 16, 2, 64)",
+                 "(num_pages, page_size, num_heads_kv, head_dim_v)", "got (6, 8, 2, 64)");
+
+  // seqused_k = 30 needs two pages; the second page of sequence 1 is 4, inside [0, 6).
+  std::vector<std::int32_t> bad_table{0, 1, 2, 5, 6, -1};
+  args = paged_forward();
+  args.seq.page_table = int_tensor(bad_table, {2, 3});
+  EXPECT_INVALID(validate(args), "page_table",
+                 "expected page_table[1, 1] in [0, num_pages = 6), got 6");
+
+  std::vector<std::int32_t> used{40, 49};
+  args = paged_forward();
+  args.seq.seqused_k = int_tensor(used, {2});
+  EXPECT_INVALID(validate(args), "seqused_k", "expected seqused_k[1] in [0, 48]", "got 49");
+}
+
+// --- Options --------------------------------------------------------------------------------
+
+TEST_F(ForwardValidation, ChecksScalarOptions) {
+  ForwardArgs args = dense_forward();
+  args.opts.softcap = -1.0f;
+  EXPECT_INVALID(validate(args), "softcap", "expected a finite value >= 0 (0 disables it), got -1");
+
+  args.opts.softcap = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_INVALID(validate(args), "softcap", "expected a finite value >= 0");
+
+  args = dense_forward();
+  args.opts.softmax_scale = std::numeric_limits<float>::infinity();
+  EXPECT_INVALID(validate(args), "softmax_scale", "expected a finite value, got inf");
+
+  args = dense_forward();
+  args.opts.causal = true;
+  args.opts.window_right = 3;
+  EXPECT_INVALID(validate(args), "window_right",
+                 "expected 0 or negative (unbounded) with causal = true", "got 3");
+
+  args.opts.window_left = 16;
+  args.opts.window_right = 0;
+  EXPECT_NO_THROW(validate(args));
+  args.opts.causal = false;
+  args.opts.window_right = 4;
+  EXPECT_NO_THROW(validate(args));
+
+  args = dense_forward();
+  args.num_splits = 257;
+  EXPECT_INVALID(validate(args), "num_splits", "expected at most 256", "got 257");
+  args.num_splits = 256;
+  EXPECT_NO_THROW(validate(args));
+  args.num_splits = 0;
+  EXPECT_NO_THROW(validate(args));
+}
+
+TEST_F(ForwardValidation, AllowsSoftcapTogetherWithScoreMod) {
+  ForwardArgs args = dense_forward();
+  args.opts.softcap = 30.0f;
+  args.opts.score_mod.kind = ScoreModKind::kAlibi;
+  args.opts.score_mod.aux = {tensor(DType::kFloat32, {8})};
+  EXPECT_NO_THROW(validate(args));
+}
+
+TEST_F(ForwardValidation, ChecksLearnableSink) {
+  ForwardArgs args = dense_forward();
+  args.learnable_sink = tensor(DType::kFloat32, {4});
+  EXPECT_INVALID(validate(args), "learnable_sink", "expected shape (8,) (num_heads,), got (4,)");
+
+  args.learnable_sink = tensor(DType::kInt32, {8});
+  EXPECT_INVALID(validate(args), "learnable_sink",
+                 "expected dtype float32, bfloat16 or float16, got int32");
+
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    args.learnable_sink = tensor(dtype, {8});
+    EXPECT_NO_THROW(validate(args));
+  }
+}
+
+TEST_F(ForwardValidation, ChecksScoreMods) {
+  ForwardArgs args = dense_forward();
+  args.opts.score_mod.kind = ScoreModKind::kAlibi;
+  EXPECT_INVALID(validate(args), "score_mod.aux",
+                 "expected 1 aux tensor for alibi (slopes), got 0");
+
+  args.opts.score_mod.aux = {tensor(DType::kFloat32, {4})};
+  EXPECT_INVALID(validate(args), "score_mod.aux[0]", "expected shape (8,) (num_heads,), got (4,)");
+
+  args.opts.score_mod.aux = {tensor(DType::kBFloat16, {8})};
+  EXPECT_INVALID(validate(args), "score_mod.aux[0]",
+                 "expected dtype float32 (alibi slopes), got bfloat16");
+
+  args.opts.score_mod.aux = {tensor(DType::kFloat32, {8})};
+  args.opts.score_mod.scalars = {1.0};
+  EXPECT_INVALID(validate(args), "score_mod.scalars", "expected 0 scalars for alibi, got 1");
+
+  args.opts.score_mod = {};
+  args.opts.score_mod.kind = ScoreModKind::kRelativeBias;
+  args.opts.score_mod.aux = {tensor(DType::kFloat32, {8, 16})};
+  EXPECT_INVALID(validate(args), "score_mod.aux[0]",
+                 "expected shape (8, 2 * max_distance + 1) (num_heads, an odd width), got (8, 16)");
+  args.opts.score_mod.aux = {tensor(DType::kFloat32, {8, 17})};
+  EXPECT_NO_THROW(validate(args));
+
+  args.opts.score_mod.aux = {tensor(DType::kFloat32, {8, 17}, kCuda0)};
+  EXPECT_INVALID(validate(args), "score_mod.aux[0]",
+                 "expected device cpu (the device of q), got cuda:0");
+
+  args.opts.score_mod = {};
+  args.opts.score_mod.scalars = {2.0};
+  EXPECT_INVALID(validate(args), "score_mod.scalars",
+                 "expected 0 scalars for score_mod kind none, got 1");
+
+  args.opts.score_mod = {};
+  args.opts.score_mod.kind = static_cast<ScoreModKind>(9);
+  EXPECT_INVALID(validate(args), "score_mod.kind", "expected none, alibi or relative_bias, got 9");
+}
+
+TEST_F(ForwardValidation, ChecksMaskMods) {
+  ForwardArgs args = dense_forward();
+  args.opts.mask_mod.kind = MaskModKind::kSlidingWindow;
+  args.opts.mask_mod.scalars = {16};
+  EXPECT_INVALID(validate(args), "mask_mod.scalars",
+                 "expected 2 scalars for sliding_window (left, right), got 1");
+
+  args.opts.mask_mod.scalars = {16, -1};
+  EXPECT_INVALID(validate(args), "mask_mod.scalars[1]",
+                 "expected a whole number >= 0 for sliding_window, got -1");
+
+  args.opts.mask_mod.scalars = {16, 0.5};
+  EXPECT_INVALID(validate(args), "mask_mod.scalars[1]", "got 0.5");
+
+  args.opts.mask_mod.scalars = {16, 0};
+  EXPECT_NO_THROW(validate(args));
+
+  args.opts.mask_mod = {};
+  args.opts.mask_mod.kind = MaskModKind::kPrefixLM;
+  EXPECT_INVALID(validate(args), "mask_mod.scalars",
+                 "expected 1 scalar for prefix_lm (prefix length), got 0");
+
+  args.opts.mask_mod = {};
+  args.opts.mask_mod.kind = MaskModKind::kCausal;
+  args.opts.mask_mod.aux = {tensor(DType::kInt32, {2, 128})};
+  EXPECT_INVALID(validate(args), "mask_mod.aux", "expected 0 aux tensors for causal, got 1");
+
+  args.opts.mask_mod = {};
+  args.opts.mask_mod.kind = MaskModKind::kDocument;
+  args.opts.mask_mod.aux = {tensor(DType::kInt32, {2, 100})};
+  EXPECT_INVALID(
+      validate(args), "mask_mod.aux[0]",
+      "expected shape (2, L) with L >= 128 (batch, max(seqlen_q, seqlen_k)), got (2, 100)");
+
+  args.opts.mask_mod.aux = {tensor(DType::kFloat32, {2, 128})};
+  EXPECT_INVALID(validate(args), "mask_mod.aux[0]",
+                 "expected dtype int32 (document ids), got float32");
+
+  args.opts.mask_mod.aux = {tensor(DType::kInt32, {2, 128})};
+  EXPECT_NO_THROW(validate(args));
+
+  // Packed: the document ids cover the longest sequence (60 keys).
+  args = varlen_forward();
+  args.opts.mask_mod.kind = MaskModKind::kDocument;
+  args.opts.mask_mod.aux = {tensor(DType::kInt32, {2, 59})};
+  EXPECT_INVALID(validate(args), "mask_mod.aux[0]", "L >= 60", "got (2, 59)");
+  args.opts.mask_mod.aux = {tensor(DType::kInt32, {2, 60})};
+  EXPECT_NO_THROW(validate(args));
+
+  args = dense_forward();
+  args.opts.mask_mod.kind = static_cast<MaskModKind>(-2);
+  EXPECT_INVALID(validate(args), "mask_mod.kind", "got -2");
+}
+
+// --- Block sparsity -------------------------------------------------------------------------
+
+TEST_F(ForwardValidation, ChecksBlockSparseTensors) {
+  ForwardArgs args = dense_forward();
+  args.opts.block_sparse = block_mask();
+  EXPECT_NO_THROW(validate(args));
+
+  args.opts.block_sparse->mask_block_cnt = int_tensor(cnt_, {2, 1, 4});
+  EXPECT_INVALID(validate(args), "mask_block_cnt",
+                 "expected shape (2, 1, 2) (batch, num_heads or 1, ceil(seqlen_q / block_m)), got "
+                 "(2, 1, 4)");
+
+  args.opts.block_sparse = block_mask();
+  args.opts.block_sparse->mask_block_idx = int_tensor(idx_, {2, 1, 2, 1});
+  EXPECT_INVALID(validate(args), "mask_block_idx",
+                 "expected shape (2, 1, 2, 2) (batch, num_heads or 1, ceil(seqlen_q / block_m), "
+                 "ceil(seqlen_k / block_n)), got (2, 1, 2, 1)");
+
+  std::vector<std::int32_t> cnt3(12, 0);
+  args.opts.block_sparse = block_mask();
+  args.opts.block_sparse->mask_block_cnt = int_tensor(cnt3, {2, 3, 2});
+  EXPECT_INVALID(validate(args), "mask_block_cnt", "expected shape (2, 8, 2) or (2, 1, 2)",
+                 "got (2, 3, 2)");
+
+  args.opts.block_sparse = block_mask();
+  args.opts.block_sparse->mask_block_cnt->dtype = DType::kFloat32;
+  EXPECT_INVALID(validate(args), "mask_block_cnt", "expected dtype int32, got float32");
+
+  args.opts.block_sparse = block_mask();
+  args.opts.block_sparse->mask_block_idx.reset();
+  EXPECT_INVALID(validate(args), "mask_block_idx", "required together with mask_block_cnt");
+
+  args.opts.block_sparse = BlockSparseTensors{};
+  EXPECT_INVALID(validate(args), "block_sparse",
+                 "expected mask_block_cnt/idx or full_block_cnt/idx, got neither");
+
+  // A full list with another head count than the mask list.
+  std::vector<std::int32_t> full_cnt(32, 0), full_idx(64, 0);
+  args.opts.block_sparse = block_mask();
+  args.opts.block_sparse->full_block_cnt = int_tensor(full_cnt, {2, 8, 2});
+  args.opts.block_sparse->full_block_idx = int_tensor(full_idx, {2, 8, 2, 2});
+  EXPECT_INVALID(validate(args), "full_block_cnt",
+                 "expected shape (2, 1, 2) (batch, num_heads_b as in mask_block_cnt");
+
+  args.opts.block_sparse = block_mask();
+  args.opts.block_sparse->block_m = 0;
+  EXPECT_INVALID(validate(args), "block_sparse",
+                 "expected block_m and block_n >= 1, got block_m = 0");
+}
+
+TEST_F(ForwardValidation, ChecksBlockSparseContents) {
+  std::vector<std::int32_t> cnt{1, 3, 0, 0};
+  ForwardArgs args = dense_forward();
+  args.opts.block_sparse = block_mask();
+  args.opts.block_sparse->mask_block_cnt = int_tensor(cnt, {2, 1, 2});
+  EXPECT_INVALID(validate(args), "mask_block_cnt",
+                 "expected mask_block_cnt[0, 0, 1] in [0, 2], got 3");
+
+  std::vector<std::int32_t> idx{0, 0, 1, 2, 0, 1, 0, 0};
+  args.opts.block_sparse = block_mask();
+  args.opts.block_sparse->mask_block_idx = int_tensor(idx, {2, 1, 2, 2});
+  EXPECT_INVALID(validate(args), "mask_block_idx",
+                 "expected mask_block_idx[0, 0, 1, 1] in [0, 2), got 2");
+}
+
+TEST_F(ForwardValidation, BlockSparsityRequiresDenseInputs) {
+  ForwardArgs args = varlen_forward();
+  args.opts.block_sparse = block_mask();
+  EXPECT_UNSUPPORTED(validate(args), "block_sparse", "block sparsity requires dense q and k/v",
+                     "cu_seqlens_q, cu_seqlens_k or page_table");
+
+  args = paged_forward();
+  args.opts.block_sparse = block_mask();
+  EXPECT_UNSUPPORTED(validate(args), "block_sparse", "block sparsity requires dense q and k/v");
+}
+
+TEST_F(ForwardValidation, ForwardValidatesBeforeRunning) {
+  ForwardArgs args = dense_forward();
+  args.k = tensor(DType::kFloat32, {2, 128, 8, 32});
+  EXPECT_INVALID(forward(args), "k", "expected shape (2, 128, 8, 64)");
+  EXPECT_INVALID(forward_workspace_size(args), "k", "expected shape (2, 128, 8, 64)");
+}
+
+// --- Backward -------------------------------------------------------------------------------
+
+class BackwardValidation : public ForwardValidation {};
+
+TEST_F(BackwardValidation, AcceptsValidInputs) {
+  EXPECT_NO_THROW(validate(dense_backward()));
+  EXPECT_NO_THROW(validate(dense_backward(DType::kBFloat16, kCuda0)));
+
+  BackwardArgs args = dense_backward();
+  args.learnable_sink = tensor(DType::kBFloat16, {8});
+  args.d_sink = tensor(DType::kFloat32, {8});
+  EXPECT_NO_THROW(validate(args));
+}
+
+TEST_F(BackwardValidation, RejectsWrongShapesAndDtypes) {
+  BackwardArgs args = dense_backward();
+  args.dq = tensor(DType::kFloat32, {2, 128, 8, 32});
+  EXPECT_INVALID(validate(args), "dq",
+                 "expected shape (2, 128, 8, 64) (the shape of q), got (2, 128, 8, 32)");
+
+  args = dense_backward(DType::kBFloat16);
+  args.dk.dtype = DType::kFloat32;
+  EXPECT_INVALID(validate(args), "dk", "expected dtype bfloat16 (the dtype of q), got float32");
+
+  args = dense_backward();
+  args.dv = TensorView(dummy_data(), DType::kFloat32, {2, 96, 2, 32}, {96 * 2 * 64, 2 * 64, 64, 2});
+  EXPECT_INVALID(validate(args), "dv", "expected the last dimension to be contiguous");
+
+  args = dense_backward();
+  args.dout = tensor(DType::kFloat32, {2, 128, 8, 64});
+  EXPECT_INVALID(validate(args), "dout", "expected shape (2, 128, 8, 32)",
+                 "(batch, seqlen_q, num_heads, head_dim_v)", "got (2, 128, 8, 64)");
+
+  args = dense_backward(DType::kFloat16);
+  args.out.dtype = DType::kBFloat16;
+  EXPECT_INVALID(validate(args), "out", "expected dtype float16 (the dtype of q), got bfloat16");
+
+  args = dense_backward();
+  args.lse = tensor(DType::kFloat32, {2, 128, 8});
+  EXPECT_INVALID(validate(args), "lse", "expected shape (2, 8, 128) (batch, num_heads, seqlen_q)");
+
+  args = dense_backward();
+  args.lse.data = nullptr;
+  EXPECT_INVALID(validate(args), "lse", "expected a data pointer");
+
+  args = dense_backward();
+  args.dk.device = kCuda0;
+  EXPECT_INVALID(validate(args), "dk", "expected device cpu (the device of q), got cuda:0");
+
+  args = dense_backward(DType::kFloat32, kCuda0);
+  EXPECT_INVALID(validate(args), "q",
+                 "expected dtype float16 or bfloat16 (CUDA tensors), got float32");
+}
+
+TEST_F(BackwardValidation, ChecksPackedSequences) {
+  BackwardArgs args;
+  args.q = tensor(DType::kFloat32, {50, 4, 64});
+  args.k = tensor(DType::kFloat32, {100, 2, 64});
+  args.v = tensor(DType::kFloat32, {100, 2, 64});
+  args.out = tensor(DType::kFloat32, {50, 4, 64});
+  args.dout = tensor(DType::kFloat32, {50, 4, 64});
+  args.lse = tensor(DType::kFloat32, {4, 50});
+  args.dq = tensor(DType::kFloat32, {50, 4, 64});
+  args.dk = tensor(DType::kFloat32, {100, 2, 64});
+  args.dv = tensor(DType::kFloat32, {100, 2, 64});
+  args.seq.cu_seqlens_q = int_tensor(cu_q_, {3});
+  args.seq.cu_seqlens_k = int_tensor(cu_k_, {3});
+  EXPECT_NO_THROW(validate(args));
+
+  args.lse = tensor(DType::kFloat32, {2, 4, 25});
+  EXPECT_INVALID(validate(args), "lse",
+                 "expected shape (4, 50) (num_heads, total_q), got (2, 4, 25)");
+}
+
+TEST_F(BackwardValidation, RequiresSinkGradient) {
+  BackwardArgs args = dense_backward();
+  args.learnable_sink = tensor(DType::kFloat32, {8});
+  EXPECT_INVALID(validate(args), "d_sink", "required when learnable_sink is given");
+
+  args.d_sink = tensor(DType::kBFloat16, {8});
+  EXPECT_INVALID(validate(args), "d_sink", "expected dtype float32, got bfloat16");
+
+  args.d_sink = tensor(DType::kFloat32, {2});
+  EXPECT_INVALID(validate(args), "d_sink", "expected shape (8,) (num_heads,), got (2,)");
+
+  args = dense_backward();
+  args.d_sink = tensor(DType::kFloat32, {8});
+  EXPECT_INVALID(validate(args), "d_sink", "given without learnable_sink");
+}
+
+TEST_F(BackwardValidation, RequiresTransposedBlockLists) {
+  BackwardArgs args = dense_backward();
+  // Dense problem of dense_backward: Sq = 128, Sk = 96; blocks of 64: 2 row, 2 column blocks.
+  args.opts.block_sparse = block_mask();
+  EXPECT_INVALID(validate(args), "block_sparse",
+                 "backward needs the transposed (column-block) lists",
+                 "q_mask_block_cnt/idx or q_full_block_cnt/idx, got neither");
+
+  std::vector<std::int32_t> q_cnt{1, 1, 1, 1}, q_idx(8, 0);
+  args.opts.block_sparse->q_full_block_cnt = int_tensor(q_cnt, {2, 1, 2});
+  args.opts.block_sparse->q_full_block_idx = int_tensor(q_idx, {2, 1, 2, 2});
+  EXPECT_INVALID(validate(args), "q_mask_block_cnt",
+                 "required in backward because mask_block_cnt is given");
+
+  args.opts.block_sparse->q_mask_block_cnt = int_tensor(q_cnt, {2, 1, 2});
+  args.opts.block_sparse->q_mask_block_idx = int_tensor(q_idx, {2, 1, 2, 2});
+  EXPECT_NO_THROW(validate(args));
+
+  // The transposed lists are per column block: (B, H_b, ceil(Sk / block_n), ceil(Sq / block_m)).
+  std::vector<std::int32_t> long_idx(12, 0);
+  args.opts.block_sparse->q_mask_block_idx = int_tensor(long_idx, {2, 1, 2, 3});
+  EXPECT_INVALID(validate(args), "q_mask_block_idx",
+                 "expected shape (2, 1, 2, 2) (batch, num_heads_b as in mask_block_cnt, "
+                 "ceil(seqlen_k / block_n), ceil(seqlen_q / block_m)), got (2, 1, 2, 3)");
+}
+
+TEST_F(BackwardValidation, RejectsPagedKV) {
+  BackwardArgs args = dense_backward();
+  args.seq.page_table = int_tensor(page_table_, {2, 3});
+  EXPECT_UNSUPPORTED(validate(args), "page_table", "paged k/v is supported in forward only");
+}
+
+TEST_F(BackwardValidation, BackwardValidatesBeforeRunning) {
+  BackwardArgs args = dense_backward();
+  args.dv = tensor(DType::kFloat32, {2, 96, 2, 64});
+  EXPECT_INVALID(backward(args), "dv", "(the shape of v)");
+  EXPECT_INVALID(backward_workspace_size(args), "dv", "(the shape of v)");
+}
+
+// --- Combine --------------------------------------------------------------------------------
+
+CombineArgs dense_combine(Device device = kCpu) {
+  CombineArgs args;
+  args.out_partial = tensor(DType::kFloat32, {4, 2, 64, 8, 128}, device);
+  args.lse_partial = tensor(DType::kFloat32, {4, 2, 64, 8}, device);
+  args.out = tensor(DType::kBFloat16, {2, 64, 8, 128}, device);
+  args.lse = tensor(DType::kFloat32, {2, 64, 8}, device);
+  return args;
+}
+
+class CombineValidation : public ::testing::Test {
+ protected:
+  CombineArgs varlen_combine() {
+    CombineArgs args;
+    args.out_partial = tensor(DType::kFloat32, {3, 50, 8, 64});
+    args.lse_partial = tensor(DType::kFloat32, {3, 50, 8});
+    args.out = tensor(DType::kFloat32, {50, 8, 64});
+    args.cu_seqlens = int_tensor(cu_, {3});
+    args.seqused = int_tensor(used_, {2});
+    return args;
+  }
+  std::vector<std::int32_t> cu_{0, 30, 50};
+  std::vector<std::int32_t> used_{30, 10};
+};
+
+TEST_F(CombineValidation, AcceptsValidInputs) {
+  EXPECT_NO_THROW(validate(dense_combine()));
+  EXPECT_NO_THROW(validate(dense_combine(kCuda0)));
+  EXPECT_NO_THROW(validate(varlen_combine()));
+  // The lse of a forward (B, H, S) seen transposed as (B, S, H).
+  CombineArgs args = dense_combine();
+  args.lse = TensorView(dummy_data(), DType::kFloat32, {2, 64, 8}, {8 * 64, 1, 64});
+  EXPECT_NO_THROW(validate(args));
+}
+
+TEST_F(CombineValidation, RejectsWrongShapes) {
+  CombineArgs args = dense_combine();
+  args.out_partial = tensor(DType::kFloat32, {4, 64, 8});
+  EXPECT_INVALID(validate(args), "out_partial",
+                 "expected 5 dimensions (num_splits, batch, seqlen, num_heads, head_dim) or 4 "
+                 "(num_splits, total, num_heads, head_dim), got 3");
+
+  args = dense_combine();
+  args.lse_partial = tensor(DType::kFloat32, {4, 2, 8, 64});
+  EXPECT_INVALID(validate(args), "lse_partial",
+                 "expected shape (4, 2, 64, 8) (num_splits, batch, seqlen, num_heads)",
+                 "got (4, 2, 8, 64)");
+
+  args = dense_combine();
+  args.out = tensor(DType::kBFloat16, {2, 64, 8, 64});
+  EXPECT_INVALID(validate(args), "out",
+                 "expected shape (2, 64, 8, 128) (batch, seqlen, num_heads, head_dim)");
+
+  args = dense_combine();
+  args.lse = tensor(DType::kFloat32, {2, 8, 64});
+  EXPECT_INVALID(validate(args), "lse",
+                 "expected shape (2, 64, 8) (batch, seqlen, num_heads), got (2, 8, 64)");
+
+  args = dense_combine();
+  args.out_partial = tensor(DType::kFloat32, {257, 2, 64, 8, 128});
+  args.lse_partial = tensor(DType::kFloat32, {257, 2, 64, 8});
+  EXPECT_INVALID(validate(args), "out_partial", "expected 1 to 256 splits (dimension 0), got 257");
+
+  args = dense_combine();
+  args.out_partial = tensor(DType::kFloat32, {0, 2, 64, 8, 128});
+  EXPECT_INVALID(validate(args), "out_partial", "got 0");
+
+  args = dense_combine();
+  args.out_partial = tensor(DType::kFloat32, {4, 2, 64, 8, 100});
+  EXPECT_INVALID(validate(args), "out_partial", "multiple of 8 in [8, 256], got 100");
+
+  args = dense_combine();
+  args.out_partial = TensorView(dummy_data(), DType::kFloat32, {4, 2, 64, 8, 128},
+                                {2 * 64 * 8 * 256, 64 * 8 * 256, 8 * 256, 256, 2});
+  EXPECT_INVALID(validate(args), "out_partial", "expected the last dimension to be contiguous");
+}
+
+TEST_F(CombineValidation, RejectsWrongDtypesAndDevices) {
+  CombineArgs args = dense_combine();
+  args.out_partial.dtype = DType::kBFloat16;
+  EXPECT_INVALID(validate(args), "out_partial",
+                 "expected dtype float32 (partial results are accumulated in fp32), got bfloat16");
+
+  args = dense_combine();
+  args.lse_partial.dtype = DType::kFloat16;
+  EXPECT_INVALID(validate(args), "lse_partial", "expected dtype float32, got float16");
+
+  args = dense_combine();
+  args.out.dtype = DType::kInt32;
+  EXPECT_INVALID(validate(args), "out", "expected dtype float16, bfloat16 or float32, got int32");
+
+  args = dense_combine();
+  args.lse->dtype = DType::kBFloat16;
+  EXPECT_INVALID(validate(args), "lse", "expected dtype float32, got bfloat16");
+
+  args = dense_combine();
+  args.out.device = kCuda0;
+  EXPECT_INVALID(validate(args), "out",
+                 "expected device cpu (the device of out_partial), got cuda:0");
+}
+
+TEST_F(CombineValidation, ChecksSequenceTensors) {
+  CombineArgs args = dense_combine();
+  args.cu_seqlens = int_tensor(cu_, {3});
+  EXPECT_INVALID(validate(args), "cu_seqlens", "expected none with the dense");
+
+  args = varlen_combine();
+  args.seqused = int_tensor(used_, {1});
+  EXPECT_INVALID(validate(args), "seqused", "expected shape (2,) (batch,), got (1,)");
+
+  args = varlen_combine();
+  args.cu_seqlens->dtype = DType::kFloat32;
+  EXPECT_INVALID(validate(args), "cu_seqlens", "expected dtype int32, got float32");
+
+  std::vector<std::int32_t> beyond{0, 30, 60};
+  args = varlen_combine();
+  args.cu_seqlens = int_tensor(beyond, {3});
+  EXPECT_INVALID(validate(args), "cu_seqlens", "total = 50", "cu_seqlens[2] = 60");
+
+  std::vector<std::int32_t> too_many{30, 21};
+  args = varlen_combine();
+  args.seqused = int_tensor(too_many, {2});
+  EXPECT_INVALID(validate(args), "seqused", "expected seqused[1] in [0, 20], got 21");
+}
+
+TEST_F(CombineValidation, CombineValidatesBeforeRunning) {
+  CombineArgs args = dense_combine();
+  args.out = tensor(DType::kBFloat16, {2, 64, 8, 64});
+  EXPECT_INVALID(combine(args), "out", "expected shape (2, 64, 8, 128)");
+}
+
+// --- Builds without CUDA ------------------------------------------------------------------
+
+TEST(Dispatch, DeviceTensorsNeedACudaBuild) {
+#if CUFLASH_HAS_CUDA
+  GTEST_SKIP() << "this build has CUDA";
+#else
+  const auto expect_not_built = [](const std::function<void()>& call) {
+    expect_error(call, Error::Kind::kNotBuilt, "device",
+                 {"built without CUDA", "CUFLASH_ENABLE_CUDA=OFF"});
+  };
+  const ForwardArgs fwd = dense_forward(DType::kBFloat16, kCuda0);
+  const BackwardArgs bwd = dense_backward(DType::kBFloat16, kCuda0);
+  const CombineArgs cmb = dense_combine(kCuda0);
+  expect_not_built([&] { forward(fwd); });
+  expect_not_built([&] { backward(bwd); });
+  expect_not_built([&] { combine(cmb); });
+  expect_not_built([&] { forward_workspace_size(fwd); });
+  expect_not_built([&] { backward_workspace_size(bwd); });
+  EXPECT_FALSE(cuda_available());
+  EXPECT_TRUE(built_kernels().empty());
+
+  // Validation still comes first.
+  ForwardArgs bad = dense_forward(DType::kBFloat16, kCuda0);
+  bad.k = tensor(DType::kBFloat16, {2, 128, 8, 32}, kCuda0);
+  EXPECT_INVALID(forward(bad), "k", "expected shape (2, 128, 8, 64)");
+#endif
+}
+
+TEST(Dispatch, ReportsVersion) { EXPECT_STREQ(version(), CUFLASH_PROJECT_VERSION); }
+
+}  // namespace
+}  // namespace cuflash
