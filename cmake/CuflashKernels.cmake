@@ -76,14 +76,26 @@ list(LENGTH CUFLASH_SELECTED_INSTANTIATIONS _count)
 message(STATUS "cuflash: kernel set '${CUFLASH_KERNEL_SET}' (hdims ${_hdims}; dtypes ${_dtypes}): ${_count} instantiation files")
 
 # The list of compiled configurations, for dispatch to report what is missing.
+# cuflash_built_kernels.inc: CUFLASH_BUILT(<stem>) for every file; cuflash_built_fwd.inc:
+# CUFLASH_BUILT_FWD(<stem>) for the forward ones, which src/sm90/dispatch_fwd_sm90.cu links to.
 set(CUFLASH_BUILT_LIST "")
+set(CUFLASH_BUILT_FWD_LIST "")
 foreach(_file ${CUFLASH_SELECTED_INSTANTIATIONS})
   get_filename_component(_name ${_file} NAME_WE)
   string(APPEND CUFLASH_BUILT_LIST "CUFLASH_BUILT(${_name})\n")
+  if(_name MATCHES "^flash_fwd_")
+    string(APPEND CUFLASH_BUILT_FWD_LIST "CUFLASH_BUILT_FWD(${_name})\n")
+  endif()
 endforeach()
-file(WRITE ${PROJECT_BINARY_DIR}/generated/cuflash_built_kernels.inc.tmp "${CUFLASH_BUILT_LIST}")
-configure_file(${PROJECT_BINARY_DIR}/generated/cuflash_built_kernels.inc.tmp
-  ${PROJECT_BINARY_DIR}/generated/cuflash_built_kernels.inc COPYONLY)
+foreach(_inc cuflash_built_kernels cuflash_built_fwd)
+  if(_inc STREQUAL "cuflash_built_fwd")
+    set(_text "${CUFLASH_BUILT_FWD_LIST}")
+  else()
+    set(_text "${CUFLASH_BUILT_LIST}")
+  endif()
+  file(WRITE ${PROJECT_BINARY_DIR}/generated/${_inc}.inc.tmp "${_text}")
+  configure_file(${PROJECT_BINARY_DIR}/generated/${_inc}.inc.tmp ${PROJECT_BINARY_DIR}/generated/${_inc}.inc COPYONLY)
+endforeach()
 
 file(GLOB CUFLASH_SM90_SOURCES CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/src/sm90/*.cu)
 target_sources(cuflash PRIVATE ${CUFLASH_SM90_SOURCES} ${CUFLASH_SELECTED_INSTANTIATIONS})

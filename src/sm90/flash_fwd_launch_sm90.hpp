@@ -1,0 +1,34 @@
+// Launch template for the forward kernel: one explicit instantiation per generated
+// src/instantiations/flash_fwd_*.cu file.
+#pragma once
+
+#include <string>
+
+#include <cuda_runtime.h>
+
+#include "api/params.hpp"
+#include "cuflash/error.hpp"
+#include "sm90/flash_fwd_kernel_sm90.hpp"
+
+namespace cuflash::sm90 {
+
+inline void check_launch(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) {
+    throw Error(Error::Kind::kCuda, "", std::string(what) + ": " + cudaGetErrorString(status));
+  }
+}
+
+template <class Element, int kHeadDim, int kHeadDimV, bool kHasSoftcap>
+void run_flash_fwd_sm90(FwdParams& params, cudaStream_t stream) {
+  using Kernel = FlashFwdKernelSm90<FwdConfig<Element, kHeadDim, kHeadDimV, kHasSoftcap>>;
+  typename Kernel::Params const kernel_params = Kernel::to_params(params);
+  dim3 const grid = Kernel::grid_shape(kernel_params);
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
+  auto kernel = &flash_fwd_kernel_sm90<Kernel>;
+  check_launch(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSharedStorageBytes),
+               "cuflash forward: cannot reserve shared memory");
+  kernel<<<grid, Kernel::kNumThreads, Kernel::kSharedStorageBytes, stream>>>(kernel_params);
+  check_launch(cudaGetLastError(), "cuflash forward: kernel launch failed");
+}
+
+}  // namespace cuflash::sm90

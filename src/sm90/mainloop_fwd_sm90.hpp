@@ -1,0 +1,288 @@
+// Forward mainloop for Hopper.
+// Producer (one thread): TMA loads of the Q tile once, then K and V tiles from the last
+// n-block down into a kStages-deep shared-memory pipeline (cutlass::PipelineTmaAsync, one
+// pipeline for K and one for V so that S = Q K^T can start before V has landed).
+// Consumers (the MMA warpgroups, 64 rows of Q each): S = Q K^T by SS WGMMA, online softmax in
+// registers, O += P V by RS WGMMA with P converted in registers. The QK^T of block n is issued
+// together with the PV of block n+1 so the softmax of one overlaps the GEMM of the other, and
+// warpgroups take turns issuing GEMMs (pingpong on named barriers) so one warpgroup's softmax
+// runs under the other's GEMMs.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/gemm/collective/builders/sm90_common.inl>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "api/params.hpp"
+#include "sm90/mask.hpp"
+#include "sm90/seqlen_info.hpp"
+#include "sm90/softmax.hpp"
+#include "sm90/utils_sm90.hpp"
+
+namespace cuflash::sm90 {
+
+// Named barriers (ids past CUTLASS's reserved ones).
+enum class FwdNamedBarrier : int {
+  kEpilogue = 0,
+  kWarpSchedulerWG0 = 1,  // one per MMA warpgroup, up to 3
+};
+
+template <class Config>
+struct MainloopFwdSm90 {
+  using Element = typename Config::Element;
+  using ElementAccum = float;
+  static constexpr int kBlockM = Config::kBlockM;
+  static constexpr int kBlockN = Config::kBlockN;
+  static constexpr int kHeadDim = Config::kHeadDim;
+  static constexpr int kHeadDimV = Config::kHeadDimV;
+  static constexpr int kStages = Config::kStages;
+  static constexpr int kNumMmaWarpGroups = Config::kNumMmaWarpGroups;
+  static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
+  static constexpr bool kHasSoftcap = Config::kHasSoftcap;
+
+  using TileShapeQK = cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>, cute::Int<kHeadDim>>;
+  using TileShapePV = cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDimV>, cute::Int<kBlockN>>;
+  using AtomLayoutMma = cute::Layout<cute::Shape<cute::Int<kNumMmaWarpGroups>, cute::_1, cute::_1>>;
+  using TiledMmaQK = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, ElementAccum, TileShapeQK>(), AtomLayoutMma{}));
+  // V is stored (kBlockN, Dv) with Dv contiguous: as the B operand (Dv x kBlockN) it is MN-major.
+  using TiledMmaPV = decltype(cute::make_tiled_mma(
+      cute::GMMA::rs_op_selector<Element, Element, ElementAccum, TileShapePV, cute::GMMA::Major::K,
+                                 cute::GMMA::Major::MN>(),
+      AtomLayoutMma{}));
+
+  using SmemLayoutAtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+                                   cute::GMMA::Major::K, Element, cute::Int<kBlockM>, cute::Int<kHeadDim>>());
+  using SmemLayoutQ = decltype(cute::tile_to_shape(SmemLayoutAtomQ{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
+  using SmemLayoutAtomK = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+                                   cute::GMMA::Major::K, Element, cute::Int<kBlockN>, cute::Int<kHeadDim>>());
+  using SmemLayoutK = decltype(cute::tile_to_shape(
+      SmemLayoutAtomK{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
+  using SmemLayoutAtomV = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+                                   cute::GMMA::Major::K, Element, cute::Int<kBlockN>, cute::Int<kHeadDimV>>());
+  using SmemLayoutV = decltype(cute::tile_to_shape(
+      SmemLayoutAtomV{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDimV>, cute::Int<kStages>>{}));
+  // V^T: the same bytes seen as (Dv, kBlockN, stages).
+  using SmemLayoutVt = decltype(cute::composition(
+      SmemLayoutV{}, cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDimV>, cute::Int<kBlockN>, cute::Int<kStages>>{},
+                                               cute::Step<cute::_2, cute::_1, cute::_3>{})));
+
+  // Global tensors as (rows, head dim, heads, batch); packed layouts use batch 1 and row offsets.
+  using ShapeQKV = cute::Shape<int32_t, int32_t, int32_t, int32_t>;
+  using StrideQKV = cute::Stride<int64_t, cute::_1, int64_t, int64_t>;
+  using TMA_Q = decltype(cute::make_tma_copy(
+      cute::SM90_TMA_LOAD{},
+      cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQKV{}),
+      SmemLayoutQ{}, cute::select<0, 2>(TileShapeQK{}), cute::_1{}));
+  using TMA_K = decltype(cute::make_tma_copy(
+      cute::SM90_TMA_LOAD{},
+      cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQKV{}),
+      cute::take<0, 2>(SmemLayoutK{}), cute::select<1, 2>(TileShapeQK{}), cute::_1{}));
+  using TMA_V = decltype(cute::make_tma_copy(
+      cute::SM90_TMA_LOAD{},
+      cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQKV{}),
+      cute::take<0, 2>(SmemLayoutV{}), cute::select<2, 1>(TileShapePV{}), cute::_1{}));
+
+  static constexpr uint32_t kTmaBytesQ = cute::size(SmemLayoutQ{}) * sizeof(Element);
+  static constexpr uint32_t kTmaBytesK = cute::size(cute::take<0, 2>(SmemLayoutK{})) * sizeof(Element);
+  static constexpr uint32_t kTmaBytesV = cute::size(cute::take<0, 2>(SmemLayoutV{})) * sizeof(Element);
+
+  using PipelineK = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineV = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = typename PipelineK::PipelineState;
+
+  struct TensorStorage {
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> smem_q;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> smem_k;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutV>, 1024> smem_v;
+  };
+
+  struct Params {
+    TMA_Q tma_load_q;
+    TMA_K tma_load_k;
+    TMA_V tma_load_v;
+    ShapeQKV shape_q, shape_k, shape_v;
+  };
+
+  // TMA needs every non-unit stride to be a multiple of 16 bytes; the stride of an extent-1
+  // mode is never used, so any such value does.
+  static int64_t tma_stride(int64_t stride, int64_t extent) {
+    return extent > 1 ? stride : int64_t(16 / sizeof(Element));
+  }
+
+  static Params to_params(FwdParams const& p) {
+    using namespace cute;
+    bool const packed_q = p.cu_seqlens_q != nullptr;
+    bool const packed_k = p.cu_seqlens_k != nullptr;
+    // Extents are at least 1 so that the descriptors encode even when no row is ever loaded.
+    int const rows_q = max(packed_q ? p.total_q : p.seqlen_q, 1);
+    int const rows_k = max(packed_k ? p.total_k : p.seqlen_k, 1);
+    int const batch_q = packed_q ? 1 : p.batch;
+    int const batch_k = packed_k ? 1 : p.batch;
+    ShapeQKV shape_q{rows_q, p.head_dim, p.num_heads, batch_q};
+    ShapeQKV shape_k{rows_k, p.head_dim, p.num_heads_kv, batch_k};
+    ShapeQKV shape_v{rows_k, p.head_dim_v, p.num_heads_kv, batch_k};
+    StrideQKV stride_q{tma_stride(p.q_row_stride, rows_q), _1{}, tma_stride(p.q_head_stride, p.num_heads),
+                       tma_stride(p.q_batch_stride, batch_q)};
+    StrideQKV stride_k{tma_stride(p.k_row_stride, rows_k), _1{}, tma_stride(p.k_head_stride, p.num_heads_kv),
+                       tma_stride(p.k_batch_stride, batch_k)};
+    StrideQKV stride_v{tma_stride(p.v_row_stride, rows_k), _1{}, tma_stride(p.v_head_stride, p.num_heads_kv),
+                       tma_stride(p.v_batch_stride, batch_k)};
+    Tensor mQ = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.q)), make_layout(shape_q, stride_q));
+    Tensor mK = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.k)), make_layout(shape_k, stride_k));
+    Tensor mV = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.v)), make_layout(shape_v, stride_v));
+    return {make_tma_copy(SM90_TMA_LOAD{}, mQ, SmemLayoutQ{}, select<0, 2>(TileShapeQK{}), _1{}),
+            make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(SmemLayoutK{}), select<1, 2>(TileShapeQK{}), _1{}),
+            make_tma_copy(SM90_TMA_LOAD{}, mV, take<0, 2>(SmemLayoutV{}), select<2, 1>(TileShapePV{}), _1{}),
+            shape_q, shape_k, shape_v};
+  }
+
+  CUTLASS_DEVICE static void prefetch_descriptors(Params const& params) {
+    cute::prefetch_tma_descriptor(params.tma_load_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_load_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_load_v.get_tma_descriptor());
+  }
+
+  // Producer: called by one elected thread of the producer warp.
+  CUTLASS_DEVICE static void load(Params const& params, TensorStorage& storage,
+                                  cutlass::arch::ClusterTransactionBarrier& barrier_q, PipelineK& pipeline_k,
+                                  PipelineV& pipeline_v, PipelineState& smem_pipe_write, SeqlenInfo const& seqlen,
+                                  int m_block, int head, int head_kv, int batch, int n_block_min, int n_block_max) {
+    using namespace cute;
+    Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});
+    int const batch_q = get<3>(params.shape_q) == 1 ? 0 : batch;
+    int const batch_k = get<3>(params.shape_k) == 1 ? 0 : batch;
+    Tensor mQ = params.tma_load_q.get_tma_tensor(params.shape_q)(_, _, head, batch_q);
+    Tensor mK = params.tma_load_k.get_tma_tensor(params.shape_k)(_, _, head_kv, batch_k);
+    Tensor mV = params.tma_load_v.get_tma_tensor(params.shape_v)(_, _, head_kv, batch_k);
+    Tensor gQ = local_tile(domain_offset(make_coord(seqlen.offset_q, _0{}), mQ), select<0, 2>(TileShapeQK{}),
+                           make_coord(m_block, _0{}));  // (M, D)
+    Tensor gK = local_tile(domain_offset(make_coord(seqlen.offset_k, _0{}), mK), select<1, 2>(TileShapeQK{}),
+                           make_coord(_, _0{}));  // (N, D, n_blocks)
+    Tensor gV = local_tile(domain_offset(make_coord(seqlen.offset_k, _0{}), mV), select<2, 1>(TileShapePV{}),
+                           make_coord(_, _0{}));  // (N, Dv, n_blocks)
+    auto [tQgQ, tQsQ] = tma_partition(params.tma_load_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+    auto [tKgK, tKsK] = tma_partition(params.tma_load_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    auto [tVgV, tVsV] = tma_partition(params.tma_load_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+
+    using BarrierType = cutlass::arch::ClusterTransactionBarrier::ValueType;
+    barrier_q.arrive_and_expect_tx(kTmaBytesQ);
+    copy(params.tma_load_q.with(reinterpret_cast<BarrierType&>(barrier_q), 0), tQgQ, tQsQ);
+    for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
+      pipeline_k.producer_acquire(smem_pipe_write);
+      copy(params.tma_load_k.with(*pipeline_k.producer_get_barrier(smem_pipe_write), 0), tKgK(_, n_block),
+           tKsK(_, smem_pipe_write.index()));
+      pipeline_v.producer_acquire(smem_pipe_write);
+      copy(params.tma_load_v.with(*pipeline_v.producer_get_barrier(smem_pipe_write), 0), tVgV(_, n_block),
+           tVsV(_, smem_pipe_write.index()));
+      ++smem_pipe_write;
+    }
+  }
+
+  CUTLASS_DEVICE static void warp_scheduler_barrier_sync(int warp_group) {
+    if constexpr (kNumMmaWarpGroups > 1) {
+      cutlass::arch::NamedBarrier::sync(2 * cutlass::NumThreadsPerWarpGroup,
+                                        int(FwdNamedBarrier::kWarpSchedulerWG0) + warp_group);
+    }
+  }
+
+  CUTLASS_DEVICE static void warp_scheduler_barrier_arrive(int warp_group) {
+    if constexpr (kNumMmaWarpGroups > 1) {
+      int const next = warp_group + 1 == kNumMmaWarpGroups ? 0 : warp_group + 1;
+      cutlass::arch::NamedBarrier::arrive(2 * cutlass::NumThreadsPerWarpGroup,
+                                          int(FwdNamedBarrier::kWarpSchedulerWG0) + next);
+    }
+  }
+
+  // The first warpgroup goes first: it passes its own scheduler barrier once.
+  CUTLASS_DEVICE static void mma_init(int warp_group) {
+    if constexpr (kNumMmaWarpGroups > 1) {
+      if (warp_group == 0) {
+        cutlass::arch::NamedBarrier::arrive(2 * cutlass::NumThreadsPerWarpGroup,
+                                            int(FwdNamedBarrier::kWarpSchedulerWG0));
+      }
+    }
+  }
+
+  // Consumer: accumulates the unnormalised output of this thread's rows into tOrO and leaves
+  // the running max/sum in softmax. Requires n_block_min < n_block_max.
+  template <class TensorO, class Softmax>
+  CUTLASS_DEVICE static void mma(TensorStorage& storage, cutlass::arch::ClusterTransactionBarrier& barrier_q,
+                                 PipelineK& pipeline_k, PipelineV& pipeline_v, PipelineState& smem_pipe_read,
+                                 TensorO& tOrO, Softmax& softmax, FwdMask<kBlockM, kBlockN> const& mask,
+                                 float softcap_scale, int thread_idx, int m_block, int n_block_min,
+                                 int n_block_max) {
+    using namespace cute;
+    Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
+    Tensor sVt = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutVt{});
+    int const warp_group = thread_idx / cutlass::NumThreadsPerWarpGroup;
+
+    TiledMmaQK tiled_mma_qk;
+    TiledMmaPV tiled_mma_pv;
+    auto thr_mma_qk = tiled_mma_qk.get_thread_slice(thread_idx);
+    auto thr_mma_pv = tiled_mma_pv.get_thread_slice(thread_idx);
+    Tensor tSrQ = thr_mma_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K)
+    Tensor tSrK = thr_mma_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stages)
+    Tensor tOrV = thr_mma_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stages)
+    Tensor tSrS = partition_fragment_C(tiled_mma_qk, select<0, 1>(TileShapeQK{}));  // (MMA, MMA_M, MMA_N)
+    Tensor tScS = thr_mma_qk.partition_C(make_identity_tensor(select<0, 1>(TileShapeQK{})));
+    Tensor tOrP = make_tensor<Element>(acc_as_a_operand_layout(tSrS.layout()));
+
+    // Softcap: s = softcap * tanh(s * scale / softcap); the outer softcap lives in scale_log2.
+    auto scores_transform = [&](auto& scores) {
+      if constexpr (kHasSoftcap) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(scores); ++i) scores(i) = tanh_approx(scores(i) * softcap_scale);
+      }
+    };
+
+    int n_block = n_block_max - 1;
+    float scores_scale[Softmax::kNumRows];
+
+    pipeline_k.consumer_wait(smem_pipe_read);
+    barrier_q.wait(0);
+    warp_scheduler_barrier_sync(warp_group);
+    gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, smem_pipe_read.index()), tSrS);
+    warp_scheduler_barrier_arrive(warp_group);
+    warpgroup_wait<0>();
+    pipeline_k.consumer_release(smem_pipe_read);
+    scores_transform(tSrS);
+    mask.apply(tSrS, tScS, m_block, n_block);  // the last block always touches an edge
+    softmax.template online</*kFirst=*/true>(tSrS, scores_scale);
+    convert_into(tSrS, tOrP);
+    clear(tOrO);
+
+    PipelineState smem_pipe_read_v = smem_pipe_read;
+    ++smem_pipe_read;
+    for (--n_block; n_block >= n_block_min; --n_block) {
+      pipeline_k.consumer_wait(smem_pipe_read);
+      warp_scheduler_barrier_sync(warp_group);
+      gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, smem_pipe_read.index()), tSrS);
+      softmax.rescale_o(tOrO, scores_scale);
+      pipeline_v.consumer_wait(smem_pipe_read_v);
+      gemm</*kZeroInit=*/false, /*kWait=*/-1>(tiled_mma_pv, tOrP, tOrV(_, _, _, smem_pipe_read_v.index()), tOrO);
+      warp_scheduler_barrier_arrive(warp_group);
+      warpgroup_wait<1>();  // S is ready; P V may still run
+      pipeline_k.consumer_release(smem_pipe_read);
+      scores_transform(tSrS);
+      if (mask.needs_mask(m_block, n_block)) mask.apply(tSrS, tScS, m_block, n_block);
+      softmax.template online</*kFirst=*/false>(tSrS, scores_scale);
+      warpgroup_wait<0>();
+      pipeline_v.consumer_release(smem_pipe_read_v);
+      convert_into(tSrS, tOrP);
+      smem_pipe_read_v = smem_pipe_read;
+      ++smem_pipe_read;
+    }
+    softmax.rescale_o(tOrO, scores_scale);
+    pipeline_v.consumer_wait(smem_pipe_read_v);
+    gemm</*kZeroInit=*/false, /*kWait=*/0>(tiled_mma_pv, tOrP, tOrV(_, _, _, smem_pipe_read_v.index()), tOrO);
+    pipeline_v.consumer_release(smem_pipe_read_v);
+  }
+};
+
+}  // namespace cuflash::sm90

@@ -1,0 +1,79 @@
+// Causal / sliding-window / sequence-length masking for the forward kernel.
+// Windows are aligned bottom-right: key j is visible to query i iff
+//   i + seqlen_k - seqlen_q - window_left <= j <= i + seqlen_k - seqlen_q + window_right,
+// with a negative window side meaning unbounded (causal is window_right = 0).
+// Two levels: the range of n-blocks a row block visits at all, and whether one n-block
+// needs per-element masking (only blocks on a mask edge pay for it).
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+
+#include "sm90/utils_sm90.hpp"
+
+namespace cuflash::sm90 {
+
+template <int kBlockM, int kBlockN>
+struct FwdMask {
+  int seqlen_q, seqlen_k;
+  int window_left, window_right;  // < 0: unbounded
+
+  CUTLASS_DEVICE int diagonal_offset() const { return seqlen_k - seqlen_q; }
+
+  // [n_block_min, n_block_max) holds every key visible to some row of m_block.
+  CUTLASS_DEVICE void n_block_range(int m_block, int& n_block_min, int& n_block_max) const {
+    n_block_min = 0;
+    n_block_max = cute::ceil_div(seqlen_k, kBlockN);
+    int const row_min = m_block * kBlockM;
+    int const row_max = min((m_block + 1) * kBlockM, seqlen_q) - 1;
+    if (row_max < row_min) {  // no query row in this block
+      n_block_max = 0;
+      return;
+    }
+    if (window_right >= 0) {
+      int const col_end = row_max + diagonal_offset() + window_right + 1;
+      n_block_max = min(n_block_max, cute::ceil_div(max(col_end, 0), kBlockN));
+    }
+    if (window_left >= 0) {
+      int const col_begin = row_min + diagonal_offset() - window_left;
+      n_block_min = max(col_begin, 0) / kBlockN;
+    }
+    n_block_max = max(n_block_max, n_block_min);
+  }
+
+  // True when some element of (m_block, n_block) is hidden (conservative).
+  CUTLASS_DEVICE bool needs_mask(int m_block, int n_block) const {
+    int const col_first = n_block * kBlockN;
+    int const col_last = col_first + kBlockN - 1;
+    bool const past_seqlen = col_last >= seqlen_k;
+    bool const right_edge =
+        window_right >= 0 && col_last > m_block * kBlockM + diagonal_offset() + window_right;
+    bool const left_edge =
+        window_left >= 0 && col_first < m_block * kBlockM + kBlockM - 1 + diagonal_offset() - window_left;
+    return past_seqlen || right_edge || left_edge;
+  }
+
+  // Sets hidden scores to -inf. tSrS: the thread's WGMMA accumulator; tScS: the matching
+  // (row, col) coordinates within the tile.
+  template <class TensorS, class TensorC>
+  CUTLASS_DEVICE void apply(TensorS& tSrS, TensorC const& tScS, int m_block, int n_block) const {
+    using namespace cute;
+    Tensor scores = make_tensor(tSrS.data(), acc_rowcol_layout(tSrS.layout()));
+    Tensor coords = make_tensor(tScS.data(), acc_rowcol_layout(tScS.layout()));
+    int const col_offset = n_block * kBlockN;
+    CUTLASS_PRAGMA_UNROLL
+    for (int m = 0; m < size<0>(scores); ++m) {
+      int const row = m_block * kBlockM + get<0>(coords(m, 0));
+      int col_end = seqlen_k - col_offset;  // exclusive, relative to the block
+      if (window_right >= 0) col_end = min(col_end, row + diagonal_offset() + window_right + 1 - col_offset);
+      int const col_begin = window_left >= 0 ? row + diagonal_offset() - window_left - col_offset : -1;
+      CUTLASS_PRAGMA_UNROLL
+      for (int n = 0; n < size<1>(scores); ++n) {
+        int const col = get<1>(coords(m, n));
+        if (col >= col_end || col < col_begin) scores(m, n) = -INFINITY;
+      }
+    }
+  }
+};
+
+}  // namespace cuflash::sm90

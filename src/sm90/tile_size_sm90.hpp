@@ -1,0 +1,22 @@
+// Forward tile sizes for Hopper, per head dimension (DESIGN.md section 9 is the starting point).
+// Shared memory bounds kBlockN at large head dims: Q + kStages * (K + V) must fit in 227 KB,
+// and O reuses Q's buffer.
+#pragma once
+
+namespace cuflash::sm90 {
+
+struct FwdTileSize {
+  int block_m;  // rows of Q per CTA: 64 per MMA warpgroup
+  int block_n;  // rows of K/V per pipeline stage
+  int stages;   // K/V pipeline depth
+};
+
+constexpr FwdTileSize fwd_tile_size(int head_dim, int head_dim_v) {
+  if (head_dim <= 64) return {192, 128, 2};
+  if (head_dim <= 96) return {192, 128, 2};
+  if (head_dim <= 128) return {128, 128, 2};
+  if (head_dim <= 192) return head_dim_v <= 128 ? FwdTileSize{128, 128, 2} : FwdTileSize{128, 112, 2};
+  return {128, 80, 2};
+}
+
+}  // namespace cuflash::sm90

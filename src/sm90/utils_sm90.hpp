@@ -1,0 +1,72 @@
+// Small device helpers shared by the sm90 kernels: WGMMA issue, accumulator layout views,
+// register conversions. Everything is force-inlined: a call boundary inside a WGMMA
+// sequence serialises it (ptxas warning C7510).
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/numeric_conversion.h>
+
+namespace cuflash::sm90 {
+
+// Issues C (+)= A * B over all k-blocks as one WGMMA batch. wait < 0 leaves the batch in
+// flight (the caller waits with warpgroup_wait<N>); otherwise waits until <= wait remain.
+template <bool kZeroInit, int kWait, class TiledMma, class TensorA, class TensorB, class TensorC>
+CUTLASS_DEVICE void gemm(TiledMma& tiled_mma, TensorA const& tCrA, TensorB const& tCrB, TensorC& tCrC) {
+  using namespace cute;
+  constexpr bool kIsRS = !is_base_of<GMMA::DescriptorIterator, typename TensorA::engine_type::iterator>::value;
+  if constexpr (kIsRS) warpgroup_fence_operand(const_cast<TensorA&>(tCrA));
+  warpgroup_fence_operand(tCrC);
+  warpgroup_arrive();
+  if constexpr (kZeroInit) tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTLASS_PRAGMA_UNROLL
+  for (int k_block = 0; k_block < size<2>(tCrA); ++k_block) {
+    cute::gemm(tiled_mma, tCrA(_, _, k_block), tCrB(_, _, k_block), tCrC);
+    tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  if constexpr (kWait >= 0) warpgroup_wait<kWait>();
+  warpgroup_fence_operand(tCrC);
+  if constexpr (kIsRS) warpgroup_fence_operand(const_cast<TensorA&>(tCrA));
+}
+
+// WGMMA accumulator ((2 cols, 2 rows, N/8), MMA_M, MMA_N) viewed as (rows, cols).
+template <class Layout>
+CUTE_HOST_DEVICE constexpr auto acc_rowcol_layout(Layout acc) {
+  using namespace cute;
+  static_assert(decltype(rank(acc))::value == 3);
+  static_assert(decltype(rank(get<0>(acc)))::value == 3);
+  return make_layout(make_layout(get<0, 1>(acc), get<1>(acc)),
+                     make_layout(get<0, 0>(acc), get<0, 2>(acc), get<2>(acc)));
+}
+
+// The same accumulator registers as the A operand of a 16-bit RS WGMMA whose K is the
+// accumulator's N: ((2, 2, 2), MMA_M, N/16). Lets P stay in registers for O += P V.
+template <class Layout>
+CUTE_HOST_DEVICE constexpr auto acc_as_a_operand_layout(Layout acc) {
+  using namespace cute;
+  auto col_groups = logical_divide(get<0, 2>(acc), Tile<_2>{});  // ((2, N/16))
+  return make_layout(make_layout(get<0, 0>(acc), get<0, 1>(acc), get<0, 0>(col_groups)), get<1>(acc),
+                     coalesce(make_layout(get<0, 1>(col_groups), get<2>(acc))));
+}
+
+// Converts a register tensor element-wise into `out` (same size), vectorised (cvt.rn.bf16x2 etc.).
+template <class TensorIn, class TensorOut>
+CUTLASS_DEVICE void convert_into(TensorIn const& in, TensorOut& out) {
+  using namespace cute;
+  using From = typename TensorIn::value_type;
+  using To = typename TensorOut::value_type;
+  constexpr int kNumel = decltype(size(in))::value;
+  static_assert(kNumel == decltype(size(out))::value);
+  cutlass::NumericArrayConverter<To, From, kNumel> convert_op;
+  *reinterpret_cast<cutlass::Array<To, kNumel>*>(out.data()) =
+      convert_op(*reinterpret_cast<cutlass::Array<From, kNumel> const*>(in.data()));
+}
+
+CUTLASS_DEVICE float tanh_approx(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+}  // namespace cuflash::sm90
