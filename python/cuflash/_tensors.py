@@ -9,7 +9,7 @@ No framework is imported here: a framework can only be in use if its module is a
 from __future__ import annotations
 
 import sys
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -80,8 +80,9 @@ class Framework:
         """What crosses to the extension module by DLPack."""
         return x
 
-    def finish(self, outputs: Sequence[Any], stream: int) -> None:
-        """Called after the extension has written `outputs` (e.g. to synchronise)."""
+    def finish(self, outputs: Sequence[Any], stream: int) -> List[Any]:
+        """The outputs as returned to the caller, once the extension has written them."""
+        return list(outputs)
 
 
 class NumpyFramework(Framework):
@@ -217,44 +218,61 @@ class CupyFramework(Framework):
 
 
 class JaxFramework(Framework):
-    """Eager JAX arrays. Outputs are fresh JAX buffers that the extension fills in place before
-    they are returned, and the call is synchronous on the GPU (JAX exposes no stream to join);
-    traced values inside jax.jit are refused."""
+    """Eager JAX arrays. JAX arrays are immutable, so outputs are first allocated as buffers
+    that cuflash owns (NumPy on the CPU, a CUDA allocation on the GPU), filled, and then
+    handed to JAX (a copy on the CPU, zero-copy by DLPack on the GPU). The call is synchronous
+    on the GPU, as JAX exposes no stream to join. Traced values (inside jax.jit) are refused."""
 
     name = "jax"
 
     @property
-    def jnp(self):
-        return sys.modules["jax"].numpy
+    def jax(self):
+        return sys.modules["jax"]
 
     def matches(self, x):
         jax = sys.modules.get("jax")
         return jax is not None and isinstance(x, jax.Array)
 
+    def _is_jax(self, x):
+        return isinstance(x, self.jax.Array)
+
     def device(self, x):
+        if not self._is_jax(x):  # a buffer of our own, before it becomes a JAX array
+            return ("cpu", 0) if isinstance(x, np.ndarray) else ("cuda", int(x.__dlpack_device__()[1]))
         devices = list(x.devices())
         if len(devices) != 1:
             raise ValueError("cuflash takes JAX arrays on a single device")
         platform = devices[0].platform
-        return ("cuda" if platform == "gpu" else platform, int(devices[0].id) if platform == "gpu" else 0)
+        if platform == "gpu":
+            return ("cuda", int(getattr(devices[0], "local_hardware_id", devices[0].id)))
+        return (platform, 0)
+
+    def dtype(self, x):
+        return _dtype_name(x.dtype)
 
     def strides(self, x):
-        # JAX arrays are always row-major.
+        if isinstance(x, np.ndarray):
+            return super().strides(x)
+        # JAX arrays (and our CUDA buffers) are row-major.
         strides, running = [], 1
-        for size in reversed(x.shape):
+        for size in reversed(tuple(x.shape)):
             strides.append(running)
             running *= size
         return tuple(reversed(strides))
 
-    def _place(self, array, like):
-        jax = sys.modules["jax"]
-        return jax.device_put(array, list(like.devices())[0])
+    def _buffer(self, shape, dtype, like, zero):
+        device = self.device(like)
+        if device[0] == "cuda":
+            from . import _C
+
+            return _C.cuda_empty(list(shape), dtype, device[1], zero)
+        return NumpyFramework().zeros(shape, dtype, None) if zero else NumpyFramework().empty(shape, dtype, None)
 
     def empty(self, shape, dtype, like):
-        return self._place(self.jnp.zeros(tuple(shape), dtype=dtype), like)
+        return self._buffer(shape, dtype, like, zero=False)
 
     def zeros(self, shape, dtype, like):
-        return self.empty(shape, dtype, like)
+        return self._buffer(shape, dtype, like, zero=True)
 
     def contiguous(self, x):
         return x
@@ -266,19 +284,25 @@ class JaxFramework(Framework):
         return np.asarray(x)
 
     def from_numpy(self, array, like):
-        return self._place(self.jnp.asarray(array), like)
+        return self.jax.device_put(array, list(like.devices())[0])
 
     def export(self, x):
+        if not self._is_jax(x):
+            return NumpyFramework().export(x) if isinstance(x, np.ndarray) else x
         if self.device(x)[0] == "cuda":
-            # The legacy default stream (DLPack's 1) waits for the producer's work on x.
+            # The legacy default stream (DLPack's 1), where cuflash runs, waits for x.
             return x.__dlpack__(stream=1)
         return x
 
     def finish(self, outputs, stream):
-        if outputs and self.device(outputs[0])[0] == "cuda":
+        outputs = list(outputs)
+        if any(not isinstance(o, np.ndarray) for o in outputs if o is not None):
             from . import _C
 
-            _C.stream_synchronize(0)
+            _C.stream_synchronize(stream)
+        jnp = self.jax.numpy
+        return [None if o is None else jnp.asarray(o) if isinstance(o, np.ndarray) else jnp.from_dlpack(o)
+                for o in outputs]
 
 
 _FRAMEWORKS = (NumpyFramework(), TorchFramework(), CupyFramework(), JaxFramework())

@@ -267,6 +267,48 @@ void stream_synchronize(std::uintptr_t stream) {
 #endif
 }
 
+// A new row-major CUDA buffer that frees itself with its last Python reference, for
+// frameworks whose own arrays are immutable (JAX): cuflash writes into it, then the framework
+// imports it by DLPack.
+OutArray cuda_empty(const std::vector<std::size_t>& shape, const std::string& dtype, int device_id, bool zero) {
+#if CUFLASH_PYTHON_HAS_CUDA
+  nb::dlpack::dtype element;
+  element.lanes = 1;
+  element.bits = 16;
+  if (dtype == "float16") {
+    element.code = static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float);
+  } else if (dtype == "bfloat16") {
+    element.code = static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bfloat);
+  } else if (dtype == "float32" || dtype == "int32") {
+    element.code = static_cast<std::uint8_t>(dtype == "float32" ? nb::dlpack::dtype_code::Float
+                                                                : nb::dlpack::dtype_code::Int);
+    element.bits = 32;
+  } else {
+    throw nb::type_error(("dtype: expected float16, bfloat16, float32 or int32, got " + dtype).c_str());
+  }
+  std::size_t bytes = element.bits / 8;
+  for (std::size_t extent : shape) bytes *= extent;
+  int previous_device = 0;
+  void* data = nullptr;
+  cudaError_t status = cudaGetDevice(&previous_device);
+  if (status == cudaSuccess) status = cudaSetDevice(device_id);
+  if (status == cudaSuccess) status = cudaMalloc(&data, bytes > 0 ? bytes : 1);
+  if (status == cudaSuccess && zero) status = cudaMemset(data, 0, bytes);
+  cudaSetDevice(previous_device);
+  if (status != cudaSuccess) {
+    throw std::runtime_error(std::string("cudaMalloc: ") + cudaGetErrorString(status));
+  }
+  nb::capsule owner(data, [](void* pointer) noexcept { cudaFree(pointer); });
+  return OutArray(data, shape.size(), shape.data(), owner, nullptr, element, nb::device::cuda::value, device_id);
+#else
+  (void)shape;
+  (void)dtype;
+  (void)device_id;
+  (void)zero;
+  throw nb::value_error("device: this cuflash build has no CUDA support");
+#endif
+}
+
 void translate_error(const std::exception_ptr& pointer, void*) {
   try {
     std::rethrow_exception(pointer);
@@ -327,6 +369,8 @@ NB_MODULE(_C, m) {
         "Runs cuflash::combine: merges split-KV partial results by their log-sum-exp.");
   m.def("stream_synchronize", &stream_synchronize, "stream"_a,
         "Waits for the work queued on a CUDA stream (no-op in a CPU-only build).");
+  m.def("cuda_empty", &cuda_empty, "shape"_a, "dtype"_a, "device"_a = 0, "zero"_a = false,
+        "A new row-major CUDA array, uninitialised or zeroed (freed with its last reference).");
   m.def("built_kernels", &cuflash::built_kernels, "Kernel configurations this build holds.");
   m.def("cuda_available", &cuflash::cuda_available, "Whether a usable CUDA device is present.");
   m.def("version", &cuflash::version, "Version of the C++ library.");

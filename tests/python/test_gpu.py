@@ -1,0 +1,130 @@
+"""CUDA arrays (torch, CuPy, JAX) on the sm_90a kernels, against the NumPy float64 reference.
+
+Skipped without a GPU. A configuration that this build does not contain (see
+cuflash.built_kernels()) skips with the library's NotImplementedError message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+
+import cuflash
+import attention_reference as ref
+from conftest import assert_close, assert_lse_close
+
+# The configuration of the "ci" kernel set: bf16, head_dim 128.
+SHAPE = (2, 200, 300, 8, 2, 128)  # batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim
+
+
+def torch_cuda():
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if not cuflash.built_with_cuda:
+        pytest.skip("cuflash was built without CUDA")
+    return torch
+
+
+@contextlib.contextmanager
+def skip_if_not_built():
+    try:
+        yield
+    except NotImplementedError as error:
+        pytest.skip(f"not in this build: {error}")
+
+
+def reference_inputs(rng, dtype):
+    batch, seqlen_q, seqlen_k, heads, heads_kv, dim = SHAPE
+    import ml_dtypes
+
+    cast = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16
+    return [rng.standard_normal(s).astype(cast) for s in
+            ((batch, seqlen_q, heads, dim), (batch, seqlen_k, heads_kv, dim), (batch, seqlen_k, heads_kv, dim))]
+
+
+def to_f64(t) -> np.ndarray:
+    return t.detach().float().cpu().numpy().astype(np.float64)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_torch_forward_backward(rng, causal):
+    torch = torch_cuda()
+    q, k, v = (torch.from_numpy(x.astype(np.float32)).cuda().bfloat16().requires_grad_(True)
+               for x in reference_inputs(rng, "bfloat16"))
+    with skip_if_not_built():
+        out, lse = cuflash.flash_attn_func(q, k, v, causal=causal)
+    assert out.is_cuda and out.dtype == torch.bfloat16 and lse.is_cuda
+    opts = ref.Options(causal=causal)
+    args = [to_f64(t) for t in (q, k, v)]
+    expected_out, expected_lse = ref.forward_dense(*args, opts)
+    assert_close(to_f64(out), expected_out, "bfloat16", what="out")
+    assert_lse_close(to_f64(lse), expected_lse)
+
+    dout = torch.randn_like(out)
+    with skip_if_not_built():
+        out.backward(dout)
+    expected = ref.backward_dense(to_f64(dout), *args, to_f64(out), opts)
+    for name, tensor, e in zip(("dq", "dk", "dv"), (q, k, v), expected[:3]):
+        assert_close(to_f64(tensor.grad), e, "bfloat16", scale=max(1.0, np.abs(e).max()), what=name)
+
+
+def test_torch_side_stream(rng):
+    torch = torch_cuda()
+    q, k, v = (torch.from_numpy(x.astype(np.float32)).cuda().bfloat16() for x in reference_inputs(rng, "bfloat16"))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), skip_if_not_built():
+        out, _ = cuflash.flash_attn_func(q, k, v)
+    torch.cuda.current_stream().wait_stream(stream)
+    expected_out, _ = ref.forward_dense(*(to_f64(t) for t in (q, k, v)), ref.Options())
+    assert_close(to_f64(out), expected_out, "bfloat16", what="out")
+
+
+def test_torch_gpu_matches_cpu_reference(rng):
+    torch = torch_cuda()
+    q, k, v = (torch.from_numpy(x.astype(np.float32)).bfloat16() for x in reference_inputs(rng, "bfloat16"))
+    cpu_out, cpu_lse = cuflash.flash_attn_func(q, k, v, causal=True)
+    with skip_if_not_built():
+        gpu_out, gpu_lse = cuflash.flash_attn_func(q.cuda(), k.cuda(), v.cuda(), causal=True)
+    assert_close(to_f64(gpu_out), to_f64(cpu_out), "bfloat16", what="out")
+    assert_lse_close(to_f64(gpu_lse), to_f64(cpu_lse))
+
+
+def test_cupy(rng):
+    cupy = pytest.importorskip("cupy", reason="cupy is not installed")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() == 0:
+            pytest.skip("no CUDA device")
+    except cupy.cuda.runtime.CUDARuntimeError:
+        pytest.skip("no CUDA device")
+    if not cuflash.built_with_cuda:
+        pytest.skip("cuflash was built without CUDA")
+    q, k, v = reference_inputs(rng, "float16")
+    with skip_if_not_built():
+        out, lse = cuflash.flash_attn_func(*(cupy.asarray(x) for x in (q, k, v)), causal=True)
+    assert isinstance(out, cupy.ndarray) and out.dtype == np.float16
+    expected_out, expected_lse = ref.forward_dense(q, k, v, ref.Options(causal=True))
+    assert_close(cupy.asnumpy(out), expected_out, "float16", what="out")
+    assert_lse_close(cupy.asnumpy(lse), expected_lse)
+
+
+def test_jax(rng):
+    jax = pytest.importorskip("jax", reason="jax is not installed")
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        gpus = []
+    if not gpus:
+        pytest.skip("no JAX GPU device")
+    if not cuflash.built_with_cuda:
+        pytest.skip("cuflash was built without CUDA")
+    q, k, v = reference_inputs(rng, "bfloat16")
+    with skip_if_not_built():
+        out, lse = cuflash.flash_attn_func(*(jax.device_put(x, gpus[0]) for x in (q, k, v)))
+    assert isinstance(out, jax.Array)
+    expected_out, expected_lse = ref.forward_dense(q, k, v, ref.Options())
+    assert_close(np.asarray(out).astype(np.float64), expected_out, "bfloat16", what="out")
+    assert_lse_close(np.asarray(lse), expected_lse)

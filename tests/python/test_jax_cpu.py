@@ -1,0 +1,83 @@
+"""JAX arrays on the CPU: inputs by DLPack, outputs returned as JAX arrays."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax", reason="jax is not installed")
+
+import cuflash  # noqa: E402
+import attention_reference as ref  # noqa: E402
+from conftest import assert_close, assert_lse_close, randn  # noqa: E402
+
+CPU = jax.devices("cpu")[0]
+
+
+def on_cpu(*arrays):
+    return [jax.device_put(a, CPU) for a in arrays]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_forward_backward(rng, dtype):
+    q, k, v = randn(rng, (2, 20, 4, 32), dtype), randn(rng, (2, 28, 2, 32), dtype), randn(rng, (2, 28, 2, 32), dtype)
+    jq, jk, jv = on_cpu(q, k, v)
+    out, lse = cuflash.flash_attn_func(jq, jk, jv, causal=True)
+    assert isinstance(out, jax.Array) and isinstance(lse, jax.Array)
+    assert out.dtype == jq.dtype and out.shape == (2, 20, 4, 32) and lse.dtype == np.float32
+    opts = ref.Options(causal=True)
+    expected_out, expected_lse = ref.forward_dense(q, k, v, opts)
+    assert_close(np.asarray(out), expected_out, dtype, what="out")
+    assert_lse_close(np.asarray(lse), expected_lse)
+
+    dout = randn(rng, out.shape, dtype)
+    dq, dk, dv, d_sink = cuflash.flash_attn_backward(jax.device_put(dout, CPU), jq, jk, jv, out, lse, causal=True)
+    assert d_sink is None and isinstance(dq, jax.Array)
+    expected = ref.backward_dense(dout, q, k, v, np.asarray(out), opts)
+    for name, grad, e in zip(("dq", "dk", "dv"), (dq, dk, dv), expected[:3]):
+        assert_close(np.asarray(grad), e, dtype, scale=max(1.0, np.abs(e).max()), what=name)
+
+
+def test_inputs_are_not_modified(rng):
+    q, k, v = (randn(rng, (1, 8, 2, 32)) for _ in range(3))
+    jq, jk, jv = on_cpu(q, k, v)
+    out1, _ = cuflash.flash_attn_func(jq, jk, jv)
+    out2, _ = cuflash.flash_attn_func(jq, jk, jv)
+    assert np.array_equal(np.asarray(jq), q)
+    assert np.array_equal(np.asarray(out1), np.asarray(out2))
+
+
+def test_varlen_with_score_mod(rng):
+    q, k, v = (randn(rng, (30, 4, 32)) for _ in range(3))
+    cu = np.array([0, 12, 30], np.int32)
+    slopes = cuflash.scores.alibi_slopes(4)
+    out, lse = cuflash.flash_attn_varlen_func(*on_cpu(q, k, v, cu, cu), score_mod=cuflash.scores.alibi(slopes))
+    opts = ref.Options(score_bias=lambda b, h, i, j: slopes[h] * (j - i))
+    for b, (start, length) in enumerate(ref.sequences(cu)):
+        rows = slice(start, start + length)
+        expected_out, expected_lse = ref.forward_one(q[rows], k[rows], v[rows], b, opts)
+        assert_close(np.asarray(out)[rows], expected_out, what="out")
+        assert_lse_close(np.asarray(lse)[:, rows], expected_lse)
+
+
+def test_combine(rng):
+    out_partial = rng.standard_normal((2, 10, 2, 32)).astype(np.float32)
+    lse_partial = rng.standard_normal((2, 10, 2)).astype(np.float32)
+    out, lse = cuflash.flash_attn_combine(*on_cpu(out_partial, lse_partial), out_dtype="bfloat16")
+    assert isinstance(out, jax.Array) and out.dtype.name == "bfloat16"
+    expected_out, expected_lse = ref.combine(out_partial, lse_partial)
+    assert_close(np.asarray(out).astype(np.float64), expected_out, "bfloat16", what="out")
+    assert_lse_close(np.asarray(lse), expected_lse)
+    with pytest.raises(TypeError, match="^out"):
+        cuflash.flash_attn_combine(*on_cpu(out_partial, lse_partial), out=jax.numpy.zeros((10, 2, 32)))
+
+
+def test_traced_values_are_refused(rng):
+    q = jax.device_put(randn(rng, (1, 8, 2, 32)), CPU)
+
+    @jax.jit
+    def attention(x):
+        return cuflash.flash_attn_func(x, x, x)[0]
+
+    with pytest.raises(TypeError, match="^q"):
+        attention(q)

@@ -1,0 +1,135 @@
+"""torch tensors on the CPU: outputs allocated by torch, autograd through torch.autograd.Function
+(gradients of q, k, v and learnable_sink against the NumPy float64 reference)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+
+import cuflash  # noqa: E402
+import attention_reference as ref  # noqa: E402
+from conftest import assert_close, assert_lse_close  # noqa: E402
+
+
+def to_numpy(t: "torch.Tensor") -> np.ndarray:
+    return t.detach().float().cpu().numpy().astype(np.float64)
+
+
+def tensors(generator, shapes, dtype=torch.float16, requires_grad=True):
+    return [torch.randn(*s, generator=generator, dtype=torch.float32).to(dtype).requires_grad_(requires_grad)
+            for s in shapes]
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(0)
+
+
+def dtype_name(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_and_autograd(gen, dtype, causal):
+    q, k, v = tensors(gen, [(2, 24, 4, 32), (2, 40, 2, 32), (2, 40, 2, 32)], dtype)
+    sink = torch.randn(4, generator=gen).requires_grad_(True)
+    out, lse = cuflash.flash_attn_func(q, k, v, causal=causal, learnable_sink=sink)
+    assert isinstance(out, torch.Tensor) and out.dtype == dtype and out.shape == (2, 24, 4, 32)
+    assert lse.dtype == torch.float32 and lse.shape == (2, 4, 24) and not lse.requires_grad
+    assert out.requires_grad and out.grad_fn is not None
+
+    opts = ref.Options(causal=causal, sink=to_numpy(sink))
+    qn, kn, vn = (to_numpy(t) for t in (q, k, v))
+    expected_out, expected_lse = ref.forward_dense(qn, kn, vn, opts)
+    assert_close(to_numpy(out), expected_out, dtype_name(dtype), what="out")
+    assert_lse_close(to_numpy(lse), expected_lse)
+
+    dout = torch.randn(out.shape, generator=gen).to(dtype)
+    out.backward(dout)
+    expected = ref.backward_dense(to_numpy(dout), qn, kn, vn, to_numpy(out), opts)
+    for name, tensor, e in zip(("dq", "dk", "dv"), (q, k, v), expected[:3]):
+        assert tensor.grad.dtype == dtype
+        assert_close(to_numpy(tensor.grad), e, dtype_name(dtype), scale=max(1.0, np.abs(e).max()), what=name)
+    assert sink.grad is not None and sink.grad.dtype == sink.dtype
+    np.testing.assert_allclose(to_numpy(sink.grad), expected[3], atol=2e-2, rtol=2e-2)
+
+
+def test_varlen_autograd_with_score_mod(gen):
+    lengths = [7, 0, 19]
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+    q, k, v = tensors(gen, [(26, 4, 32), (26, 4, 32), (26, 4, 32)])
+    slopes = torch.tensor(cuflash.scores.alibi_slopes(4))
+    out, lse = cuflash.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True,
+                                              score_mod=cuflash.scores.alibi(slopes))
+    assert lse.shape == (4, 26)
+    dout = torch.randn(out.shape, generator=gen).half()
+    out.backward(dout)
+    opts = ref.Options(causal=True, score_bias=lambda b, h, i, j: slopes.numpy()[h] * (j - i))
+    for b, (start, length) in enumerate(ref.sequences(cu.numpy())):
+        rows = slice(start, start + length)
+        args = [to_numpy(t[rows]) for t in (q, k, v)]
+        expected_out, _ = ref.forward_one(*args, b, opts)
+        assert_close(to_numpy(out[rows]), expected_out, what="out")
+        dq, dk, dv, _ = ref.backward_one(to_numpy(dout[rows]), *args, to_numpy(out[rows]), b, opts)
+        for name, tensor, e in zip(("dq", "dk", "dv"), (q, k, v), (dq, dk, dv)):
+            assert_close(to_numpy(tensor.grad[rows]), e, scale=max(1.0, np.abs(e).max()), what=name)
+
+
+def test_block_sparse_autograd(gen):
+    seqlen = 200
+    q, k, v = tensors(gen, [(1, seqlen, 2, 32)] * 3)
+    cnt = torch.tensor([[[1, 1]]], dtype=torch.int32)
+    idx = torch.tensor([[[[0, 0], [1, 0]]]], dtype=torch.int32)  # block-diagonal
+    out, _ = cuflash.flash_attn_func(q, k, v, full_block_cnt=cnt, full_block_idx=idx)
+    out.sum().backward()
+    opts = ref.Options(blocks=ref.block_masks((cnt.numpy(), idx.numpy()), (None, None), seqlen, seqlen))
+    args = [to_numpy(t) for t in (q, k, v)]
+    expected = ref.backward_dense(np.ones(out.shape), *args, to_numpy(out), opts)
+    for name, tensor, e in zip(("dq", "dk", "dv"), (q, k, v), expected[:3]):
+        assert_close(to_numpy(tensor.grad), e, scale=max(1.0, np.abs(e).max()), what=name)
+
+
+def test_no_grad_and_inference_mode(gen):
+    q, k, v = tensors(gen, [(1, 8, 2, 32)] * 3)
+    with torch.no_grad():
+        out, _ = cuflash.flash_attn_func(q, k, v)
+    assert not out.requires_grad
+    with torch.inference_mode():
+        out2, _ = cuflash.flash_attn_func(q.detach(), k.detach(), v.detach())
+    assert torch.equal(out, out2)
+
+
+def test_strided_torch_inputs(gen):
+    qkv = torch.randn(2, 20, 3, 4, 64, generator=gen).half()
+    q, k, v = qkv.unbind(2)
+    out, lse = cuflash.flash_attn_func(q, k, v, causal=True)
+    expected_out, expected_lse = ref.forward_dense(to_numpy(q), to_numpy(k), to_numpy(v), ref.Options(causal=True))
+    assert_close(to_numpy(out), expected_out, what="out")
+    assert_lse_close(to_numpy(lse), expected_lse)
+
+
+def test_combine(gen):
+    out_partial = torch.randn(3, 2, 10, 4, 32, generator=gen)
+    lse_partial = torch.randn(3, 2, 10, 4, generator=gen)
+    out, lse = cuflash.flash_attn_combine(out_partial, lse_partial, out_dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and lse.shape == (2, 10, 4)
+    expected_out, expected_lse = ref.combine(out_partial.numpy(), lse_partial.numpy())
+    assert_close(to_numpy(out), expected_out, "bfloat16", what="out")
+    assert_lse_close(lse.numpy(), expected_lse)
+
+
+def test_mixed_frameworks_are_refused(gen):
+    q, k, v = tensors(gen, [(1, 8, 2, 32)] * 3, requires_grad=False)
+    with pytest.raises(TypeError, match="^k"):
+        cuflash.flash_attn_func(q, k.numpy(), v)
+
+
+def test_numpy_aux_tensor_moves_to_torch(gen):
+    q, k, v = tensors(gen, [(1, 12, 4, 32)] * 3, requires_grad=False)
+    slopes = cuflash.scores.alibi_slopes(4)  # NumPy
+    out, _ = cuflash.flash_attn_varlen_func(q, k, v, score_mod=cuflash.scores.alibi(slopes))
+    opts = ref.Options(score_bias=lambda b, h, i, j: slopes[h] * (j - i))
+    assert_close(to_numpy(out), ref.forward_dense(*(to_numpy(t) for t in (q, k, v)), opts)[0], what="out")
