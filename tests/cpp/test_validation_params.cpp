@@ -1,0 +1,367 @@
+// What dispatch hands to the kernels: strides, lengths, defaults and option normalisation in
+// FwdParams / BwdParams / CombineParams, built from validated arguments.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "api/params_builder.hpp"
+#include "api/validate.hpp"
+#include "cuflash/cuflash.hpp"
+
+namespace cuflash::detail {
+namespace {
+
+void* dummy_data() {
+  static float storage[4];
+  return storage;
+}
+
+TensorView tensor(DType dtype, std::initializer_list<std::int64_t> shape) {
+  return TensorView(dummy_data(), dtype, shape);
+}
+
+TEST(ParamsWindow, NormalizesCausalAndLocalAsTheSeed) {
+  struct Case {
+    bool causal;
+    int left, right;
+    bool is_causal, is_local;
+    int out_left, out_right;
+  };
+  const Case cases[] = {
+      {false, -1, -1, false, false, -1, -1},  // no mask
+      {true, -1, -1, true, false, -1, 0},     // causal
+      {false, -1, 0, true, false, -1, 0},     // window (unbounded, 0) is causal
+      {true, -1, 0, true, false, -1, 0},     {false, 5, 0, false, true, 5, 0},  // sliding window
+      {true, 5, -1, false, true, 5, 0},    // causal with a left window
+      {false, -1, 3, false, true, -1, 3},  // only the right side bounded
+      {false, 7, -4, false, true, 7, -1},  // any negative side is unbounded
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(::testing::Message()
+                 << "causal=" << c.causal << " left=" << c.left << " right=" << c.right);
+    const MaskWindow w = normalize_window(c.causal, c.left, c.right);
+    EXPECT_EQ(w.is_causal, c.is_causal);
+    EXPECT_EQ(w.is_local, c.is_local);
+    EXPECT_EQ(w.window_left, c.out_left);
+    EXPECT_EQ(w.window_right, c.out_right);
+  }
+}
+
+TEST(ParamsForward, DenseStridesAndDefaults) {
+  ForwardArgs args;
+  args.q = tensor(DType::kBFloat16, {2, 100, 8, 64});
+  args.k = tensor(DType::kBFloat16, {2, 300, 2, 64});
+  args.v = tensor(DType::kBFloat16, {2, 300, 2, 128});
+  args.out = tensor(DType::kBFloat16, {2, 100, 8, 128});
+  args.lse = tensor(DType::kFloat32, {2, 8, 100});
+  args.learnable_sink = tensor(DType::kBFloat16, {8});
+  args.opts.softcap = 30.f;
+  args.opts.causal = true;
+  const FwdParams p = make_fwd_params(args, check_forward(args));
+
+  EXPECT_EQ(p.batch, 2);
+  EXPECT_EQ(p.seqlen_q, 100);
+  EXPECT_EQ(p.seqlen_k, 300);
+  EXPECT_EQ(p.num_heads, 8);
+  EXPECT_EQ(p.num_heads_kv, 2);
+  EXPECT_EQ(p.head_dim, 64);
+  EXPECT_EQ(p.head_dim_v, 128);
+  EXPECT_EQ(p.total_q, 200);
+  EXPECT_EQ(p.q_batch_stride, 100 * 8 * 64);
+  EXPECT_EQ(p.q_row_stride, 8 * 64);
+  EXPECT_EQ(p.q_head_stride, 64);
+  EXPECT_EQ(p.k_batch_stride, 300 * 2 * 64);
+  EXPECT_EQ(p.v_row_stride, 2 * 128);
+  EXPECT_EQ(p.o_batch_stride, 100 * 8 * 128);
+  EXPECT_EQ(p.o_head_stride, 128);
+  EXPECT_EQ(p.lse_batch_stride, 8 * 100);
+  EXPECT_EQ(p.lse_head_stride, 100);
+  EXPECT_FLOAT_EQ(p.softmax_scale, 0.125f);
+  EXPECT_FLOAT_EQ(p.softmax_scale_log2, 0.125f * 1.4426950408889634f);
+  EXPECT_FLOAT_EQ(p.softcap, 30.f);
+  EXPECT_TRUE(p.is_causal);
+  EXPECT_FALSE(p.is_local);
+  EXPECT_TRUE(p.pack_gqa);  // default: H != H_kv
+  EXPECT_EQ(p.learnable_sink, dummy_data());
+  EXPECT_EQ(p.sink_dtype, static_cast<int>(DType::kBFloat16));
+  EXPECT_EQ(p.dtype, static_cast<int>(DType::kBFloat16));
+  EXPECT_EQ(p.num_splits, 1);
+  EXPECT_EQ(p.cu_seqlens_q, nullptr);
+  EXPECT_EQ(p.page_table, nullptr);
+  EXPECT_FALSE(p.block_sparse.enabled);
+
+  args.pack_gqa = false;
+  args.opts.softmax_scale = 0.5f;
+  const FwdParams explicit_params = make_fwd_params(args, check_forward(args));
+  EXPECT_FALSE(explicit_params.pack_gqa);
+  EXPECT_FLOAT_EQ(explicit_params.softmax_scale, 0.5f);
+}
+
+TEST(ParamsForward, StridedInputsKeepTheirStrides) {
+  ForwardArgs args;
+  // q, k and v as slices of one (B, S, 3, H, D) tensor.
+  const std::int64_t row = 3 * 4 * 64;
+  args.q = TensorView(dummy_data(), DType::kFloat16, {2, 50, 4, 64}, {50 * row, row, 64, 1});
+  args.k = args.q;
+  args.v = args.q;
+  args.out = tensor(DType::kFloat16, {2, 50, 4, 64});
+  const FwdParams p = make_fwd_params(args, check_forward(args));
+  EXPECT_EQ(p.q_batch_stride, 50 * row);
+  EXPECT_EQ(p.k_row_stride, row);
+  EXPECT_EQ(p.v_head_stride, 64);
+  EXPECT_EQ(p.lse, nullptr);
+  EXPECT_FALSE(p.pack_gqa);
+}
+
+TEST(ParamsForward, PackedAndPagedLayouts) {
+  std::vector<std::int32_t> cu_q{0, 30, 50}, cu_k{0, 40, 100};
+  ForwardArgs args;
+  args.q = tensor(DType::kFloat32, {50, 4, 64});
+  args.k = tensor(DType::kFloat32, {100, 2, 64});
+  args.v = tensor(DType::kFloat32, {100, 2, 64});
+  args.out = tensor(DType::kFloat32, {50, 4, 64});
+  args.lse = tensor(DType::kFloat32, {4, 50});
+  args.seq.cu_seqlens_q = TensorView(cu_q.data(), DType::kInt32, {3});
+  args.seq.cu_seqlens_k = TensorView(cu_k.data(), DType::kInt32, {3});
+  FwdParams p = make_fwd_params(args, check_forward(args));
+  EXPECT_EQ(p.batch, 2);
+  EXPECT_EQ(p.seqlen_q, 30);  // the longest sequence, read from host memory
+  EXPECT_EQ(p.seqlen_k, 60);
+  EXPECT_EQ(p.total_q, 50);
+  EXPECT_EQ(p.total_k, 100);
+  EXPECT_EQ(p.q_batch_stride, 0);
+  EXPECT_EQ(p.q_row_stride, 4 * 64);
+  EXPECT_EQ(p.k_head_stride, 64);
+  EXPECT_EQ(p.lse_batch_stride, 0);
+  EXPECT_EQ(p.lse_head_stride, 50);
+  EXPECT_EQ(p.cu_seqlens_q, cu_q.data());
+  EXPECT_EQ(p.cu_seqlens_k, cu_k.data());
+
+  args.seq.max_seqlen_q = 40;  // a hint wins over the computed maximum
+  p = make_fwd_params(args, check_forward(args));
+  EXPECT_EQ(p.seqlen_q, 40);
+
+  std::vector<std::int32_t> page_table{0, 1, 2, 5, 4, 3}, seqused_k{40, 30};
+  ForwardArgs paged;
+  paged.q = tensor(DType::kFloat32, {2, 10, 4, 64});
+  paged.k = tensor(DType::kFloat32, {6, 16, 2, 64});
+  paged.v = tensor(DType::kFloat32, {6, 16, 2, 64});
+  paged.out = tensor(DType::kFloat32, {2, 10, 4, 64});
+  paged.seq.page_table = TensorView(page_table.data(), DType::kInt32, {2, 3});
+  paged.seq.seqused_k = TensorView(seqused_k.data(), DType::kInt32, {2});
+  p = make_fwd_params(paged, check_forward(paged));
+  EXPECT_EQ(p.page_size, 16);
+  EXPECT_EQ(p.seqlen_k, 48);  // max_pages * page_size
+  EXPECT_EQ(p.page_table, page_table.data());
+  EXPECT_EQ(p.page_table_batch_stride, 3);
+  EXPECT_EQ(p.k_batch_stride, 16 * 2 * 64);  // the page stride
+  EXPECT_EQ(p.k_row_stride, 2 * 64);
+  EXPECT_EQ(p.seqused_k, seqused_k.data());
+}
+
+TEST(ParamsForward, ModsAndBlockSparsity) {
+  std::vector<std::int32_t> cnt(2 * 2, 1), idx(2 * 2 * 2, 0);
+  ForwardArgs args;
+  args.q = tensor(DType::kFloat32, {2, 128, 8, 64});
+  args.k = tensor(DType::kFloat32, {2, 128, 8, 64});
+  args.v = tensor(DType::kFloat32, {2, 128, 8, 64});
+  args.out = tensor(DType::kFloat32, {2, 128, 8, 64});
+  args.opts.score_mod.kind = ScoreModKind::kRelativeBias;
+  args.opts.score_mod.aux = {tensor(DType::kFloat32, {8, 9})};
+  args.opts.mask_mod.kind = MaskModKind::kSlidingWindow;
+  args.opts.mask_mod.scalars = {16, 2};
+  BlockSparseTensors blocks;
+  blocks.block_m = 64;
+  blocks.block_n = 64;
+  blocks.full_block_cnt = TensorView(cnt.data(), DType::kInt32, {2, 1, 2});
+  blocks.full_block_idx = TensorView(idx.data(), DType::kInt32, {2, 1, 2, 2});
+  args.opts.block_sparse = blocks;
+  const FwdParams p = make_fwd_params(args, check_forward(args));
+
+  EXPECT_EQ(p.score_mod.kind, static_cast<int>(ScoreModKind::kRelativeBias));
+  EXPECT_EQ(p.score_mod.num_aux, 1);
+  EXPECT_EQ(p.score_mod.aux_rows[0], 8);
+  EXPECT_EQ(p.score_mod.aux_cols[0], 9);
+  EXPECT_EQ(p.mask_mod.kind, static_cast<int>(MaskModKind::kSlidingWindow));
+  EXPECT_EQ(p.mask_mod.num_scalars, 2);
+  EXPECT_FLOAT_EQ(p.mask_mod.scalars[0], 16.f);
+  EXPECT_FLOAT_EQ(p.mask_mod.scalars[1], 2.f);
+  EXPECT_TRUE(p.block_sparse.enabled);
+  EXPECT_EQ(p.block_sparse.mask_block_cnt, nullptr);
+  EXPECT_EQ(p.block_sparse.full_block_cnt, cnt.data());
+  EXPECT_EQ(p.block_sparse.full_block_idx, idx.data());
+  EXPECT_EQ(p.block_sparse.num_heads_b, 1);
+  EXPECT_EQ(p.block_sparse.num_row_blocks, 2);
+  EXPECT_EQ(p.block_sparse.num_col_blocks, 2);
+}
+
+TEST(ParamsForward, SplitHeuristicAndBuffers) {
+  FwdParams p;
+  p.batch = 1;
+  p.seqlen_q = 1;
+  p.seqlen_k = 16384;
+  p.num_heads = 8;
+  p.num_heads_kv = 8;
+  p.head_dim_v = 128;
+  EXPECT_EQ(choose_num_splits(p, 4, 132), 4);
+  EXPECT_EQ(choose_num_splits(p, 1000, 132), kMaxSplits);
+  // Decode: 8 row tiles on 132 SMs, 128 key blocks: 16 splits.
+  EXPECT_EQ(choose_num_splits(p, 0, 132), 16);
+  p.seqlen_k = 512;  // 4 key blocks: never split
+  EXPECT_EQ(choose_num_splits(p, 0, 132), 1);
+  p.seqlen_k = 4096;
+  p.batch = 64;  // enough row tiles to fill the device
+  EXPECT_EQ(choose_num_splits(p, -1, 132), 1);
+  // A window bounds the keys that are loaded.
+  p.batch = 1;
+  p.seqlen_k = 16384;
+  p.is_local = true;
+  p.window_left = 256;
+  p.window_right = 0;
+  EXPECT_EQ(choose_num_splits(p, 0, 132), 1);
+
+  p = FwdParams{};
+  p.batch = 2;
+  p.seqlen_q = 3;
+  p.num_heads = 4;
+  p.head_dim_v = 64;
+  p.num_splits = 1;
+  EXPECT_EQ(split_kv_workspace_bytes(p), 0u);
+  p.num_splits = 5;
+  const std::size_t out_bytes = 5 * 2 * 3 * 4 * 64 * sizeof(float);  // 30720, a multiple of 256
+  const std::size_t lse_bytes = 5 * 2 * 3 * 4 * sizeof(float);       // 480 -> 512
+  EXPECT_EQ(split_kv_workspace_bytes(p), out_bytes + 512);
+  std::vector<char> workspace(split_kv_workspace_bytes(p));
+  assign_split_kv_buffers(p, workspace.data());
+  EXPECT_EQ(static_cast<void*>(p.out_partial), workspace.data());
+  EXPECT_EQ(reinterpret_cast<char*>(p.lse_partial), workspace.data() + out_bytes);
+  (void)lse_bytes;
+}
+
+TEST(ParamsForward, SplitCombineWritesIntoOutAndLse) {
+  ForwardArgs args;
+  args.q = tensor(DType::kBFloat16, {2, 10, 4, 64});
+  args.k = tensor(DType::kBFloat16, {2, 900, 4, 64});
+  args.v = tensor(DType::kBFloat16, {2, 900, 4, 32});
+  args.out = tensor(DType::kBFloat16, {2, 10, 4, 32});
+  args.lse = tensor(DType::kFloat32, {2, 4, 10});
+  const AttentionShape shape = check_forward(args);
+  FwdParams p = make_fwd_params(args, shape);
+  p.num_splits = 3;
+  std::vector<char> workspace(split_kv_workspace_bytes(p));
+  assign_split_kv_buffers(p, workspace.data());
+  const CombineParams c = make_split_combine_params(p, args, shape);
+  EXPECT_EQ(c.num_splits, 3);
+  EXPECT_EQ(c.batch, 2);
+  EXPECT_EQ(c.seqlen, 10);
+  EXPECT_EQ(c.num_heads, 4);
+  EXPECT_EQ(c.head_dim, 32);
+  EXPECT_EQ(c.out_partial, p.out_partial);
+  EXPECT_EQ(c.op_split_stride, 2 * 10 * 4 * 32);
+  EXPECT_EQ(c.op_batch_stride, 10 * 4 * 32);
+  EXPECT_EQ(c.op_row_stride, 4 * 32);
+  EXPECT_EQ(c.lp_split_stride, 2 * 10 * 4);
+  EXPECT_EQ(c.lp_row_stride, 4);
+  EXPECT_EQ(c.lp_head_stride, 1);
+  EXPECT_EQ(c.out, args.out.data);
+  EXPECT_EQ(c.o_batch_stride, 10 * 4 * 32);
+  EXPECT_EQ(c.o_row_stride, 4 * 32);
+  // The forward's lse is (B, H, Sq): rows are contiguous, heads Sq apart.
+  EXPECT_EQ(c.lse_batch_stride, 4 * 10);
+  EXPECT_EQ(c.lse_row_stride, 1);
+  EXPECT_EQ(c.lse_head_stride, 10);
+  EXPECT_EQ(c.out_dtype, static_cast<int>(DType::kBFloat16));
+}
+
+TEST(ParamsBackward, StridesAndBlockLists) {
+  std::vector<std::int32_t> cnt(2 * 2, 1), idx(2 * 2 * 2, 0);
+  BackwardArgs args;
+  args.q = tensor(DType::kFloat16, {2, 128, 8, 64});
+  args.k = tensor(DType::kFloat16, {2, 96, 2, 64});
+  args.v = tensor(DType::kFloat16, {2, 96, 2, 32});
+  args.out = tensor(DType::kFloat16, {2, 128, 8, 32});
+  args.dout =
+      TensorView(dummy_data(), DType::kFloat16, {2, 128, 8, 32}, {128 * 8 * 64, 8 * 64, 64, 1});
+  args.lse = tensor(DType::kFloat32, {2, 8, 128});
+  args.dq = tensor(DType::kFloat16, {2, 128, 8, 64});
+  args.dk = tensor(DType::kFloat16, {2, 96, 2, 64});
+  args.dv = tensor(DType::kFloat16, {2, 96, 2, 32});
+  args.learnable_sink = tensor(DType::kFloat32, {8});
+  args.d_sink = tensor(DType::kFloat32, {8});
+  args.deterministic = true;
+  args.opts.window_left = 32;
+  BlockSparseTensors blocks;
+  blocks.block_m = 64;
+  blocks.block_n = 64;
+  blocks.q_mask_block_cnt = TensorView(cnt.data(), DType::kInt32, {2, 1, 2});
+  blocks.q_mask_block_idx = TensorView(idx.data(), DType::kInt32, {2, 1, 2, 2});
+  args.opts.block_sparse = blocks;
+  const BwdParams p = make_bwd_params(args, check_backward(args));
+
+  EXPECT_EQ(p.batch, 2);
+  EXPECT_EQ(p.seqlen_q, 128);
+  EXPECT_EQ(p.seqlen_k, 96);
+  EXPECT_EQ(p.total_q, 256);
+  EXPECT_EQ(p.total_k, 192);
+  EXPECT_EQ(p.do_batch_stride, 128 * 8 * 64);
+  EXPECT_EQ(p.do_row_stride, 8 * 64);
+  EXPECT_EQ(p.o_row_stride, 8 * 32);
+  EXPECT_EQ(p.dk_batch_stride, 96 * 2 * 64);
+  EXPECT_EQ(p.dv_head_stride, 32);
+  EXPECT_EQ(p.lse_head_stride, 128);
+  EXPECT_TRUE(p.is_local);
+  EXPECT_EQ(p.window_left, 32);
+  EXPECT_EQ(p.window_right, -1);
+  EXPECT_TRUE(p.deterministic);
+  EXPECT_NE(p.d_sink, nullptr);
+  EXPECT_EQ(p.sink_dtype, static_cast<int>(DType::kFloat32));
+  EXPECT_TRUE(p.block_sparse.enabled);
+  EXPECT_EQ(p.block_sparse.mask_block_cnt, cnt.data());  // the transposed (q_) lists
+  EXPECT_EQ(p.workspace, nullptr);
+}
+
+TEST(ParamsCombine, DenseAndPackedStrides) {
+  CombineArgs args;
+  args.out_partial = tensor(DType::kFloat32, {4, 2, 64, 8, 128});
+  args.lse_partial = tensor(DType::kFloat32, {4, 2, 64, 8});
+  args.out = tensor(DType::kBFloat16, {2, 64, 8, 128});
+  args.lse = TensorView(dummy_data(), DType::kFloat32, {2, 64, 8}, {8 * 64, 1, 64});
+  CombineParams p = make_combine_params(args, check_combine(args));
+  EXPECT_EQ(p.num_splits, 4);
+  EXPECT_EQ(p.batch, 2);
+  EXPECT_EQ(p.seqlen, 64);
+  EXPECT_EQ(p.num_heads, 8);
+  EXPECT_EQ(p.head_dim, 128);
+  EXPECT_EQ(p.op_split_stride, 2 * 64 * 8 * 128);
+  EXPECT_EQ(p.op_batch_stride, 64 * 8 * 128);
+  EXPECT_EQ(p.op_row_stride, 8 * 128);
+  EXPECT_EQ(p.op_head_stride, 128);
+  EXPECT_EQ(p.lp_batch_stride, 64 * 8);
+  EXPECT_EQ(p.lp_row_stride, 8);
+  EXPECT_EQ(p.lse_batch_stride, 8 * 64);
+  EXPECT_EQ(p.lse_row_stride, 1);
+  EXPECT_EQ(p.lse_head_stride, 64);
+  EXPECT_EQ(p.out_dtype, static_cast<int>(DType::kBFloat16));
+
+  std::vector<std::int32_t> cu{0, 30, 50};
+  CombineArgs packed;
+  packed.out_partial = tensor(DType::kFloat32, {3, 50, 8, 64});
+  packed.lse_partial = tensor(DType::kFloat32, {3, 50, 8});
+  packed.out = tensor(DType::kFloat32, {50, 8, 64});
+  packed.cu_seqlens = TensorView(cu.data(), DType::kInt32, {3});
+  p = make_combine_params(packed, check_combine(packed));
+  EXPECT_EQ(p.batch, 2);
+  EXPECT_EQ(p.seqlen, 50);
+  EXPECT_EQ(p.op_batch_stride, 0);
+  EXPECT_EQ(p.op_row_stride, 8 * 64);
+  EXPECT_EQ(p.lp_row_stride, 8);
+  EXPECT_EQ(p.o_batch_stride, 0);
+  EXPECT_EQ(p.o_row_stride, 8 * 64);
+  EXPECT_EQ(p.lse, nullptr);
+  EXPECT_EQ(p.cu_seqlens, cu.data());
+}
+
+}  // namespace
+}  // namespace cuflash::detail
