@@ -43,3 +43,13 @@ class MaskMod(BuiltinVariant):
     """A built-in mask_mod (FlexAttention semantics: True keeps (q_idx, kv_idx))."""
 
     role = "mask"
+
+
+_SCORE_NAMES = {1: "alibi", 2: "relative_bias"}
+_MASK_NAMES = {1: "causal", 2: "sliding_window", 3: "prefix_lm", 4: "document"}
+
+
+def from_kind(cls: type, kind: int, scalars, aux) -> "BuiltinVariant":
+    """Rebuilds a built-in variant from its C++ kind, scalars and aux tensors."""
+    names = _SCORE_NAMES if cls is ScoreMod else _MASK_NAMES
+    return cls(names[kind], kind, tuple(float(s) for s in scalars), tuple(aux), len(aux))

@@ -620,8 +620,26 @@ def _torch_function():
     return FlashAttnFunction
 
 
+# torch tensors go through the custom ops cuflash::fwd / cuflash::bwd (python/cuflash/_torch_ops.py)
+# where torch.library.custom_op exists (torch >= 2.4), so that torch.compile keeps them in its
+# graph; else through the autograd.Function above.
+USE_TORCH_CUSTOM_OPS = True
+
+
+def _torch_custom_ops():
+    torch = sys.modules["torch"]
+    if not USE_TORCH_CUSTOM_OPS or not hasattr(torch.library, "custom_op"):
+        return None
+    from . import _torch_ops
+
+    return _torch_ops
+
+
 def _attention(call: _Call) -> Tuple[Tensor, Tensor]:
     if call.framework.name == "torch":
+        ops = _torch_custom_ops()
+        if ops is not None:
+            return ops.attention(call)
         return _torch_function().apply(call.q, call.k, call.v, call.learnable_sink, call)
     return _run_forward(call)
 

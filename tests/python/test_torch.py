@@ -22,6 +22,15 @@ def tensors(generator, shapes, dtype=torch.float16, requires_grad=True):
             for s in shapes]
 
 
+@pytest.fixture(autouse=True, params=["custom_op", "autograd_function"])
+def torch_path(request, monkeypatch):
+    """Each test runs through the torch custom ops and through the plain autograd.Function."""
+    if request.param == "custom_op" and not hasattr(torch.library, "custom_op"):
+        pytest.skip("torch.library.custom_op needs torch >= 2.4")
+    monkeypatch.setattr(cuflash.interface, "USE_TORCH_CUSTOM_OPS", request.param == "custom_op")
+    return request.param
+
+
 @pytest.fixture
 def gen():
     return torch.Generator().manual_seed(0)
@@ -133,3 +142,37 @@ def test_numpy_aux_tensor_moves_to_torch(gen):
     out, _ = cuflash.flash_attn_varlen_func(q, k, v, score_mod=cuflash.scores.alibi(slopes))
     opts = ref.Options(score_bias=lambda b, h, i, j: slopes[h] * (j - i))
     assert_close(to_numpy(out), ref.forward_dense(*(to_numpy(t) for t in (q, k, v)), opts)[0], what="out")
+
+
+def test_torch_compile(gen, torch_path):
+    if torch_path != "custom_op":
+        pytest.skip("torch.compile keeps cuflash in its graph through the custom ops")
+    q, k, v = tensors(gen, [(1, 24, 4, 32), (1, 24, 2, 32), (1, 24, 2, 32)])
+
+    def step(q, k, v):
+        out, lse = cuflash.flash_attn_func(q, k, v, causal=True)
+        return (out.float() ** 2).sum() + lse.sum()
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    loss = compiled(q, k, v)
+    loss.backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    expected = step(q, k, v)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    for g, t in zip(grads, (q, k, v)):
+        torch.testing.assert_close(g, t.grad)
+
+
+def test_opcheck(gen, torch_path):
+    if torch_path != "custom_op":
+        pytest.skip("custom ops only")
+    import cuflash._torch_ops as ops
+
+    q, k, v = tensors(gen, [(1, 16, 2, 32)] * 3)
+    sink = torch.randn(2, generator=gen).requires_grad_(True)
+    call = cuflash.interface._prepare(q, k, v, causal=True, learnable_sink=sink)
+    torch.library.opcheck(torch.ops.cuflash.fwd.default, (q, k, v, sink), ops.flatten(call),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))

@@ -1,0 +1,139 @@
+"""torch custom ops (torch.library): cuflash::fwd and cuflash::bwd, with fake (meta)
+implementations and autograd, so that torch.compile keeps cuflash calls in its graph.
+
+Imported only when torch tensors reach cuflash (torch is already imported then). Arguments
+are the checked call flattened into types a torch schema can hold; the op re-derives the call
+from them.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ._variants import MaskMod, ScoreMod, from_kind
+
+from . import interface as _interface
+
+
+def _call(q, k, v, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+          max_seqlen_k, page_table, softmax_scale, causal, window_left, window_right, softcap, score_mod_kind,
+          score_mod_scalars, mask_mod_kind, mask_mod_scalars, aux, num_score_aux, block_sparse, num_splits,
+          pack_gqa, deterministic=False):
+    score_mod = (from_kind(ScoreMod, score_mod_kind, score_mod_scalars, aux[:num_score_aux])
+                 if score_mod_kind else None)
+    mask_mod = (from_kind(MaskMod, mask_mod_kind, mask_mod_scalars, aux[num_score_aux:])
+                if mask_mod_kind else None)
+    lists = list(block_sparse) if block_sparse else [None] * 8
+    return _interface._prepare(
+        q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, page_table=page_table, softmax_scale=softmax_scale,
+        causal=causal, window_size=(window_left, window_right), learnable_sink=learnable_sink, softcap=softcap,
+        num_splits=num_splits, pack_gqa=pack_gqa, deterministic=deterministic, score_mod=score_mod,
+        mask_mod=mask_mod, block_sparse=tuple(lists[:4]), q_block_sparse=tuple(lists[4:]))
+
+
+def flatten(call) -> dict:
+    """The op arguments (after q, k, v, learnable_sink) of a checked call."""
+    score_kind, score_scalars, score_aux = call.score_mod
+    mask_kind, mask_scalars, mask_aux = call.mask_mod
+    return dict(
+        cu_seqlens_q=call.cu_seqlens_q, cu_seqlens_k=call.cu_seqlens_k, seqused_q=call.seqused_q,
+        seqused_k=call.seqused_k, max_seqlen_q=call.max_seqlen_q, max_seqlen_k=call.max_seqlen_k,
+        page_table=call.page_table, softmax_scale=call.softmax_scale, causal=call.causal,
+        window_left=call.window_left, window_right=call.window_right, softcap=call.softcap,
+        score_mod_kind=score_kind, score_mod_scalars=[float(s) for s in score_scalars], mask_mod_kind=mask_kind,
+        mask_mod_scalars=[float(s) for s in mask_scalars], aux=list(score_aux) + list(mask_aux),
+        num_score_aux=len(score_aux), block_sparse=list(call.block_sparse), num_splits=call.num_splits,
+        pack_gqa=call.pack_gqa, deterministic=call.deterministic)
+
+
+@torch.library.custom_op("cuflash::fwd", mutates_args=())
+def fwd(q: Tensor, k: Tensor, v: Tensor, learnable_sink: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
+        cu_seqlens_k: Optional[Tensor], seqused_q: Optional[Tensor], seqused_k: Optional[Tensor],
+        max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], page_table: Optional[Tensor],
+        softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int, softcap: float,
+        score_mod_kind: int, score_mod_scalars: List[float], mask_mod_kind: int, mask_mod_scalars: List[float],
+        aux: List[Tensor], num_score_aux: int, block_sparse: List[Optional[Tensor]], num_splits: int,
+        pack_gqa: Optional[bool], deterministic: bool) -> Tuple[Tensor, Tensor]:
+    # `deterministic` is for the backward only.
+    call = _call(q, k, v, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                 max_seqlen_k, page_table, softmax_scale, causal, window_left, window_right, softcap,
+                 score_mod_kind, score_mod_scalars, mask_mod_kind, mask_mod_scalars, aux, num_score_aux,
+                 block_sparse, num_splits, pack_gqa)
+    return _interface._run_forward(call)
+
+
+@fwd.register_fake
+def _(q, k, v, learnable_sink, cu_seqlens_q, *args):
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    if cu_seqlens_q is None:
+        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+    else:
+        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.custom_op("cuflash::bwd", mutates_args=())
+def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, learnable_sink: Optional[Tensor],
+        cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], seqused_q: Optional[Tensor],
+        seqused_k: Optional[Tensor], max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
+        softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int, softcap: float,
+        score_mod_kind: int, score_mod_scalars: List[float], mask_mod_kind: int, mask_mod_scalars: List[float],
+        aux: List[Tensor], num_score_aux: int, block_sparse: List[Optional[Tensor]],
+        deterministic: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    call = _call(q, k, v, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                 max_seqlen_k, None, softmax_scale, causal, window_left, window_right, softcap, score_mod_kind,
+                 score_mod_scalars, mask_mod_kind, mask_mod_scalars, aux, num_score_aux, block_sparse, 1, None,
+                 deterministic)
+    dq, dk, dv, d_sink = _interface._run_backward(call, out, dout.contiguous() if dout.stride(-1) != 1 else dout,
+                                                  lse)
+    if d_sink is None:
+        d_sink = q.new_zeros((0,), dtype=torch.float32)
+    return dq, dk, dv, d_sink
+
+
+@bwd.register_fake
+def _(dout, q, k, v, out, lse, learnable_sink, *args):
+    heads = 0 if learnable_sink is None else q.shape[-2]
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            q.new_empty((heads,), dtype=torch.float32))
+
+
+_FWD_INPUTS = ("q", "k", "v", "learnable_sink", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k",
+               "max_seqlen_q", "max_seqlen_k", "page_table", "softmax_scale", "causal", "window_left",
+               "window_right", "softcap", "score_mod_kind", "score_mod_scalars", "mask_mod_kind",
+               "mask_mod_scalars", "aux", "num_score_aux", "block_sparse", "num_splits", "pack_gqa", "deterministic")
+_TENSOR_INPUTS = ("q", "k", "v", "learnable_sink", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")
+_OPTIONS = ("max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal", "window_left", "window_right", "softcap",
+            "score_mod_kind", "score_mod_scalars", "mask_mod_kind", "mask_mod_scalars", "num_score_aux")
+
+
+def _setup_context(ctx, inputs, output):
+    named = dict(zip(_FWD_INPUTS, inputs))
+    out, lse = output
+    ctx.save_for_backward(*(named[n] for n in _TENSOR_INPUTS), out, lse)
+    ctx.mark_non_differentiable(lse)
+    ctx.options = {n: named[n] for n in _OPTIONS}
+    # Lists of tensors are kept as they are (they need no gradient).
+    ctx.aux = named["aux"]
+    ctx.block_sparse = named["block_sparse"]
+    ctx.deterministic = named["deterministic"]
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, sink, cu_q, cu_k, used_q, used_k, out, lse = ctx.saved_tensors
+    dq, dk, dv, d_sink = bwd(dout, q, k, v, out, lse, sink, cu_q, cu_k, used_q, used_k, aux=ctx.aux,
+                             block_sparse=ctx.block_sparse, deterministic=ctx.deterministic, **ctx.options)
+    grads = dict(q=dq, k=dk, v=dv, learnable_sink=None if sink is None else d_sink.to(sink.dtype))
+    return tuple(grads.get(name) for name in _FWD_INPUTS)
+
+
+torch.library.register_autograd("cuflash::fwd", _backward, setup_context=_setup_context)
+
+
+def attention(call) -> Tuple[Tensor, Tensor]:
+    """Runs a checked call through the custom op (autograd included)."""
+    return fwd(call.q, call.k, call.v, call.learnable_sink, **flatten(call))
