@@ -1,0 +1,445 @@
+// GPU forward kernel against the CPU reference (DESIGN.md section 5): random shapes over every
+// forward option the sm90 kernel supports, outputs poisoned before each run, every element
+// checked for NaN and compared with the accuracy rule in gpu_test_util.hpp.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cuflash/cuflash.hpp"
+#include "gpu_test_util.hpp"
+
+namespace cuflash {
+namespace {
+
+using gpu_testing::DeviceBuffer;
+
+const Device kCpu{};
+const Device kCuda{DeviceType::kCUDA, 0};
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct FwdCase {
+  std::string label;
+  DType dtype = DType::kBFloat16;
+  int batch = 1, seqlen_q = 1, seqlen_k = 1, heads = 1, heads_kv = 1, head_dim = 128, head_dim_v = 128;
+  bool causal = false;
+  int window_left = -1, window_right = -1;
+  float softcap = 0.f;
+  std::optional<DType> sink;
+  bool varlen = false;   // packed rows with cu_seqlens; per-sequence lengths drawn up to seqlen_q/k
+  bool seqused = false;  // seqused_q/k cap each sequence below its length
+  bool strided = false;  // q/k/v live in wider rows (padded head dim): non-contiguous views
+  bool with_lse = true;
+  std::optional<bool> pack_gqa;
+  unsigned seed = 1;
+};
+
+std::string case_name(const FwdCase& c) {
+  std::ostringstream name;
+  name << c.label << "_" << (c.dtype == DType::kBFloat16 ? "bf16" : "fp16") << "_d" << c.head_dim;
+  if (c.head_dim_v != c.head_dim) name << "x" << c.head_dim_v;
+  return name.str();
+}
+
+// Host copy of one attention problem in "flattened rows": q is (rows_q, H, D) whether the call
+// is dense (rows = B * Sq) or packed (rows = total_q), and likewise for k, v, out.
+struct Problem {
+  FwdCase c;
+  std::vector<int> len_q, len_k;    // rows each sequence owns
+  std::vector<int> used_q, used_k;  // rows that take part (seqused caps)
+  std::vector<int> start_q, start_k;
+  int rows_q = 0, rows_k = 0;
+  std::vector<float> q, k, v;  // values already rounded to the input dtype
+  std::vector<float> sink;
+  float scale = 1.f;
+
+  explicit Problem(const FwdCase& fc) : c(fc) {
+    std::mt19937 rng(c.seed);
+    std::uniform_int_distribution<int> any_q(0, c.seqlen_q), any_k(0, c.seqlen_k);
+    for (int b = 0; b < c.batch; ++b) {
+      int lq = c.varlen ? any_q(rng) : c.seqlen_q;
+      int lk = c.varlen ? any_k(rng) : c.seqlen_k;
+      if (c.varlen && b == 0) lq = c.seqlen_q, lk = c.seqlen_k;  // the longest one is always there
+      if (c.varlen && b == 1) lq = 0;                             // and an empty one
+      len_q.push_back(lq);
+      len_k.push_back(lk);
+      used_q.push_back(c.seqused ? std::uniform_int_distribution<int>(0, lq)(rng) : lq);
+      used_k.push_back(c.seqused ? std::uniform_int_distribution<int>(0, lk)(rng) : lk);
+      start_q.push_back(rows_q);
+      start_k.push_back(rows_k);
+      rows_q += lq;
+      rows_k += lk;
+    }
+    std::normal_distribution<float> normal(0.f, 1.f);
+    auto fill = [&](std::vector<float>& data, std::size_t n) {
+      data.resize(n);
+      for (float& x : data) x = gpu_testing::round_to(normal(rng), c.dtype);
+    };
+    fill(q, std::size_t(rows_q) * c.heads * c.head_dim);
+    fill(k, std::size_t(rows_k) * c.heads_kv * c.head_dim);
+    fill(v, std::size_t(rows_k) * c.heads_kv * c.head_dim_v);
+    if (c.sink) {
+      sink.resize(c.heads);
+      for (float& x : sink) x = gpu_testing::round_to(normal(rng), *c.sink == DType::kFloat32 ? c.dtype : *c.sink);
+    }
+    scale = 1.f / std::sqrt(float(c.head_dim));
+  }
+
+  std::int64_t lse_index(int b, int h, int r) const {
+    return c.varlen ? std::int64_t(h) * rows_q + start_q[b] + r
+                    : (std::int64_t(b) * c.heads + h) * c.seqlen_q + r;
+  }
+  std::vector<int> cu(const std::vector<int>& start, int total) const {
+    std::vector<int> out = start;
+    out.push_back(total);
+    return out;
+  }
+};
+
+struct Result {
+  std::vector<double> out;  // (rows_q, H, Dv)
+  std::vector<double> lse;  // dense (B, H, Sq) or packed (H, total_q)
+};
+
+// The same attention computed naively in the input dtype, as a plain framework would: scaled q,
+// scores, soft-capped scores, probabilities and output each rounded to the dtype.
+Result naive_low_precision(const Problem& pb) {
+  const FwdCase& c = pb.c;
+  Result result;
+  result.out.assign(std::size_t(pb.rows_q) * c.heads * c.head_dim_v, 0.0);
+  result.lse.assign(c.varlen ? std::size_t(c.heads) * pb.rows_q : std::size_t(c.batch) * c.heads * c.seqlen_q,
+                    kNegInf);
+  const int group = c.heads / c.heads_kv;
+  const int right = c.causal ? 0 : c.window_right;
+  std::vector<float> qs(c.head_dim), scores, probs;
+  for (int b = 0; b < c.batch; ++b) {
+    const int sq = pb.used_q[b], sk = pb.used_k[b];
+    for (int h = 0; h < c.heads; ++h) {
+      const int hk = h / group;
+      for (int i = 0; i < sq; ++i) {
+        const float* qrow = &pb.q[(std::size_t(pb.start_q[b] + i) * c.heads + h) * c.head_dim];
+        for (int d = 0; d < c.head_dim; ++d) qs[d] = gpu_testing::round_to(qrow[d] * pb.scale, c.dtype);
+        scores.assign(sk, kNegInf);
+        float row_max = c.sink ? pb.sink[h] : kNegInf;
+        for (int j = 0; j < sk; ++j) {
+          const int diag = i + sk - sq;
+          if ((right >= 0 && j > diag + right) || (c.window_left >= 0 && j < diag - c.window_left)) continue;
+          const float* krow = &pb.k[(std::size_t(pb.start_k[b] + j) * c.heads_kv + hk) * c.head_dim];
+          float dot = 0.f;
+          for (int d = 0; d < c.head_dim; ++d) dot += qs[d] * krow[d];
+          float s = gpu_testing::round_to(dot, c.dtype);
+          if (c.softcap > 0.f) s = gpu_testing::round_to(c.softcap * std::tanh(s / c.softcap), c.dtype);
+          scores[j] = s;
+          row_max = std::max(row_max, s);
+        }
+        if (row_max == kNegInf) continue;  // nothing visible: out 0, lse -inf
+        float denom = c.sink ? std::exp(pb.sink[h] - row_max) : 0.f;
+        for (int j = 0; j < sk; ++j) denom += std::exp(scores[j] - row_max);
+        result.lse[pb.lse_index(b, h, i)] = row_max + std::log(denom);
+        double* orow = &result.out[(std::size_t(pb.start_q[b] + i) * c.heads + h) * c.head_dim_v];
+        std::vector<float> acc(c.head_dim_v, 0.f);
+        for (int j = 0; j < sk; ++j) {
+          if (scores[j] == kNegInf) continue;
+          const float p = gpu_testing::round_to(std::exp(scores[j] - row_max) / denom, c.dtype);
+          const float* vrow = &pb.v[(std::size_t(pb.start_k[b] + j) * c.heads_kv + hk) * c.head_dim_v];
+          for (int d = 0; d < c.head_dim_v; ++d) acc[d] += p * vrow[d];
+        }
+        for (int d = 0; d < c.head_dim_v; ++d) orow[d] = gpu_testing::round_to(acc[d], c.dtype);
+      }
+    }
+  }
+  return result;
+}
+
+// Fills the parts of ForwardArgs that do not depend on where the tensors live.
+// int_data: cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k where `device` can read them.
+void set_common_args(ForwardArgs& args, const Problem& pb, Device device, const std::vector<void*>& int_data) {
+  const FwdCase& c = pb.c;
+  const std::int64_t B = c.batch;
+  if (c.varlen) {
+    args.seq.cu_seqlens_q = TensorView(int_data[0], DType::kInt32, {B + 1}, device);
+    args.seq.cu_seqlens_k = TensorView(int_data[1], DType::kInt32, {B + 1}, device);
+    args.seq.max_seqlen_q = *std::max_element(pb.len_q.begin(), pb.len_q.end());
+    args.seq.max_seqlen_k = *std::max_element(pb.len_k.begin(), pb.len_k.end());
+  }
+  if (c.seqused) {
+    args.seq.seqused_q = TensorView(int_data[2], DType::kInt32, {B}, device);
+    args.seq.seqused_k = TensorView(int_data[3], DType::kInt32, {B}, device);
+  }
+  args.opts.causal = c.causal;
+  args.opts.window_left = c.window_left;
+  args.opts.window_right = c.window_right;
+  args.opts.softcap = c.softcap;
+  args.pack_gqa = c.pack_gqa;
+}
+
+TensorView view(void* data, DType dtype, const FwdCase& c, std::int64_t rows_or_batch, std::int64_t seqlen,
+                std::int64_t heads, std::int64_t dim, std::int64_t row_pitch, Device device) {
+  // row_pitch: elements between consecutive (row, head) vectors' rows, i.e. heads * padded dim.
+  const std::int64_t head_pitch = row_pitch / heads;
+  if (c.varlen) return TensorView(data, dtype, {rows_or_batch, heads, dim}, {row_pitch, head_pitch, 1}, device);
+  return TensorView(data, dtype, {rows_or_batch, seqlen, heads, dim}, {seqlen * row_pitch, row_pitch, head_pitch, 1},
+                    device);
+}
+
+Result run_reference(const Problem& pb) {
+  const FwdCase& c = pb.c;
+  const std::int64_t outer_q = c.varlen ? pb.rows_q : c.batch;
+  const std::int64_t outer_k = c.varlen ? pb.rows_k : c.batch;
+  std::vector<float> q = pb.q, k = pb.k, v = pb.v;
+  std::vector<float> out(std::size_t(pb.rows_q) * c.heads * c.head_dim_v, std::nanf(""));
+  std::vector<float> lse(c.varlen ? std::size_t(c.heads) * pb.rows_q : std::size_t(c.batch) * c.heads * c.seqlen_q,
+                         std::nanf(""));
+  std::vector<int> cu_q = pb.cu(pb.start_q, pb.rows_q), cu_k = pb.cu(pb.start_k, pb.rows_k);
+  std::vector<int> used_q = pb.used_q, used_k = pb.used_k;
+  std::vector<float> sink = pb.sink;
+  ForwardArgs args;
+  args.q = view(q.data(), DType::kFloat32, c, outer_q, c.seqlen_q, c.heads, c.head_dim, c.heads * c.head_dim, kCpu);
+  args.k = view(k.data(), DType::kFloat32, c, outer_k, c.seqlen_k, c.heads_kv, c.head_dim, c.heads_kv * c.head_dim, kCpu);
+  args.v = view(v.data(), DType::kFloat32, c, outer_k, c.seqlen_k, c.heads_kv, c.head_dim_v,
+                c.heads_kv * c.head_dim_v, kCpu);
+  args.out = view(out.data(), DType::kFloat32, c, outer_q, c.seqlen_q, c.heads, c.head_dim_v, c.heads * c.head_dim_v, kCpu);
+  if (c.varlen) {
+    args.lse = TensorView(lse.data(), DType::kFloat32, {c.heads, pb.rows_q}, kCpu);
+  } else {
+    args.lse = TensorView(lse.data(), DType::kFloat32, {c.batch, c.heads, c.seqlen_q}, kCpu);
+  }
+  if (c.sink) args.learnable_sink = TensorView(sink.data(), DType::kFloat32, {c.heads}, kCpu);
+  set_common_args(args, pb, kCpu, {cu_q.data(), cu_k.data(), used_q.data(), used_k.data()});
+  forward(args);
+  return {std::vector<double>(out.begin(), out.end()), std::vector<double>(lse.begin(), lse.end())};
+}
+
+Result run_gpu(const Problem& pb) {
+  const FwdCase& c = pb.c;
+  const int pad = c.strided ? 8 : 0;  // keeps 16-byte aligned rows, as TMA needs
+  auto device_copy = [&](const std::vector<float>& values, int rows, int heads, int dim) {
+    std::vector<std::uint16_t> bits(std::size_t(rows) * heads * (dim + pad), gpu_testing::kPoison16);
+    for (std::size_t i = 0; i < std::size_t(rows) * heads; ++i) {
+      for (int d = 0; d < dim; ++d) bits[i * (dim + pad) + d] = gpu_testing::to_bits(values[i * dim + d], c.dtype);
+    }
+    return DeviceBuffer::from(bits);
+  };
+  DeviceBuffer q = device_copy(pb.q, pb.rows_q, c.heads, c.head_dim);
+  DeviceBuffer k = device_copy(pb.k, pb.rows_k, c.heads_kv, c.head_dim);
+  DeviceBuffer v = device_copy(pb.v, pb.rows_k, c.heads_kv, c.head_dim_v);
+  DeviceBuffer out = DeviceBuffer::from(
+      std::vector<std::uint16_t>(std::size_t(pb.rows_q) * c.heads * c.head_dim_v, gpu_testing::kPoison16));
+  const std::size_t lse_size =
+      c.varlen ? std::size_t(c.heads) * pb.rows_q : std::size_t(c.batch) * c.heads * c.seqlen_q;
+  DeviceBuffer lse = DeviceBuffer::from(std::vector<float>(lse_size, std::nanf("")));
+  DeviceBuffer cu_q = DeviceBuffer::from(pb.cu(pb.start_q, pb.rows_q));
+  DeviceBuffer cu_k = DeviceBuffer::from(pb.cu(pb.start_k, pb.rows_k));
+  DeviceBuffer used_q = DeviceBuffer::from(pb.used_q);
+  DeviceBuffer used_k = DeviceBuffer::from(pb.used_k);
+  DeviceBuffer sink;
+  if (c.sink) {
+    if (*c.sink == DType::kFloat32) {
+      sink = DeviceBuffer::from(pb.sink);
+    } else {
+      std::vector<std::uint16_t> bits;
+      for (float x : pb.sink) bits.push_back(gpu_testing::to_bits(x, *c.sink));
+      sink = DeviceBuffer::from(bits);
+    }
+  }
+
+  const std::int64_t outer_q = c.varlen ? pb.rows_q : c.batch;
+  const std::int64_t outer_k = c.varlen ? pb.rows_k : c.batch;
+  ForwardArgs args;
+  args.q = view(q.data(), c.dtype, c, outer_q, c.seqlen_q, c.heads, c.head_dim, c.heads * (c.head_dim + pad), kCuda);
+  args.k = view(k.data(), c.dtype, c, outer_k, c.seqlen_k, c.heads_kv, c.head_dim, c.heads_kv * (c.head_dim + pad),
+                kCuda);
+  args.v = view(v.data(), c.dtype, c, outer_k, c.seqlen_k, c.heads_kv, c.head_dim_v,
+                c.heads_kv * (c.head_dim_v + pad), kCuda);
+  args.out = view(out.data(), c.dtype, c, outer_q, c.seqlen_q, c.heads, c.head_dim_v, c.heads * c.head_dim_v, kCuda);
+  if (c.with_lse) {
+    if (c.varlen) {
+      args.lse = TensorView(lse.data(), DType::kFloat32, {c.heads, pb.rows_q}, kCuda);
+    } else {
+      args.lse = TensorView(lse.data(), DType::kFloat32, {c.batch, c.heads, c.seqlen_q}, kCuda);
+    }
+  }
+  if (c.sink) args.learnable_sink = TensorView(sink.data(), *c.sink, {c.heads}, kCuda);
+  set_common_args(args, pb, kCuda, {cu_q.data(), cu_k.data(), used_q.data(), used_k.data()});
+  forward(args);
+  gpu_testing::check_cuda(cudaDeviceSynchronize(), "forward kernel");
+
+  Result result;
+  for (std::uint16_t bits : out.to_host<std::uint16_t>()) result.out.push_back(gpu_testing::from_bits(bits, c.dtype));
+  if (c.with_lse) {
+    for (float x : lse.to_host<float>()) result.lse.push_back(x);
+  }
+  return result;
+}
+
+void expect_close(const char* what, const std::vector<double>& gpu, const std::vector<double>& naive,
+                  const std::vector<double>& ref) {
+  ASSERT_EQ(gpu.size(), ref.size()) << what;
+  gpu_testing::ErrorStats gpu_stats, naive_stats;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    gpu_testing::accumulate_error(gpu_stats, gpu[i], ref[i]);
+    gpu_testing::accumulate_error(naive_stats, naive[i], ref[i]);
+  }
+  EXPECT_FALSE(gpu_stats.has_nan) << what << ": NaN or unwritten element";
+  EXPECT_FALSE(gpu_stats.inf_mismatch) << what << ": -inf where the reference is finite, or the reverse";
+  EXPECT_FALSE(naive_stats.inf_mismatch) << what << ": the naive check disagrees with the reference on -inf";
+  const double slack = 1e-4;
+  EXPECT_LE(gpu_stats.max_error, 2.0 * naive_stats.max_error + slack)
+      << what << ": max error " << gpu_stats.max_error << ", naive " << naive_stats.max_error;
+}
+
+bool is_built(const std::string& description) {
+  const std::vector<std::string> built = built_kernels();
+  return std::find(built.begin(), built.end(), description) != built.end();
+}
+
+class GpuForward : public ::testing::TestWithParam<FwdCase> {};
+
+TEST_P(GpuForward, MatchesReference) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  const FwdCase& c = GetParam();
+  const Problem pb(c);
+  Result gpu;
+  try {
+    gpu = run_gpu(pb);
+  } catch (const Error& error) {
+    if (error.kind() == Error::Kind::kNotBuilt) GTEST_SKIP() << error.what();
+    throw;
+  }
+  const Result ref = run_reference(pb);
+  const Result naive = naive_low_precision(pb);
+  expect_close("out", gpu.out, naive.out, ref.out);
+  if (c.with_lse) expect_close("lse", gpu.lse, naive.lse, ref.lse);
+}
+
+std::vector<FwdCase> forward_cases() {
+  const std::pair<int, int> head_dims[] = {{64, 64}, {96, 96}, {128, 128}, {192, 192}, {192, 128}, {256, 256}};
+  std::vector<FwdCase> cases;
+  unsigned seed = 1;
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+    for (auto [d, dv] : head_dims) {
+      auto add = [&](FwdCase c) {
+        c.dtype = dtype;
+        c.head_dim = d;
+        c.head_dim_v = dv;
+        c.seed = seed++;
+        cases.push_back(c);
+      };
+      FwdCase c;
+      c = {};
+      c.label = "dense", c.batch = 2, c.seqlen_q = 257, c.seqlen_k = 257, c.heads = 3, c.heads_kv = 3;
+      add(c);
+      c = {};
+      c.label = "causal_long", c.batch = 1, c.seqlen_q = 1023, c.seqlen_k = 1023, c.heads = 2, c.heads_kv = 2,
+      c.causal = true;
+      add(c);
+      c = {};
+      c.label = "varlen_causal_gqa", c.batch = 4, c.seqlen_q = 300, c.seqlen_k = 333, c.heads = 4, c.heads_kv = 1,
+      c.causal = true, c.varlen = true;
+      add(c);
+      if (dtype == DType::kFloat16) continue;  // the rest once per head dim
+      c = {};
+      c.label = "causal_decode_mqa", c.batch = 2, c.seqlen_q = 17, c.seqlen_k = 1023, c.heads = 8, c.heads_kv = 1,
+      c.causal = true;
+      add(c);
+      c = {};
+      c.label = "causal_sq_gt_sk", c.batch = 1, c.seqlen_q = 300, c.seqlen_k = 100, c.heads = 2, c.heads_kv = 2,
+      c.causal = true;
+      add(c);
+      c = {};
+      c.label = "local", c.batch = 1, c.seqlen_q = 513, c.seqlen_k = 513, c.heads = 4, c.heads_kv = 2,
+      c.window_left = 64, c.window_right = 32;
+      add(c);
+      c = {};
+      c.label = "local_left_only", c.batch = 2, c.seqlen_q = 200, c.seqlen_k = 700, c.heads = 2, c.heads_kv = 2,
+      c.window_left = 100;
+      add(c);
+      c = {};
+      c.label = "softcap_causal", c.batch = 2, c.seqlen_q = 255, c.seqlen_k = 255, c.heads = 2, c.heads_kv = 2,
+      c.causal = true, c.softcap = 30.f;
+      add(c);
+      c = {};
+      c.label = "sink_fp32_one_query", c.batch = 3, c.seqlen_q = 1, c.seqlen_k = 17, c.heads = 4, c.heads_kv = 4,
+      c.sink = DType::kFloat32;
+      add(c);
+      c = {};
+      c.label = "sink_bf16_causal", c.batch = 1, c.seqlen_q = 129, c.seqlen_k = 129, c.heads = 2, c.heads_kv = 2,
+      c.causal = true, c.sink = DType::kBFloat16;
+      add(c);
+      c = {};
+      c.label = "sink_fp16_local", c.batch = 1, c.seqlen_q = 190, c.seqlen_k = 260, c.heads = 2, c.heads_kv = 1,
+      c.window_left = 20, c.window_right = 0, c.sink = DType::kFloat16;
+      add(c);
+      c = {};
+      c.label = "varlen_seqused", c.batch = 5, c.seqlen_q = 200, c.seqlen_k = 150, c.heads = 2, c.heads_kv = 2,
+      c.varlen = true, c.seqused = true;
+      add(c);
+      c = {};
+      c.label = "dense_seqused_causal", c.batch = 3, c.seqlen_q = 130, c.seqlen_k = 190, c.heads = 2, c.heads_kv = 1,
+      c.causal = true, c.seqused = true;
+      add(c);
+      c = {};
+      c.label = "strided_gqa3", c.batch = 2, c.seqlen_q = 150, c.seqlen_k = 211, c.heads = 6, c.heads_kv = 2,
+      c.strided = true;
+      add(c);
+      c = {};
+      c.label = "gqa5_unpacked_no_lse", c.batch = 1, c.seqlen_q = 70, c.seqlen_k = 90, c.heads = 5, c.heads_kv = 1,
+      c.pack_gqa = false, c.with_lse = false;
+      add(c);
+      c = {};
+      c.label = "single_row_and_key", c.batch = 3, c.seqlen_q = 1, c.seqlen_k = 1, c.heads = 2, c.heads_kv = 2;
+      add(c);
+    }
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Options, GpuForward, ::testing::ValuesIn(forward_cases()),
+                         [](const ::testing::TestParamInfo<FwdCase>& info) { return case_name(info.param); });
+
+// Features the kernel does not have yet are refused by name, never run on a fallback.
+TEST(GpuForwardUnsupported, SplitKvAndPagedKvAreRefused) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  FwdCase c;
+  c.label = "unsupported", c.batch = 1, c.seqlen_q = 64, c.seqlen_k = 256, c.heads = 2, c.heads_kv = 2;
+  if (!is_built("fwd bf16 hdim128")) GTEST_SKIP() << "hdim128 bf16 not built";
+  const Problem pb(c);
+  DeviceBuffer q(std::size_t(pb.rows_q) * 2 * 128 * 2), k(std::size_t(pb.rows_k) * 2 * 128 * 2),
+      v(std::size_t(pb.rows_k) * 2 * 128 * 2), out(std::size_t(pb.rows_q) * 2 * 128 * 2);
+  ForwardArgs args;
+  args.q = TensorView(q.data(), DType::kBFloat16, {1, 64, 2, 128}, kCuda);
+  args.k = TensorView(k.data(), DType::kBFloat16, {1, 256, 2, 128}, kCuda);
+  args.v = TensorView(v.data(), DType::kBFloat16, {1, 256, 2, 128}, kCuda);
+  args.out = TensorView(out.data(), DType::kBFloat16, {1, 64, 2, 128}, kCuda);
+  args.num_splits = 2;
+  try {
+    forward(args);
+    ADD_FAILURE() << "num_splits=2 ran";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.kind(), Error::Kind::kNotSupported) << error.what();
+    EXPECT_EQ(error.argument(), "num_splits");
+  }
+  args.num_splits = 1;
+  std::vector<int> table = {0, 1};
+  DeviceBuffer page_table = DeviceBuffer::from(table);
+  args.k = TensorView(k.data(), DType::kBFloat16, {2, 128, 2, 128}, kCuda);
+  args.v = TensorView(v.data(), DType::kBFloat16, {2, 128, 2, 128}, kCuda);
+  args.seq.page_table = TensorView(page_table.data(), DType::kInt32, {1, 2}, kCuda);
+  try {
+    forward(args);
+    ADD_FAILURE() << "paged KV ran";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.kind(), Error::Kind::kNotSupported) << error.what();
+    EXPECT_EQ(error.argument(), "page_table");
+  }
+}
+
+}  // namespace
+}  // namespace cuflash

@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# One call on the lent H200: configure, build, run the GPU tests, a compute-sanitizer pass,
+# a SASS check and the forward benchmark, writing logs and results under $OUT.
+#
+#   tools/gpu_check.sh                       # CUFLASH_KERNEL_SET=ci (hdim128 bf16), every step
+#   KERNEL_SET=all tools/gpu_check.sh        # every head dim and dtype
+#   KERNEL_SET=custom HDIMS="64;128;256" DTYPES=bf16 STEPS=build,test,bench tools/gpu_check.sh
+#
+# Environment: KERNEL_SET (ci|all|custom), HDIMS / DTYPES (for custom), STEPS (comma list of
+# build,test,sanitize,sass,bench), GTEST_FILTER, SANITIZE_FILTER, BENCH_ARGS, JOBS.
+# Carry `.cutlass` (CUTLASS headers) and, where the machine has no GoogleTest, `.deps`
+# (a googletest source tree at .deps/googletest).
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${OUT:-$ROOT/gpu_check_out}
+mkdir -p "$OUT"
+KERNEL_SET=${KERNEL_SET:-ci}
+HDIMS=${HDIMS:-128}
+DTYPES=${DTYPES:-bf16}
+STEPS=${STEPS:-build,test,sanitize,sass,bench}
+GTEST_FILTER=${GTEST_FILTER:-Gpu*}
+SANITIZE_FILTER=${SANITIZE_FILTER:-*varlen_causal_gqa_bf16_d128*:*sink_fp16_local_bf16_d128*:GpuForwardUnsupported*}
+BENCH_ARGS=${BENCH_ARGS:-}
+JOBS=${JOBS:-$(nproc)}
+BUILD=$ROOT/build-gpu
+SUMMARY=$OUT/summary.txt
+status=0
+
+has_step() { [[ ",$STEPS," == *",$1,"* ]]; }
+note() { echo "$*" | tee -a "$SUMMARY"; }
+
+note "gpu_check $(date -u +%FT%TZ) kernel_set=$KERNEL_SET hdims=$HDIMS dtypes=$DTYPES steps=$STEPS"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader 2>&1 | tee -a "$SUMMARY"
+
+if has_step build; then
+  gtest_args=()
+  if ! ls /usr/lib/x86_64-linux-gnu/cmake/GTest/GTestConfig.cmake /usr/lib/cmake/GTest/GTestConfig.cmake \
+       /usr/local/lib/cmake/GTest/GTestConfig.cmake >/dev/null 2>&1; then
+    if [[ -d $ROOT/.deps/googletest ]]; then
+      cmake -S "$ROOT/.deps/googletest" -B /tmp/gtest-build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+        -DCMAKE_INSTALL_PREFIX=/tmp/gtest -DBUILD_GMOCK=OFF >"$OUT/build.log" 2>&1 &&
+        cmake --build /tmp/gtest-build -j "$JOBS" >>"$OUT/build.log" 2>&1 &&
+        cmake --install /tmp/gtest-build >>"$OUT/build.log" 2>&1
+      gtest_args=(-DGTest_ROOT=/tmp/gtest)
+    fi
+  fi
+  start=$(date +%s)
+  cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCUFLASH_KERNEL_SET="$KERNEL_SET" \
+    -DCUFLASH_HDIMS="$HDIMS" -DCUFLASH_DTYPES="$DTYPES" -DCUFLASH_BUILD_PYTHON=ON \
+    -DPython_EXECUTABLE="$(command -v python3)" "${gtest_args[@]}" >>"$OUT/build.log" 2>&1 &&
+    cmake --build "$BUILD" -j "$JOBS" >>"$OUT/build.log" 2>&1
+  rc=$?
+  note "build: rc=$rc in $(( $(date +%s) - start )) s"
+  grep -E "C75[0-9]{2}|spill|error" "$OUT/build.log" | sort | uniq -c | head -20 | tee -a "$SUMMARY"
+  if [[ $rc -ne 0 ]]; then tail -40 "$OUT/build.log"; exit 1; fi
+fi
+
+TESTS=$BUILD/tests/cpp/cuflash_tests
+if has_step test; then
+  start=$(date +%s)
+  "$TESTS" --gtest_filter="$GTEST_FILTER" --gtest_brief=1 --gtest_output="xml:$OUT/tests.xml" >"$OUT/tests.log" 2>&1
+  rc=$?
+  note "tests ($GTEST_FILTER): rc=$rc in $(( $(date +%s) - start )) s; $(grep -E '^\[  PASSED  \]|^\[  FAILED  \]|^\[  SKIPPED \]' "$OUT/tests.log" | tr '\n' ' ')"
+  grep -E "^\[  FAILED  \]|Failure|error" "$OUT/tests.log" | head -30 | tee -a "$SUMMARY"
+  [[ $rc -ne 0 ]] && status=1
+fi
+
+if has_step sanitize; then
+  start=$(date +%s)
+  compute-sanitizer --tool memcheck --error-exitcode 3 "$TESTS" --gtest_filter="$SANITIZE_FILTER" --gtest_brief=1 \
+    >"$OUT/sanitize.log" 2>&1
+  rc=$?
+  note "memcheck ($SANITIZE_FILTER): rc=$rc in $(( $(date +%s) - start )) s; $(grep -E 'ERROR SUMMARY' "$OUT/sanitize.log" | tail -1)"
+  [[ $rc -ne 0 ]] && status=1
+fi
+
+if has_step sass; then
+  {
+    for obj in "$BUILD"/CMakeFiles/cuflash.dir/src/instantiations/*.o; do
+      [[ -e $obj ]] || continue
+      sass=$(cuobjdump --dump-sass "$obj")
+      printf '%s HGMMA=%s HMMA=%s LDL=%s STL=%s SETMAXNREG=%s\n' "$(basename "$obj")" \
+        "$(grep -c HGMMA <<<"$sass")" "$(grep -c ' HMMA' <<<"$sass")" "$(grep -c ' LDL' <<<"$sass")" \
+        "$(grep -c ' STL' <<<"$sass")" "$(grep -c SETMAXNREG <<<"$sass")"
+    done
+  } >"$OUT/sass.log" 2>&1
+  note "sass:"; cat "$OUT/sass.log" | tee -a "$SUMMARY" >/dev/null
+fi
+
+if has_step bench; then
+  pkg=/tmp/cuflash_pkg
+  rm -rf "$pkg" && mkdir -p "$pkg" && cp -r "$ROOT/python/cuflash" "$pkg/" && cp "$BUILD"/python/_C*.so "$pkg/cuflash/"
+  start=$(date +%s)
+  # shellcheck disable=SC2086
+  PYTHONUNBUFFERED=1 PYTHONPATH="$pkg" python3 "$ROOT/bench/bench_fwd.py" --out "$OUT" $BENCH_ARGS 2>&1 | tee "$OUT/bench.log"
+  note "bench: rc=${PIPESTATUS[0]} in $(( $(date +%s) - start )) s"
+fi
+
+note "gpu_check done: status=$status"
+cat "$SUMMARY" | tail -60
+exit $status
