@@ -121,6 +121,11 @@ struct BwdParams {
   const int* cu_seqlens_k = nullptr;
   const int* seqused_q = nullptr;
   const int* seqused_k = nullptr;
+  // Paged k/v (pages, page_size, H_kv, D), as in FwdParams; dk/dv have the shapes of k/v, and a
+  // page that several sequences share receives the sum of their gradients.
+  const int* page_table = nullptr;  // (B, max_pages)
+  std::int64_t page_table_batch_stride = 0;
+  int page_size = 0;
 
   float softmax_scale = 1.f, softmax_scale_log2 = 1.f, softcap = 0.f;
   bool is_causal = false, is_local = false;

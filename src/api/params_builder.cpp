@@ -202,6 +202,11 @@ BwdParams make_bwd_params(const BackwardArgs& args, const AttentionShape& shape)
   p.cu_seqlens_k = data_of<int>(args.seq.cu_seqlens_k);
   p.seqused_q = data_of<int>(args.seq.seqused_q);
   p.seqused_k = data_of<int>(args.seq.seqused_k);
+  if (args.seq.page_table) {
+    p.page_table = data_of<int>(args.seq.page_table);
+    p.page_table_batch_stride = args.seq.page_table->stride[0];
+    p.page_size = static_cast<int>(shape.page_size);
+  }
 
   p.softmax_scale = args.opts.softmax_scale.value_or(default_softmax_scale(shape.head_dim));
   p.softmax_scale_log2 = p.softmax_scale * kLog2e;

@@ -171,7 +171,7 @@ struct HostLengths {
 
 // q, k, v, the sequence layout and their sizes.
 AttentionShape check_qkv(const TensorView& q, const TensorView& k, const TensorView& v,
-                         const SequenceLayout& seq, bool allow_paged) {
+                         const SequenceLayout& seq) {
   AttentionShape s;
   s.device = q.device;
   s.dtype = q.dtype;
@@ -207,9 +207,6 @@ AttentionShape check_qkv(const TensorView& q, const TensorView& k, const TensorV
 
   // k and v: paged, packed or dense.
   if (s.paged) {
-    if (!allow_paged) {
-      fail_unsupported("page_table", "paged k/v is supported in forward only (inference)");
-    }
     if (s.varlen_k) {
       fail("page_table",
            "cannot be combined with cu_seqlens_k (paged k/v take per-sequence lengths from "
@@ -753,7 +750,7 @@ AttentionShape check_forward(const ForwardArgs& args) {
   check_same_dtype(args.k, "k", args.q.dtype);
   check_same_dtype(args.v, "v", args.q.dtype);
 
-  AttentionShape s = check_qkv(args.q, args.k, args.v, args.seq, /*allow_paged=*/true);
+  AttentionShape s = check_qkv(args.q, args.k, args.v, args.seq);
   check_like_out(args.out, "out", s);
   if (args.lse) check_lse(*args.lse, "lse", s);
   if (args.learnable_sink) check_sink(*args.learnable_sink, s);
@@ -785,7 +782,7 @@ AttentionShape check_backward(const BackwardArgs& args) {
   check_same_dtype(args.k, "k", args.q.dtype);
   check_same_dtype(args.v, "v", args.q.dtype);
 
-  AttentionShape s = check_qkv(args.q, args.k, args.v, args.seq, /*allow_paged=*/false);
+  AttentionShape s = check_qkv(args.q, args.k, args.v, args.seq);
   check_like_out(args.out, "out", s);
   check_like_out(args.dout, "dout", s);
   check_lse(args.lse, "lse", s);

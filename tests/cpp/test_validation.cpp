@@ -794,10 +794,33 @@ TEST_F(BackwardValidation, RequiresTransposedBlockLists) {
                  "ceil(seqlen_k / block_n), ceil(seqlen_q / block_m)), got (2, 1, 2, 3)");
 }
 
-TEST_F(BackwardValidation, RejectsPagedKV) {
-  BackwardArgs args = dense_backward();
-  args.seq.page_table = int_tensor(page_table_, {2, 3});
-  EXPECT_UNSUPPORTED(validate(args), "page_table", "paged k/v is supported in forward only");
+TEST_F(BackwardValidation, ChecksPagedKV) {
+  // Paged k/v in backward (past the seed): dk / dv have the shapes of the paged k / v.
+  BackwardArgs args;
+  const ForwardArgs fwd = paged_forward();
+  args.q = fwd.q;
+  args.k = fwd.k;
+  args.v = fwd.v;
+  args.out = fwd.out;
+  args.dout = fwd.out;
+  args.lse = tensor(DType::kFloat32, {2, 4, 10});
+  args.dq = fwd.q;
+  args.dk = fwd.k;
+  args.dv = fwd.v;
+  args.seq = fwd.seq;
+  EXPECT_NO_THROW(validate(args));
+
+  args.dk = tensor(DType::kFloat32, {2, 48, 2, 64});
+  EXPECT_INVALID(validate(args), "dk",
+                 "expected shape (6, 16, 2, 64) (the shape of k), got (2, 48, 2, 64)");
+
+  args.dk = fwd.k;
+  args.seq.cu_seqlens_k = int_tensor(cu_k_, {3});
+  EXPECT_INVALID(validate(args), "page_table", "cannot be combined with cu_seqlens_k");
+
+  args.seq.cu_seqlens_k.reset();
+  args.opts.block_sparse = block_mask();
+  EXPECT_UNSUPPORTED(validate(args), "block_sparse", "block sparsity requires dense q and k/v");
 }
 
 TEST_F(BackwardValidation, BackwardValidatesBeforeRunning) {

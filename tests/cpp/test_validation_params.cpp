@@ -322,6 +322,28 @@ TEST(ParamsBackward, StridesAndBlockLists) {
   EXPECT_EQ(p.workspace, nullptr);
 }
 
+TEST(ParamsBackward, PagedKV) {
+  std::vector<std::int32_t> page_table{0, 1, 2, 5, 4, 3};
+  BackwardArgs args;
+  args.q = tensor(DType::kFloat32, {2, 10, 4, 64});
+  args.k = tensor(DType::kFloat32, {6, 16, 2, 64});
+  args.v = tensor(DType::kFloat32, {6, 16, 2, 64});
+  args.out = tensor(DType::kFloat32, {2, 10, 4, 64});
+  args.dout = tensor(DType::kFloat32, {2, 10, 4, 64});
+  args.lse = tensor(DType::kFloat32, {2, 4, 10});
+  args.dq = tensor(DType::kFloat32, {2, 10, 4, 64});
+  args.dk = tensor(DType::kFloat32, {6, 16, 2, 64});
+  args.dv = tensor(DType::kFloat32, {6, 16, 2, 64});
+  args.seq.page_table = TensorView(page_table.data(), DType::kInt32, {2, 3});
+  const BwdParams p = make_bwd_params(args, check_backward(args));
+  EXPECT_EQ(p.page_table, page_table.data());
+  EXPECT_EQ(p.page_table_batch_stride, 3);
+  EXPECT_EQ(p.page_size, 16);
+  EXPECT_EQ(p.seqlen_k, 48);
+  EXPECT_EQ(p.dk_batch_stride, 16 * 2 * 64);  // the page stride
+  EXPECT_EQ(p.dk_row_stride, 2 * 64);
+}
+
 TEST(ParamsCombine, DenseAndPackedStrides) {
   CombineArgs args;
   args.out_partial = tensor(DType::kFloat32, {4, 2, 64, 8, 128});
