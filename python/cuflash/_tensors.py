@@ -80,8 +80,9 @@ class Framework:
         """What crosses to the extension module by DLPack."""
         return x
 
-    def finish(self, outputs: Sequence[Any], stream: int) -> List[Any]:
-        """The outputs as returned to the caller, once the extension has written them."""
+    def finish(self, outputs: Sequence[Any], stream: int, like: Any) -> List[Any]:
+        """The outputs as returned to the caller (on `like`'s device), once the extension has
+        written them."""
         return list(outputs)
 
 
@@ -265,7 +266,7 @@ class JaxFramework(Framework):
         if device[0] == "cuda":
             from . import _C
 
-            return _C.cuda_empty(list(shape), dtype, device[1], zero)
+            return _C.CudaBuffer([int(s) for s in shape], dtype, device[1], zero)
         return NumpyFramework().zeros(shape, dtype, None) if zero else NumpyFramework().empty(shape, dtype, None)
 
     def empty(self, shape, dtype, like):
@@ -294,15 +295,15 @@ class JaxFramework(Framework):
             return x.__dlpack__(stream=1)
         return x
 
-    def finish(self, outputs, stream):
+    def finish(self, outputs, stream, like):
         outputs = list(outputs)
         if any(not isinstance(o, np.ndarray) for o in outputs if o is not None):
             from . import _C
 
             _C.stream_synchronize(stream)
-        jnp = self.jax.numpy
-        return [None if o is None else jnp.asarray(o) if isinstance(o, np.ndarray) else jnp.from_dlpack(o)
-                for o in outputs]
+        device = list(like.devices())[0]
+        return [None if o is None else self.jax.device_put(o, device) if isinstance(o, np.ndarray)
+                else self.jax.numpy.from_dlpack(o) for o in outputs]
 
 
 _FRAMEWORKS = (NumpyFramework(), TorchFramework(), CupyFramework(), JaxFramework())

@@ -127,7 +127,9 @@ def _backward(ctx, dout, _dlse):
     q, k, v, sink, cu_q, cu_k, used_q, used_k, out, lse = ctx.saved_tensors
     dq, dk, dv, d_sink = bwd(dout, q, k, v, out, lse, sink, cu_q, cu_k, used_q, used_k, aux=ctx.aux,
                              block_sparse=ctx.block_sparse, deterministic=ctx.deterministic, **ctx.options)
-    grads = dict(q=dq, k=dk, v=dv, learnable_sink=None if sink is None else d_sink.to(sink.dtype))
+    grads = dict(q=dq, k=dk, v=dv, learnable_sink=None if sink is None else d_sink.to(sink.dtype),
+                 # List inputs take a list of (no) gradients of the same length.
+                 aux=[None] * len(ctx.aux), block_sparse=[None] * len(ctx.block_sparse))
     return tuple(grads.get(name) for name in _FWD_INPUTS)
 
 

@@ -542,7 +542,7 @@ def _run_forward(call: _Call) -> Tuple[Tensor, Tensor]:
                lse=call.export(lse), learnable_sink=call.export(call.learnable_sink),
                page_table=call.export(call.page_table), num_splits=call.num_splits, pack_gqa=call.pack_gqa,
                stream=stream, **call.common_kwargs())
-    out, lse = framework.finish([out, lse], stream)
+    out, lse = framework.finish([out, lse], stream, like=call.q)
     return out, lse
 
 
@@ -561,7 +561,7 @@ def _run_backward(call: _Call, out: Tensor, dout: Tensor, lse: Tensor
                 call.export(dout), call.export(lse), call.export(dq), call.export(dk), call.export(dv),
                 learnable_sink=call.export(call.learnable_sink), d_sink=call.export(d_sink),
                 deterministic=call.deterministic, stream=stream, **call.common_kwargs())
-    dq, dk, dv, d_sink = framework.finish([dq, dk, dv, d_sink], stream)
+    dq, dk, dv, d_sink = framework.finish([dq, dk, dv, d_sink], stream, like=call.q)
     return dq, dk, dv, d_sink
 
 
@@ -899,7 +899,7 @@ def flash_attn_combine(
     _C.combine(ex(out_partial), ex(lse_partial), ex(out), lse=None if lse is None else ex(lse),
                cu_seqlens=None if cu_seqlens is None else ex(cu_seqlens),
                seqused=None if seqused is None else ex(seqused), stream=stream)
-    out, lse = framework.finish([out, lse], stream)
+    out, lse = framework.finish([out, lse], stream, like=out_partial)
     return out, lse
 
 

@@ -13,6 +13,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -267,27 +268,75 @@ void stream_synchronize(std::uintptr_t stream) {
 #endif
 }
 
-// A new row-major CUDA buffer that frees itself with its last Python reference, for
-// frameworks whose own arrays are immutable (JAX): cuflash writes into it, then the framework
-// imports it by DLPack.
-OutArray cuda_empty(const std::vector<std::size_t>& shape, const std::string& dtype, int device_id, bool zero) {
-#if CUFLASH_PYTHON_HAS_CUDA
-  nb::dlpack::dtype element;
-  element.lanes = 1;
-  element.bits = 16;
+// A row-major CUDA allocation that other frameworks import by DLPack (JAX's arrays are
+// immutable, so cuflash writes its outputs into one of these and then hands it to JAX). Each
+// __dlpack__() call exports a new capsule that shares ownership of the memory.
+namespace dl {  // the DLPack ABI (dlpack.h, unversioned)
+struct Device {
+  std::int32_t device_type;
+  std::int32_t device_id;
+};
+struct DataType {
+  std::uint8_t code;
+  std::uint8_t bits;
+  std::uint16_t lanes;
+};
+struct Tensor {
+  void* data;
+  Device device;
+  std::int32_t ndim;
+  DataType dtype;
+  std::int64_t* shape;
+  std::int64_t* strides;
+  std::uint64_t byte_offset;
+};
+struct ManagedTensor {
+  Tensor dl_tensor;
+  void* manager_ctx;
+  void (*deleter)(ManagedTensor*);
+};
+}  // namespace dl
+
+class CudaBuffer {
+ public:
+  CudaBuffer(const std::vector<std::int64_t>& shape, const std::string& dtype, int device_id, bool zero);
+
+  const std::vector<std::int64_t>& shape() const { return shape_; }
+  int device_id() const { return device_id_; }
+  nb::capsule dlpack() const;
+
+ private:
+  struct Export {
+    dl::ManagedTensor managed;
+    std::shared_ptr<void> memory;
+    std::vector<std::int64_t> shape;
+  };
+  std::shared_ptr<void> memory_;
+  std::vector<std::int64_t> shape_;
+  dl::DataType dtype_{};
+  int device_id_ = 0;
+};
+
+CudaBuffer::CudaBuffer(const std::vector<std::int64_t>& shape, const std::string& dtype, int device_id, bool zero)
+    : shape_(shape), device_id_(device_id) {
+  using Code = nb::dlpack::dtype_code;
   if (dtype == "float16") {
-    element.code = static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float);
+    dtype_ = {static_cast<std::uint8_t>(Code::Float), 16, 1};
   } else if (dtype == "bfloat16") {
-    element.code = static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bfloat);
-  } else if (dtype == "float32" || dtype == "int32") {
-    element.code = static_cast<std::uint8_t>(dtype == "float32" ? nb::dlpack::dtype_code::Float
-                                                                : nb::dlpack::dtype_code::Int);
-    element.bits = 32;
+    dtype_ = {static_cast<std::uint8_t>(Code::Bfloat), 16, 1};
+  } else if (dtype == "float32") {
+    dtype_ = {static_cast<std::uint8_t>(Code::Float), 32, 1};
+  } else if (dtype == "int32") {
+    dtype_ = {static_cast<std::uint8_t>(Code::Int), 32, 1};
   } else {
     throw nb::type_error(("dtype: expected float16, bfloat16, float32 or int32, got " + dtype).c_str());
   }
-  std::size_t bytes = element.bits / 8;
-  for (std::size_t extent : shape) bytes *= extent;
+  std::size_t bytes = dtype_.bits / 8;
+  for (std::int64_t extent : shape) {
+    if (extent < 0) throw nb::value_error("shape: negative extent");
+    bytes *= static_cast<std::size_t>(extent);
+  }
+#if CUFLASH_PYTHON_HAS_CUDA
   int previous_device = 0;
   void* data = nullptr;
   cudaError_t status = cudaGetDevice(&previous_device);
@@ -296,17 +345,40 @@ OutArray cuda_empty(const std::vector<std::size_t>& shape, const std::string& dt
   if (status == cudaSuccess && zero) status = cudaMemset(data, 0, bytes);
   cudaSetDevice(previous_device);
   if (status != cudaSuccess) {
-    throw std::runtime_error(std::string("cudaMalloc: ") + cudaGetErrorString(status));
+    if (data) cudaFree(data);
+    throw std::runtime_error(std::string("CudaBuffer: ") + cudaGetErrorString(status));
   }
-  nb::capsule owner(data, [](void* pointer) noexcept { cudaFree(pointer); });
-  return OutArray(data, shape.size(), shape.data(), owner, nullptr, element, nb::device::cuda::value, device_id);
+  memory_ = std::shared_ptr<void>(data, [](void* pointer) { cudaFree(pointer); });
 #else
-  (void)shape;
-  (void)dtype;
-  (void)device_id;
   (void)zero;
   throw nb::value_error("device: this cuflash build has no CUDA support");
 #endif
+}
+
+nb::capsule CudaBuffer::dlpack() const {
+  auto* exported = new Export{{}, memory_, shape_};
+  dl::Tensor& tensor = exported->managed.dl_tensor;
+  tensor.data = memory_.get();
+  tensor.device = {static_cast<std::int32_t>(nb::device::cuda::value), device_id_};
+  tensor.ndim = static_cast<std::int32_t>(shape_.size());
+  tensor.dtype = dtype_;
+  tensor.shape = exported->shape.data();
+  tensor.strides = nullptr;  // row-major
+  tensor.byte_offset = 0;
+  exported->managed.manager_ctx = exported;
+  exported->managed.deleter = [](dl::ManagedTensor* managed) { delete static_cast<Export*>(managed->manager_ctx); };
+  // A capsule that no consumer took (still named "dltensor") frees its export itself.
+  PyObject* capsule = PyCapsule_New(&exported->managed, "dltensor", [](PyObject* object) {
+    if (PyCapsule_IsValid(object, "dltensor")) {
+      auto* managed = static_cast<dl::ManagedTensor*>(PyCapsule_GetPointer(object, "dltensor"));
+      managed->deleter(managed);
+    }
+  });
+  if (!capsule) {
+    delete exported;
+    throw nb::python_error();
+  }
+  return nb::steal<nb::capsule>(capsule);
 }
 
 void translate_error(const std::exception_ptr& pointer, void*) {
@@ -369,8 +441,15 @@ NB_MODULE(_C, m) {
         "Runs cuflash::combine: merges split-KV partial results by their log-sum-exp.");
   m.def("stream_synchronize", &stream_synchronize, "stream"_a,
         "Waits for the work queued on a CUDA stream (no-op in a CPU-only build).");
-  m.def("cuda_empty", &cuda_empty, "shape"_a, "dtype"_a, "device"_a = 0, "zero"_a = false,
-        "A new row-major CUDA array, uninitialised or zeroed (freed with its last reference).");
+  nb::class_<CudaBuffer>(m, "CudaBuffer",
+                         "A row-major CUDA allocation, exported by DLPack (freed with its last user).")
+      .def(nb::init<const std::vector<std::int64_t>&, const std::string&, int, bool>(), "shape"_a, "dtype"_a,
+           "device"_a = 0, "zero"_a = false)
+      .def_prop_ro("shape", [](const CudaBuffer& buffer) { return nb::tuple(nb::cast(buffer.shape())); })
+      .def("__dlpack__", [](const CudaBuffer& buffer, nb::kwargs) { return buffer.dlpack(); })
+      .def("__dlpack_device__", [](const CudaBuffer& buffer) {
+        return nb::make_tuple(static_cast<int>(nb::device::cuda::value), buffer.device_id());
+      });
   m.def("built_kernels", &cuflash::built_kernels, "Kernel configurations this build holds.");
   m.def("cuda_available", &cuflash::cuda_available, "Whether a usable CUDA device is present.");
   m.def("version", &cuflash::version, "Version of the C++ library.");

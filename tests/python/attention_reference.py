@@ -113,8 +113,8 @@ def backward_one(dout, q, k, v, out, b: int, opts: Options):
     dk = np.einsum("hij,ihd->jhd", ds, q) * scale
     dv = np.einsum("hij,ihd->jhd", p, dout)
     sk = k.shape[0]
-    dk = dk.reshape(sk, heads_kv, group, -1).sum(axis=2)
-    dv = dv.reshape(sk, heads_kv, group, -1).sum(axis=2)
+    dk = dk.reshape(sk, heads_kv, group, dk.shape[-1]).sum(axis=2)
+    dv = dv.reshape(sk, heads_kv, group, dv.shape[-1]).sum(axis=2)
     d_sink = None
     if opts.sink is not None:
         p_sink = np.where(finite, np.exp(_f64(opts.sink)[:, None] - np.where(finite, lse, 0.0)), 0.0)
