@@ -19,7 +19,7 @@ KERNEL_SET=${KERNEL_SET:-ci}
 HDIMS=${HDIMS:-128}
 DTYPES=${DTYPES:-bf16}
 STEPS=${STEPS:-build,test,sanitize,sass,bench}
-GTEST_FILTER=${GTEST_FILTER:-Gpu*}
+GTEST_FILTER=${GTEST_FILTER:-*GpuForward*}
 SANITIZE_FILTER=${SANITIZE_FILTER:-*varlen_causal_gqa_bf16_d128*:*sink_fp16_local_bf16_d128*:GpuForwardUnsupported*}
 BENCH_ARGS=${BENCH_ARGS:-}
 JOBS=${JOBS:-$(nproc)}
@@ -80,9 +80,9 @@ if has_step sass; then
     for obj in "$BUILD"/CMakeFiles/cuflash.dir/src/instantiations/*.o; do
       [[ -e $obj ]] || continue
       sass=$(cuobjdump --dump-sass "$obj")
-      printf '%s HGMMA=%s HMMA=%s LDL=%s STL=%s SETMAXNREG=%s\n' "$(basename "$obj")" \
+      printf '%s HGMMA=%s HMMA=%s LDL=%s STL=%s SETMAXREG=%s\n' "$(basename "$obj")" \
         "$(grep -c HGMMA <<<"$sass")" "$(grep -c ' HMMA' <<<"$sass")" "$(grep -c ' LDL' <<<"$sass")" \
-        "$(grep -c ' STL' <<<"$sass")" "$(grep -c SETMAXNREG <<<"$sass")"
+        "$(grep -c ' STL' <<<"$sass")" "$(grep -c SETMAXREG <<<"$sass")"
     done
   } >"$OUT/sass.log" 2>&1
   note "sass:"; cat "$OUT/sass.log" | tee -a "$SUMMARY" >/dev/null

@@ -39,10 +39,13 @@ struct EpilogueFwdSm90 {
       cute::Layout<cute::Shape<cute::_1, cute::Int<kElemsPerVector>>>{}));
 
   // tOrO: normalised fp32 output of this thread; lse: per thread row (natural log).
+  // smem_release: arrived on once this thread has read O back from shared memory, when O's
+  // buffer is Q's (null otherwise).
   template <class TensorO, class TiledMmaPV, int kRows>
   CUTLASS_DEVICE static void store(FwdParams const& p, Element* smem_o, TensorO const& tOrO,
                                    float const (&lse)[kRows], TiledMmaPV const& tiled_mma_pv, int thread_idx,
-                                   SeqlenInfo const& seqlen, int m_block, int head, int batch) {
+                                   SeqlenInfo const& seqlen, int m_block, int head, int batch,
+                                   cutlass::arch::ClusterBarrier* smem_release) {
     using namespace cute;
     Tensor sO = make_tensor(make_smem_ptr(smem_o), SmemLayoutO{});
 
@@ -67,7 +70,8 @@ struct EpilogueFwdSm90 {
     auto smem_thr_copy_O = smem_tiled_copy_O.get_thread_slice(thread_idx);
     Tensor taccOrO = smem_thr_copy_O.retile_S(tOrO_out);
     Tensor taccOsO = smem_thr_copy_O.partition_D(sO);
-    // O reuses Q's buffer: every warpgroup must be done with its last Q K^T first.
+    // Every warpgroup must be done with the buffer (its last Q K^T when O reuses Q's buffer,
+    // its reads of the previous tile's O otherwise) before any thread overwrites it.
     cutlass::arch::NamedBarrier::sync(kNumMmaThreads, int(FwdNamedBarrier::kEpilogue));
     copy(smem_tiled_copy_O, taccOrO, taccOsO);
     cutlass::arch::NamedBarrier::sync(kNumMmaThreads, int(FwdNamedBarrier::kEpilogue));
@@ -85,6 +89,7 @@ struct EpilogueFwdSm90 {
     Tensor tOcO_gmem = gmem_thr_copy_O.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
     Tensor tOrO_gmem = make_fragment_like(tOsO);
     copy(gmem_tiled_copy_O, tOsO, tOrO_gmem);
+    if (smem_release != nullptr) smem_release->arrive();
     int const rows_left = seqlen.seqlen_q_range - m_block * kBlockM;
     CUTLASS_PRAGMA_UNROLL
     for (int m = 0; m < size<1>(tOgO); ++m) {

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
@@ -43,47 +44,59 @@ struct FlashFwdKernelSm90 {
   using Element = typename Config::Element;
   using Mainloop = MainloopFwdSm90<Config>;
   using Epilogue = EpilogueFwdSm90<Config>;
-  using Scheduler = SingleTileSchedulerSm90;
+  using Scheduler = PersistentTileSchedulerSm90;
   static constexpr int kBlockM = Config::kBlockM;
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kNumMmaWarpGroups = Config::kNumMmaWarpGroups;
   static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
   static constexpr int kNumThreads = kNumMmaThreads + cutlass::NumThreadsPerWarpGroup;
-  static_assert(kNumMmaWarpGroups == 2 || kNumMmaWarpGroups == 3);
-  // 64K registers per SM: producer 128 x 24 + 256 x 240, or 128 x 32 + 384 x 160.
-  static constexpr uint32_t kLoadRegisters = kNumMmaWarpGroups == 2 ? 24 : 32;
-  static constexpr uint32_t kMmaRegisters = kNumMmaWarpGroups == 2 ? 240 : 160;
+  static_assert(kNumMmaWarpGroups == 2, "register split below assumes two MMA warpgroups");
+  // 64K registers per SM: producer warpgroup 128 x 24, MMA warpgroups 256 x 240.
+  static constexpr uint32_t kLoadRegisters = 24;
+  static constexpr uint32_t kMmaRegisters = 240;
   // Each thread of a WGMMA accumulator holds two rows of its warpgroup's 64.
   static constexpr int kRowsPerThread = 2;
 
+  // O gets its own buffer when it fits, so the next tile's Q can land while this tile's
+  // epilogue runs; otherwise it reuses Q's.
+  static constexpr int kSmemBytesO = cute::cosize_v<typename Epilogue::SmemLayoutO> * int(sizeof(Element));
+  static constexpr bool kSeparateO =
+      int(sizeof(typename Mainloop::TensorStorage)) + kSmemBytesO + 1024 <= 227 * 1024;
+  struct SeparateOStorage {
+    cute::array_aligned<Element, cute::cosize_v<typename Epilogue::SmemLayoutO>, 1024> smem_o;
+  };
+  struct NoOStorage {};
+  static_assert(kSeparateO ||
+                    cute::cosize_v<typename Epilogue::SmemLayoutO> <= cute::cosize_v<typename Mainloop::SmemLayoutQ>,
+                "O reuses Q's shared memory");
+
   struct SharedStorage {
     typename Mainloop::TensorStorage tensors;
-    alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_q;
+    std::conditional_t<kSeparateO, SeparateOStorage, NoOStorage> epilogue;
+    alignas(16) typename Mainloop::QBarriers barrier_q;
     alignas(16) typename Mainloop::PipelineK::SharedStorage pipeline_k;
     alignas(16) typename Mainloop::PipelineV::SharedStorage pipeline_v;
   };
   static constexpr int kSharedStorageBytes = int(sizeof(SharedStorage));
-  static_assert(cute::cosize_v<typename Epilogue::SmemLayoutO> <= cute::cosize_v<typename Mainloop::SmemLayoutQ>,
-                "O reuses Q's shared memory");
 
   struct Params {
     typename Mainloop::Params mainloop;
     FwdParams fwd;
     float scale_log2;     // multiplies the (soft-capped) score inside exp2
     float softcap_scale;  // softmax_scale / softcap
-    int num_m_blocks;
-    bool longest_first;
+    Scheduler scheduler;
   };
 
   static Params to_params(FwdParams const& p) {
     bool const has_softcap = p.softcap > 0.f;
     return {Mainloop::to_params(p), p, float(M_LOG2E) * (has_softcap ? p.softcap : p.softmax_scale),
-            has_softcap ? p.softmax_scale / p.softcap : 0.f, cute::ceil_div(p.seqlen_q, kBlockM),
-            p.window_right >= 0 || p.window_left >= 0};
+            has_softcap ? p.softmax_scale / p.softcap : 0.f,
+            Scheduler{cute::ceil_div(p.seqlen_q, kBlockM), p.num_heads, p.batch,
+                      p.window_right >= 0 || p.window_left >= 0}};
   }
 
-  static dim3 grid_shape(Params const& params) {
-    return Scheduler::grid_shape(params.num_m_blocks, params.fwd.num_heads, params.fwd.batch);
+  static dim3 grid_shape(Params const& params, int num_sm) {
+    return Scheduler::grid_shape(params.scheduler.num_tiles(), num_sm);
   }
 
   CUTLASS_DEVICE static float load_sink_log2(FwdParams const& p, int head) {
@@ -97,6 +110,25 @@ struct FlashFwdKernelSm90 {
     return sink * float(M_LOG2E);
   }
 
+  // What one tile needs from the sequence: its lengths and the n-blocks to visit. has_rows is
+  // false past the sequence's end (nothing to write); both roles skip such tiles alike.
+  struct TileWork {
+    SeqlenInfo seqlen;
+    FwdMask<kBlockM, kBlockN> mask;
+    int n_block_min, n_block_max;
+    bool has_rows;
+    CUTLASS_DEVICE bool has_keys() const { return n_block_min < n_block_max; }
+  };
+
+  CUTLASS_DEVICE static TileWork tile_work(FwdParams const& p, FwdTile const& tile) {
+    SeqlenInfo const seqlen(tile.batch, p.seqlen_q, p.seqlen_k, p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q,
+                            p.seqused_k);
+    FwdMask<kBlockM, kBlockN> const mask{seqlen.seqlen_q, seqlen.seqlen_k, p.window_left, p.window_right};
+    TileWork work{seqlen, mask, 0, 0, tile.m_block * kBlockM < seqlen.seqlen_q_range};
+    if (work.has_rows) mask.n_block_range(tile.m_block, work.n_block_min, work.n_block_max);
+    return work;
+  }
+
   CUTLASS_DEVICE void operator()(Params const& params, char* smem_buf) {
     using namespace cute;
     using PipelineK = typename Mainloop::PipelineK;
@@ -104,13 +136,16 @@ struct FlashFwdKernelSm90 {
     using PipelineState = typename Mainloop::PipelineState;
     SharedStorage& storage = *reinterpret_cast<SharedStorage*>(smem_buf);
     FwdParams const& p = params.fwd;
+    Scheduler const& scheduler = params.scheduler;
+    int const num_tiles = scheduler.num_tiles();
 
     int const warp_group_idx = cutlass::canonical_warp_group_idx();
     int const warp_idx = cutlass::canonical_warp_idx_sync();
     bool const lane_predicate = cute::elect_one_sync();
     if (warp_idx == 0 && lane_predicate) {
       Mainloop::prefetch_descriptors(params.mainloop);
-      storage.barrier_q.init(/*arrive_count=*/1);
+      storage.barrier_q.full.init(/*arrive_count=*/1);
+      storage.barrier_q.empty.init(/*arrive_count=*/kNumMmaThreads);
     }
     typename PipelineK::Params pipeline_params_k;
     pipeline_params_k.transaction_bytes = Mainloop::kTmaBytesK;
@@ -124,55 +159,73 @@ struct FlashFwdKernelSm90 {
     PipelineV pipeline_v(storage.pipeline_v, pipeline_params_v, Shape<_1, _1, _1>{});
     __syncthreads();  // barrier initialisation is visible to every thread
 
-    FwdTile const tile = Scheduler::tile(params.num_m_blocks, params.longest_first);
-    SeqlenInfo const seqlen(tile.batch, p.seqlen_q, p.seqlen_k, p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q,
-                            p.seqused_k);
-    if (tile.m_block * kBlockM >= seqlen.seqlen_q_range) return;  // past this sequence: nothing to write
-    FwdMask<kBlockM, kBlockN> const mask{seqlen.seqlen_q, seqlen.seqlen_k, p.window_left, p.window_right};
-    int n_block_min, n_block_max;
-    mask.n_block_range(tile.m_block, n_block_min, n_block_max);
-    int const head_kv = tile.head / (p.num_heads / p.num_heads_kv);
-
     if (warp_group_idx == 0) {
       cutlass::arch::warpgroup_reg_dealloc<kLoadRegisters>();
-      if (warp_idx == 0 && lane_predicate && n_block_min < n_block_max) {
+      if (warp_idx == 0 && lane_predicate) {
         PipelineState smem_pipe_write = cutlass::make_producer_start_state<PipelineK>();
-        Mainloop::load(params.mainloop, storage.tensors, storage.barrier_q, pipeline_k, pipeline_v, smem_pipe_write,
-                       seqlen, tile.m_block, tile.head, head_kv, tile.batch, n_block_min, n_block_max);
+        int q_loads = 0;
+        for (int tile_index = int(blockIdx.x); tile_index < num_tiles; tile_index += int(gridDim.x)) {
+          FwdTile const tile = scheduler.tile(tile_index);
+          TileWork const work = tile_work(p, tile);
+          if (!work.has_rows || !work.has_keys()) continue;
+          int const head_kv = tile.head / (p.num_heads / p.num_heads_kv);
+          Mainloop::load(params.mainloop, storage.tensors, storage.barrier_q, q_loads, pipeline_k, pipeline_v,
+                         smem_pipe_write, work.seqlen, tile.m_block, tile.head, head_kv, tile.batch,
+                         work.n_block_min, work.n_block_max);
+          ++q_loads;
+        }
       }
     } else {
       cutlass::arch::warpgroup_reg_alloc<kMmaRegisters>();
       int const thread_idx = int(threadIdx.x) - cutlass::NumThreadsPerWarpGroup;
-      typename Mainloop::TiledMmaPV tiled_mma_pv;
-      Tensor tOrO = partition_fragment_C(tiled_mma_pv, select<0, 1>(typename Mainloop::TileShapePV{}));
-      OnlineSoftmax<kRowsPerThread> softmax(params.scale_log2);
-      float out_scale[kRowsPerThread], lse[kRowsPerThread];
-      if (n_block_min < n_block_max) {
-        Mainloop::mma_init(thread_idx / cutlass::NumThreadsPerWarpGroup);
-        PipelineState smem_pipe_read;
-        Mainloop::mma(storage.tensors, storage.barrier_q, pipeline_k, pipeline_v, smem_pipe_read, tOrO, softmax, mask,
-                      params.softcap_scale, thread_idx, tile.m_block, n_block_min, n_block_max);
-        softmax.finalize(load_sink_log2(p, tile.head), out_scale, lse);
+      Element* smem_o;
+      if constexpr (kSeparateO) {
+        smem_o = storage.epilogue.smem_o.data();
       } else {
-        clear(tOrO);
-        softmax.row_max[0] = softmax.row_max[1] = -INFINITY;
-        softmax.row_sum[0] = softmax.row_sum[1] = 0.f;
+        smem_o = storage.tensors.smem_q.data();
+      }
+      typename Mainloop::TiledMmaPV tiled_mma_pv;
+      PipelineState smem_pipe_read;
+      int q_loads = 0;
+      Mainloop::mma_init(thread_idx / cutlass::NumThreadsPerWarpGroup);
+      for (int tile_index = int(blockIdx.x); tile_index < num_tiles; tile_index += int(gridDim.x)) {
+        FwdTile const tile = scheduler.tile(tile_index);
+        TileWork const work = tile_work(p, tile);
+        if (!work.has_rows) continue;
+        Tensor tOrO = partition_fragment_C(tiled_mma_pv, select<0, 1>(typename Mainloop::TileShapePV{}));
+        OnlineSoftmax<kRowsPerThread> softmax(params.scale_log2);
+        float out_scale[kRowsPerThread], lse[kRowsPerThread];
+        if (work.has_keys()) {
+          Mainloop::mma(storage.tensors, storage.barrier_q, q_loads, /*release_q=*/kSeparateO, pipeline_k,
+                        pipeline_v, smem_pipe_read, tOrO, softmax, work.mask, params.softcap_scale, thread_idx,
+                        tile.m_block, work.n_block_min, work.n_block_max);
+        } else {
+          clear(tOrO);
+          CUTLASS_PRAGMA_UNROLL
+          for (int m = 0; m < kRowsPerThread; ++m) {
+            softmax.row_max[m] = -INFINITY;
+            softmax.row_sum[m] = 0.f;
+          }
+        }
         softmax.finalize(load_sink_log2(p, tile.head), out_scale, lse);
-      }
-      // Normalise; rows past seqused_q (and any row without a visible key) give 0 and lse -inf.
-      auto thr_mma_pv = tiled_mma_pv.get_thread_slice(thread_idx);
-      Tensor tOcO = thr_mma_pv.partition_C(make_identity_tensor(select<0, 1>(typename Mainloop::TileShapePV{})));
-      Tensor coords = make_tensor(tOcO.data(), acc_rowcol_layout(tOcO.layout()));
-      Tensor out = make_tensor(tOrO.data(), acc_rowcol_layout(tOrO.layout()));
-      CUTLASS_PRAGMA_UNROLL
-      for (int m = 0; m < kRowsPerThread; ++m) {
-        bool const row_valid = tile.m_block * kBlockM + get<0>(coords(m, 0)) < seqlen.seqlen_q;
-        if (!row_valid) lse[m] = -INFINITY;
+        // Normalise; rows past seqused_q (and any row without a visible key) give 0 and lse -inf.
+        auto thr_mma_pv = tiled_mma_pv.get_thread_slice(thread_idx);
+        Tensor tOcO = thr_mma_pv.partition_C(make_identity_tensor(select<0, 1>(typename Mainloop::TileShapePV{})));
+        Tensor coords = make_tensor(tOcO.data(), acc_rowcol_layout(tOcO.layout()));
+        Tensor out = make_tensor(tOrO.data(), acc_rowcol_layout(tOrO.layout()));
         CUTLASS_PRAGMA_UNROLL
-        for (int n = 0; n < size<1>(out); ++n) out(m, n) = row_valid ? out(m, n) * out_scale[m] : 0.f;
+        for (int m = 0; m < kRowsPerThread; ++m) {
+          bool const row_valid = tile.m_block * kBlockM + get<0>(coords(m, 0)) < work.seqlen.seqlen_q;
+          if (!row_valid) lse[m] = -INFINITY;
+          CUTLASS_PRAGMA_UNROLL
+          for (int n = 0; n < size<1>(out); ++n) out(m, n) = row_valid ? out(m, n) * out_scale[m] : 0.f;
+        }
+        cutlass::arch::ClusterBarrier* smem_release =
+            !kSeparateO && work.has_keys() ? &storage.barrier_q.empty : nullptr;
+        Epilogue::store(p, smem_o, tOrO, lse, tiled_mma_pv, thread_idx, work.seqlen, tile.m_block, tile.head,
+                        tile.batch, smem_release);
+        if (work.has_keys()) ++q_loads;
       }
-      Epilogue::store(p, storage.tensors.smem_q.data(), tOrO, lse, tiled_mma_pv, thread_idx, seqlen, tile.m_block,
-                      tile.head, tile.batch);
     }
   }
 };

@@ -22,8 +22,15 @@ template <class Element, int kHeadDim, int kHeadDimV, bool kHasSoftcap>
 void run_flash_fwd_sm90(FwdParams& params, cudaStream_t stream) {
   using Kernel = FlashFwdKernelSm90<FwdConfig<Element, kHeadDim, kHeadDimV, kHasSoftcap>>;
   typename Kernel::Params const kernel_params = Kernel::to_params(params);
-  dim3 const grid = Kernel::grid_shape(kernel_params);
-  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
+  if (kernel_params.scheduler.num_tiles() == 0) return;
+  int num_sm = params.num_sm;
+  if (num_sm <= 0) {
+    int device = 0;
+    check_launch(cudaGetDevice(&device), "cuflash forward: cudaGetDevice");
+    check_launch(cudaDeviceGetAttribute(&num_sm, cudaDevAttrMultiProcessorCount, device),
+                 "cuflash forward: cannot read the SM count");
+  }
+  dim3 const grid = Kernel::grid_shape(kernel_params, num_sm);
   auto kernel = &flash_fwd_kernel_sm90<Kernel>;
   check_launch(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSharedStorageBytes),
                "cuflash forward: cannot reserve shared memory");

@@ -145,11 +145,18 @@ struct MainloopFwdSm90 {
     cute::prefetch_tma_descriptor(params.tma_load_v.get_tma_descriptor());
   }
 
-  // Producer: called by one elected thread of the producer warp.
-  CUTLASS_DEVICE static void load(Params const& params, TensorStorage& storage,
-                                  cutlass::arch::ClusterTransactionBarrier& barrier_q, PipelineK& pipeline_k,
-                                  PipelineV& pipeline_v, PipelineState& smem_pipe_write, SeqlenInfo const& seqlen,
-                                  int m_block, int head, int head_kv, int batch, int n_block_min, int n_block_max) {
+  // Q's buffer is handed back by the consumers once per tile (barrier_q_empty, all MMA threads
+  // arrive); q_loads counts the tiles whose Q this CTA has loaded so far.
+  struct QBarriers {
+    cutlass::arch::ClusterTransactionBarrier full;
+    cutlass::arch::ClusterBarrier empty;
+  };
+
+  // Producer: called by one elected thread of the producer warp, once per tile with work.
+  CUTLASS_DEVICE static void load(Params const& params, TensorStorage& storage, QBarriers& barrier_q, int q_loads,
+                                  PipelineK& pipeline_k, PipelineV& pipeline_v, PipelineState& smem_pipe_write,
+                                  SeqlenInfo const& seqlen, int m_block, int head, int head_kv, int batch,
+                                  int n_block_min, int n_block_max) {
     using namespace cute;
     Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
@@ -166,19 +173,34 @@ struct MainloopFwdSm90 {
     Tensor gV = local_tile(domain_offset(make_coord(seqlen.offset_k, _0{}), mV), select<2, 1>(TileShapePV{}),
                            make_coord(_, _0{}));  // (N, Dv, n_blocks)
     auto [tQgQ, tQsQ] = tma_partition(params.tma_load_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-    auto [tKgK, tKsK] = tma_partition(params.tma_load_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-    auto [tVgV, tVsV] = tma_partition(params.tma_load_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    auto k_partition = tma_partition(params.tma_load_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    auto v_partition = tma_partition(params.tma_load_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    Tensor tKgK = get<0>(k_partition);  // (TMA, n_blocks)
+    Tensor tKsK = get<1>(k_partition);  // (TMA, stages)
+    Tensor tVgV = get<0>(v_partition);
+    Tensor tVsV = get<1>(v_partition);
 
     using BarrierType = cutlass::arch::ClusterTransactionBarrier::ValueType;
-    barrier_q.arrive_and_expect_tx(kTmaBytesQ);
-    copy(params.tma_load_q.with(reinterpret_cast<BarrierType&>(barrier_q), 0), tQgQ, tQsQ);
-    for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
+    auto load_k = [&](int n_block) {
       pipeline_k.producer_acquire(smem_pipe_write);
       copy(params.tma_load_k.with(*pipeline_k.producer_get_barrier(smem_pipe_write), 0), tKgK(_, n_block),
            tKsK(_, smem_pipe_write.index()));
+    };
+    auto load_v = [&](int n_block) {
       pipeline_v.producer_acquire(smem_pipe_write);
       copy(params.tma_load_v.with(*pipeline_v.producer_get_barrier(smem_pipe_write), 0), tVgV(_, n_block),
            tVsV(_, smem_pipe_write.index()));
+    };
+    // The first K goes out before waiting for Q's buffer: it overlaps the previous tile's tail.
+    load_k(n_block_max - 1);
+    if (q_loads > 0) barrier_q.empty.wait((q_loads - 1) & 1);
+    barrier_q.full.arrive_and_expect_tx(kTmaBytesQ);
+    copy(params.tma_load_q.with(reinterpret_cast<BarrierType&>(barrier_q.full), 0), tQgQ, tQsQ);
+    load_v(n_block_max - 1);
+    ++smem_pipe_write;
+    for (int n_block = n_block_max - 2; n_block >= n_block_min; --n_block) {
+      load_k(n_block);
+      load_v(n_block);
       ++smem_pipe_write;
     }
   }
@@ -209,9 +231,11 @@ struct MainloopFwdSm90 {
   }
 
   // Consumer: accumulates the unnormalised output of this thread's rows into tOrO and leaves
-  // the running max/sum in softmax. Requires n_block_min < n_block_max.
+  // the running max/sum in softmax. Requires n_block_min < n_block_max. q_loads: tiles with work
+  // this CTA has done before this one. Hands Q's buffer back when release_q is set; otherwise
+  // the caller does (when O reuses that buffer).
   template <class TensorO, class Softmax>
-  CUTLASS_DEVICE static void mma(TensorStorage& storage, cutlass::arch::ClusterTransactionBarrier& barrier_q,
+  CUTLASS_DEVICE static void mma(TensorStorage& storage, QBarriers& barrier_q, int q_loads, bool release_q,
                                  PipelineK& pipeline_k, PipelineV& pipeline_v, PipelineState& smem_pipe_read,
                                  TensorO& tOrO, Softmax& softmax, FwdMask<kBlockM, kBlockN> const& mask,
                                  float softcap_scale, int thread_idx, int m_block, int n_block_min,
@@ -245,14 +269,14 @@ struct MainloopFwdSm90 {
     float scores_scale[Softmax::kNumRows];
 
     pipeline_k.consumer_wait(smem_pipe_read);
-    barrier_q.wait(0);
+    barrier_q.full.wait(q_loads & 1);
     warp_scheduler_barrier_sync(warp_group);
     gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, smem_pipe_read.index()), tSrS);
     warp_scheduler_barrier_arrive(warp_group);
     warpgroup_wait<0>();
     pipeline_k.consumer_release(smem_pipe_read);
     scores_transform(tSrS);
-    mask.apply(tSrS, tScS, m_block, n_block);  // the last block always touches an edge
+    if (mask.needs_mask(m_block, n_block)) mask.apply(tSrS, tScS, m_block, n_block);
     softmax.template online</*kFirst=*/true>(tSrS, scores_scale);
     convert_into(tSrS, tOrP);
     clear(tOrO);
@@ -278,6 +302,7 @@ struct MainloopFwdSm90 {
       smem_pipe_read_v = smem_pipe_read;
       ++smem_pipe_read;
     }
+    if (release_q) barrier_q.empty.arrive();  // every Q K^T of this tile has completed
     softmax.rescale_o(tOrO, scores_scale);
     pipeline_v.consumer_wait(smem_pipe_read_v);
     gemm</*kZeroInit=*/false, /*kWait=*/0>(tiled_mma_pv, tOrP, tOrV(_, _, _, smem_pipe_read_v.index()), tOrO);

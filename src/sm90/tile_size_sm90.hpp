@@ -12,8 +12,10 @@ struct FwdTileSize {
 };
 
 constexpr FwdTileSize fwd_tile_size(int head_dim, int head_dim_v) {
-  if (head_dim <= 64) return {192, 128, 2};
-  if (head_dim <= 96) return {192, 128, 2};
+  // Two MMA warpgroups everywhere: with three (kBlockM 192) the 512-thread launch caps
+  // registers at 128 before setmaxnreg and the consumers spill.
+  if (head_dim <= 64) return {128, 192, 2};
+  if (head_dim <= 96) return {128, 160, 2};
   if (head_dim <= 128) return {128, 128, 2};
   if (head_dim <= 192) return head_dim_v <= 128 ? FwdTileSize{128, 128, 2} : FwdTileSize{128, 112, 2};
   return {128, 80, 2};
