@@ -14,76 +14,72 @@
 namespace cuflash::reference {
 namespace {
 
-// Gradients one (batch entry, kv head) task contributes to its keys and sinks.
-struct KvGradients {
+// Gradients one (batch entry, query head) task contributes to its kv head's keys and to its sink.
+struct HeadGradients {
   std::vector<double> dk, dv;  // seqlen_k x head_dim, seqlen_k x head_dim_v
-  std::vector<double> d_sink;  // one per query head of the group
+  double d_sink = 0.0;
 };
 
-KvGradients backward_kv_head(const BackwardArgs& args, const AttentionProblem& problem, int b,
-                             std::int64_t kv_head) {
+// Writes the dq rows of (b, h) and returns its contributions to dk, dv and d_sink.
+HeadGradients backward_head(const BackwardArgs& args, const AttentionProblem& problem, int b,
+                            int h) {
   const Sequences& seqs = problem.seqs;
   const std::int64_t head_dim = problem.head_dim, head_dim_v = problem.head_dim_v;
-  const std::int64_t group = problem.num_heads / problem.num_heads_kv;
-  const std::int64_t seqlen_k = seqs.k.length[b];
+  const HeadMask head_mask = problem.mask.head(b, h);
+  const std::int64_t seqlen_q = head_mask.seqlen_q, seqlen_k = head_mask.seqlen_k;
   const double scale = problem.score.scale();
+  const std::int64_t kv_head = problem.kv_head(h);
   const std::vector<double> k = load_rows(seqs.k, args.k, b, kv_head, seqlen_k);
   const std::vector<double> v = load_rows(seqs.k, args.v, b, kv_head, seqlen_k);
+  const std::vector<double> q = load_rows(seqs.q, args.q, b, h, seqlen_q);
+  const std::vector<double> out = load_rows(seqs.q, args.out, b, h, seqlen_q);
+  const std::vector<double> dout = load_rows(seqs.q, args.dout, b, h, seqlen_q);
 
-  KvGradients grads;
+  HeadGradients grads;
   grads.dk.assign(seqlen_k * head_dim, 0.0);
   grads.dv.assign(seqlen_k * head_dim_v, 0.0);
-  grads.d_sink.assign(group, 0.0);
   std::vector<double> scores, slopes, dq_row(head_dim);
-  for (std::int64_t g = 0; g < group; ++g) {
-    const int h = static_cast<int>(kv_head * group + g);
-    const HeadMask head_mask = problem.mask.head(b, h);
-    const std::int64_t seqlen_q = head_mask.seqlen_q;
-    const std::vector<double> q = load_rows(seqs.q, args.q, b, h, seqlen_q);
-    const std::vector<double> out = load_rows(seqs.q, args.out, b, h, seqlen_q);
-    const std::vector<double> dout = load_rows(seqs.q, args.dout, b, h, seqlen_q);
-    for (std::int64_t i = 0; i < seqs.q.capacity[b]; ++i) {
-      std::fill(dq_row.begin(), dq_row.end(), 0.0);
-      if (i >= seqlen_q) {
-        store_row(seqs.q, args.dq, b, i, h, nullptr);
-        continue;
-      }
-      const double* q_row = q.data() + i * head_dim;
-      const double* do_row = dout.data() + i * head_dim_v;
-      problem.score_row(head_mask, h, i, q_row, k, scores, &slopes);
-
-      const double sink = problem.has_sink() ? problem.sinks[h] : kNegativeInfinity;
-      double max = sink;
-      for (double s : scores) max = std::max(max, s);
-      if (max == kNegativeInfinity) {  // nothing visible and no sink: no gradient
-        store_row(seqs.q, args.dq, b, i, h, nullptr);
-        continue;
-      }
-      double sum = problem.has_sink() ? std::exp(sink - max) : 0.0;
-      for (double s : scores) sum += s == kNegativeInfinity ? 0.0 : std::exp(s - max);
-      const double lse = max + std::log(sum);
-
-      double delta = 0.0;  // D_i, from the given output as on the GPU
-      for (std::int64_t d = 0; d < head_dim_v; ++d) delta += do_row[d] * out[i * head_dim_v + d];
-
-      for (std::int64_t j = 0; j < seqlen_k; ++j) {
-        if (scores[j] == kNegativeInfinity) continue;
-        const double p = std::exp(scores[j] - lse);
-        const double* v_row = v.data() + j * head_dim_v;
-        double dp = 0.0;
-        for (std::int64_t d = 0; d < head_dim_v; ++d) dp += do_row[d] * v_row[d];
-        const double ds = p * (dp - delta) * slopes[j];
-        const double* k_row = k.data() + j * head_dim;
-        for (std::int64_t d = 0; d < head_dim; ++d) {
-          dq_row[d] += ds * k_row[d];
-          grads.dk[j * head_dim + d] += scale * ds * q_row[d];
-        }
-        for (std::int64_t d = 0; d < head_dim_v; ++d) grads.dv[j * head_dim_v + d] += p * do_row[d];
-      }
-      for (double& value : dq_row) value *= scale;
-      store_row(seqs.q, args.dq, b, i, h, dq_row.data());
-      if (problem.has_sink()) grads.d_sink[g] -= std::exp(sink - lse) * delta;
+  for (std::int64_t i = 0; i < seqs.q.capacity[b]; ++i) {
+    std::fill(dq_row.begin(), dq_row.end(), 0.0);
+    if (i >= seqlen_q) {
+      store_row(seqs.q, args.dq, b, i, h, nullptr);
+      continue;
     }
+    const double* q_row = q.data() + i * head_dim;
+    const double* do_row = dout.data() + i * head_dim_v;
+    problem.score_row(head_mask, h, i, q_row, k, scores, &slopes);
+
+    const double sink = problem.has_sink() ? problem.sinks[h] : kNegativeInfinity;
+    double max = sink;
+    for (double s : scores) max = std::max(max, s);
+    if (max == kNegativeInfinity) {  // nothing visible and no sink: no gradient
+      store_row(seqs.q, args.dq, b, i, h, nullptr);
+      continue;
+    }
+    double sum = problem.has_sink() ? std::exp(sink - max) : 0.0;
+    for (double s : scores) sum += s == kNegativeInfinity ? 0.0 : std::exp(s - max);
+    const double lse = max + std::log(sum);
+
+    double delta = 0.0;  // D_i, from the given output as on the GPU
+    for (std::int64_t d = 0; d < head_dim_v; ++d) delta += do_row[d] * out[i * head_dim_v + d];
+
+    for (std::int64_t j = 0; j < seqlen_k; ++j) {
+      if (scores[j] == kNegativeInfinity) continue;
+      const double p = std::exp(scores[j] - lse);
+      const double* v_row = v.data() + j * head_dim_v;
+      double dp = 0.0;
+      for (std::int64_t d = 0; d < head_dim_v; ++d) dp += do_row[d] * v_row[d];
+      const double ds = p * (dp - delta) * slopes[j];
+      const double* k_row = k.data() + j * head_dim;
+      for (std::int64_t d = 0; d < head_dim; ++d) {
+        dq_row[d] += ds * k_row[d];
+        grads.dk[j * head_dim + d] += scale * ds * q_row[d];
+      }
+      for (std::int64_t d = 0; d < head_dim_v; ++d) grads.dv[j * head_dim_v + d] += p * do_row[d];
+    }
+    for (double& value : dq_row) value *= scale;
+    store_row(seqs.q, args.dq, b, i, h, dq_row.data());
+    if (problem.has_sink()) grads.d_sink -= std::exp(sink - lse) * delta;
   }
   return grads;
 }
@@ -115,14 +111,15 @@ void backward(const BackwardArgs& args) {
   const SequenceRows& k_rows = problem.seqs.k;
   const std::int64_t num_heads_kv = problem.num_heads_kv;
   const std::int64_t head_dim = problem.head_dim, head_dim_v = problem.head_dim_v;
-  const std::int64_t num_tasks = problem.seqs.batch * num_heads_kv;
+  const std::int64_t num_heads = problem.num_heads;
+  const std::int64_t num_tasks = problem.seqs.batch * num_heads;
 
-  // A task owns one (batch entry, kv head): its dq rows are its own, its dk / dv are summed
-  // below because sequences may share pages.
-  std::vector<KvGradients> grads(num_tasks);
+  // A task owns one (batch entry, query head): its dq rows are its own; dk / dv are summed
+  // below over the query heads of a kv head and over sequences that share a page.
+  std::vector<HeadGradients> grads(num_tasks);
   parallel_for(num_tasks, [&](std::int64_t task) {
-    grads[task] =
-        backward_kv_head(args, problem, static_cast<int>(task / num_heads_kv), task % num_heads_kv);
+    grads[task] = backward_head(args, problem, static_cast<int>(task / num_heads),
+                                static_cast<int>(task % num_heads));
   });
 
   // Fixed-order reduction: the result does not depend on thread timing.
@@ -131,8 +128,8 @@ void backward(const BackwardArgs& args) {
   std::vector<double> dk(storage_rows * num_heads_kv * head_dim, 0.0);
   std::vector<double> dv(storage_rows * num_heads_kv * head_dim_v, 0.0);
   for (std::int64_t task = 0; task < num_tasks; ++task) {
-    const int b = static_cast<int>(task / num_heads_kv);
-    const std::int64_t kv_head = task % num_heads_kv;
+    const int b = static_cast<int>(task / num_heads);
+    const std::int64_t kv_head = problem.kv_head(task % num_heads);
     for (std::int64_t j = 0; j < k_rows.length[b]; ++j) {
       const std::int64_t row = k_rows.storage_row(b, j);
       for (std::int64_t d = 0; d < head_dim; ++d) {
@@ -162,14 +159,11 @@ void backward(const BackwardArgs& args) {
   }
 
   if (args.d_sink && problem.has_sink()) {
-    const std::int64_t group = problem.num_heads / num_heads_kv;
-    std::vector<double> d_sink(problem.num_heads, 0.0);
+    std::vector<double> d_sink(num_heads, 0.0);
     for (std::int64_t task = 0; task < num_tasks; ++task) {
-      for (std::int64_t g = 0; g < group; ++g) {
-        d_sink[(task % num_heads_kv) * group + g] += grads[task].d_sink[g];
-      }
+      d_sink[task % num_heads] += grads[task].d_sink;
     }
-    for (std::int64_t h = 0; h < problem.num_heads; ++h) {
+    for (std::int64_t h = 0; h < num_heads; ++h) {
       store(*args.d_sink, h * args.d_sink->stride[0], d_sink[h]);
     }
   }

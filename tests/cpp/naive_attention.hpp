@@ -567,6 +567,17 @@ struct CaseConfig {
   unsigned seed = 1;
 };
 
+// One line naming a configuration, for SCOPED_TRACE.
+inline std::string describe(const CaseConfig& c) {
+  std::ostringstream os;
+  os << dtype_name(c.dtype) << " B=" << c.batch << " Sq=" << c.seqlen_q << " Sk=" << c.seqlen_k
+     << " H=" << c.heads << "/" << c.heads_kv << " D=" << c.head_dim << "/" << c.head_dim_v
+     << " causal=" << c.causal << " window=(" << c.window_left << ", " << c.window_right << ")"
+     << " softcap=" << c.softcap << " splits=" << c.num_splits << " page=" << c.page_size
+     << " seed=" << c.seed;
+  return os.str();
+}
+
 class AttentionCase {
  public:
   explicit AttentionCase(const CaseConfig& cfg) : config(cfg), rng(cfg.seed) {

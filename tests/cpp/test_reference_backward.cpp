@@ -62,6 +62,7 @@ void expect_finite_differences(AttentionCase& c, HostTensor& input, const HostTe
 
 // Backward of one fp32 configuration against finite differences of every input in use.
 void check_gradients(const CaseConfig& config) {
+  SCOPED_TRACE(describe(config));
   ASSERT_EQ(config.dtype, DType::kFloat32);
   AttentionCase c(config);
   c.run_backward();
@@ -79,6 +80,7 @@ void check_gradients(const CaseConfig& config) {
 
 // Backward of one configuration against the naive oracle.
 void check_naive(const CaseConfig& config) {
+  SCOPED_TRACE(describe(config));
   AttentionCase c(config);
   c.run_backward();
   c.check_backward();
@@ -196,7 +198,6 @@ TEST(ReferenceBackwardFiniteDifferences, MaskModAndBlockSparsity) {
 
 TEST(ReferenceBackwardFiniteDifferences, PagedKv) {
   CaseConfig c = small_case(15);
-  c.entry = Entry::kReference;  // the public API takes paged k/v in forward only
   c.page_size = 3;
   c.seqlen_k = 6;
   c.seqused_k = {5, 2};
@@ -303,7 +304,6 @@ TEST(ReferenceBackward, PagedKv) {
   for (int page_size : {1, 3, 16}) {
     for (bool packed_q : {false, true}) {
       CaseConfig c;
-      c.entry = Entry::kReference;  // the public API takes paged k/v in forward only
       c.page_size = page_size;
       c.batch = 3;
       c.seqlen_q = 4;
@@ -319,7 +319,6 @@ TEST(ReferenceBackward, PagedKv) {
   }
   // A page shared by two sequences receives the sum of both gradients.
   CaseConfig c;
-  c.entry = Entry::kReference;
   c.page_size = 2;
   c.seqlen_k = 6;
   c.share_pages = true;
@@ -422,7 +421,6 @@ TEST(ReferenceBackward, StridedTensors) {
   c.seed = seed++;
   check_naive(c);
   c = CaseConfig{};
-  c.entry = Entry::kReference;
   c.layout = Layout::kStrided;
   c.page_size = 3;
   c.seqlen_k = 7;
@@ -440,7 +438,6 @@ TEST(ReferenceBackward, StridedTensors) {
 
 TEST(ReferenceBackward, DeterministicAndRepeatable) {
   CaseConfig c;
-  c.entry = Entry::kReference;
   c.page_size = 2;
   c.seqlen_k = 8;
   c.share_pages = true;

@@ -14,16 +14,6 @@
 namespace cuflash::testing {
 namespace {
 
-std::string describe(const CaseConfig& c) {
-  std::ostringstream os;
-  os << dtype_name(c.dtype) << " B=" << c.batch << " Sq=" << c.seqlen_q << " Sk=" << c.seqlen_k
-     << " H=" << c.heads << "/" << c.heads_kv << " D=" << c.head_dim << "/" << c.head_dim_v
-     << " causal=" << c.causal << " window=(" << c.window_left << ", " << c.window_right << ")"
-     << " softcap=" << c.softcap << " splits=" << c.num_splits << " page=" << c.page_size
-     << " seed=" << c.seed;
-  return os.str();
-}
-
 // Runs the forward pass of one configuration and compares it with the oracle.
 void check(const CaseConfig& config) {
   SCOPED_TRACE(describe(config));
