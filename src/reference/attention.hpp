@@ -17,6 +17,17 @@ namespace cuflash::reference {
 
 constexpr double kNegativeInfinity = -std::numeric_limits<double>::infinity();
 
+// Four partial sums: the additions pipeline and the result stays well within double precision.
+inline double dot_product(const double* a, const double* b, std::int64_t n) {
+  double sum[4] = {0.0, 0.0, 0.0, 0.0};
+  std::int64_t d = 0;
+  for (; d + 4 <= n; d += 4) {
+    for (int lane = 0; lane < 4; ++lane) sum[lane] += a[d + lane] * b[d + lane];
+  }
+  for (; d < n; ++d) sum[0] += a[d] * b[d];
+  return (sum[0] + sum[1]) + (sum[2] + sum[3]);
+}
+
 class AttentionProblem {
  public:
   AttentionProblem(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -53,8 +64,7 @@ class AttentionProblem {
     for (std::int64_t j = 0; j < seqlen_k; ++j) {
       if (!head_mask.visible(i, j)) continue;
       const double* k_row = keys.data() + j * head_dim;
-      double dot = 0.0;
-      for (std::int64_t d = 0; d < head_dim; ++d) dot += q_row[d] * k_row[d];
+      const double dot = dot_product(q_row, k_row, head_dim);
       double slope = 0.0;
       scores[j] = score(score.scale() * dot, h, i, j, &slope);
       if (slopes) (*slopes)[j] = slope;

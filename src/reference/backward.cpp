@@ -67,8 +67,7 @@ HeadGradients backward_head(const BackwardArgs& args, const AttentionProblem& pr
       if (scores[j] == kNegativeInfinity) continue;
       const double p = std::exp(scores[j] - lse);
       const double* v_row = v.data() + j * head_dim_v;
-      double dp = 0.0;
-      for (std::int64_t d = 0; d < head_dim_v; ++d) dp += do_row[d] * v_row[d];
+      const double dp = dot_product(do_row, v_row, head_dim_v);
       const double ds = p * (dp - delta) * slopes[j];
       const double* k_row = k.data() + j * head_dim;
       for (std::int64_t d = 0; d < head_dim; ++d) {
