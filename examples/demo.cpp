@@ -293,9 +293,10 @@ void compare(Report& report, const HostData& got, const HostData& expected, doub
 
 int run_cpu_demo() {
   const Problem p{2, 128, 192, 4, 2, 64, true};
-  std::printf(
-      "cuflash %s demo on the CPU reference (%s)\n", cuflash::version(),
-      cuflash::cuda_available() ? "forced with --cpu" : "no usable CUDA device in this build");
+  const char* why = cuflash::cuda_available() ? "forced with --cpu"
+                    : CUFLASH_HAS_CUDA        ? "no usable Hopper GPU found"
+                                              : "cuflash was built without CUDA";
+  std::printf("cuflash %s demo on the CPU reference (%s)\n", cuflash::version(), why);
   Report report;
   for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
     const bool bf16 = dtype == DType::kBFloat16;
