@@ -262,6 +262,17 @@ AttentionShape check_qkv(const TensorView& q, const TensorView& k, const TensorV
                   ", got num_heads_kv = " + std::to_string(s.num_heads_kv));
   }
   check_head_dim(s.head_dim_v, "v", "head_dim_v");
+  // Kernel parameters count rows in int32.
+  constexpr std::int64_t kMaxRows = std::numeric_limits<std::int32_t>::max();
+  if (s.total_q > kMaxRows) {
+    fail("q", "expected at most " + std::to_string(kMaxRows) + " rows in all, got " +
+                  std::to_string(s.total_q) + " (shape " + q.shape_string() + ")");
+  }
+  if (s.total_k > kMaxRows || s.seqlen_k > kMaxRows) {
+    fail("k", "expected at most " + std::to_string(kMaxRows) + " rows in all, got " +
+                  std::to_string(std::max(s.total_k, s.seqlen_k)) + " (shape " + k.shape_string() +
+                  ")");
+  }
   check_last_dim_contiguous(k, "k");
   check_last_dim_contiguous(v, "v");
 

@@ -193,6 +193,11 @@ TEST_F(ForwardValidation, RejectsBrokenViews) {
   args = dense_forward();
   args.q.shape[1] = std::int64_t{1} << 32;
   EXPECT_INVALID(validate(args), "q", "expected every size to fit in int32");
+
+  args = dense_forward();
+  for (auto* t : {&args.q, &args.out}) *t = tensor(DType::kFloat32, {2, 1 << 30, 8, 64});
+  args.lse.reset();
+  EXPECT_INVALID(validate(args), "q", "expected at most 2147483647 rows in all, got 2147483648");
 }
 
 // --- Shapes -----------------------------------------------------------------------------------
