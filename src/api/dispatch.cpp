@@ -28,7 +28,8 @@ bool on_cpu(const Device& device) { return device.type == DeviceType::kCPU; }
 void require_device() {
   if (!sm90::device_available()) {
     throw Error(Error::Kind::kCuda, "device",
-                "device: CUDA tensors were passed but no usable CUDA device was found");
+                "device: CUDA tensors were passed but no usable Hopper (sm_90) CUDA device was "
+                "found");
   }
 }
 
