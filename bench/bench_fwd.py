@@ -4,7 +4,8 @@ FlashAttention-2 backends, in one process, on the same inputs (DESIGN.md section
 
 Shapes follow FlashAttention's benchmark: bf16, batch * seqlen = 16k tokens, heads * head_dim
 = 2048. FLOPs = 4 * batch * heads * seqlen_q * seqlen_k * head_dim, half of that when causal.
-Each timing is the median of CUDA-event-timed runs after warm-up.
+Each timing is the median over groups of back-to-back calls timed with CUDA events after warm-up
+(see time_ms).
 
 Writes fwd_sm90.json (records {impl, dtype, hdim, seqlen, batch, nheads, causal, fwd_tflops,
 gpu, date}) and fwd_sm90.png to --out, and prints a table with the ratio to cuDNN.
@@ -24,20 +25,25 @@ TOKENS = 16384
 HIDDEN = 2048
 
 
-def time_ms(fn, warmup, repeats):
+def time_ms(fn, warmup, repeats, groups=5):
+    """Median over `groups` of the mean time of `repeats` back-to-back calls. Each group is queued
+    behind a sleep kernel, so the host-side cost of a call (argument checks, dispatch) stays out
+    of the measurement for every implementation alike."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
+    means = []
+    for _ in range(groups):
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(40_000_000)  # ~20 ms at 1.98 GHz: time for the host to queue the calls
         start.record()
-        fn()
+        for _ in range(repeats):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        means.append(start.elapsed_time(end) / repeats)
+    return statistics.median(means)
 
 
 def make_impls():
@@ -73,7 +79,8 @@ def main():
     parser.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
     parser.add_argument("--causal", default="0,1")
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--tag", default="", help="suffix for the output file names")
     args = parser.parse_args()
 
     gpu = torch.cuda.get_device_name()
@@ -100,7 +107,7 @@ def main():
                                         nheads=nheads, causal=causal, fwd_tflops=tflops, gpu=gpu, date=date))
 
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "fwd_sm90.json"), "w") as f:
+    with open(os.path.join(args.out, f"fwd_sm90{args.tag}.json"), "w") as f:
         json.dump(records, f, indent=1)
 
     def lookup(impl, hdim, seqlen, causal):
@@ -140,7 +147,7 @@ def main():
                 ax.legend()
         fig.suptitle(f"forward, bf16, {gpu}, {date}")
         fig.tight_layout()
-        fig.savefig(os.path.join(args.out, "fwd_sm90.png"), dpi=100)
+        fig.savefig(os.path.join(args.out, f"fwd_sm90{args.tag}.png"), dpi=100)
     except Exception as error:
         print(f"plot skipped: {error}")
 

@@ -7,7 +7,8 @@
 #   KERNEL_SET=custom HDIMS="64;128;256" DTYPES=bf16 STEPS=build,test,bench tools/gpu_check.sh
 #
 # Environment: KERNEL_SET (ci|all|custom), HDIMS / DTYPES (for custom), STEPS (comma list of
-# build,test,sanitize,sass,bench), GTEST_FILTER, SANITIZE_FILTER, BENCH_ARGS, JOBS.
+# build,test,sanitize,sass,bench), GTEST_FILTER, SANITIZE_FILTER, BENCH_ARGS, BENCH_ENV_B (run the
+# benchmark a second time with these VAR=value settings), JOBS.
 # Carry `.cutlass` (CUTLASS headers) and, where the machine has no GoogleTest, `.deps`
 # (a googletest source tree at .deps/googletest).
 set -uo pipefail
@@ -95,6 +96,12 @@ if has_step bench; then
   # shellcheck disable=SC2086
   PYTHONUNBUFFERED=1 PYTHONPATH="$pkg" python3 "$ROOT/bench/bench_fwd.py" --out "$OUT" $BENCH_ARGS 2>&1 | tee "$OUT/bench.log"
   note "bench: rc=${PIPESTATUS[0]} in $(( $(date +%s) - start )) s"
+  if [[ -n ${BENCH_ENV_B:-} ]]; then
+    # A second pass under extra environment (an A/B of a launch-time switch), tagged _b.
+    # shellcheck disable=SC2086
+    env $BENCH_ENV_B PYTHONUNBUFFERED=1 PYTHONPATH="$pkg" python3 "$ROOT/bench/bench_fwd.py" --out "$OUT" --tag _b \
+      $BENCH_ARGS 2>&1 | tee "$OUT/bench_b.log"
+  fi
 fi
 
 note "gpu_check done: status=$status"

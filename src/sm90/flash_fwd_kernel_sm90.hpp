@@ -92,7 +92,10 @@ struct FlashFwdKernelSm90 {
     return {Mainloop::to_params(p), p, float(M_LOG2E) * (has_softcap ? p.softcap : p.softmax_scale),
             has_softcap ? p.softmax_scale / p.softcap : 0.f,
             Scheduler{cute::ceil_div(p.seqlen_q, kBlockM), p.num_heads, p.batch,
-                      p.window_right >= 0 || p.window_left >= 0}};
+                      p.window_right >= 0 || p.window_left >= 0,
+                      Scheduler::choose_section_size(
+                          (long long)p.seqlen_k * (p.head_dim + p.head_dim_v) * (long long)sizeof(Element),
+                          p.num_heads / p.num_heads_kv, p.num_heads * p.batch)}};
   }
 
   static dim3 grid_shape(Params const& params, int num_sm) {

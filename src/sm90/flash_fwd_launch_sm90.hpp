@@ -30,7 +30,14 @@ void run_flash_fwd_sm90(FwdParams& params, cudaStream_t stream) {
     check_launch(cudaDeviceGetAttribute(&num_sm, cudaDevAttrMultiProcessorCount, device),
                  "cuflash forward: cannot read the SM count");
   }
-  dim3 const grid = Kernel::grid_shape(kernel_params, num_sm);
+  // Tiles of unequal cost (causal/local windows, packed sequences of different lengths) balance
+  // better when the hardware hands out one tile per CTA as SMs free up than with a static
+  // round-robin; equal tiles gain from the persistent loop (next loads under the epilogue).
+  bool const unequal_tiles = kernel_params.scheduler.longest_first || params.cu_seqlens_q != nullptr ||
+                             params.cu_seqlens_k != nullptr || params.seqused_q != nullptr ||
+                             params.seqused_k != nullptr;
+  int const max_ctas = unequal_tiles ? kernel_params.scheduler.num_tiles() : num_sm;
+  dim3 const grid = Kernel::grid_shape(kernel_params, max_ctas);
   auto kernel = &flash_fwd_kernel_sm90<Kernel>;
   check_launch(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSharedStorageBytes),
                "cuflash forward: cannot reserve shared memory");
