@@ -7,7 +7,8 @@
 #   KERNEL_SET=custom HDIMS="64;128;256" DTYPES=bf16 STEPS=build,test,bench tools/gpu_check.sh
 #
 # Environment: KERNEL_SET (ci|all|custom), HDIMS / DTYPES (for custom), STEPS (comma list of
-# build,test,sanitize,sass,bench), GTEST_FILTER, SANITIZE_FILTER, BENCH_ARGS, BENCH_ENV_B (run the
+# build,test,sanitize,sass,bench), GTEST_FILTER, SANITIZE_FILTER (memcheck),
+# RACECHECK_FILTER, BENCH_ARGS, BENCH_ENV_B (run the
 # benchmark a second time with these VAR=value settings), JOBS.
 # Carry `.cutlass` (CUTLASS headers) and, where the machine has no GoogleTest, `.deps`
 # (a googletest source tree at .deps/googletest).
@@ -22,6 +23,7 @@ DTYPES=${DTYPES:-bf16}
 STEPS=${STEPS:-build,test,sanitize,sass,bench}
 GTEST_FILTER=${GTEST_FILTER:-*GpuForward*}
 SANITIZE_FILTER=${SANITIZE_FILTER:-*varlen_causal_gqa_bf16_d128*:*sink_fp16_local_bf16_d128*:GpuForwardUnsupported*}
+RACECHECK_FILTER=${RACECHECK_FILTER:-*dense_bf16_d128*:*varlen_causal_gqa_bf16_d64*}
 BENCH_ARGS=${BENCH_ARGS:-}
 JOBS=${JOBS:-$(nproc)}
 BUILD=$ROOT/build-gpu
@@ -73,6 +75,12 @@ if has_step sanitize; then
     >"$OUT/sanitize.log" 2>&1
   rc=$?
   note "memcheck ($SANITIZE_FILTER): rc=$rc in $(( $(date +%s) - start )) s; $(grep -E 'ERROR SUMMARY' "$OUT/sanitize.log" | tail -1)"
+  [[ $rc -ne 0 ]] && status=1
+  start=$(date +%s)
+  compute-sanitizer --tool racecheck --error-exitcode 3 "$TESTS" --gtest_filter="$RACECHECK_FILTER" --gtest_brief=1 \
+    >>"$OUT/sanitize.log" 2>&1
+  rc=$?
+  note "racecheck ($RACECHECK_FILTER): rc=$rc in $(( $(date +%s) - start )) s; $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/sanitize.log" | tail -1)"
   [[ $rc -ne 0 ]] && status=1
 fi
 
