@@ -99,9 +99,9 @@ void run_forward(FwdParams& params, StreamHandle stream) {
   if (params.page_table != nullptr) {
     not_supported("page_table", "paged KV is not supported by the sm90 forward kernel yet");
   }
-  if (params.num_splits > 1) {
-    not_supported("num_splits", "split-KV (num_splits > 1) is not supported by the sm90 forward kernel yet; "
-                                "pass num_splits=1");
+  if (params.num_splits > 1 && (params.out_partial == nullptr || params.lse_partial == nullptr)) {
+    throw Error(Error::Kind::kInvalidArgument, "num_splits",
+                "split-KV needs out_partial and lse_partial buffers (allocated by cuflash::forward)");
   }
   if (DType(params.dtype) != DType::kFloat16 && DType(params.dtype) != DType::kBFloat16) {
     not_supported("q", std::string("the sm90 forward kernel takes float16 or bfloat16 inputs, got ") +
@@ -127,10 +127,6 @@ void run_forward(FwdParams& params, StreamHandle stream) {
                   CUFLASH_KERNEL_SET +
                   "); reconfigure with -DCUFLASH_KERNEL_SET=all, or =custom with CUFLASH_HDIMS and "
                   "CUFLASH_DTYPES naming it");
-}
-
-void run_combine(const CombineParams& params, StreamHandle stream) {
-  not_supported("out_partial", "the sm90 split-KV combine kernel is not in this build yet");
 }
 
 void run_backward(BwdParams& params, StreamHandle stream) {

@@ -102,6 +102,38 @@ struct EpilogueFwdSm90 {
       }
     }
   }
+
+  // Split-KV: this split's normalised output and lse in fp32, straight from registers, into
+  // out_partial (splits, rows, H, Dv) and lse_partial (splits, rows, H), rows = B * Sq or total_q
+  // (the layout src/api allocates and the combine kernel reads).
+  template <class TensorO, class TiledMmaPV, int kRows>
+  CUTLASS_DEVICE static void store_partial(FwdParams const& p, TensorO const& tOrO, float const (&lse)[kRows],
+                                           TiledMmaPV const& tiled_mma_pv, int thread_idx, SeqlenInfo const& seqlen,
+                                           int m_block, int head, int batch, int split) {
+    using namespace cute;
+    auto thr_mma_pv = tiled_mma_pv.get_thread_slice(thread_idx);
+    Tensor tOcO = thr_mma_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
+    Tensor coords = make_tensor(tOcO.data(), acc_rowcol_layout(tOcO.layout()));
+    Tensor out = make_tensor(tOrO.data(), acc_rowcol_layout(tOrO.layout()));
+    bool const packed = p.cu_seqlens_q != nullptr;
+    int64_t const rows_total = packed ? int64_t(p.total_q) : int64_t(p.batch) * p.seqlen_q;
+    int64_t const first_row =
+        int64_t(split) * rows_total + (packed ? int64_t(seqlen.offset_q) : int64_t(batch) * p.seqlen_q);
+    CUTLASS_PRAGMA_UNROLL
+    for (int m = 0; m < kRows; ++m) {
+      int const row = m_block * kBlockM + get<0>(coords(m, 0));
+      if (row >= seqlen.seqlen_q_range) continue;
+      int64_t const row_head = (first_row + row) * p.num_heads + head;
+      if (thread_idx % 4 == 0) p.lse_partial[row_head] = lse[m];
+      float* out_row = p.out_partial + row_head * p.head_dim_v;
+      // Columns come in adjacent pairs (the accumulator's innermost mode).
+      CUTLASS_PRAGMA_UNROLL
+      for (int n = 0; n < size<1>(out); n += 2) {
+        int const col = get<1>(coords(m, n));
+        if (col < p.head_dim_v) *reinterpret_cast<float2*>(out_row + col) = make_float2(out(m, n), out(m, n + 1));
+      }
+    }
+  }
 };
 
 }  // namespace cuflash::sm90

@@ -4,6 +4,7 @@
 // registers). See mainloop_fwd_sm90.hpp for the pipeline and the pingpong schedule.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <type_traits>
 
@@ -91,19 +92,22 @@ struct FlashFwdKernelSm90 {
     bool const has_softcap = p.softcap > 0.f;
     return {Mainloop::to_params(p), p, float(M_LOG2E) * (has_softcap ? p.softcap : p.softmax_scale),
             has_softcap ? p.softmax_scale / p.softcap : 0.f,
-            Scheduler{cute::ceil_div(p.seqlen_q, kBlockM), p.num_heads, p.batch,
+            Scheduler{cute::ceil_div(p.seqlen_q, kBlockM), p.num_heads, p.batch, std::max(p.num_splits, 1),
                       p.window_right >= 0 || p.window_left >= 0,
                       Scheduler::choose_section_size(
                           (long long)p.seqlen_k * (p.head_dim + p.head_dim_v) * (long long)sizeof(Element),
-                          p.num_heads / p.num_heads_kv, p.num_heads * p.batch)}};
+                          p.num_heads / p.num_heads_kv, p.num_heads * p.batch * std::max(p.num_splits, 1))}};
   }
 
   static dim3 grid_shape(Params const& params, int num_sm) {
     return Scheduler::grid_shape(params.scheduler.num_tiles(), num_sm);
   }
 
-  CUTLASS_DEVICE static float load_sink_log2(FwdParams const& p, int head) {
-    if (p.learnable_sink == nullptr) return -INFINITY;
+  // The sink joins one denominator: with split-KV, that of split 0 (the combine's log-sum-exp
+  // then counts it once).
+  CUTLASS_DEVICE static float load_sink_log2(FwdParams const& p, FwdTile const& tile) {
+    if (p.learnable_sink == nullptr || tile.split != 0) return -INFINITY;
+    int const head = tile.head;
     float sink;
     switch (DType(p.sink_dtype)) {
       case DType::kFloat32: sink = static_cast<float const*>(p.learnable_sink)[head]; break;
@@ -129,6 +133,12 @@ struct FlashFwdKernelSm90 {
     FwdMask<kBlockM, kBlockN> const mask{seqlen.seqlen_q, seqlen.seqlen_k, p.window_left, p.window_right};
     TileWork work{seqlen, mask, 0, 0, tile.m_block * kBlockM < seqlen.seqlen_q_range};
     if (work.has_rows) mask.n_block_range(tile.m_block, work.n_block_min, work.n_block_max);
+    if (p.num_splits > 1) {  // split-KV: an equal share of this row block's n-blocks
+      int const per_split = cute::ceil_div(work.n_block_max - work.n_block_min, p.num_splits);
+      work.n_block_min += tile.split * per_split;
+      work.n_block_max = min(work.n_block_max, work.n_block_min + per_split);
+      work.n_block_min = min(work.n_block_min, work.n_block_max);
+    }
     return work;
   }
 
@@ -210,7 +220,7 @@ struct FlashFwdKernelSm90 {
             softmax.row_sum[m] = 0.f;
           }
         }
-        softmax.finalize(load_sink_log2(p, tile.head), out_scale, lse);
+        softmax.finalize(load_sink_log2(p, tile), out_scale, lse);
         // Normalise; rows past seqused_q (and any row without a visible key) give 0 and lse -inf.
         auto thr_mma_pv = tiled_mma_pv.get_thread_slice(thread_idx);
         Tensor tOcO = thr_mma_pv.partition_C(make_identity_tensor(select<0, 1>(typename Mainloop::TileShapePV{})));
@@ -225,8 +235,14 @@ struct FlashFwdKernelSm90 {
         }
         cutlass::arch::ClusterBarrier* smem_release =
             !kSeparateO && work.has_keys() ? &storage.barrier_q.empty : nullptr;
-        Epilogue::store(p, smem_o, tOrO, lse, tiled_mma_pv, thread_idx, work.seqlen, tile.m_block, tile.head,
-                        tile.batch, smem_release);
+        if (p.num_splits > 1) {
+          Epilogue::store_partial(p, tOrO, lse, tiled_mma_pv, thread_idx, work.seqlen, tile.m_block, tile.head,
+                                  tile.batch, tile.split);
+          if (smem_release != nullptr) smem_release->arrive();
+        } else {
+          Epilogue::store(p, smem_o, tOrO, lse, tiled_mma_pv, thread_idx, work.seqlen, tile.m_block, tile.head,
+                          tile.batch, smem_release);
+        }
         if (work.has_keys()) ++q_loads;
       }
     }

@@ -2,6 +2,7 @@
 // size. With a grid of one CTA per SM it is persistent (the next tile's loads overlap the
 // current tile's epilogue); with one CTA per tile the hardware balances tiles of unequal cost
 // (the launch chooses, flash_fwd_launch_sm90.hpp).
+// Tiles are (m_block, head, batch, split); split-KV splits count as more (batch, head) pairs.
 // Tile order: (batch, head) pairs in sections whose K/V fit in L2 together. Without causal/local
 // masking, m-block fastest within a section; with it, the m-blocks that see the most keys (the
 // last ones, bottom-right alignment) come first for every head of the section, so that the
@@ -17,16 +18,18 @@ namespace cuflash::sm90 {
 
 struct FwdTile {
   int m_block, head, batch;
+  int split;  // split-KV: which part of the key range (0 without split-KV)
 };
 
 struct PersistentTileSchedulerSm90 {
-  int num_m_blocks, num_heads, batch;
+  int num_m_blocks, num_heads, batch, num_splits;
   bool longest_first;
   // (batch, head) pairs are walked in sections of this many, so that the K/V being read at
   // any time stay within L2 (host side: a fraction of L2 over one head's K/V bytes).
   int section_size;
 
-  CUTLASS_HOST_DEVICE int num_tiles() const { return num_m_blocks * num_heads * batch; }
+  CUTLASS_HOST_DEVICE int num_heads_batches() const { return num_heads * batch * num_splits; }
+  CUTLASS_HOST_DEVICE int num_tiles() const { return num_m_blocks * num_heads_batches(); }
 
   static dim3 grid_shape(int num_tiles, int num_sm) { return dim3(unsigned(std::max(1, std::min(num_tiles, num_sm)))); }
 
@@ -40,7 +43,7 @@ struct PersistentTileSchedulerSm90 {
     int const tiles_per_section = num_m_blocks * section_size;
     int const section = index / tiles_per_section;
     int const first_head_batch = section * section_size;
-    int const heads_batches_here = min(section_size, num_heads * batch - first_head_batch);
+    int const heads_batches_here = min(section_size, num_heads_batches() - first_head_batch);
     int const rest = index - section * tiles_per_section;
     int m_block, head_batch;
     if (longest_first) {
@@ -50,7 +53,8 @@ struct PersistentTileSchedulerSm90 {
       m_block = rest % num_m_blocks;
       head_batch = first_head_batch + rest / num_m_blocks;
     }
-    return {m_block, head_batch % num_heads, head_batch / num_heads};
+    int const batch_split = head_batch / num_heads;
+    return {m_block, head_batch % num_heads, batch_split / num_splits, batch_split % num_splits};
   }
 };
 

@@ -38,6 +38,7 @@ struct FwdCase {
   bool strided = false;  // q/k/v live in wider rows (padded head dim): non-contiguous views
   bool with_lse = true;
   std::optional<bool> pack_gqa;
+  int num_splits = 1;  // split-KV; <= 0 lets cuflash choose
   unsigned seed = 1;
 };
 
@@ -268,6 +269,7 @@ Result run_gpu(const Problem& pb) {
   }
   if (c.sink) args.learnable_sink = TensorView(sink.data(), *c.sink, {c.heads}, kCuda);
   set_common_args(args, pb, kCuda, {cu_q.data(), cu_k.data(), used_q.data(), used_k.data()});
+  args.num_splits = c.num_splits;
   forward(args);
   gpu_testing::check_cuda(cudaDeviceSynchronize(), "forward kernel");
 
@@ -396,6 +398,18 @@ std::vector<FwdCase> forward_cases() {
       c = {};
       c.label = "single_row_and_key", c.batch = 3, c.seqlen_q = 1, c.seqlen_k = 1, c.heads = 2, c.heads_kv = 2;
       add(c);
+      c = {};
+      c.label = "split3_causal_sink", c.batch = 2, c.seqlen_q = 65, c.seqlen_k = 1000, c.heads = 4, c.heads_kv = 2,
+      c.causal = true, c.sink = DType::kFloat32, c.num_splits = 3;
+      add(c);
+      c = {};
+      c.label = "split_auto_varlen_seqused", c.batch = 3, c.seqlen_q = 17, c.seqlen_k = 900, c.heads = 2,
+      c.heads_kv = 1, c.varlen = true, c.seqused = true, c.num_splits = 0;
+      add(c);
+      c = {};
+      c.label = "split5_local_decode", c.batch = 2, c.seqlen_q = 1, c.seqlen_k = 777, c.heads = 8, c.heads_kv = 2,
+      c.window_left = 300, c.window_right = 0, c.num_splits = 5;
+      add(c);
     }
   }
   return cases;
@@ -405,32 +419,17 @@ INSTANTIATE_TEST_SUITE_P(Options, GpuForward, ::testing::ValuesIn(forward_cases(
                          [](const ::testing::TestParamInfo<FwdCase>& info) { return case_name(info.param); });
 
 // Features the kernel does not have yet are refused by name, never run on a fallback.
-TEST(GpuForwardUnsupported, SplitKvAndPagedKvAreRefused) {
+TEST(GpuForwardUnsupported, PagedKvIsRefused) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
-  FwdCase c;
-  c.label = "unsupported", c.batch = 1, c.seqlen_q = 64, c.seqlen_k = 256, c.heads = 2, c.heads_kv = 2;
   if (!is_built("fwd bf16 hdim128")) GTEST_SKIP() << "hdim128 bf16 not built";
-  const Problem pb(c);
-  DeviceBuffer q(std::size_t(pb.rows_q) * 2 * 128 * 2), k(std::size_t(pb.rows_k) * 2 * 128 * 2),
-      v(std::size_t(pb.rows_k) * 2 * 128 * 2), out(std::size_t(pb.rows_q) * 2 * 128 * 2);
-  ForwardArgs args;
-  args.q = TensorView(q.data(), DType::kBFloat16, {1, 64, 2, 128}, kCuda);
-  args.k = TensorView(k.data(), DType::kBFloat16, {1, 256, 2, 128}, kCuda);
-  args.v = TensorView(v.data(), DType::kBFloat16, {1, 256, 2, 128}, kCuda);
-  args.out = TensorView(out.data(), DType::kBFloat16, {1, 64, 2, 128}, kCuda);
-  args.num_splits = 2;
-  try {
-    forward(args);
-    ADD_FAILURE() << "num_splits=2 ran";
-  } catch (const Error& error) {
-    EXPECT_EQ(error.kind(), Error::Kind::kNotSupported) << error.what();
-    EXPECT_EQ(error.argument(), "num_splits");
-  }
-  args.num_splits = 1;
+  DeviceBuffer q(64 * 2 * 128 * 2), k(256 * 2 * 128 * 2), v(256 * 2 * 128 * 2), out(64 * 2 * 128 * 2);
   std::vector<int> table = {0, 1};
   DeviceBuffer page_table = DeviceBuffer::from(table);
+  ForwardArgs args;
+  args.q = TensorView(q.data(), DType::kBFloat16, {1, 64, 2, 128}, kCuda);
   args.k = TensorView(k.data(), DType::kBFloat16, {2, 128, 2, 128}, kCuda);
   args.v = TensorView(v.data(), DType::kBFloat16, {2, 128, 2, 128}, kCuda);
+  args.out = TensorView(out.data(), DType::kBFloat16, {1, 64, 2, 128}, kCuda);
   args.seq.page_table = TensorView(page_table.data(), DType::kInt32, {1, 2}, kCuda);
   try {
     forward(args);
