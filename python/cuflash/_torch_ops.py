@@ -121,15 +121,16 @@ def _setup_context(ctx, inputs, output):
     ctx.aux = named["aux"]
     ctx.block_sparse = named["block_sparse"]
     ctx.deterministic = named["deterministic"]
+    # List inputs take a list of (no) gradients of the same length.
+    ctx.list_lengths = {name: len(value) for name, value in named.items() if isinstance(value, (list, tuple))}
 
 
 def _backward(ctx, dout, _dlse):
     q, k, v, sink, cu_q, cu_k, used_q, used_k, out, lse = ctx.saved_tensors
     dq, dk, dv, d_sink = bwd(dout, q, k, v, out, lse, sink, cu_q, cu_k, used_q, used_k, aux=ctx.aux,
                              block_sparse=ctx.block_sparse, deterministic=ctx.deterministic, **ctx.options)
-    grads = dict(q=dq, k=dk, v=dv, learnable_sink=None if sink is None else d_sink.to(sink.dtype),
-                 # List inputs take a list of (no) gradients of the same length.
-                 aux=[None] * len(ctx.aux), block_sparse=[None] * len(ctx.block_sparse))
+    grads = {name: [None] * length for name, length in ctx.list_lengths.items()}
+    grads.update(q=dq, k=dk, v=dv, learnable_sink=None if sink is None else d_sink.to(sink.dtype))
     return tuple(grads.get(name) for name in _FWD_INPUTS)
 
 
