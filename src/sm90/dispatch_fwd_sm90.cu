@@ -59,6 +59,7 @@ std::string fwd_kernel_name(const FwdParams& p) {
   if (hdim_v != hdim) name += "x" + std::to_string(hdim_v);
   name += DType(p.dtype) == DType::kBFloat16 ? "_bf16" : "_fp16";
   if (p.softcap > 0.f) name += "_softcap";
+  if (p.num_splits > 1) name += "_split";
   return name + "_sm90";
 }
 

@@ -4,7 +4,6 @@
 // registers). See mainloop_fwd_sm90.hpp for the pipeline and the pingpong schedule.
 #pragma once
 
-#include <algorithm>
 #include <cmath>
 #include <type_traits>
 
@@ -27,12 +26,13 @@
 
 namespace cuflash::sm90 {
 
-template <class Element_, int kHeadDim_, int kHeadDimV_, bool kHasSoftcap_>
+template <class Element_, int kHeadDim_, int kHeadDimV_, bool kHasSoftcap_, bool kIsSplit_>
 struct FwdConfig {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kHeadDimV = kHeadDimV_;
   static constexpr bool kHasSoftcap = kHasSoftcap_;
+  static constexpr bool kIsSplit = kIsSplit_;  // split-KV: fp32 partial outputs for the combine kernel
   static constexpr FwdTileSize kTile = fwd_tile_size(kHeadDim, kHeadDimV);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
@@ -51,6 +51,7 @@ struct FlashFwdKernelSm90 {
   static constexpr int kNumMmaWarpGroups = Config::kNumMmaWarpGroups;
   static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
   static constexpr int kNumThreads = kNumMmaThreads + cutlass::NumThreadsPerWarpGroup;
+  static constexpr bool kIsSplit = Config::kIsSplit;
   static_assert(kNumMmaWarpGroups == 2, "register split below assumes two MMA warpgroups");
   // 64K registers per SM: producer warpgroup 128 x 24, MMA warpgroups 256 x 240.
   static constexpr uint32_t kLoadRegisters = 24;
@@ -92,11 +93,11 @@ struct FlashFwdKernelSm90 {
     bool const has_softcap = p.softcap > 0.f;
     return {Mainloop::to_params(p), p, float(M_LOG2E) * (has_softcap ? p.softcap : p.softmax_scale),
             has_softcap ? p.softmax_scale / p.softcap : 0.f,
-            Scheduler{cute::ceil_div(p.seqlen_q, kBlockM), p.num_heads, p.batch, std::max(p.num_splits, 1),
+            Scheduler{cute::ceil_div(p.seqlen_q, kBlockM), p.num_heads, p.batch, kIsSplit ? p.num_splits : 1,
                       p.window_right >= 0 || p.window_left >= 0,
                       Scheduler::choose_section_size(
                           (long long)p.seqlen_k * (p.head_dim + p.head_dim_v) * (long long)sizeof(Element),
-                          p.num_heads / p.num_heads_kv, p.num_heads * p.batch * std::max(p.num_splits, 1))}};
+                          p.num_heads / p.num_heads_kv, p.num_heads * p.batch * (kIsSplit ? p.num_splits : 1))}};
   }
 
   static dim3 grid_shape(Params const& params, int num_sm) {
@@ -106,7 +107,7 @@ struct FlashFwdKernelSm90 {
   // The sink joins one denominator: with split-KV, that of split 0 (the combine's log-sum-exp
   // then counts it once).
   CUTLASS_DEVICE static float load_sink_log2(FwdParams const& p, FwdTile const& tile) {
-    if (p.learnable_sink == nullptr || tile.split != 0) return -INFINITY;
+    if (p.learnable_sink == nullptr || (kIsSplit && tile.split != 0)) return -INFINITY;
     int const head = tile.head;
     float sink;
     switch (DType(p.sink_dtype)) {
@@ -133,7 +134,7 @@ struct FlashFwdKernelSm90 {
     FwdMask<kBlockM, kBlockN> const mask{seqlen.seqlen_q, seqlen.seqlen_k, p.window_left, p.window_right};
     TileWork work{seqlen, mask, 0, 0, tile.m_block * kBlockM < seqlen.seqlen_q_range};
     if (work.has_rows) mask.n_block_range(tile.m_block, work.n_block_min, work.n_block_max);
-    if (p.num_splits > 1) {  // split-KV: an equal share of this row block's n-blocks
+    if constexpr (kIsSplit) {  // an equal share of this row block's n-blocks
       int const per_split = cute::ceil_div(work.n_block_max - work.n_block_min, p.num_splits);
       work.n_block_min += tile.split * per_split;
       work.n_block_max = min(work.n_block_max, work.n_block_min + per_split);
@@ -235,7 +236,7 @@ struct FlashFwdKernelSm90 {
         }
         cutlass::arch::ClusterBarrier* smem_release =
             !kSeparateO && work.has_keys() ? &storage.barrier_q.empty : nullptr;
-        if (p.num_splits > 1) {
+        if constexpr (kIsSplit) {
           Epilogue::store_partial(p, tOrO, lse, tiled_mma_pv, thread_idx, work.seqlen, tile.m_block, tile.head,
                                   tile.batch, tile.split);
           if (smem_release != nullptr) smem_release->arrive();

@@ -18,9 +18,9 @@ inline void check_launch(cudaError_t status, const char* what) {
   }
 }
 
-template <class Element, int kHeadDim, int kHeadDimV, bool kHasSoftcap>
+template <class Element, int kHeadDim, int kHeadDimV, bool kHasSoftcap, bool kIsSplit>
 void run_flash_fwd_sm90(FwdParams& params, cudaStream_t stream) {
-  using Kernel = FlashFwdKernelSm90<FwdConfig<Element, kHeadDim, kHeadDimV, kHasSoftcap>>;
+  using Kernel = FlashFwdKernelSm90<FwdConfig<Element, kHeadDim, kHeadDimV, kHasSoftcap, kIsSplit>>;
   typename Kernel::Params const kernel_params = Kernel::to_params(params);
   if (kernel_params.scheduler.num_tiles() == 0) return;
   int num_sm = params.num_sm;
