@@ -1,12 +1,12 @@
 // Runtime -> compile-time dispatch for the sm90 kernels: the one place that maps a call's
 // dtype, head dims and features to a compiled instantiation, and that rejects what the
 // kernels do not support (kNotSupported) or what this build did not compile (kNotBuilt).
+#include <cuda_runtime.h>
+
 #include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
-
-#include <cuda_runtime.h>
 
 #include "api/kernels.hpp"
 #include "api/params.hpp"
@@ -79,7 +79,8 @@ std::string describe(const std::string& stem) {
   return text;
 }
 
-void check_tma_operand(const char* argument, const void* data, std::initializer_list<std::int64_t> strides) {
+void check_tma_operand(const char* argument, const void* data,
+                       std::initializer_list<std::int64_t> strides) {
   // TMA reads need 16-byte aligned base addresses and strides (8 elements of 16-bit data).
   if (reinterpret_cast<std::uintptr_t>(data) % 16 != 0) {
     not_supported(argument, std::string("the sm90 forward kernel needs `") + argument +
@@ -87,7 +88,8 @@ void check_tma_operand(const char* argument, const void* data, std::initializer_
   }
   for (std::int64_t stride : strides) {
     if (stride % 8 != 0) {
-      not_supported(argument, std::string("the sm90 forward kernel needs every stride of `") + argument +
+      not_supported(argument, std::string("the sm90 forward kernel needs every stride of `") +
+                                  argument +
                                   "` but the last to be a multiple of 8 elements (16 bytes); got " +
                                   std::to_string(stride));
     }
@@ -101,20 +103,26 @@ void run_forward(FwdParams& params, StreamHandle stream) {
     not_supported("page_table", "paged KV is not supported by the sm90 forward kernel yet");
   }
   if (params.num_splits > 1 && (params.out_partial == nullptr || params.lse_partial == nullptr)) {
-    throw Error(Error::Kind::kInvalidArgument, "num_splits",
-                "split-KV needs out_partial and lse_partial buffers (allocated by cuflash::forward)");
+    throw Error(
+        Error::Kind::kInvalidArgument, "num_splits",
+        "split-KV needs out_partial and lse_partial buffers (allocated by cuflash::forward)");
   }
   if (DType(params.dtype) != DType::kFloat16 && DType(params.dtype) != DType::kBFloat16) {
-    not_supported("q", std::string("the sm90 forward kernel takes float16 or bfloat16 inputs, got ") +
-                           dtype_name(DType(params.dtype)));
+    not_supported("q",
+                  std::string("the sm90 forward kernel takes float16 or bfloat16 inputs, got ") +
+                      dtype_name(DType(params.dtype)));
   }
   if (params.head_dim > 256 || params.head_dim_v > 256) {
     not_supported("q", "the sm90 forward kernel supports head dims up to 256");
   }
-  check_tma_operand("q", params.q, {params.q_row_stride, params.q_head_stride, params.q_batch_stride});
-  check_tma_operand("k", params.k, {params.k_row_stride, params.k_head_stride, params.k_batch_stride});
-  check_tma_operand("v", params.v, {params.v_row_stride, params.v_head_stride, params.v_batch_stride});
-  check_tma_operand("out", params.out, {params.o_row_stride, params.o_head_stride, params.o_batch_stride});
+  check_tma_operand("q", params.q,
+                    {params.q_row_stride, params.q_head_stride, params.q_batch_stride});
+  check_tma_operand("k", params.k,
+                    {params.k_row_stride, params.k_head_stride, params.k_batch_stride});
+  check_tma_operand("v", params.v,
+                    {params.v_row_stride, params.v_head_stride, params.v_batch_stride});
+  check_tma_operand("out", params.out,
+                    {params.o_row_stride, params.o_head_stride, params.o_batch_stride});
 
   std::string const name = fwd_kernel_name(params);
   for (const FwdEntry* entry = kFwdEntries; entry->name != nullptr; ++entry) {
@@ -124,8 +132,8 @@ void run_forward(FwdParams& params, StreamHandle stream) {
     }
   }
   throw Error(Error::Kind::kNotBuilt, "q",
-              "the sm90 forward kernel '" + describe(name) + "' is not in this build (CUFLASH_KERNEL_SET=" +
-                  CUFLASH_KERNEL_SET +
+              "the sm90 forward kernel '" + describe(name) +
+                  "' is not in this build (CUFLASH_KERNEL_SET=" + CUFLASH_KERNEL_SET +
                   "); reconfigure with -DCUFLASH_KERNEL_SET=all, or =custom with CUFLASH_HDIMS and "
                   "CUFLASH_DTYPES naming it");
 }
@@ -140,7 +148,8 @@ std::size_t backward_workspace_bytes(const BwdParams& params) {
 
 std::vector<std::string> built_kernels() {
   std::vector<std::string> names;
-  for (const FwdEntry* entry = kFwdEntries; entry->name != nullptr; ++entry) names.push_back(describe(entry->name));
+  for (const FwdEntry* entry = kFwdEntries; entry->name != nullptr; ++entry)
+    names.push_back(describe(entry->name));
   return names;
 }
 
@@ -152,7 +161,8 @@ bool device_available() {
   }
   for (int device = 0; device < count; ++device) {
     int major = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major == 9) {
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+        major == 9) {
       return true;
     }
   }
@@ -163,7 +173,8 @@ int device_sm_count(int device_index) {
   int count = 0;
   cudaError_t status = cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device_index);
   if (status != cudaSuccess) {
-    throw Error(Error::Kind::kCuda, "", std::string("cudaDeviceGetAttribute: ") + cudaGetErrorString(status));
+    throw Error(Error::Kind::kCuda, "",
+                std::string("cudaDeviceGetAttribute: ") + cudaGetErrorString(status));
   }
   return count;
 }

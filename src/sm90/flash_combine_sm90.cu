@@ -2,13 +2,13 @@
 //   lse = log(sum_s exp(lse_s)),  out = sum_s exp(lse_s - lse) * out_s,
 // one warp per (row, head). A split with lse -inf (it saw no key) has weight 0 and its partial
 // output is not read; a row where every split is -inf, or past seqused, gives out 0, lse -inf.
-#include <cmath>
-#include <cstdint>
-#include <string>
-
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
 
 #include "api/kernels.hpp"
 #include "api/params.hpp"
@@ -22,8 +22,12 @@ constexpr int kWarpsPerBlock = 8;
 constexpr int kMaxDimPerLane = 8;  // head_dim <= 256
 
 __device__ __forceinline__ void store_out(float value, float* ptr) { *ptr = value; }
-__device__ __forceinline__ void store_out(float value, __half* ptr) { *ptr = __float2half_rn(value); }
-__device__ __forceinline__ void store_out(float value, __nv_bfloat16* ptr) { *ptr = __float2bfloat16_rn(value); }
+__device__ __forceinline__ void store_out(float value, __half* ptr) {
+  *ptr = __float2half_rn(value);
+}
+__device__ __forceinline__ void store_out(float value, __nv_bfloat16* ptr) {
+  *ptr = __float2bfloat16_rn(value);
+}
 
 template <class OutT>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
@@ -42,7 +46,10 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
       int lo = 0, hi = p.batch;  // last sequence whose start is <= row
       while (hi - lo > 1) {
         int const mid = (lo + hi) / 2;
-        if (p.cu_seqlens[mid] <= row) lo = mid; else hi = mid;
+        if (p.cu_seqlens[mid] <= row)
+          lo = mid;
+        else
+          hi = mid;
       }
       if (p.seqused != nullptr) valid = row - p.cu_seqlens[lo] < p.seqused[lo];
     } else if (p.seqused != nullptr) {
@@ -53,19 +60,24 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     pos = row % p.seqlen;
     if (p.seqused != nullptr) valid = pos < p.seqused[batch];
   }
-  std::int64_t const op_base = batch * p.op_batch_stride + pos * p.op_row_stride + head * p.op_head_stride;
-  std::int64_t const lp_base = batch * p.lp_batch_stride + pos * p.lp_row_stride + head * p.lp_head_stride;
+  std::int64_t const op_base =
+      batch * p.op_batch_stride + pos * p.op_row_stride + head * p.op_head_stride;
+  std::int64_t const lp_base =
+      batch * p.lp_batch_stride + pos * p.lp_row_stride + head * p.lp_head_stride;
 
   float max_lse = -INFINITY;
   if (valid) {
-    for (int s = lane; s < p.num_splits; s += 32) max_lse = fmaxf(max_lse, p.lse_partial[lp_base + s * p.lp_split_stride]);
-    for (int offset = 16; offset > 0; offset /= 2) max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffff, max_lse, offset));
+    for (int s = lane; s < p.num_splits; s += 32)
+      max_lse = fmaxf(max_lse, p.lse_partial[lp_base + s * p.lp_split_stride]);
+    for (int offset = 16; offset > 0; offset /= 2)
+      max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffff, max_lse, offset));
   }
   float lse = -INFINITY;
   float acc[kMaxDimPerLane] = {};
   if (max_lse != -INFINITY) {
     float sum = 0.f;
-    for (int s = lane; s < p.num_splits; s += 32) sum += expf(p.lse_partial[lp_base + s * p.lp_split_stride] - max_lse);
+    for (int s = lane; s < p.num_splits; s += 32)
+      sum += expf(p.lse_partial[lp_base + s * p.lp_split_stride] - max_lse);
     for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
     lse = max_lse + logf(sum);
     for (int s = 0; s < p.num_splits; ++s) {
@@ -80,7 +92,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
       }
     }
   }
-  OutT* out = static_cast<OutT*>(p.out) + batch * p.o_batch_stride + pos * p.o_row_stride + head * p.o_head_stride;
+  OutT* out = static_cast<OutT*>(p.out) + batch * p.o_batch_stride + pos * p.o_row_stride +
+              head * p.o_head_stride;
 #pragma unroll
   for (int i = 0; i < kMaxDimPerLane; ++i) {
     int const d = lane + 32 * i;
@@ -95,29 +108,36 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
 
 void run_combine(const CombineParams& params, StreamHandle stream) {
   if (params.head_dim > 32 * kMaxDimPerLane) {
-    throw Error(Error::Kind::kNotSupported, "out", "the sm90 combine kernel supports head dims up to 256");
+    throw Error(Error::Kind::kNotSupported, "out",
+                "the sm90 combine kernel supports head dims up to 256");
   }
   // Packed rows (cu_seqlens, or no batch stride) are addressed by row alone.
   bool const packed = params.cu_seqlens != nullptr || params.op_batch_stride == 0;
-  std::int64_t const num_rows = packed ? std::int64_t(params.seqlen) : std::int64_t(params.batch) * params.seqlen;
+  std::int64_t const num_rows =
+      packed ? std::int64_t(params.seqlen) : std::int64_t(params.batch) * params.seqlen;
   std::int64_t const num_tasks = num_rows * params.num_heads;
   if (num_tasks == 0) return;
   dim3 const grid(unsigned((num_tasks + kWarpsPerBlock - 1) / kWarpsPerBlock));
   cudaStream_t const cuda_stream = static_cast<cudaStream_t>(stream);
   switch (DType(params.out_dtype)) {
     case DType::kFloat16:
-      flash_combine_kernel<__half><<<grid, kWarpsPerBlock * 32, 0, cuda_stream>>>(params, packed, num_rows);
+      flash_combine_kernel<__half>
+          <<<grid, kWarpsPerBlock * 32, 0, cuda_stream>>>(params, packed, num_rows);
       break;
     case DType::kBFloat16:
-      flash_combine_kernel<__nv_bfloat16><<<grid, kWarpsPerBlock * 32, 0, cuda_stream>>>(params, packed, num_rows);
+      flash_combine_kernel<__nv_bfloat16>
+          <<<grid, kWarpsPerBlock * 32, 0, cuda_stream>>>(params, packed, num_rows);
       break;
     default:
-      flash_combine_kernel<float><<<grid, kWarpsPerBlock * 32, 0, cuda_stream>>>(params, packed, num_rows);
+      flash_combine_kernel<float>
+          <<<grid, kWarpsPerBlock * 32, 0, cuda_stream>>>(params, packed, num_rows);
       break;
   }
   cudaError_t const status = cudaGetLastError();
   if (status != cudaSuccess) {
-    throw Error(Error::Kind::kCuda, "", std::string("cuflash combine: kernel launch failed: ") + cudaGetErrorString(status));
+    throw Error(
+        Error::Kind::kCuda, "",
+        std::string("cuflash combine: kernel launch failed: ") + cudaGetErrorString(status));
   }
 }
 

@@ -4,15 +4,15 @@
 // registers). See mainloop_fwd_sm90.hpp for the pipeline and the pingpong schedule.
 #pragma once
 
-#include <cmath>
-#include <type_traits>
-
-#include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/cutlass.h>
 #include <cutlass/numeric_types.h>
+
+#include <cmath>
+#include <cute/tensor.hpp>
 #include <cutlass/pipeline/pipeline.hpp>
+#include <type_traits>
 
 #include "api/params.hpp"
 #include "cuflash/tensor.hpp"
@@ -32,7 +32,8 @@ struct FwdConfig {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kHeadDimV = kHeadDimV_;
   static constexpr bool kHasSoftcap = kHasSoftcap_;
-  static constexpr bool kIsSplit = kIsSplit_;  // split-KV: fp32 partial outputs for the combine kernel
+  static constexpr bool kIsSplit =
+      kIsSplit_;  // split-KV: fp32 partial outputs for the combine kernel
   static constexpr FwdTileSize kTile = fwd_tile_size(kHeadDim, kHeadDimV);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
@@ -61,15 +62,16 @@ struct FlashFwdKernelSm90 {
 
   // O gets its own buffer when it fits, so the next tile's Q can land while this tile's
   // epilogue runs; otherwise it reuses Q's.
-  static constexpr int kSmemBytesO = cute::cosize_v<typename Epilogue::SmemLayoutO> * int(sizeof(Element));
+  static constexpr int kSmemBytesO =
+      cute::cosize_v<typename Epilogue::SmemLayoutO> * int(sizeof(Element));
   static constexpr bool kSeparateO =
       int(sizeof(typename Mainloop::TensorStorage)) + kSmemBytesO + 1024 <= 227 * 1024;
   struct SeparateOStorage {
     cute::array_aligned<Element, cute::cosize_v<typename Epilogue::SmemLayoutO>, 1024> smem_o;
   };
   struct NoOStorage {};
-  static_assert(kSeparateO ||
-                    cute::cosize_v<typename Epilogue::SmemLayoutO> <= cute::cosize_v<typename Mainloop::SmemLayoutQ>,
+  static_assert(kSeparateO || cute::cosize_v<typename Epilogue::SmemLayoutO> <=
+                                  cute::cosize_v<typename Mainloop::SmemLayoutQ>,
                 "O reuses Q's shared memory");
 
   struct SharedStorage {
@@ -93,11 +95,13 @@ struct FlashFwdKernelSm90 {
     bool const has_softcap = p.softcap > 0.f;
     return {Mainloop::to_params(p), p, float(M_LOG2E) * (has_softcap ? p.softcap : p.softmax_scale),
             has_softcap ? p.softmax_scale / p.softcap : 0.f,
-            Scheduler{cute::ceil_div(p.seqlen_q, kBlockM), p.num_heads, p.batch, kIsSplit ? p.num_splits : 1,
-                      p.window_right >= 0 || p.window_left >= 0,
+            Scheduler{cute::ceil_div(p.seqlen_q, kBlockM), p.num_heads, p.batch,
+                      kIsSplit ? p.num_splits : 1, p.window_right >= 0 || p.window_left >= 0,
                       Scheduler::choose_section_size(
-                          (long long)p.seqlen_k * (p.head_dim + p.head_dim_v) * (long long)sizeof(Element),
-                          p.num_heads / p.num_heads_kv, p.num_heads * p.batch * (kIsSplit ? p.num_splits : 1))}};
+                          (long long)p.seqlen_k * (p.head_dim + p.head_dim_v) *
+                              (long long)sizeof(Element),
+                          p.num_heads / p.num_heads_kv,
+                          p.num_heads * p.batch * (kIsSplit ? p.num_splits : 1))}};
   }
 
   static dim3 grid_shape(Params const& params, int num_sm) {
@@ -111,9 +115,15 @@ struct FlashFwdKernelSm90 {
     int const head = tile.head;
     float sink;
     switch (DType(p.sink_dtype)) {
-      case DType::kFloat32: sink = static_cast<float const*>(p.learnable_sink)[head]; break;
-      case DType::kBFloat16: sink = float(static_cast<cutlass::bfloat16_t const*>(p.learnable_sink)[head]); break;
-      default: sink = float(static_cast<cutlass::half_t const*>(p.learnable_sink)[head]); break;
+      case DType::kFloat32:
+        sink = static_cast<float const*>(p.learnable_sink)[head];
+        break;
+      case DType::kBFloat16:
+        sink = float(static_cast<cutlass::bfloat16_t const*>(p.learnable_sink)[head]);
+        break;
+      default:
+        sink = float(static_cast<cutlass::half_t const*>(p.learnable_sink)[head]);
+        break;
     }
     return sink * float(M_LOG2E);
   }
@@ -129,9 +139,10 @@ struct FlashFwdKernelSm90 {
   };
 
   CUTLASS_DEVICE static TileWork tile_work(FwdParams const& p, FwdTile const& tile) {
-    SeqlenInfo const seqlen(tile.batch, p.seqlen_q, p.seqlen_k, p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q,
-                            p.seqused_k);
-    FwdMask<kBlockM, kBlockN> const mask{seqlen.seqlen_q, seqlen.seqlen_k, p.window_left, p.window_right};
+    SeqlenInfo const seqlen(tile.batch, p.seqlen_q, p.seqlen_k, p.cu_seqlens_q, p.cu_seqlens_k,
+                            p.seqused_q, p.seqused_k);
+    FwdMask<kBlockM, kBlockN> const mask{seqlen.seqlen_q, seqlen.seqlen_k, p.window_left,
+                                         p.window_right};
     TileWork work{seqlen, mask, 0, 0, tile.m_block * kBlockM < seqlen.seqlen_q_range};
     if (work.has_rows) mask.n_block_range(tile.m_block, work.n_block_min, work.n_block_max);
     if constexpr (kIsSplit) {  // an equal share of this row block's n-blocks
@@ -178,14 +189,15 @@ struct FlashFwdKernelSm90 {
       if (warp_idx == 0 && lane_predicate) {
         PipelineState smem_pipe_write = cutlass::make_producer_start_state<PipelineK>();
         int q_loads = 0;
-        for (int tile_index = int(blockIdx.x); tile_index < num_tiles; tile_index += int(gridDim.x)) {
+        for (int tile_index = int(blockIdx.x); tile_index < num_tiles;
+             tile_index += int(gridDim.x)) {
           FwdTile const tile = scheduler.tile(tile_index);
           TileWork const work = tile_work(p, tile);
           if (!work.has_rows || !work.has_keys()) continue;
           int const head_kv = tile.head / (p.num_heads / p.num_heads_kv);
-          Mainloop::load(params.mainloop, storage.tensors, storage.barrier_q, q_loads, pipeline_k, pipeline_v,
-                         smem_pipe_write, work.seqlen, tile.m_block, tile.head, head_kv, tile.batch,
-                         work.n_block_min, work.n_block_max);
+          Mainloop::load(params.mainloop, storage.tensors, storage.barrier_q, q_loads, pipeline_k,
+                         pipeline_v, smem_pipe_write, work.seqlen, tile.m_block, tile.head, head_kv,
+                         tile.batch, work.n_block_min, work.n_block_max);
           ++q_loads;
         }
       }
@@ -206,13 +218,15 @@ struct FlashFwdKernelSm90 {
         FwdTile const tile = scheduler.tile(tile_index);
         TileWork const work = tile_work(p, tile);
         if (!work.has_rows) continue;
-        Tensor tOrO = partition_fragment_C(tiled_mma_pv, select<0, 1>(typename Mainloop::TileShapePV{}));
+        Tensor tOrO =
+            partition_fragment_C(tiled_mma_pv, select<0, 1>(typename Mainloop::TileShapePV{}));
         OnlineSoftmax<kRowsPerThread> softmax(params.scale_log2);
         float out_scale[kRowsPerThread], lse[kRowsPerThread];
         if (work.has_keys()) {
-          Mainloop::mma(storage.tensors, storage.barrier_q, q_loads, /*release_q=*/kSeparateO, pipeline_k,
-                        pipeline_v, smem_pipe_read, tOrO, softmax, work.mask, params.softcap_scale, thread_idx,
-                        tile.m_block, work.n_block_min, work.n_block_max);
+          Mainloop::mma(storage.tensors, storage.barrier_q, q_loads, /*release_q=*/kSeparateO,
+                        pipeline_k, pipeline_v, smem_pipe_read, tOrO, softmax, work.mask,
+                        params.softcap_scale, thread_idx, tile.m_block, work.n_block_min,
+                        work.n_block_max);
         } else {
           clear(tOrO);
           CUTLASS_PRAGMA_UNROLL
@@ -224,25 +238,28 @@ struct FlashFwdKernelSm90 {
         softmax.finalize(load_sink_log2(p, tile), out_scale, lse);
         // Normalise; rows past seqused_q (and any row without a visible key) give 0 and lse -inf.
         auto thr_mma_pv = tiled_mma_pv.get_thread_slice(thread_idx);
-        Tensor tOcO = thr_mma_pv.partition_C(make_identity_tensor(select<0, 1>(typename Mainloop::TileShapePV{})));
+        Tensor tOcO = thr_mma_pv.partition_C(
+            make_identity_tensor(select<0, 1>(typename Mainloop::TileShapePV{})));
         Tensor coords = make_tensor(tOcO.data(), acc_rowcol_layout(tOcO.layout()));
         Tensor out = make_tensor(tOrO.data(), acc_rowcol_layout(tOrO.layout()));
         CUTLASS_PRAGMA_UNROLL
         for (int m = 0; m < kRowsPerThread; ++m) {
-          bool const row_valid = tile.m_block * kBlockM + get<0>(coords(m, 0)) < work.seqlen.seqlen_q;
+          bool const row_valid =
+              tile.m_block * kBlockM + get<0>(coords(m, 0)) < work.seqlen.seqlen_q;
           if (!row_valid) lse[m] = -INFINITY;
           CUTLASS_PRAGMA_UNROLL
-          for (int n = 0; n < size<1>(out); ++n) out(m, n) = row_valid ? out(m, n) * out_scale[m] : 0.f;
+          for (int n = 0; n < size<1>(out); ++n)
+            out(m, n) = row_valid ? out(m, n) * out_scale[m] : 0.f;
         }
         cutlass::arch::ClusterBarrier* smem_release =
             !kSeparateO && work.has_keys() ? &storage.barrier_q.empty : nullptr;
         if constexpr (kIsSplit) {
-          Epilogue::store_partial(p, tOrO, lse, tiled_mma_pv, thread_idx, work.seqlen, tile.m_block, tile.head,
-                                  tile.batch, tile.split);
+          Epilogue::store_partial(p, tOrO, lse, tiled_mma_pv, thread_idx, work.seqlen, tile.m_block,
+                                  tile.head, tile.batch, tile.split);
           if (smem_release != nullptr) smem_release->arrive();
         } else {
-          Epilogue::store(p, smem_o, tOrO, lse, tiled_mma_pv, thread_idx, work.seqlen, tile.m_block, tile.head,
-                          tile.batch, smem_release);
+          Epilogue::store(p, smem_o, tOrO, lse, tiled_mma_pv, thread_idx, work.seqlen, tile.m_block,
+                          tile.head, tile.batch, smem_release);
         }
         if (work.has_keys()) ++q_loads;
       }

@@ -2,9 +2,9 @@
 // src/instantiations/flash_fwd_*.cu file.
 #pragma once
 
-#include <string>
-
 #include <cuda_runtime.h>
+
+#include <string>
 
 #include "api/params.hpp"
 #include "cuflash/error.hpp"
@@ -33,13 +33,14 @@ void run_flash_fwd_sm90(FwdParams& params, cudaStream_t stream) {
   // Tiles of unequal cost (causal/local windows, packed sequences of different lengths) balance
   // better when the hardware hands out one tile per CTA as SMs free up than with a static
   // round-robin; equal tiles gain from the persistent loop (next loads under the epilogue).
-  bool const unequal_tiles = kernel_params.scheduler.longest_first || params.cu_seqlens_q != nullptr ||
-                             params.cu_seqlens_k != nullptr || params.seqused_q != nullptr ||
-                             params.seqused_k != nullptr;
+  bool const unequal_tiles = kernel_params.scheduler.longest_first ||
+                             params.cu_seqlens_q != nullptr || params.cu_seqlens_k != nullptr ||
+                             params.seqused_q != nullptr || params.seqused_k != nullptr;
   int const max_ctas = unequal_tiles ? kernel_params.scheduler.num_tiles() : num_sm;
   dim3 const grid = Kernel::grid_shape(kernel_params, max_ctas);
   auto kernel = &flash_fwd_kernel_sm90<Kernel>;
-  check_launch(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSharedStorageBytes),
+  check_launch(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    Kernel::kSharedStorageBytes),
                "cuflash forward: cannot reserve shared memory");
   kernel<<<grid, Kernel::kNumThreads, Kernel::kSharedStorageBytes, stream>>>(kernel_params);
   check_launch(cudaGetLastError(), "cuflash forward: kernel launch failed");

@@ -9,9 +9,10 @@
 // runs under the other's GEMMs.
 #pragma once
 
-#include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/cutlass.h>
+
+#include <cute/tensor.hpp>
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
 #include <cutlass/pipeline/pipeline.hpp>
 
@@ -53,41 +54,54 @@ struct MainloopFwdSm90 {
                                  cute::GMMA::Major::MN>(),
       AtomLayoutMma{}));
 
-  using SmemLayoutAtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
-                                   cute::GMMA::Major::K, Element, cute::Int<kBlockM>, cute::Int<kHeadDim>>());
-  using SmemLayoutQ = decltype(cute::tile_to_shape(SmemLayoutAtomQ{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
-  using SmemLayoutAtomK = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
-                                   cute::GMMA::Major::K, Element, cute::Int<kBlockN>, cute::Int<kHeadDim>>());
+  using SmemLayoutAtomQ =
+      decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+               cute::GMMA::Major::K, Element, cute::Int<kBlockM>, cute::Int<kHeadDim>>());
+  using SmemLayoutQ = decltype(cute::tile_to_shape(
+      SmemLayoutAtomQ{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
+  using SmemLayoutAtomK =
+      decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+               cute::GMMA::Major::K, Element, cute::Int<kBlockN>, cute::Int<kHeadDim>>());
   using SmemLayoutK = decltype(cute::tile_to_shape(
-      SmemLayoutAtomK{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
-  using SmemLayoutAtomV = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
-                                   cute::GMMA::Major::K, Element, cute::Int<kBlockN>, cute::Int<kHeadDimV>>());
+      SmemLayoutAtomK{},
+      cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
+  using SmemLayoutAtomV =
+      decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+               cute::GMMA::Major::K, Element, cute::Int<kBlockN>, cute::Int<kHeadDimV>>());
   using SmemLayoutV = decltype(cute::tile_to_shape(
-      SmemLayoutAtomV{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDimV>, cute::Int<kStages>>{}));
+      SmemLayoutAtomV{},
+      cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDimV>, cute::Int<kStages>>{}));
   // V^T: the same bytes seen as (Dv, kBlockN, stages).
   using SmemLayoutVt = decltype(cute::composition(
-      SmemLayoutV{}, cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDimV>, cute::Int<kBlockN>, cute::Int<kStages>>{},
-                                               cute::Step<cute::_2, cute::_1, cute::_3>{})));
+      SmemLayoutV{},
+      cute::make_ordered_layout(
+          cute::Shape<cute::Int<kHeadDimV>, cute::Int<kBlockN>, cute::Int<kStages>>{},
+          cute::Step<cute::_2, cute::_1, cute::_3>{})));
 
   // Global tensors as (rows, head dim, heads, batch); packed layouts use batch 1 and row offsets.
   using ShapeQKV = cute::Shape<int32_t, int32_t, int32_t, int32_t>;
   using StrideQKV = cute::Stride<int64_t, cute::_1, int64_t, int64_t>;
   using TMA_Q = decltype(cute::make_tma_copy(
       cute::SM90_TMA_LOAD{},
-      cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQKV{}),
+      cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{},
+                        StrideQKV{}),
       SmemLayoutQ{}, cute::select<0, 2>(TileShapeQK{}), cute::_1{}));
   using TMA_K = decltype(cute::make_tma_copy(
       cute::SM90_TMA_LOAD{},
-      cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQKV{}),
+      cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{},
+                        StrideQKV{}),
       cute::take<0, 2>(SmemLayoutK{}), cute::select<1, 2>(TileShapeQK{}), cute::_1{}));
   using TMA_V = decltype(cute::make_tma_copy(
       cute::SM90_TMA_LOAD{},
-      cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQKV{}),
+      cute::make_tensor(cute::make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{},
+                        StrideQKV{}),
       cute::take<0, 2>(SmemLayoutV{}), cute::select<2, 1>(TileShapePV{}), cute::_1{}));
 
   static constexpr uint32_t kTmaBytesQ = cute::size(SmemLayoutQ{}) * sizeof(Element);
-  static constexpr uint32_t kTmaBytesK = cute::size(cute::take<0, 2>(SmemLayoutK{})) * sizeof(Element);
-  static constexpr uint32_t kTmaBytesV = cute::size(cute::take<0, 2>(SmemLayoutV{})) * sizeof(Element);
+  static constexpr uint32_t kTmaBytesK =
+      cute::size(cute::take<0, 2>(SmemLayoutK{})) * sizeof(Element);
+  static constexpr uint32_t kTmaBytesV =
+      cute::size(cute::take<0, 2>(SmemLayoutV{})) * sizeof(Element);
 
   using PipelineK = cutlass::PipelineTmaAsync<kStages>;
   using PipelineV = cutlass::PipelineTmaAsync<kStages>;
@@ -124,19 +138,29 @@ struct MainloopFwdSm90 {
     ShapeQKV shape_q{rows_q, p.head_dim, p.num_heads, batch_q};
     ShapeQKV shape_k{rows_k, p.head_dim, p.num_heads_kv, batch_k};
     ShapeQKV shape_v{rows_k, p.head_dim_v, p.num_heads_kv, batch_k};
-    StrideQKV stride_q{tma_stride(p.q_row_stride, rows_q), _1{}, tma_stride(p.q_head_stride, p.num_heads),
+    StrideQKV stride_q{tma_stride(p.q_row_stride, rows_q), _1{},
+                       tma_stride(p.q_head_stride, p.num_heads),
                        tma_stride(p.q_batch_stride, batch_q)};
-    StrideQKV stride_k{tma_stride(p.k_row_stride, rows_k), _1{}, tma_stride(p.k_head_stride, p.num_heads_kv),
+    StrideQKV stride_k{tma_stride(p.k_row_stride, rows_k), _1{},
+                       tma_stride(p.k_head_stride, p.num_heads_kv),
                        tma_stride(p.k_batch_stride, batch_k)};
-    StrideQKV stride_v{tma_stride(p.v_row_stride, rows_k), _1{}, tma_stride(p.v_head_stride, p.num_heads_kv),
+    StrideQKV stride_v{tma_stride(p.v_row_stride, rows_k), _1{},
+                       tma_stride(p.v_head_stride, p.num_heads_kv),
                        tma_stride(p.v_batch_stride, batch_k)};
-    Tensor mQ = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.q)), make_layout(shape_q, stride_q));
-    Tensor mK = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.k)), make_layout(shape_k, stride_k));
-    Tensor mV = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.v)), make_layout(shape_v, stride_v));
+    Tensor mQ = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.q)),
+                            make_layout(shape_q, stride_q));
+    Tensor mK = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.k)),
+                            make_layout(shape_k, stride_k));
+    Tensor mV = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.v)),
+                            make_layout(shape_v, stride_v));
     return {make_tma_copy(SM90_TMA_LOAD{}, mQ, SmemLayoutQ{}, select<0, 2>(TileShapeQK{}), _1{}),
-            make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(SmemLayoutK{}), select<1, 2>(TileShapeQK{}), _1{}),
-            make_tma_copy(SM90_TMA_LOAD{}, mV, take<0, 2>(SmemLayoutV{}), select<2, 1>(TileShapePV{}), _1{}),
-            shape_q, shape_k, shape_v};
+            make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(SmemLayoutK{}),
+                          select<1, 2>(TileShapeQK{}), _1{}),
+            make_tma_copy(SM90_TMA_LOAD{}, mV, take<0, 2>(SmemLayoutV{}),
+                          select<2, 1>(TileShapePV{}), _1{}),
+            shape_q,
+            shape_k,
+            shape_v};
   }
 
   CUTLASS_DEVICE static void prefetch_descriptors(Params const& params) {
@@ -153,10 +177,11 @@ struct MainloopFwdSm90 {
   };
 
   // Producer: called by one elected thread of the producer warp, once per tile with work.
-  CUTLASS_DEVICE static void load(Params const& params, TensorStorage& storage, QBarriers& barrier_q, int q_loads,
-                                  PipelineK& pipeline_k, PipelineV& pipeline_v, PipelineState& smem_pipe_write,
-                                  SeqlenInfo const& seqlen, int m_block, int head, int head_kv, int batch,
-                                  int n_block_min, int n_block_max) {
+  CUTLASS_DEVICE static void load(Params const& params, TensorStorage& storage,
+                                  QBarriers& barrier_q, int q_loads, PipelineK& pipeline_k,
+                                  PipelineV& pipeline_v, PipelineState& smem_pipe_write,
+                                  SeqlenInfo const& seqlen, int m_block, int head, int head_kv,
+                                  int batch, int n_block_min, int n_block_max) {
     using namespace cute;
     Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
@@ -166,15 +191,18 @@ struct MainloopFwdSm90 {
     Tensor mQ = params.tma_load_q.get_tma_tensor(params.shape_q)(_, _, head, batch_q);
     Tensor mK = params.tma_load_k.get_tma_tensor(params.shape_k)(_, _, head_kv, batch_k);
     Tensor mV = params.tma_load_v.get_tma_tensor(params.shape_v)(_, _, head_kv, batch_k);
-    Tensor gQ = local_tile(domain_offset(make_coord(seqlen.offset_q, _0{}), mQ), select<0, 2>(TileShapeQK{}),
-                           make_coord(m_block, _0{}));  // (M, D)
-    Tensor gK = local_tile(domain_offset(make_coord(seqlen.offset_k, _0{}), mK), select<1, 2>(TileShapeQK{}),
-                           make_coord(_, _0{}));  // (N, D, n_blocks)
-    Tensor gV = local_tile(domain_offset(make_coord(seqlen.offset_k, _0{}), mV), select<2, 1>(TileShapePV{}),
-                           make_coord(_, _0{}));  // (N, Dv, n_blocks)
-    auto [tQgQ, tQsQ] = tma_partition(params.tma_load_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-    auto k_partition = tma_partition(params.tma_load_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-    auto v_partition = tma_partition(params.tma_load_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    Tensor gQ = local_tile(domain_offset(make_coord(seqlen.offset_q, _0{}), mQ),
+                           select<0, 2>(TileShapeQK{}), make_coord(m_block, _0{}));  // (M, D)
+    Tensor gK = local_tile(domain_offset(make_coord(seqlen.offset_k, _0{}), mK),
+                           select<1, 2>(TileShapeQK{}), make_coord(_, _0{}));  // (N, D, n_blocks)
+    Tensor gV = local_tile(domain_offset(make_coord(seqlen.offset_k, _0{}), mV),
+                           select<2, 1>(TileShapePV{}), make_coord(_, _0{}));  // (N, Dv, n_blocks)
+    auto [tQgQ, tQsQ] = tma_partition(params.tma_load_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                      group_modes<0, 2>(gQ));
+    auto k_partition = tma_partition(params.tma_load_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                     group_modes<0, 2>(gK));
+    auto v_partition = tma_partition(params.tma_load_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                     group_modes<0, 2>(gV));
     Tensor tKgK = get<0>(k_partition);  // (TMA, n_blocks)
     Tensor tKsK = get<1>(k_partition);  // (TMA, stages)
     Tensor tVgV = get<0>(v_partition);
@@ -183,13 +211,13 @@ struct MainloopFwdSm90 {
     using BarrierType = cutlass::arch::ClusterTransactionBarrier::ValueType;
     auto load_k = [&](int n_block) {
       pipeline_k.producer_acquire(smem_pipe_write);
-      copy(params.tma_load_k.with(*pipeline_k.producer_get_barrier(smem_pipe_write), 0), tKgK(_, n_block),
-           tKsK(_, smem_pipe_write.index()));
+      copy(params.tma_load_k.with(*pipeline_k.producer_get_barrier(smem_pipe_write), 0),
+           tKgK(_, n_block), tKsK(_, smem_pipe_write.index()));
     };
     auto load_v = [&](int n_block) {
       pipeline_v.producer_acquire(smem_pipe_write);
-      copy(params.tma_load_v.with(*pipeline_v.producer_get_barrier(smem_pipe_write), 0), tVgV(_, n_block),
-           tVsV(_, smem_pipe_write.index()));
+      copy(params.tma_load_v.with(*pipeline_v.producer_get_barrier(smem_pipe_write), 0),
+           tVgV(_, n_block), tVsV(_, smem_pipe_write.index()));
     };
     // The first K goes out before waiting for Q's buffer: it overlaps the previous tile's tail.
     load_k(n_block_max - 1);
@@ -235,11 +263,11 @@ struct MainloopFwdSm90 {
   // this CTA has done before this one. Hands Q's buffer back when release_q is set; otherwise
   // the caller does (when O reuses that buffer).
   template <class TensorO, class Softmax>
-  CUTLASS_DEVICE static void mma(TensorStorage& storage, QBarriers& barrier_q, int q_loads, bool release_q,
-                                 PipelineK& pipeline_k, PipelineV& pipeline_v, PipelineState& smem_pipe_read,
-                                 TensorO& tOrO, Softmax& softmax, FwdMask<kBlockM, kBlockN> const& mask,
-                                 float softcap_scale, int thread_idx, int m_block, int n_block_min,
-                                 int n_block_max) {
+  CUTLASS_DEVICE static void mma(TensorStorage& storage, QBarriers& barrier_q, int q_loads,
+                                 bool release_q, PipelineK& pipeline_k, PipelineV& pipeline_v,
+                                 PipelineState& smem_pipe_read, TensorO& tOrO, Softmax& softmax,
+                                 FwdMask<kBlockM, kBlockN> const& mask, float softcap_scale,
+                                 int thread_idx, int m_block, int n_block_min, int n_block_max) {
     using namespace cute;
     Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
@@ -253,7 +281,8 @@ struct MainloopFwdSm90 {
     Tensor tSrQ = thr_mma_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K)
     Tensor tSrK = thr_mma_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stages)
     Tensor tOrV = thr_mma_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stages)
-    Tensor tSrS = partition_fragment_C(tiled_mma_qk, select<0, 1>(TileShapeQK{}));  // (MMA, MMA_M, MMA_N)
+    Tensor tSrS =
+        partition_fragment_C(tiled_mma_qk, select<0, 1>(TileShapeQK{}));  // (MMA, MMA_M, MMA_N)
     Tensor tScS = thr_mma_qk.partition_C(make_identity_tensor(select<0, 1>(TileShapeQK{})));
     Tensor tOrP = make_tensor<Element>(acc_as_a_operand_layout(tSrS.layout()));
 
@@ -271,7 +300,8 @@ struct MainloopFwdSm90 {
     pipeline_k.consumer_wait(smem_pipe_read);
     barrier_q.full.wait(q_loads & 1);
     warp_scheduler_barrier_sync(warp_group);
-    gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, smem_pipe_read.index()), tSrS);
+    gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_qk, tSrQ,
+                                           tSrK(_, _, _, smem_pipe_read.index()), tSrS);
     warp_scheduler_barrier_arrive(warp_group);
     warpgroup_wait<0>();
     pipeline_k.consumer_release(smem_pipe_read);
@@ -286,10 +316,12 @@ struct MainloopFwdSm90 {
     for (--n_block; n_block >= n_block_min; --n_block) {
       pipeline_k.consumer_wait(smem_pipe_read);
       warp_scheduler_barrier_sync(warp_group);
-      gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, smem_pipe_read.index()), tSrS);
+      gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_qk, tSrQ,
+                                             tSrK(_, _, _, smem_pipe_read.index()), tSrS);
       softmax.rescale_o(tOrO, scores_scale);
       pipeline_v.consumer_wait(smem_pipe_read_v);
-      gemm</*kZeroInit=*/false, /*kWait=*/-1>(tiled_mma_pv, tOrP, tOrV(_, _, _, smem_pipe_read_v.index()), tOrO);
+      gemm</*kZeroInit=*/false, /*kWait=*/-1>(tiled_mma_pv, tOrP,
+                                              tOrV(_, _, _, smem_pipe_read_v.index()), tOrO);
       warp_scheduler_barrier_arrive(warp_group);
       warpgroup_wait<1>();  // S is ready; P V may still run
       pipeline_k.consumer_release(smem_pipe_read);
@@ -305,7 +337,8 @@ struct MainloopFwdSm90 {
     if (release_q) barrier_q.empty.arrive();  // every Q K^T of this tile has completed
     softmax.rescale_o(tOrO, scores_scale);
     pipeline_v.consumer_wait(smem_pipe_read_v);
-    gemm</*kZeroInit=*/false, /*kWait=*/0>(tiled_mma_pv, tOrP, tOrV(_, _, _, smem_pipe_read_v.index()), tOrO);
+    gemm</*kZeroInit=*/false, /*kWait=*/0>(tiled_mma_pv, tOrP,
+                                           tOrV(_, _, _, smem_pipe_read_v.index()), tOrO);
     pipeline_v.consumer_release(smem_pipe_read_v);
   }
 };

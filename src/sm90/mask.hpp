@@ -6,8 +6,9 @@
 // needs per-element masking (only blocks on a mask edge pay for it).
 #pragma once
 
-#include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
+
+#include <cute/tensor.hpp>
 
 #include "sm90/utils_sm90.hpp"
 
@@ -48,8 +49,8 @@ struct FwdMask {
     bool const past_seqlen = col_last >= seqlen_k;
     bool const right_edge =
         window_right >= 0 && col_last > m_block * kBlockM + diagonal_offset() + window_right;
-    bool const left_edge =
-        window_left >= 0 && col_first < m_block * kBlockM + kBlockM - 1 + diagonal_offset() - window_left;
+    bool const left_edge = window_left >= 0 && col_first < m_block * kBlockM + kBlockM - 1 +
+                                                               diagonal_offset() - window_left;
     return past_seqlen || right_edge || left_edge;
   }
 
@@ -65,8 +66,10 @@ struct FwdMask {
     for (int m = 0; m < size<0>(scores); ++m) {
       int const row = m_block * kBlockM + get<0>(coords(m, 0));
       int col_end = seqlen_k - col_offset;  // exclusive, relative to the block
-      if (window_right >= 0) col_end = min(col_end, row + diagonal_offset() + window_right + 1 - col_offset);
-      int const col_begin = window_left >= 0 ? row + diagonal_offset() - window_left - col_offset : -1;
+      if (window_right >= 0)
+        col_end = min(col_end, row + diagonal_offset() + window_right + 1 - col_offset);
+      int const col_begin =
+          window_left >= 0 ? row + diagonal_offset() - window_left - col_offset : -1;
       CUTLASS_PRAGMA_UNROLL
       for (int n = 0; n < size<1>(scores); ++n) {
         int const col = get<1>(coords(m, n));

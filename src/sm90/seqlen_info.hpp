@@ -12,8 +12,9 @@ struct SeqlenInfo {
   int seqlen_q_range = 0;  // rows this sequence owns in out/lse; rows past seqlen_q get 0 / -inf
   int seqlen_k = 0;        // keys that can be attended (capped by seqused_k)
 
-  CUTLASS_DEVICE SeqlenInfo(int batch_idx, int max_seqlen_q, int max_seqlen_k, const int* cu_seqlens_q,
-                            const int* cu_seqlens_k, const int* seqused_q, const int* seqused_k) {
+  CUTLASS_DEVICE SeqlenInfo(int batch_idx, int max_seqlen_q, int max_seqlen_k,
+                            const int* cu_seqlens_q, const int* cu_seqlens_k, const int* seqused_q,
+                            const int* seqused_k) {
     if (cu_seqlens_q != nullptr) {
       offset_q = cu_seqlens_q[batch_idx];
       seqlen_q_range = cu_seqlens_q[batch_idx + 1] - offset_q;

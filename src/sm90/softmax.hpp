@@ -3,10 +3,10 @@
 // Each thread holds kRows rows; the four threads of a quad share a row.
 #pragma once
 
-#include <cmath>
-
-#include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
+
+#include <cmath>
+#include <cute/tensor.hpp>
 
 #include "sm90/utils_sm90.hpp"
 
@@ -73,7 +73,8 @@ struct OnlineSoftmax {
   // Final normalisation. sink_log2: the sink logit times log2(e), or -inf without a sink.
   // Gives the factor for each output row and its log-sum-exp (natural log); a row that saw
   // no key and no sink gets factor 0 and lse -inf.
-  CUTLASS_DEVICE void finalize(float sink_log2, float (&out_scale)[kRows], float (&lse)[kRows]) const {
+  CUTLASS_DEVICE void finalize(float sink_log2, float (&out_scale)[kRows],
+                               float (&lse)[kRows]) const {
     CUTLASS_PRAGMA_UNROLL
     for (int m = 0; m < kRows; ++m) {
       float sum = quad_allreduce_sum(row_sum[m]);

@@ -9,10 +9,10 @@
 // short ones fill the tail (longest-processing-time first).
 #pragma once
 
-#include <algorithm>
-
 #include <cuda_runtime.h>
 #include <cutlass/cutlass.h>
+
+#include <algorithm>
 
 namespace cuflash::sm90 {
 
@@ -31,10 +31,14 @@ struct PersistentTileSchedulerSm90 {
   CUTLASS_HOST_DEVICE int num_heads_batches() const { return num_heads * batch * num_splits; }
   CUTLASS_HOST_DEVICE int num_tiles() const { return num_m_blocks * num_heads_batches(); }
 
-  static dim3 grid_shape(int num_tiles, int num_sm) { return dim3(unsigned(std::max(1, std::min(num_tiles, num_sm)))); }
+  static dim3 grid_shape(int num_tiles, int num_sm) {
+    return dim3(unsigned(std::max(1, std::min(num_tiles, num_sm))));
+  }
 
-  static int choose_section_size(long long kv_bytes_per_head, int heads_per_kv_head, int num_heads_batches) {
-    constexpr long long kL2Budget = 16ll << 20;  // of the H200's 50 MB, leaving room for Q/O streams
+  static int choose_section_size(long long kv_bytes_per_head, int heads_per_kv_head,
+                                 int num_heads_batches) {
+    constexpr long long kL2Budget = 16ll
+                                    << 20;  // of the H200's 50 MB, leaving room for Q/O streams
     long long const kv_heads = std::max(1ll, kL2Budget / std::max(1ll, kv_bytes_per_head));
     return int(std::max(1ll, std::min<long long>(kv_heads * heads_per_kv_head, num_heads_batches)));
   }

@@ -17,7 +17,8 @@ constexpr FwdTileSize fwd_tile_size(int head_dim, int head_dim_v) {
   if (head_dim <= 64) return {128, 192, 2};
   if (head_dim <= 96) return {128, 160, 2};
   if (head_dim <= 128) return {128, 128, 2};
-  if (head_dim <= 192) return head_dim_v <= 128 ? FwdTileSize{128, 128, 2} : FwdTileSize{128, 112, 2};
+  if (head_dim <= 192)
+    return head_dim_v <= 128 ? FwdTileSize{128, 128, 2} : FwdTileSize{128, 112, 2};
   return {128, 80, 2};
 }
 

@@ -3,18 +3,21 @@
 // sequence serialises it (ptxas warning C7510).
 #pragma once
 
-#include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/numeric_conversion.h>
+
+#include <cute/tensor.hpp>
 
 namespace cuflash::sm90 {
 
 // Issues C (+)= A * B over all k-blocks as one WGMMA batch. wait < 0 leaves the batch in
 // flight (the caller waits with warpgroup_wait<N>); otherwise waits until <= wait remain.
 template <bool kZeroInit, int kWait, class TiledMma, class TensorA, class TensorB, class TensorC>
-CUTLASS_DEVICE void gemm(TiledMma& tiled_mma, TensorA const& tCrA, TensorB const& tCrB, TensorC& tCrC) {
+CUTLASS_DEVICE void gemm(TiledMma& tiled_mma, TensorA const& tCrA, TensorB const& tCrB,
+                         TensorC& tCrC) {
   using namespace cute;
-  constexpr bool kIsRS = !is_base_of<GMMA::DescriptorIterator, typename TensorA::engine_type::iterator>::value;
+  constexpr bool kIsRS =
+      !is_base_of<GMMA::DescriptorIterator, typename TensorA::engine_type::iterator>::value;
   if constexpr (kIsRS) warpgroup_fence_operand(const_cast<TensorA&>(tCrA));
   warpgroup_fence_operand(tCrC);
   warpgroup_arrive();
@@ -46,8 +49,8 @@ template <class Layout>
 CUTE_HOST_DEVICE constexpr auto acc_as_a_operand_layout(Layout acc) {
   using namespace cute;
   auto col_groups = logical_divide(get<0, 2>(acc), Tile<_2>{});  // ((2, N/16))
-  return make_layout(make_layout(get<0, 0>(acc), get<0, 1>(acc), get<0, 0>(col_groups)), get<1>(acc),
-                     coalesce(make_layout(get<0, 1>(col_groups), get<2>(acc))));
+  return make_layout(make_layout(get<0, 0>(acc), get<0, 1>(acc), get<0, 0>(col_groups)),
+                     get<1>(acc), coalesce(make_layout(get<0, 1>(col_groups), get<2>(acc))));
 }
 
 // Converts a register tensor element-wise into `out` (same size), vectorised (cvt.rn.bf16x2 etc.).

@@ -16,7 +16,8 @@
 namespace cuflash::gpu_testing {
 
 inline void check_cuda(cudaError_t status, const char* what) {
-  if (status != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(status));
+  if (status != cudaSuccess)
+    throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(status));
 }
 
 // Owning device allocation.
@@ -42,14 +43,17 @@ class DeviceBuffer {
   template <class T>
   static DeviceBuffer from(const std::vector<T>& host) {
     DeviceBuffer buffer(host.size() * sizeof(T));
-    if (!host.empty()) check_cuda(cudaMemcpy(buffer.data_, host.data(), buffer.bytes_, cudaMemcpyHostToDevice), "cudaMemcpy");
+    if (!host.empty())
+      check_cuda(cudaMemcpy(buffer.data_, host.data(), buffer.bytes_, cudaMemcpyHostToDevice),
+                 "cudaMemcpy");
     return buffer;
   }
 
   template <class T>
   std::vector<T> to_host() const {
     std::vector<T> host(bytes_ / sizeof(T));
-    if (!host.empty()) check_cuda(cudaMemcpy(host.data(), data_, bytes_, cudaMemcpyDeviceToHost), "cudaMemcpy");
+    if (!host.empty())
+      check_cuda(cudaMemcpy(host.data(), data_, bytes_, cudaMemcpyDeviceToHost), "cudaMemcpy");
     return host;
   }
 

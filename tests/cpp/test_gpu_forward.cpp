@@ -3,6 +3,8 @@
 // checked for NaN and compared with the accuracy rule in gpu_test_util.hpp.
 #include <gtest/gtest.h>
 
+#if CUFLASH_HAS_CUDA  // a build without the CUDA toolkit has no device kernels to test
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -28,7 +30,8 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 struct FwdCase {
   std::string label;
   DType dtype = DType::kBFloat16;
-  int batch = 1, seqlen_q = 1, seqlen_k = 1, heads = 1, heads_kv = 1, head_dim = 128, head_dim_v = 128;
+  int batch = 1, seqlen_q = 1, seqlen_k = 1, heads = 1, heads_kv = 1, head_dim = 128,
+      head_dim_v = 128;
   bool causal = false;
   int window_left = -1, window_right = -1;
   float softcap = 0.f;
@@ -68,7 +71,7 @@ struct Problem {
       int lq = c.varlen ? any_q(rng) : c.seqlen_q;
       int lk = c.varlen ? any_k(rng) : c.seqlen_k;
       if (c.varlen && b == 0) lq = c.seqlen_q, lk = c.seqlen_k;  // the longest one is always there
-      if (c.varlen && b == 1) lq = 0;                             // and an empty one
+      if (c.varlen && b == 1) lq = 0;                            // and an empty one
       len_q.push_back(lq);
       len_k.push_back(lk);
       used_q.push_back(c.seqused ? std::uniform_int_distribution<int>(0, lq)(rng) : lq);
@@ -88,7 +91,8 @@ struct Problem {
     fill(v, std::size_t(rows_k) * c.heads_kv * c.head_dim_v);
     if (c.sink) {
       sink.resize(c.heads);
-      for (float& x : sink) x = gpu_testing::round_to(normal(rng), *c.sink == DType::kFloat32 ? c.dtype : *c.sink);
+      for (float& x : sink)
+        x = gpu_testing::round_to(normal(rng), *c.sink == DType::kFloat32 ? c.dtype : *c.sink);
     }
     scale = 1.f / std::sqrt(float(c.head_dim));
   }
@@ -115,8 +119,9 @@ Result naive_low_precision(const Problem& pb) {
   const FwdCase& c = pb.c;
   Result result;
   result.out.assign(std::size_t(pb.rows_q) * c.heads * c.head_dim_v, 0.0);
-  result.lse.assign(c.varlen ? std::size_t(c.heads) * pb.rows_q : std::size_t(c.batch) * c.heads * c.seqlen_q,
-                    kNegInf);
+  result.lse.assign(
+      c.varlen ? std::size_t(c.heads) * pb.rows_q : std::size_t(c.batch) * c.heads * c.seqlen_q,
+      kNegInf);
   const int group = c.heads / c.heads_kv;
   const int right = c.causal ? 0 : c.window_right;
   std::vector<float> qs(c.head_dim), scores, probs;
@@ -126,17 +131,21 @@ Result naive_low_precision(const Problem& pb) {
       const int hk = h / group;
       for (int i = 0; i < sq; ++i) {
         const float* qrow = &pb.q[(std::size_t(pb.start_q[b] + i) * c.heads + h) * c.head_dim];
-        for (int d = 0; d < c.head_dim; ++d) qs[d] = gpu_testing::round_to(qrow[d] * pb.scale, c.dtype);
+        for (int d = 0; d < c.head_dim; ++d)
+          qs[d] = gpu_testing::round_to(qrow[d] * pb.scale, c.dtype);
         scores.assign(sk, kNegInf);
         float row_max = c.sink ? pb.sink[h] : kNegInf;
         for (int j = 0; j < sk; ++j) {
           const int diag = i + sk - sq;
-          if ((right >= 0 && j > diag + right) || (c.window_left >= 0 && j < diag - c.window_left)) continue;
-          const float* krow = &pb.k[(std::size_t(pb.start_k[b] + j) * c.heads_kv + hk) * c.head_dim];
+          if ((right >= 0 && j > diag + right) || (c.window_left >= 0 && j < diag - c.window_left))
+            continue;
+          const float* krow =
+              &pb.k[(std::size_t(pb.start_k[b] + j) * c.heads_kv + hk) * c.head_dim];
           float dot = 0.f;
           for (int d = 0; d < c.head_dim; ++d) dot += qs[d] * krow[d];
           float s = gpu_testing::round_to(dot, c.dtype);
-          if (c.softcap > 0.f) s = gpu_testing::round_to(c.softcap * std::tanh(s / c.softcap), c.dtype);
+          if (c.softcap > 0.f)
+            s = gpu_testing::round_to(c.softcap * std::tanh(s / c.softcap), c.dtype);
           scores[j] = s;
           row_max = std::max(row_max, s);
         }
@@ -149,7 +158,8 @@ Result naive_low_precision(const Problem& pb) {
         for (int j = 0; j < sk; ++j) {
           if (scores[j] == kNegInf) continue;
           const float p = gpu_testing::round_to(std::exp(scores[j] - row_max) / denom, c.dtype);
-          const float* vrow = &pb.v[(std::size_t(pb.start_k[b] + j) * c.heads_kv + hk) * c.head_dim_v];
+          const float* vrow =
+              &pb.v[(std::size_t(pb.start_k[b] + j) * c.heads_kv + hk) * c.head_dim_v];
           for (int d = 0; d < c.head_dim_v; ++d) acc[d] += p * vrow[d];
         }
         for (int d = 0; d < c.head_dim_v; ++d) orow[d] = gpu_testing::round_to(acc[d], c.dtype);
@@ -161,7 +171,8 @@ Result naive_low_precision(const Problem& pb) {
 
 // Fills the parts of ForwardArgs that do not depend on where the tensors live.
 // int_data: cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k where `device` can read them.
-void set_common_args(ForwardArgs& args, const Problem& pb, Device device, const std::vector<void*>& int_data) {
+void set_common_args(ForwardArgs& args, const Problem& pb, Device device,
+                     const std::vector<void*>& int_data) {
   const FwdCase& c = pb.c;
   const std::int64_t B = c.batch;
   if (c.varlen) {
@@ -181,13 +192,15 @@ void set_common_args(ForwardArgs& args, const Problem& pb, Device device, const 
   args.pack_gqa = c.pack_gqa;
 }
 
-TensorView view(void* data, DType dtype, const FwdCase& c, std::int64_t rows_or_batch, std::int64_t seqlen,
-                std::int64_t heads, std::int64_t dim, std::int64_t row_pitch, Device device) {
+TensorView view(void* data, DType dtype, const FwdCase& c, std::int64_t rows_or_batch,
+                std::int64_t seqlen, std::int64_t heads, std::int64_t dim, std::int64_t row_pitch,
+                Device device) {
   // row_pitch: elements between consecutive (row, head) vectors' rows, i.e. heads * padded dim.
   const std::int64_t head_pitch = row_pitch / heads;
-  if (c.varlen) return TensorView(data, dtype, {rows_or_batch, heads, dim}, {row_pitch, head_pitch, 1}, device);
-  return TensorView(data, dtype, {rows_or_batch, seqlen, heads, dim}, {seqlen * row_pitch, row_pitch, head_pitch, 1},
-                    device);
+  if (c.varlen)
+    return TensorView(data, dtype, {rows_or_batch, heads, dim}, {row_pitch, head_pitch, 1}, device);
+  return TensorView(data, dtype, {rows_or_batch, seqlen, heads, dim},
+                    {seqlen * row_pitch, row_pitch, head_pitch, 1}, device);
 }
 
 Result run_reference(const Problem& pb) {
@@ -196,17 +209,21 @@ Result run_reference(const Problem& pb) {
   const std::int64_t outer_k = c.varlen ? pb.rows_k : c.batch;
   std::vector<float> q = pb.q, k = pb.k, v = pb.v;
   std::vector<float> out(std::size_t(pb.rows_q) * c.heads * c.head_dim_v, std::nanf(""));
-  std::vector<float> lse(c.varlen ? std::size_t(c.heads) * pb.rows_q : std::size_t(c.batch) * c.heads * c.seqlen_q,
-                         std::nanf(""));
+  std::vector<float> lse(
+      c.varlen ? std::size_t(c.heads) * pb.rows_q : std::size_t(c.batch) * c.heads * c.seqlen_q,
+      std::nanf(""));
   std::vector<int> cu_q = pb.cu(pb.start_q, pb.rows_q), cu_k = pb.cu(pb.start_k, pb.rows_k);
   std::vector<int> used_q = pb.used_q, used_k = pb.used_k;
   std::vector<float> sink = pb.sink;
   ForwardArgs args;
-  args.q = view(q.data(), DType::kFloat32, c, outer_q, c.seqlen_q, c.heads, c.head_dim, c.heads * c.head_dim, kCpu);
-  args.k = view(k.data(), DType::kFloat32, c, outer_k, c.seqlen_k, c.heads_kv, c.head_dim, c.heads_kv * c.head_dim, kCpu);
+  args.q = view(q.data(), DType::kFloat32, c, outer_q, c.seqlen_q, c.heads, c.head_dim,
+                c.heads * c.head_dim, kCpu);
+  args.k = view(k.data(), DType::kFloat32, c, outer_k, c.seqlen_k, c.heads_kv, c.head_dim,
+                c.heads_kv * c.head_dim, kCpu);
   args.v = view(v.data(), DType::kFloat32, c, outer_k, c.seqlen_k, c.heads_kv, c.head_dim_v,
                 c.heads_kv * c.head_dim_v, kCpu);
-  args.out = view(out.data(), DType::kFloat32, c, outer_q, c.seqlen_q, c.heads, c.head_dim_v, c.heads * c.head_dim_v, kCpu);
+  args.out = view(out.data(), DType::kFloat32, c, outer_q, c.seqlen_q, c.heads, c.head_dim_v,
+                  c.heads * c.head_dim_v, kCpu);
   if (c.varlen) {
     args.lse = TensorView(lse.data(), DType::kFloat32, {c.heads, pb.rows_q}, kCpu);
   } else {
@@ -222,17 +239,19 @@ Result run_gpu(const Problem& pb) {
   const FwdCase& c = pb.c;
   const int pad = c.strided ? 8 : 0;  // keeps 16-byte aligned rows, as TMA needs
   auto device_copy = [&](const std::vector<float>& values, int rows, int heads, int dim) {
-    std::vector<std::uint16_t> bits(std::size_t(rows) * heads * (dim + pad), gpu_testing::kPoison16);
+    std::vector<std::uint16_t> bits(std::size_t(rows) * heads * (dim + pad),
+                                    gpu_testing::kPoison16);
     for (std::size_t i = 0; i < std::size_t(rows) * heads; ++i) {
-      for (int d = 0; d < dim; ++d) bits[i * (dim + pad) + d] = gpu_testing::to_bits(values[i * dim + d], c.dtype);
+      for (int d = 0; d < dim; ++d)
+        bits[i * (dim + pad) + d] = gpu_testing::to_bits(values[i * dim + d], c.dtype);
     }
     return DeviceBuffer::from(bits);
   };
   DeviceBuffer q = device_copy(pb.q, pb.rows_q, c.heads, c.head_dim);
   DeviceBuffer k = device_copy(pb.k, pb.rows_k, c.heads_kv, c.head_dim);
   DeviceBuffer v = device_copy(pb.v, pb.rows_k, c.heads_kv, c.head_dim_v);
-  DeviceBuffer out = DeviceBuffer::from(
-      std::vector<std::uint16_t>(std::size_t(pb.rows_q) * c.heads * c.head_dim_v, gpu_testing::kPoison16));
+  DeviceBuffer out = DeviceBuffer::from(std::vector<std::uint16_t>(
+      std::size_t(pb.rows_q) * c.heads * c.head_dim_v, gpu_testing::kPoison16));
   const std::size_t lse_size =
       c.varlen ? std::size_t(c.heads) * pb.rows_q : std::size_t(c.batch) * c.heads * c.seqlen_q;
   DeviceBuffer lse = DeviceBuffer::from(std::vector<float>(lse_size, std::nanf("")));
@@ -254,12 +273,14 @@ Result run_gpu(const Problem& pb) {
   const std::int64_t outer_q = c.varlen ? pb.rows_q : c.batch;
   const std::int64_t outer_k = c.varlen ? pb.rows_k : c.batch;
   ForwardArgs args;
-  args.q = view(q.data(), c.dtype, c, outer_q, c.seqlen_q, c.heads, c.head_dim, c.heads * (c.head_dim + pad), kCuda);
-  args.k = view(k.data(), c.dtype, c, outer_k, c.seqlen_k, c.heads_kv, c.head_dim, c.heads_kv * (c.head_dim + pad),
-                kCuda);
+  args.q = view(q.data(), c.dtype, c, outer_q, c.seqlen_q, c.heads, c.head_dim,
+                c.heads * (c.head_dim + pad), kCuda);
+  args.k = view(k.data(), c.dtype, c, outer_k, c.seqlen_k, c.heads_kv, c.head_dim,
+                c.heads_kv * (c.head_dim + pad), kCuda);
   args.v = view(v.data(), c.dtype, c, outer_k, c.seqlen_k, c.heads_kv, c.head_dim_v,
                 c.heads_kv * (c.head_dim_v + pad), kCuda);
-  args.out = view(out.data(), c.dtype, c, outer_q, c.seqlen_q, c.heads, c.head_dim_v, c.heads * c.head_dim_v, kCuda);
+  args.out = view(out.data(), c.dtype, c, outer_q, c.seqlen_q, c.heads, c.head_dim_v,
+                  c.heads * c.head_dim_v, kCuda);
   if (c.with_lse) {
     if (c.varlen) {
       args.lse = TensorView(lse.data(), DType::kFloat32, {c.heads, pb.rows_q}, kCuda);
@@ -274,15 +295,16 @@ Result run_gpu(const Problem& pb) {
   gpu_testing::check_cuda(cudaDeviceSynchronize(), "forward kernel");
 
   Result result;
-  for (std::uint16_t bits : out.to_host<std::uint16_t>()) result.out.push_back(gpu_testing::from_bits(bits, c.dtype));
+  for (std::uint16_t bits : out.to_host<std::uint16_t>())
+    result.out.push_back(gpu_testing::from_bits(bits, c.dtype));
   if (c.with_lse) {
     for (float x : lse.to_host<float>()) result.lse.push_back(x);
   }
   return result;
 }
 
-void expect_close(const char* what, const std::vector<double>& gpu, const std::vector<double>& naive,
-                  const std::vector<double>& ref) {
+void expect_close(const char* what, const std::vector<double>& gpu,
+                  const std::vector<double>& naive, const std::vector<double>& ref) {
   ASSERT_EQ(gpu.size(), ref.size()) << what;
   gpu_testing::ErrorStats gpu_stats, naive_stats;
   for (std::size_t i = 0; i < ref.size(); ++i) {
@@ -290,8 +312,10 @@ void expect_close(const char* what, const std::vector<double>& gpu, const std::v
     gpu_testing::accumulate_error(naive_stats, naive[i], ref[i]);
   }
   EXPECT_FALSE(gpu_stats.has_nan) << what << ": NaN or unwritten element";
-  EXPECT_FALSE(gpu_stats.inf_mismatch) << what << ": -inf where the reference is finite, or the reverse";
-  EXPECT_FALSE(naive_stats.inf_mismatch) << what << ": the naive check disagrees with the reference on -inf";
+  EXPECT_FALSE(gpu_stats.inf_mismatch)
+      << what << ": -inf where the reference is finite, or the reverse";
+  EXPECT_FALSE(naive_stats.inf_mismatch)
+      << what << ": the naive check disagrees with the reference on -inf";
   const double slack = 1e-4;
   EXPECT_LE(gpu_stats.max_error, 2.0 * naive_stats.max_error + slack)
       << what << ": max error " << gpu_stats.max_error << ", naive " << naive_stats.max_error;
@@ -322,7 +346,8 @@ TEST_P(GpuForward, MatchesReference) {
 }
 
 std::vector<FwdCase> forward_cases() {
-  const std::pair<int, int> head_dims[] = {{64, 64}, {96, 96}, {128, 128}, {192, 192}, {192, 128}, {256, 256}};
+  const std::pair<int, int> head_dims[] = {{64, 64},   {96, 96},   {128, 128},
+                                           {192, 192}, {192, 128}, {256, 256}};
   std::vector<FwdCase> cases;
   unsigned seed = 1;
   for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
@@ -336,79 +361,81 @@ std::vector<FwdCase> forward_cases() {
       };
       FwdCase c;
       c = {};
-      c.label = "dense", c.batch = 2, c.seqlen_q = 257, c.seqlen_k = 257, c.heads = 3, c.heads_kv = 3;
+      c.label = "dense", c.batch = 2, c.seqlen_q = 257, c.seqlen_k = 257, c.heads = 3,
+      c.heads_kv = 3;
       add(c);
       c = {};
-      c.label = "causal_long", c.batch = 1, c.seqlen_q = 1023, c.seqlen_k = 1023, c.heads = 2, c.heads_kv = 2,
-      c.causal = true;
+      c.label = "causal_long", c.batch = 1, c.seqlen_q = 1023, c.seqlen_k = 1023, c.heads = 2,
+      c.heads_kv = 2, c.causal = true;
       add(c);
       c = {};
-      c.label = "varlen_causal_gqa", c.batch = 4, c.seqlen_q = 300, c.seqlen_k = 333, c.heads = 4, c.heads_kv = 1,
-      c.causal = true, c.varlen = true;
+      c.label = "varlen_causal_gqa", c.batch = 4, c.seqlen_q = 300, c.seqlen_k = 333, c.heads = 4,
+      c.heads_kv = 1, c.causal = true, c.varlen = true;
       add(c);
       if (dtype == DType::kFloat16) continue;  // the rest once per head dim
       c = {};
-      c.label = "causal_decode_mqa", c.batch = 2, c.seqlen_q = 17, c.seqlen_k = 1023, c.heads = 8, c.heads_kv = 1,
-      c.causal = true;
+      c.label = "causal_decode_mqa", c.batch = 2, c.seqlen_q = 17, c.seqlen_k = 1023, c.heads = 8,
+      c.heads_kv = 1, c.causal = true;
       add(c);
       c = {};
-      c.label = "causal_sq_gt_sk", c.batch = 1, c.seqlen_q = 300, c.seqlen_k = 100, c.heads = 2, c.heads_kv = 2,
-      c.causal = true;
+      c.label = "causal_sq_gt_sk", c.batch = 1, c.seqlen_q = 300, c.seqlen_k = 100, c.heads = 2,
+      c.heads_kv = 2, c.causal = true;
       add(c);
       c = {};
-      c.label = "local", c.batch = 1, c.seqlen_q = 513, c.seqlen_k = 513, c.heads = 4, c.heads_kv = 2,
-      c.window_left = 64, c.window_right = 32;
+      c.label = "local", c.batch = 1, c.seqlen_q = 513, c.seqlen_k = 513, c.heads = 4,
+      c.heads_kv = 2, c.window_left = 64, c.window_right = 32;
       add(c);
       c = {};
-      c.label = "local_left_only", c.batch = 2, c.seqlen_q = 200, c.seqlen_k = 700, c.heads = 2, c.heads_kv = 2,
-      c.window_left = 100;
+      c.label = "local_left_only", c.batch = 2, c.seqlen_q = 200, c.seqlen_k = 700, c.heads = 2,
+      c.heads_kv = 2, c.window_left = 100;
       add(c);
       c = {};
-      c.label = "softcap_causal", c.batch = 2, c.seqlen_q = 255, c.seqlen_k = 255, c.heads = 2, c.heads_kv = 2,
-      c.causal = true, c.softcap = 30.f;
+      c.label = "softcap_causal", c.batch = 2, c.seqlen_q = 255, c.seqlen_k = 255, c.heads = 2,
+      c.heads_kv = 2, c.causal = true, c.softcap = 30.f;
       add(c);
       c = {};
-      c.label = "sink_fp32_one_query", c.batch = 3, c.seqlen_q = 1, c.seqlen_k = 17, c.heads = 4, c.heads_kv = 4,
-      c.sink = DType::kFloat32;
+      c.label = "sink_fp32_one_query", c.batch = 3, c.seqlen_q = 1, c.seqlen_k = 17, c.heads = 4,
+      c.heads_kv = 4, c.sink = DType::kFloat32;
       add(c);
       c = {};
-      c.label = "sink_bf16_causal", c.batch = 1, c.seqlen_q = 129, c.seqlen_k = 129, c.heads = 2, c.heads_kv = 2,
-      c.causal = true, c.sink = DType::kBFloat16;
+      c.label = "sink_bf16_causal", c.batch = 1, c.seqlen_q = 129, c.seqlen_k = 129, c.heads = 2,
+      c.heads_kv = 2, c.causal = true, c.sink = DType::kBFloat16;
       add(c);
       c = {};
-      c.label = "sink_fp16_local", c.batch = 1, c.seqlen_q = 190, c.seqlen_k = 260, c.heads = 2, c.heads_kv = 1,
-      c.window_left = 20, c.window_right = 0, c.sink = DType::kFloat16;
+      c.label = "sink_fp16_local", c.batch = 1, c.seqlen_q = 190, c.seqlen_k = 260, c.heads = 2,
+      c.heads_kv = 1, c.window_left = 20, c.window_right = 0, c.sink = DType::kFloat16;
       add(c);
       c = {};
-      c.label = "varlen_seqused", c.batch = 5, c.seqlen_q = 200, c.seqlen_k = 150, c.heads = 2, c.heads_kv = 2,
-      c.varlen = true, c.seqused = true;
+      c.label = "varlen_seqused", c.batch = 5, c.seqlen_q = 200, c.seqlen_k = 150, c.heads = 2,
+      c.heads_kv = 2, c.varlen = true, c.seqused = true;
       add(c);
       c = {};
-      c.label = "dense_seqused_causal", c.batch = 3, c.seqlen_q = 130, c.seqlen_k = 190, c.heads = 2, c.heads_kv = 1,
-      c.causal = true, c.seqused = true;
+      c.label = "dense_seqused_causal", c.batch = 3, c.seqlen_q = 130, c.seqlen_k = 190,
+      c.heads = 2, c.heads_kv = 1, c.causal = true, c.seqused = true;
       add(c);
       c = {};
-      c.label = "strided_gqa3", c.batch = 2, c.seqlen_q = 150, c.seqlen_k = 211, c.heads = 6, c.heads_kv = 2,
-      c.strided = true;
+      c.label = "strided_gqa3", c.batch = 2, c.seqlen_q = 150, c.seqlen_k = 211, c.heads = 6,
+      c.heads_kv = 2, c.strided = true;
       add(c);
       c = {};
-      c.label = "gqa5_unpacked_no_lse", c.batch = 1, c.seqlen_q = 70, c.seqlen_k = 90, c.heads = 5, c.heads_kv = 1,
-      c.pack_gqa = false, c.with_lse = false;
+      c.label = "gqa5_unpacked_no_lse", c.batch = 1, c.seqlen_q = 70, c.seqlen_k = 90, c.heads = 5,
+      c.heads_kv = 1, c.pack_gqa = false, c.with_lse = false;
       add(c);
       c = {};
-      c.label = "single_row_and_key", c.batch = 3, c.seqlen_q = 1, c.seqlen_k = 1, c.heads = 2, c.heads_kv = 2;
+      c.label = "single_row_and_key", c.batch = 3, c.seqlen_q = 1, c.seqlen_k = 1, c.heads = 2,
+      c.heads_kv = 2;
       add(c);
       c = {};
-      c.label = "split3_causal_sink", c.batch = 2, c.seqlen_q = 65, c.seqlen_k = 1000, c.heads = 4, c.heads_kv = 2,
-      c.causal = true, c.sink = DType::kFloat32, c.num_splits = 3;
+      c.label = "split3_causal_sink", c.batch = 2, c.seqlen_q = 65, c.seqlen_k = 1000, c.heads = 4,
+      c.heads_kv = 2, c.causal = true, c.sink = DType::kFloat32, c.num_splits = 3;
       add(c);
       c = {};
-      c.label = "split_auto_varlen_seqused", c.batch = 3, c.seqlen_q = 17, c.seqlen_k = 900, c.heads = 2,
-      c.heads_kv = 1, c.varlen = true, c.seqused = true, c.num_splits = 0;
+      c.label = "split_auto_varlen_seqused", c.batch = 3, c.seqlen_q = 17, c.seqlen_k = 900,
+      c.heads = 2, c.heads_kv = 1, c.varlen = true, c.seqused = true, c.num_splits = 0;
       add(c);
       c = {};
-      c.label = "split5_local_decode", c.batch = 2, c.seqlen_q = 1, c.seqlen_k = 777, c.heads = 8, c.heads_kv = 2,
-      c.window_left = 300, c.window_right = 0, c.num_splits = 5;
+      c.label = "split5_local_decode", c.batch = 2, c.seqlen_q = 1, c.seqlen_k = 777, c.heads = 8,
+      c.heads_kv = 2, c.window_left = 300, c.window_right = 0, c.num_splits = 5;
       add(c);
     }
   }
@@ -416,13 +443,16 @@ std::vector<FwdCase> forward_cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Options, GpuForward, ::testing::ValuesIn(forward_cases()),
-                         [](const ::testing::TestParamInfo<FwdCase>& info) { return case_name(info.param); });
+                         [](const ::testing::TestParamInfo<FwdCase>& info) {
+                           return case_name(info.param);
+                         });
 
 // Features the kernel does not have yet are refused by name, never run on a fallback.
 TEST(GpuForwardUnsupported, PagedKvIsRefused) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
   if (!is_built("fwd bf16 hdim128")) GTEST_SKIP() << "hdim128 bf16 not built";
-  DeviceBuffer q(64 * 2 * 128 * 2), k(256 * 2 * 128 * 2), v(256 * 2 * 128 * 2), out(64 * 2 * 128 * 2);
+  DeviceBuffer q(64 * 2 * 128 * 2), k(256 * 2 * 128 * 2), v(256 * 2 * 128 * 2),
+      out(64 * 2 * 128 * 2);
   std::vector<int> table = {0, 1};
   DeviceBuffer page_table = DeviceBuffer::from(table);
   ForwardArgs args;
@@ -442,3 +472,5 @@ TEST(GpuForwardUnsupported, PagedKvIsRefused) {
 
 }  // namespace
 }  // namespace cuflash
+
+#endif  // CUFLASH_HAS_CUDA
