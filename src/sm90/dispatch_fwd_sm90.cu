@@ -99,6 +99,15 @@ void check_tma_operand(const char* argument, const void* data,
 }  // namespace
 
 void run_forward(FwdParams& params, StreamHandle stream) {
+  if (params.score_mod.kind != 0) {
+    not_supported("score_mod", "score_mod is not supported by the sm90 forward kernel yet");
+  }
+  if (params.mask_mod.kind != 0) {
+    not_supported("mask_mod", "mask_mod is not supported by the sm90 forward kernel yet");
+  }
+  if (params.block_sparse.enabled) {
+    not_supported("block_sparse", "block sparsity is not supported by the sm90 forward kernel yet");
+  }
   if (params.page_table != nullptr) {
     not_supported("page_table", "paged KV is not supported by the sm90 forward kernel yet");
   }
