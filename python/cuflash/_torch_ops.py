@@ -20,13 +20,15 @@ from . import interface as _interface
 
 def _call(q, k, v, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
           max_seqlen_k, page_table, softmax_scale, causal, window_left, window_right, softcap, score_mod_kind,
-          score_mod_scalars, mask_mod_kind, mask_mod_scalars, aux, num_score_aux, block_sparse, num_splits,
-          pack_gqa, deterministic=False):
+          score_mod_scalars, mask_mod_kind, mask_mod_scalars, aux, num_score_aux, block_sparse, block_sparse_slots,
+          num_splits, pack_gqa, deterministic=False):
     score_mod = (from_kind(ScoreMod, score_mod_kind, score_mod_scalars, aux[:num_score_aux])
                  if score_mod_kind else None)
     mask_mod = (from_kind(MaskMod, mask_mod_kind, mask_mod_scalars, aux[num_score_aux:])
                 if mask_mod_kind else None)
-    lists = list(block_sparse) if block_sparse else [None] * 8
+    lists = [None] * 8
+    for slot, tensor in zip(block_sparse_slots, block_sparse):
+        lists[slot] = tensor
     return _interface._prepare(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, page_table=page_table, softmax_scale=softmax_scale,
@@ -46,7 +48,8 @@ def flatten(call) -> dict:
         window_left=call.window_left, window_right=call.window_right, softcap=call.softcap,
         score_mod_kind=score_kind, score_mod_scalars=[float(s) for s in score_scalars], mask_mod_kind=mask_kind,
         mask_mod_scalars=[float(s) for s in mask_scalars], aux=list(score_aux) + list(mask_aux),
-        num_score_aux=len(score_aux), block_sparse=list(call.block_sparse), num_splits=call.num_splits,
+        num_score_aux=len(score_aux), block_sparse=[t for t in call.block_sparse if t is not None],
+        block_sparse_slots=[i for i, t in enumerate(call.block_sparse) if t is not None], num_splits=call.num_splits,
         pack_gqa=call.pack_gqa, deterministic=call.deterministic)
 
 
@@ -56,13 +59,13 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, learnable_sink: Optional[Tensor], cu_se
         max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], page_table: Optional[Tensor],
         softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int, softcap: float,
         score_mod_kind: int, score_mod_scalars: List[float], mask_mod_kind: int, mask_mod_scalars: List[float],
-        aux: List[Tensor], num_score_aux: int, block_sparse: List[Optional[Tensor]], num_splits: int,
-        pack_gqa: Optional[bool], deterministic: bool) -> Tuple[Tensor, Tensor]:
+        aux: List[Tensor], num_score_aux: int, block_sparse: List[Tensor], block_sparse_slots: List[int],
+        num_splits: int, pack_gqa: Optional[bool], deterministic: bool) -> Tuple[Tensor, Tensor]:
     # `deterministic` is for the backward only.
     call = _call(q, k, v, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                  max_seqlen_k, page_table, softmax_scale, causal, window_left, window_right, softcap,
                  score_mod_kind, score_mod_scalars, mask_mod_kind, mask_mod_scalars, aux, num_score_aux,
-                 block_sparse, num_splits, pack_gqa)
+                 block_sparse, block_sparse_slots, num_splits, pack_gqa)
     return _interface._run_forward(call)
 
 
@@ -82,12 +85,12 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
         seqused_k: Optional[Tensor], max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
         softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int, softcap: float,
         score_mod_kind: int, score_mod_scalars: List[float], mask_mod_kind: int, mask_mod_scalars: List[float],
-        aux: List[Tensor], num_score_aux: int, block_sparse: List[Optional[Tensor]],
+        aux: List[Tensor], num_score_aux: int, block_sparse: List[Tensor], block_sparse_slots: List[int],
         deterministic: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     call = _call(q, k, v, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                  max_seqlen_k, None, softmax_scale, causal, window_left, window_right, softcap, score_mod_kind,
-                 score_mod_scalars, mask_mod_kind, mask_mod_scalars, aux, num_score_aux, block_sparse, 1, None,
-                 deterministic)
+                 score_mod_scalars, mask_mod_kind, mask_mod_scalars, aux, num_score_aux, block_sparse,
+                 block_sparse_slots, 1, None, deterministic)
     dq, dk, dv, d_sink = _interface._run_backward(call, out, dout.contiguous() if dout.stride(-1) != 1 else dout,
                                                   lse)
     if d_sink is None:
@@ -105,7 +108,8 @@ def _(dout, q, k, v, out, lse, learnable_sink, *args):
 _FWD_INPUTS = ("q", "k", "v", "learnable_sink", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k",
                "max_seqlen_q", "max_seqlen_k", "page_table", "softmax_scale", "causal", "window_left",
                "window_right", "softcap", "score_mod_kind", "score_mod_scalars", "mask_mod_kind",
-               "mask_mod_scalars", "aux", "num_score_aux", "block_sparse", "num_splits", "pack_gqa", "deterministic")
+               "mask_mod_scalars", "aux", "num_score_aux", "block_sparse", "block_sparse_slots", "num_splits", "pack_gqa",
+               "deterministic")
 _TENSOR_INPUTS = ("q", "k", "v", "learnable_sink", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")
 _OPTIONS = ("max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal", "window_left", "window_right", "softcap",
             "score_mod_kind", "score_mod_scalars", "mask_mod_kind", "mask_mod_scalars", "num_score_aux")
@@ -120,15 +124,19 @@ def _setup_context(ctx, inputs, output):
     # Lists of tensors are kept as they are (they need no gradient).
     ctx.aux = named["aux"]
     ctx.block_sparse = named["block_sparse"]
+    ctx.block_sparse_slots = named["block_sparse_slots"]
     ctx.deterministic = named["deterministic"]
-    # List inputs take a list of (no) gradients of the same length.
-    ctx.list_lengths = {name: len(value) for name, value in named.items() if isinstance(value, (list, tuple))}
+    # torch treats an input list of tensors (an empty one too) as a list, which takes a list of
+    # gradients of its length; any other list is one value, which takes None.
+    ctx.list_lengths = {name: len(value) for name, value in named.items()
+                        if isinstance(value, list) and all(isinstance(x, Tensor) for x in value)}
 
 
 def _backward(ctx, dout, _dlse):
     q, k, v, sink, cu_q, cu_k, used_q, used_k, out, lse = ctx.saved_tensors
     dq, dk, dv, d_sink = bwd(dout, q, k, v, out, lse, sink, cu_q, cu_k, used_q, used_k, aux=ctx.aux,
-                             block_sparse=ctx.block_sparse, deterministic=ctx.deterministic, **ctx.options)
+                             block_sparse=ctx.block_sparse,
+                             block_sparse_slots=ctx.block_sparse_slots, deterministic=ctx.deterministic, **ctx.options)
     grads = {name: [None] * length for name, length in ctx.list_lengths.items()}
     grads.update(q=dq, k=dk, v=dv, learnable_sink=None if sink is None else d_sink.to(sink.dtype))
     return tuple(grads.get(name) for name in _FWD_INPUTS)
