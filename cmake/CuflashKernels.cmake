@@ -40,6 +40,7 @@ set(CUFLASH_CUDA_FLAGS
   -lineinfo
   -Xcompiler=-Wno-unused-parameter
   -DCUTLASS_ENABLE_GDC_FOR_SM90
+  -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
   -DNDEBUG)
 
 # --- Kernel selection ---------------------------------------------------------------

@@ -1,0 +1,108 @@
+// Backward main kernel for sm90: one CTA per (column block, query head, batch).
+// Warpgroup 0 is the producer (warp 0: TMA loads; warp 1: dQ bulk reduce-add), the other
+// warpgroups run the MMAs and the dK / dV epilogue.
+#pragma once
+
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "sm90/epilogue_bwd_sm90.hpp"
+#include "sm90/mainloop_bwd_sm90.hpp"
+
+namespace cuflash::sm90::bwd {
+
+template <class Mainloop_, class Epilogue_>
+struct FlashBwdKernelSm90 {
+  using Mainloop = Mainloop_;
+  using Epilogue = Epilogue_;
+  static constexpr int NumMmaWG = Mainloop::NumMmaWG;
+  static constexpr int NumThreads = Mainloop::NumMmaThreads + cutlass::NumThreadsPerWarpGroup;
+  // The producer warpgroup gives its registers to the MMA warpgroups.
+  static constexpr int kProducerRegs = NumMmaWG == 2 ? 24 : 32;
+  static constexpr int kMmaRegs = NumMmaWG == 2 ? 240 : 160;
+
+  struct SharedStorage {
+    typename Mainloop::TensorStorage tensors;
+    alignas(16) typename Mainloop::PipelineQ::SharedStorage pipeline_q;
+    alignas(16) typename Mainloop::PipelinedO::SharedStorage pipeline_do;
+    alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_kv;
+  };
+  static constexpr int kSharedStorageSize = sizeof(SharedStorage);
+
+  struct Params {
+    typename Mainloop::Params mainloop;
+    typename Epilogue::Params epilogue;
+  };
+
+  CUTE_DEVICE void operator()(Params const& params, char* smem_buf) {
+    using namespace cute;
+    using PipelineQ = typename Mainloop::PipelineQ;
+    using PipelinedO = typename Mainloop::PipelinedO;
+    SharedStorage& ss = *reinterpret_cast<SharedStorage*>(smem_buf);
+
+    int const warp_idx = cutlass::canonical_warp_idx_sync();
+    int const warp_group_idx = cutlass::canonical_warp_group_idx();
+    int const warp_idx_in_wg = warp_idx % cutlass::NumWarpsPerWarpGroup;
+    int const n_block = blockIdx.x;
+    int const head = blockIdx.y;
+    int const batch = blockIdx.z;
+
+    if (threadIdx.x == 0) {
+      Mainloop::prefetch_tma_descriptors(params.mainloop);
+      ss.barrier_kv.init(1);
+    }
+
+    typename PipelineQ::Params pipeline_params_q;
+    pipeline_params_q.transaction_bytes = Mainloop::kBytesQ + Mainloop::kBytesStats;
+    pipeline_params_q.role = warp_group_idx == 0 ? PipelineQ::ThreadCategory::Producer : PipelineQ::ThreadCategory::Consumer;
+    pipeline_params_q.is_leader = threadIdx.x == 0;
+    pipeline_params_q.num_consumers = Mainloop::NumMmaThreads;
+    PipelineQ pipeline_q(ss.pipeline_q, pipeline_params_q, Shape<_1, _1, _1>{});
+
+    typename PipelinedO::Params pipeline_params_do;
+    pipeline_params_do.transaction_bytes = Mainloop::kBytesdO + Mainloop::kBytesStats;
+    pipeline_params_do.role = warp_group_idx == 0 ? PipelinedO::ThreadCategory::Producer : PipelinedO::ThreadCategory::Consumer;
+    pipeline_params_do.is_leader = threadIdx.x == 0;
+    pipeline_params_do.num_consumers = Mainloop::NumMmaThreads;
+    PipelinedO pipeline_do(ss.pipeline_do, pipeline_params_do, Shape<_1, _1, _1>{});
+
+    __syncthreads();
+
+    BwdSeqlen const seq = BwdSeqlen::make<Mainloop::kBlockM, Mainloop::kBlockN>(params.mainloop, batch);
+    // Grids are sized for the longest sequence; this block has no keys of this batch.
+    if (n_block * Mainloop::kBlockN >= seq.seqlen_k) { return; }
+
+    if (warp_group_idx == 0) {
+      cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+      if (warp_idx_in_wg == 0) {
+        Mainloop::load(params.mainloop, ss.tensors, pipeline_q, pipeline_do, ss.barrier_kv, seq, n_block, head, batch);
+      } else if (warp_idx_in_wg == 1 && Mainloop::kDqViaSmem) {
+        // Every MMA warpgroup starts with an empty dQ buffer.
+        for (int wg = 0; wg < NumMmaWG; ++wg) {
+          cutlass::arch::NamedBarrier::arrive(cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp,
+                                              uint32_t(BwdBarrier::kDqEmpty) + wg);
+        }
+        Mainloop::store_dq(params.mainloop, ss.tensors, seq, n_block, head, batch);
+      }
+    } else {
+      cutlass::arch::warpgroup_reg_alloc<kMmaRegs>();
+      int const thread_idx = int(threadIdx.x) - cutlass::NumThreadsPerWarpGroup;
+      Tensor tdKrdK = partition_fragment_C(typename Mainloop::TiledMmadK{}, typename Epilogue::ShapedKAcc{});
+      Tensor tdVrdV = partition_fragment_C(typename Mainloop::TiledMmadV{}, typename Epilogue::ShapedVAcc{});
+      bool const any_rows = Mainloop::mma(params.mainloop, ss.tensors, pipeline_q, pipeline_do, ss.barrier_kv, seq,
+                                          tdKrdK, tdVrdV, thread_idx, n_block, head, batch);
+      if (!any_rows) {
+        clear(tdKrdK);
+        clear(tdVrdV);
+      }
+      Epilogue::store(params.epilogue, ss.tensors, tdKrdK, tdVrdV, any_rows, thread_idx, seq, n_block, head, batch);
+    }
+  }
+};
+
+template <class Kernel>
+__global__ void __launch_bounds__(Kernel::NumThreads, 1) flash_bwd_kernel_sm90(CUTE_GRID_CONSTANT typename Kernel::Params const params) {
+  extern __shared__ char smem_buf[];
+  Kernel{}(params, smem_buf);
+}
+
+}  // namespace cuflash::sm90::bwd

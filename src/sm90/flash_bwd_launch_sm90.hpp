@@ -1,0 +1,237 @@
+// Host side of the sm90 backward: builds the kernel parameters from BwdParams and launches
+// preprocess, (d_sink), the main kernel and the postprocess kernels on one stream.
+// Included by the generated instantiation files only (one head-dim / dtype pair each).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <string>
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+
+#include "api/params.hpp"
+#include "cuflash/error.hpp"
+#include "sm90/epilogue_bwd_sm90.hpp"
+#include "sm90/flash_bwd_kernel_sm90.hpp"
+#include "sm90/flash_bwd_postprocess_sm90.hpp"
+#include "sm90/flash_bwd_preprocess_sm90.hpp"
+#include "sm90/mainloop_bwd_sm90.hpp"
+#include "sm90/tile_size_bwd_sm90.hpp"
+
+namespace cuflash::sm90::bwd {
+
+inline void check_launch(char const* what) {
+  cudaError_t const err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    throw Error(Error::Kind::kCuda, "", std::string("cuflash backward: launching ") + what + " failed: " + cudaGetErrorString(err));
+  }
+}
+
+template <class Element, int kHeadDim, int kHeadDimV, bool HasWindow, bool HasSoftcap>
+void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
+  using Mainloop = MainloopBwdSm90<Element, kHeadDim, kHeadDimV, HasWindow, HasSoftcap>;
+  using Epilogue = EpilogueBwdSm90<Mainloop>;
+  using Kernel = FlashBwdKernelSm90<Mainloop, Epilogue>;
+  constexpr int kBlockM = Mainloop::kBlockM;
+  constexpr int kBlockN = Mainloop::kBlockN;
+
+  bool const varlen_q = params.cu_seqlens_q != nullptr;
+  bool const varlen_k = params.cu_seqlens_k != nullptr;
+  int const batch = params.batch;
+  int const num_heads = params.num_heads;
+  int const num_heads_kv = params.num_heads_kv;
+  int const qhead_per_kvhead = num_heads / num_heads_kv;
+  bool const gqa = qhead_per_kvhead > 1;
+  int const q_rows_padded = int(padded_rows(params.total_q, batch, params.seqlen_q, kBlockM, varlen_q));
+  int const k_rows_padded = int(padded_rows(params.total_k, batch, params.seqlen_k, kBlockN, varlen_k));
+  int const num_m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;
+  int const num_n_blocks = (params.seqlen_k + kBlockN - 1) / kBlockN;
+
+  // Workspace buffers that start as zeros.
+  cudaMemsetAsync(params.dq_accum, 0, sizeof(float) * size_t(num_heads) * q_rows_padded * kHeadDim, stream);
+  if (gqa) {
+    cudaMemsetAsync(params.dk_accum, 0, sizeof(float) * size_t(num_heads_kv) * k_rows_padded * kHeadDim, stream);
+    cudaMemsetAsync(params.dv_accum, 0, sizeof(float) * size_t(num_heads_kv) * k_rows_padded * kHeadDimV, stream);
+  }
+  int* dkv_semaphore = params.dq_semaphore + size_t(batch) * num_heads * num_m_blocks;
+  if (params.deterministic) {
+    cudaMemsetAsync(params.dq_semaphore, 0,
+                    sizeof(int) * (size_t(batch) * num_heads * num_m_blocks + size_t(batch) * num_heads_kv * num_n_blocks),
+                    stream);
+  }
+
+  // Preprocess: dPsum and lse_log2.
+  PreprocessParams pre{};
+  pre.out = params.out;
+  pre.dout = params.dout;
+  pre.lse = params.lse;
+  pre.o_batch_stride = params.o_batch_stride;
+  pre.o_row_stride = params.o_row_stride;
+  pre.o_head_stride = params.o_head_stride;
+  pre.do_batch_stride = params.do_batch_stride;
+  pre.do_row_stride = params.do_row_stride;
+  pre.do_head_stride = params.do_head_stride;
+  pre.lse_batch_stride = params.lse_batch_stride;
+  pre.lse_head_stride = params.lse_head_stride;
+  pre.lse_log2 = params.lse_log2;
+  pre.dpsum = params.dpsum;
+  pre.q_rows_padded = q_rows_padded;
+  pre.seqlen_q = params.seqlen_q;
+  pre.head_dim_v = params.head_dim_v;
+  pre.cu_seqlens_q = params.cu_seqlens_q;
+  pre.seqused_q = params.seqused_q;
+  if (num_m_blocks > 0) {
+    flash_bwd_preprocess_sm90<Element, kBlockM><<<dim3(num_m_blocks, num_heads, batch), 256, 0, stream>>>(pre);
+    check_launch("the backward preprocess kernel");
+  }
+
+  if (params.d_sink != nullptr) {
+    DSinkParams sink{};
+    sink.lse_log2 = params.lse_log2;
+    sink.dpsum = params.dpsum;
+    sink.sink = params.learnable_sink;
+    sink.sink_dtype = params.sink_dtype;
+    sink.d_sink = params.d_sink;
+    sink.q_rows_padded = q_rows_padded;
+    sink.batch = batch;
+    sink.seqlen_q = params.seqlen_q;
+    sink.cu_seqlens_q = params.cu_seqlens_q;
+    sink.seqused_q = params.seqused_q;
+    flash_bwd_dsink_sm90<kBlockM><<<num_heads, 256, 0, stream>>>(sink);
+    check_launch("the learnable-sink gradient kernel");
+  }
+
+  // Main kernel.
+  using ShapeQKV = typename Mainloop::ShapeQKV;
+  using StrideQKV = typename Mainloop::StrideQKV;
+  // TMA descriptors need non-empty extents; empty ones are never loaded from.
+  int const rows_q = std::max(varlen_q ? params.total_q : params.seqlen_q, 1);
+  int const rows_k = std::max(varlen_k ? params.total_k : params.seqlen_k, 1);
+  int const batch_q = varlen_q ? 1 : batch;
+  int const batch_k = varlen_k ? 1 : batch;
+  typename Mainloop::Arguments args{
+      static_cast<Element const*>(params.q),
+      static_cast<Element const*>(params.k),
+      static_cast<Element const*>(params.v),
+      static_cast<Element const*>(params.dout),
+      ShapeQKV{rows_q, params.head_dim, num_heads, batch_q},
+      ShapeQKV{rows_q, params.head_dim_v, num_heads, batch_q},
+      ShapeQKV{rows_k, params.head_dim, num_heads_kv, batch_k},
+      ShapeQKV{rows_k, params.head_dim_v, num_heads_kv, batch_k},
+      StrideQKV{params.q_row_stride, cute::_1{}, params.q_head_stride, varlen_q ? 0 : params.q_batch_stride},
+      StrideQKV{params.do_row_stride, cute::_1{}, params.do_head_stride, varlen_q ? 0 : params.do_batch_stride},
+      StrideQKV{params.k_row_stride, cute::_1{}, params.k_head_stride, varlen_k ? 0 : params.k_batch_stride},
+      StrideQKV{params.v_row_stride, cute::_1{}, params.v_head_stride, varlen_k ? 0 : params.v_batch_stride},
+  };
+  typename Mainloop::Params ml{};
+  ml.lse_log2 = params.lse_log2;
+  ml.dpsum = params.dpsum;
+  ml.dq_accum = params.dq_accum;
+  ml.dq_semaphore = params.dq_semaphore;
+  ml.q_rows_padded = q_rows_padded;
+  ml.num_m_blocks = num_m_blocks;
+  ml.seqlen_q = params.seqlen_q;
+  ml.seqlen_k = params.seqlen_k;
+  ml.num_heads = num_heads;
+  // Unbounded window sides become a reach past any row or column.
+  int const unbounded = params.seqlen_q + params.seqlen_k + kBlockM + kBlockN;
+  bool const causal_or_local = params.is_causal || params.is_local;
+  ml.window_left = !causal_or_local || params.window_left < 0 ? unbounded : std::min(params.window_left, unbounded);
+  ml.window_right = params.is_causal ? 0
+                    : (!causal_or_local || params.window_right < 0 ? unbounded : std::min(params.window_right, unbounded));
+  // With softcap, tanh takes S * scale / softcap and the result is scaled back by softcap.
+  ml.softmax_scale_log2 = HasSoftcap ? params.softcap * float(M_LOG2E) : params.softmax_scale * float(M_LOG2E);
+  ml.softcap_val = HasSoftcap ? params.softmax_scale / params.softcap : 0.f;
+  ml.deterministic = params.deterministic;
+  ml.cu_seqlens_q = params.cu_seqlens_q;
+  ml.cu_seqlens_k = params.cu_seqlens_k;
+  ml.seqused_q = params.seqused_q;
+  ml.seqused_k = params.seqused_k;
+  ml.qhead_per_kvhead = cutlass::FastDivmod(qhead_per_kvhead);
+  ml = Mainloop::to_params(args, ml);
+
+  typename Epilogue::Params ep{};
+  ep.dk = static_cast<Element*>(params.dk);
+  ep.dv = static_cast<Element*>(params.dv);
+  ep.dk_batch_stride = params.dk_batch_stride;
+  ep.dk_row_stride = params.dk_row_stride;
+  ep.dk_head_stride = params.dk_head_stride;
+  ep.dv_batch_stride = params.dv_batch_stride;
+  ep.dv_row_stride = params.dv_row_stride;
+  ep.dv_head_stride = params.dv_head_stride;
+  ep.dk_accum = gqa ? params.dk_accum : nullptr;
+  ep.dv_accum = gqa ? params.dv_accum : nullptr;
+  ep.dkv_semaphore = dkv_semaphore;
+  ep.k_rows_padded = k_rows_padded;
+  ep.num_n_blocks = num_n_blocks;
+  ep.num_heads_kv = num_heads_kv;
+  ep.head_dim = params.head_dim;
+  ep.head_dim_v = params.head_dim_v;
+  ep.softmax_scale = params.softmax_scale;
+  ep.qhead_per_kvhead = qhead_per_kvhead;
+  ep.varlen_k = varlen_k;
+  ep.deterministic = params.deterministic;
+
+  typename Kernel::Params kernel_params{ml, ep};
+  auto kernel = flash_bwd_kernel_sm90<Kernel>;
+  constexpr int kSmem = Kernel::kSharedStorageSize;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (err != cudaSuccess) {
+    throw Error(Error::Kind::kCuda, "", std::string("cuflash backward: cannot reserve ") + std::to_string(kSmem) +
+                                            " bytes of shared memory: " + cudaGetErrorString(err));
+  }
+  // Column blocks that see no row (including every block when there are no queries) write
+  // zero dK / dV, so the main kernel runs whenever there are keys.
+  if (num_n_blocks > 0) {
+    kernel<<<dim3(num_n_blocks, num_heads, batch), Kernel::NumThreads, kSmem, stream>>>(kernel_params);
+    check_launch("the backward main kernel");
+  }
+
+  // Postprocess: dQ, and dK / dV for GQA.
+  PostprocessParams post_q{params.dq_accum, params.dq, params.dq_batch_stride, params.dq_row_stride, params.dq_head_stride,
+                           q_rows_padded, params.seqlen_q, params.head_dim, params.softmax_scale,
+                           params.cu_seqlens_q, params.seqused_q};
+  if (num_m_blocks > 0) {
+    flash_bwd_postprocess_sm90<Element, typename Mainloop::TiledMmadQ, Mainloop::dQ_swapAB, kBlockM, kHeadDim>
+        <<<dim3(num_m_blocks, num_heads, batch), Mainloop::NumMmaThreads, 0, stream>>>(post_q);
+    check_launch("the dQ postprocess kernel");
+  }
+  if (gqa && num_n_blocks > 0) {
+    PostprocessParams post_k{params.dk_accum, params.dk, params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride,
+                             k_rows_padded, params.seqlen_k, params.head_dim, params.softmax_scale,
+                             params.cu_seqlens_k, params.seqused_k};
+    flash_bwd_postprocess_sm90<Element, typename Mainloop::TiledMmadK, Mainloop::dKV_swapAB, kBlockN, kHeadDim>
+        <<<dim3(num_n_blocks, num_heads_kv, batch), Mainloop::NumMmaThreads, 0, stream>>>(post_k);
+    check_launch("the dK postprocess kernel");
+    PostprocessParams post_v{params.dv_accum, params.dv, params.dv_batch_stride, params.dv_row_stride, params.dv_head_stride,
+                             k_rows_padded, params.seqlen_k, params.head_dim_v, 1.f,
+                             params.cu_seqlens_k, params.seqused_k};
+    flash_bwd_postprocess_sm90<Element, typename Mainloop::TiledMmadV, Mainloop::dKV_swapAB, kBlockN, kHeadDimV>
+        <<<dim3(num_n_blocks, num_heads_kv, batch), Mainloop::NumMmaThreads, 0, stream>>>(post_v);
+    check_launch("the dV postprocess kernel");
+  }
+}
+
+// Entry of one instantiation file: the feature switches of this head-dim / dtype pair.
+template <class Element, int kHeadDim, int kHeadDimV>
+void run_bwd(BwdParams const& params, cudaStream_t stream) {
+  bool const window = params.is_causal || params.is_local;
+  bool const softcap = params.softcap > 0.f;
+  if (window) {
+    if (softcap) {
+      run_bwd_config<Element, kHeadDim, kHeadDimV, true, true>(params, stream);
+    } else {
+      run_bwd_config<Element, kHeadDim, kHeadDimV, true, false>(params, stream);
+    }
+  } else {
+    if (softcap) {
+      run_bwd_config<Element, kHeadDim, kHeadDimV, false, true>(params, stream);
+    } else {
+      run_bwd_config<Element, kHeadDim, kHeadDimV, false, false>(params, stream);
+    }
+  }
+}
+
+}  // namespace cuflash::sm90::bwd

@@ -1,0 +1,132 @@
+// Backward preprocess for sm90: per query row, dPsum = rowsum(dO * O) and lse in log2 units,
+// written to the padded workspace rows (see padded_rows in tile_size_bwd_sm90.hpp). Rows past
+// a sequence's end, and rows whose lse is -inf (no visible key), get lse_log2 = +inf and
+// dPsum = 0, so that the main kernel computes P = 0 for them without any row masking.
+// A second small kernel reduces the learnable-sink gradient.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+
+namespace cuflash::sm90::bwd {
+
+struct PreprocessParams {
+  void const* out;
+  void const* dout;
+  float const* lse;
+  int64_t o_batch_stride, o_row_stride, o_head_stride;
+  int64_t do_batch_stride, do_row_stride, do_head_stride;
+  int64_t lse_batch_stride, lse_head_stride;
+  float* lse_log2;  // (H, q_rows_padded)
+  float* dpsum;     // (H, q_rows_padded)
+  int q_rows_padded;
+  int seqlen_q;  // dense length, or max length when packed
+  int head_dim_v;
+  int const* cu_seqlens_q;
+  int const* seqused_q;
+};
+
+struct DSinkParams {
+  float const* lse_log2;
+  float const* dpsum;
+  void const* sink;  // (H,)
+  int sink_dtype;    // cuflash::DType value: 0 fp16, 1 bf16, 2 fp32
+  float* d_sink;     // (H,)
+  int q_rows_padded;
+  int batch;
+  int seqlen_q;
+  int const* cu_seqlens_q;
+  int const* seqused_q;
+};
+
+template <int kBlockM>
+CUTE_DEVICE void preprocess_rows(int const* cu_seqlens_q, int const* seqused_q, int seqlen_q_dense, int batch,
+                                 int& offset, int& offset_padded, int& seqlen) {
+  bool const varlen = cu_seqlens_q != nullptr;
+  offset = varlen ? cu_seqlens_q[batch] : 0;
+  offset_padded = varlen ? (offset + batch * kBlockM) / kBlockM * kBlockM
+                         : batch * ((seqlen_q_dense + kBlockM - 1) / kBlockM * kBlockM);
+  seqlen = seqused_q ? seqused_q[batch] : (varlen ? cu_seqlens_q[batch + 1] - offset : seqlen_q_dense);
+}
+
+// Grid (ceil(seqlen_q / kBlockM), H, B), one warp per row at a time, 8 elements per lane.
+// Head dims up to 256: one 8-element chunk per lane.
+template <class Element, int kBlockM>
+__global__ void __launch_bounds__(256) flash_bwd_preprocess_sm90(PreprocessParams const p) {
+  int const m_block = blockIdx.x;
+  int const head = blockIdx.y;
+  int const batch = blockIdx.z;
+  int offset, offset_padded, seqlen;
+  preprocess_rows<kBlockM>(p.cu_seqlens_q, p.seqused_q, p.seqlen_q, batch, offset, offset_padded, seqlen);
+  if (m_block * kBlockM >= ((seqlen + kBlockM - 1) / kBlockM) * kBlockM) { return; }
+  bool const varlen = p.cu_seqlens_q != nullptr;
+  int const warp = threadIdx.x / 32;
+  int const lane = threadIdx.x % 32;
+  int const col = lane * 8;
+  Element const* out = static_cast<Element const*>(p.out) + (varlen ? 0 : batch * p.o_batch_stride) + head * p.o_head_stride;
+  Element const* dout = static_cast<Element const*>(p.dout) + (varlen ? 0 : batch * p.do_batch_stride) + head * p.do_head_stride;
+  float const* lse = p.lse + (varlen ? 0 : batch * p.lse_batch_stride) + head * p.lse_head_stride + offset;
+  int64_t const stats = int64_t(head) * p.q_rows_padded + offset_padded;
+  for (int r = warp; r < kBlockM; r += 8) {
+    int const row = m_block * kBlockM + r;
+    float sum = 0.f;
+    if (row < seqlen && col < p.head_dim_v) {
+      int64_t const grow = offset + row;
+      uint4 const o_raw = *reinterpret_cast<uint4 const*>(out + grow * p.o_row_stride + col);
+      uint4 const do_raw = *reinterpret_cast<uint4 const*>(dout + grow * p.do_row_stride + col);
+      Element const* o8 = reinterpret_cast<Element const*>(&o_raw);
+      Element const* do8 = reinterpret_cast<Element const*>(&do_raw);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < 8; ++i) { sum += float(o8[i]) * float(do8[i]); }
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int s = 16; s > 0; s /= 2) { sum += __shfl_xor_sync(0xffffffff, sum, s); }
+    if (lane == 0) {
+      float lse_log2 = INFINITY;
+      if (row < seqlen) {
+        float const l = lse[row];
+        if (l != -INFINITY) { lse_log2 = l * float(M_LOG2E); }
+      }
+      p.lse_log2[stats + row] = lse_log2;
+      p.dpsum[stats + row] = row < seqlen ? sum : 0.f;
+    }
+  }
+}
+
+// d_sink[h] = -sum_i exp(sink[h] - lse_i) * dPsum_i over all rows of all batches.
+// Grid (H), 256 threads; a fixed reduction order keeps it deterministic.
+template <int kBlockM>
+__global__ void __launch_bounds__(256) flash_bwd_dsink_sm90(DSinkParams const p) {
+  int const head = blockIdx.x;
+  float sink;
+  if (p.sink_dtype == 2) {
+    sink = static_cast<float const*>(p.sink)[head];
+  } else if (p.sink_dtype == 1) {
+    sink = float(static_cast<cutlass::bfloat16_t const*>(p.sink)[head]);
+  } else {
+    sink = float(static_cast<cutlass::half_t const*>(p.sink)[head]);
+  }
+  float const sink_log2 = sink * float(M_LOG2E);
+  float sum = 0.f;
+  for (int b = 0; b < p.batch; ++b) {
+    int offset, offset_padded, seqlen;
+    preprocess_rows<kBlockM>(p.cu_seqlens_q, p.seqused_q, p.seqlen_q, b, offset, offset_padded, seqlen);
+    int64_t const stats = int64_t(head) * p.q_rows_padded + offset_padded;
+    for (int row = threadIdx.x; row < seqlen; row += blockDim.x) {
+      float const lse_log2 = p.lse_log2[stats + row];
+      if (lse_log2 != INFINITY) { sum += exp2f(sink_log2 - lse_log2) * p.dpsum[stats + row]; }
+    }
+  }
+  __shared__ float partial[256];
+  partial[threadIdx.x] = sum;
+  __syncthreads();
+  for (int s = 128; s > 0; s /= 2) {
+    if (int(threadIdx.x) < s) { partial[threadIdx.x] += partial[threadIdx.x + s]; }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) { p.d_sink[head] = -partial[0]; }
+}
+
+}  // namespace cuflash::sm90::bwd

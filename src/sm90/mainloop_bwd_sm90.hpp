@@ -1,0 +1,754 @@
+// Backward mainloop for sm90: per column block (K, V resident in smem) the producer warp streams
+// Q, dO (TMA) and lse_log2, dPsum (bulk copies) through two pipelines, and the MMA warpgroups run
+//   S = Q K^T,  dP = dO V^T,  P = exp2(S * scale_log2 - lse_log2),  dS = P (dP - dPsum),
+//   dV += P^T dO,  dK += dS^T Q,  dQ = dS K
+// per row block. dQ goes to an fp32 accumulator in global memory: through smem and a bulk
+// reduce-add issued by a second producer warp, or (when smem is short) by atomics from registers.
+// The fp32 accumulators in global memory hold each row block as one chunk in MMA-fragment order
+// (value i of thread t of warpgroup w at w * chunk / NumMmaWG + (i / 4) * 512 + t * 4 + i % 4),
+// which the postprocess kernel reads back with the same MMA partitioning.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/fast_math.h>
+#include <cutlass/numeric_conversion.h>
+#include <cutlass/numeric_types.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include <cutlass/gemm/collective/builders/sm90_common.inl>
+
+#include "sm90/tile_size_bwd_sm90.hpp"
+
+namespace cuflash::sm90::bwd {
+
+using namespace cute;
+
+// 80- and 40-wide tiles need the WGMMA N extents that are not powers of two.
+static_assert(is_same_v<decltype(GMMA::ss_op_selector<cutlass::half_t, cutlass::half_t, float, Shape<_64, _80, _16>>()),
+                        GMMA::MMA_64x80x16_F32F16F16_SS<GMMA::Major::K, GMMA::Major::K>>,
+              "compile with -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED (cmake/CuflashKernels.cmake sets it)");
+
+// Named barriers of the backward kernel (CUTLASS offsets the ids past its reserved ones).
+enum class BwdBarrier : uint32_t {
+  kPdS = 0,       // MMA warpgroups: P / dS written to smem
+  kEpilogue = 1,  // MMA warpgroups: dK / dV staging and dQ / dK / dV atomics ordering
+  kDqEmpty = 2,   // + warpgroup index (3 at most): dQ smem free for the MMA warpgroup
+  kDqFull = 5,    // + warpgroup index: dQ smem filled, the reduce warp may issue the copy
+};
+
+// ---------------------------------------------------------------------------------------------
+// Small register-tensor helpers.
+
+// View of an sm90 WGMMA accumulator ((2, 2, V), MMA_M, MMA_N) as (rows, cols) of the logical
+// S tile; `Transposed` when the MMA computed the transpose (swapped operands).
+template <bool Transposed, class Layout>
+CUTE_HOST_DEVICE constexpr auto acc_rowcol_layout(Layout const& acc) {
+  static_assert(decltype(rank<0>(acc))::value == 3, "expected a WGMMA accumulator layout");
+  auto rows = make_layout(get<0, 1>(acc), get<1>(acc));
+  auto cols = make_layout(get<0, 0>(acc), get<0, 2>(acc), get<2>(acc));
+  if constexpr (!Transposed) {
+    return make_layout(rows, cols);
+  } else {
+    return make_layout(cols, rows);
+  }
+}
+
+// The accumulator of one WGMMA reused as the 16-bit register A operand of the next:
+// ((2, 2, V), MMA_M, MMA_N) -> ((2, 2, 2), MMA_M, (V / 2, MMA_N)).
+template <class Layout>
+CUTE_HOST_DEVICE constexpr auto acc_as_a_operand_layout(Layout const& acc) {
+  auto v = logical_divide(get<0, 2>(acc), Int<2>{});  // (2, V / 2)
+  return make_layout(make_layout(get<0, 0>(acc), get<0, 1>(acc), get<0>(v)), get<1>(acc),
+                     make_layout(get<1>(v), get<2>(acc)));
+}
+
+template <class EngineIn, class LayoutIn, class EngineOut, class LayoutOut>
+CUTE_DEVICE void convert_fragment(Tensor<EngineIn, LayoutIn> const& in, Tensor<EngineOut, LayoutOut>& out) {
+  using From = typename EngineIn::value_type;
+  using To = typename EngineOut::value_type;
+  constexpr int N = decltype(size(in))::value;
+  static_assert(N == decltype(size(out))::value);
+  auto const& src = *reinterpret_cast<cutlass::Array<From, N> const*>(in.data());
+  auto& dst = *reinterpret_cast<cutlass::Array<To, N>*>(out.data());
+  dst = cutlass::NumericArrayConverter<To, From, N, cutlass::FloatRoundStyle::round_to_nearest>{}(src);
+}
+
+template <bool IsA, class ThrMma, class SmemTensor>
+CUTE_DEVICE auto mma_operand_fragment(ThrMma const& thr_mma, SmemTensor const& s) {
+  if constexpr (IsA) {
+    return thr_mma.partition_fragment_A(s);
+  } else {
+    return thr_mma.partition_fragment_B(s);
+  }
+}
+
+// One warpgroup-wide GEMM C (+)= A B over all k blocks, committed as one WGMMA batch.
+// wg_wait >= 0 waits until at most that many batches are in flight.
+template <bool ZeroInit, int WgWait, bool SwapAB, class TiledMma, class TA, class TB, class TC>
+CUTE_DEVICE void wgmma_gemm(TiledMma tiled_mma, TA const& tCrA, TB const& tCrB, TC& tCrC) {
+  if constexpr (SwapAB) {
+    wgmma_gemm<ZeroInit, WgWait, false>(tiled_mma, tCrB, tCrA, tCrC);
+  } else {
+    constexpr bool kAInRegs = !is_base_of<GMMA::DescriptorIterator, typename TiledMma::FrgTypeA>::value;
+    if constexpr (kAInRegs) { warpgroup_fence_operand(const_cast<TA&>(tCrA)); }
+    warpgroup_fence_operand(tCrC);
+    warpgroup_arrive();
+    if constexpr (ZeroInit) { tiled_mma.accumulate_ = GMMA::ScaleOut::Zero; }
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < size<2>(tCrA); ++k) {
+      cute::gemm(tiled_mma, tCrA(_, _, k), tCrB(_, _, k), tCrC);
+      tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    if constexpr (WgWait >= 0) { warpgroup_wait<WgWait>(); }
+    warpgroup_fence_operand(tCrC);
+    if constexpr (kAInRegs) { warpgroup_fence_operand(const_cast<TA&>(tCrA)); }
+  }
+}
+
+// Spin until *ptr == value (acquire), by one thread.
+CUTE_DEVICE void semaphore_wait_eq(int const* ptr, int value) {
+  int current;
+  do {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(current) : "l"(ptr) : "memory");
+  } while (current != value);
+}
+
+// Release the writes of this thread's block (made visible by the caller's fence) to the next.
+CUTE_DEVICE void semaphore_increment(int* ptr) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(ptr) : "memory");
+}
+
+// fp32 add of `bytes` from smem into global memory, completed asynchronously (bulk group).
+CUTE_DEVICE void bulk_reduce_add_f32(float const* smem_src, float* gmem_dst, int bytes) {
+  uint32_t const smem = cute::cast_smem_ptr_to_uint(smem_src);
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+               ::"l"(gmem_dst), "r"(smem), "r"(bytes) : "memory");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per-batch sequence geometry (dense, cu_seqlens, seqused).
+
+struct BwdSeqlen {
+  int offset_q, offset_k;                // first row of this batch in q / k (packed) or 0
+  int offset_q_padded, offset_k_padded;  // first row of this batch in the workspace rows
+  int seqlen_q, seqlen_k;
+
+  template <int kBlockM, int kBlockN, class Params>
+  CUTE_DEVICE static BwdSeqlen make(Params const& p, int b) {
+    BwdSeqlen s;
+    bool const varlen_q = p.cu_seqlens_q != nullptr;
+    bool const varlen_k = p.cu_seqlens_k != nullptr;
+    s.offset_q = varlen_q ? p.cu_seqlens_q[b] : 0;
+    s.offset_k = varlen_k ? p.cu_seqlens_k[b] : 0;
+    s.offset_q_padded = varlen_q ? (s.offset_q + b * kBlockM) / kBlockM * kBlockM
+                                 : b * ((p.seqlen_q + kBlockM - 1) / kBlockM * kBlockM);
+    s.offset_k_padded = varlen_k ? (s.offset_k + b * kBlockN) / kBlockN * kBlockN
+                                 : b * ((p.seqlen_k + kBlockN - 1) / kBlockN * kBlockN);
+    s.seqlen_q = p.seqused_q ? p.seqused_q[b] : (varlen_q ? p.cu_seqlens_q[b + 1] - s.offset_q : p.seqlen_q);
+    s.seqlen_k = p.seqused_k ? p.seqused_k[b] : (varlen_k ? p.cu_seqlens_k[b + 1] - s.offset_k : p.seqlen_k);
+    return s;
+  }
+};
+
+// Row blocks [min, max) that see column block n_block, under the bottom-right aligned window
+// (window_left / window_right already made finite by the host when unbounded).
+template <int kBlockM, int kBlockN, bool HasWindow>
+CUTE_DEVICE cute::tuple<int, int> m_block_range(BwdSeqlen const& s, int n_block, int window_left, int window_right) {
+  int m_block_max = (s.seqlen_q + kBlockM - 1) / kBlockM;
+  int m_block_min = 0;
+  if constexpr (HasWindow) {
+    int const diag = s.seqlen_q - s.seqlen_k;  // row = col + diag on the diagonal
+    int const first_row = n_block * kBlockN + diag - window_right;
+    m_block_min = first_row <= 0 ? 0 : first_row / kBlockM;
+    int const col_last = cute::min((n_block + 1) * kBlockN, s.seqlen_k) - 1;
+    int const last_row = col_last + diag + window_left;
+    m_block_max = cute::min(m_block_max, last_row < 0 ? 0 : last_row / kBlockM + 1);
+  }
+  return {m_block_min, m_block_max};
+}
+
+// First column block that sees row block m_block: the rank of a column block among the
+// contributors to that row block's dQ is n_block minus this.
+template <int kBlockM, int kBlockN, bool HasWindow>
+CUTE_DEVICE int n_block_first(BwdSeqlen const& s, int m_block, int window_left) {
+  if constexpr (!HasWindow) {
+    return 0;
+  } else {
+    int const first_col = m_block * kBlockM + s.seqlen_k - s.seqlen_q - window_left;
+    return first_col <= 0 ? 0 : first_col / kBlockN;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+template <class Element_, int kHeadDim_, int kHeadDimV_, bool HasWindow_, bool HasSoftcap_>
+struct MainloopBwdSm90 {
+  using Element = Element_;
+  using ElementAccum = float;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDimV = kHeadDimV_;
+  static constexpr bool HasWindow = HasWindow_;
+  static constexpr bool HasSoftcap = HasSoftcap_;
+
+  static constexpr BwdTile kTile = bwd_tile(kHeadDim, kHeadDimV, HasWindow, HasSoftcap);
+  static constexpr int kBlockM = kTile.block_m;
+  static constexpr int kBlockN = kTile.block_n;
+  static constexpr int NumMmaWG = kTile.num_mma_wg;
+  static constexpr int NumMmaThreads = NumMmaWG * cutlass::NumThreadsPerWarpGroup;
+  static constexpr int kStagesQ = 2;
+  static constexpr int kStagesdO = kTile.stages_do;
+  static constexpr int kStagesdS = kTile.stages_ds;
+  static constexpr bool SdP_swapAB = kTile.sdp_swap_ab;
+  static constexpr bool dKV_swapAB = kTile.dkv_swap_ab;
+  static constexpr bool dQ_swapAB = kTile.dq_swap_ab;
+  static constexpr int AtomMSdP = kTile.atom_m_sdp;
+  static constexpr int AtomNdKV = kTile.atom_n_dkv;
+  static constexpr int AtomMdQ = kTile.atom_m_dq;
+  static_assert(NumMmaWG % AtomMSdP == 0 && NumMmaWG % AtomNdKV == 0 && NumMmaWG % AtomMdQ == 0);
+  static_assert(kStagesdS == 1 || kStagesdS == kStagesQ);
+  static_assert(kStagesdO == 1 || kStagesdO == kStagesQ);
+  static constexpr bool kSameStages = kStagesdO == kStagesQ;
+
+  // dV = P^T dO and dK = dS^T Q take P^T / dS^T straight from the S / dP accumulators when
+  // each warpgroup holds whole rows of S^T that match its rows of dK / dV.
+  static constexpr bool Mma_dKV_is_RS = AtomMSdP == 1 && AtomNdKV == NumMmaWG && SdP_swapAB && !dKV_swapAB;
+
+  // --- MMAs ---
+  template <int M, int N, int K>
+  using TS = Shape<Int<M>, Int<N>, Int<K>>;
+
+  using TileShapeAtomSdP = std::conditional_t<!SdP_swapAB, TS<kBlockM, kBlockN / (NumMmaWG / AtomMSdP), kHeadDim>,
+                                              TS<kBlockN, kBlockM / AtomMSdP, kHeadDim>>;
+  using AtomLayoutSdP = std::conditional_t<!SdP_swapAB, Layout<Shape<Int<AtomMSdP>, Int<NumMmaWG / AtomMSdP>, _1>>,
+                                           Layout<Shape<Int<NumMmaWG / AtomMSdP>, Int<AtomMSdP>, _1>>>;
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, ElementAccum, TileShapeAtomSdP>(), AtomLayoutSdP{}));
+
+  template <int kD>
+  using TileShapeAtomdKV = std::conditional_t<!dKV_swapAB, TS<kBlockN, kD / (NumMmaWG / AtomNdKV), kBlockM>,
+                                              TS<kD / (NumMmaWG / AtomNdKV), kBlockN / AtomNdKV, kBlockM>>;
+  using AtomLayoutdKV = std::conditional_t<!dKV_swapAB, Layout<Shape<Int<AtomNdKV>, Int<NumMmaWG / AtomNdKV>, _1>>,
+                                           Layout<Shape<Int<NumMmaWG / AtomNdKV>, Int<AtomNdKV>, _1>>>;
+  // P / dS live in smem K-major (kBlockN contiguous); their transposes are MN-major operands.
+  template <int kD>
+  using TiledMmadKVFor = decltype(make_tiled_mma(
+      std::conditional_t<Mma_dKV_is_RS,
+                         decltype(GMMA::rs_op_selector<Element, Element, ElementAccum, TileShapeAtomdKV<kD>,
+                                                       GMMA::Major::K, GMMA::Major::MN>()),
+                         decltype(GMMA::ss_op_selector<Element, Element, ElementAccum, TileShapeAtomdKV<kD>,
+                                                       GMMA::Major::MN, GMMA::Major::MN>())>{},
+      AtomLayoutdKV{}));
+  using TiledMmadK = TiledMmadKVFor<kHeadDim>;
+  using TiledMmadV = TiledMmadKVFor<kHeadDimV>;
+
+  using TileShapeAtomdQ = std::conditional_t<!dQ_swapAB, TS<kBlockM, kHeadDim / (NumMmaWG / AtomMdQ), kBlockN>,
+                                             TS<kHeadDim, kBlockM / AtomMdQ, kBlockN>>;
+  using AtomLayoutdQ = std::conditional_t<!dQ_swapAB, Layout<Shape<Int<AtomMdQ>, Int<NumMmaWG / AtomMdQ>, _1>>,
+                                          Layout<Shape<Int<NumMmaWG / AtomMdQ>, Int<AtomMdQ>, _1>>>;
+  using TiledMmadQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, ElementAccum, TileShapeAtomdQ,
+                           !dQ_swapAB ? GMMA::Major::K : GMMA::Major::MN, !dQ_swapAB ? GMMA::Major::MN : GMMA::Major::K>(),
+      AtomLayoutdQ{}));
+
+  // --- Shared memory layouts ---
+  // Swizzle atoms are chosen for the narrowest per-warpgroup extent in which each tile is used
+  // as an MN-major operand (Q and dO in dK / dV, K in dQ).
+  template <int MN, int K>
+  using SmemAtomK = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<MN>, Int<K>>());
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomK<kBlockM, kHeadDim / (NumMmaWG / AtomNdKV)>{},
+                                             make_shape(Int<kBlockM>{}, Int<kHeadDim>{}, Int<kStagesQ>{})));
+  using SmemLayoutdO = decltype(tile_to_shape(SmemAtomK<kBlockM, kHeadDimV / (NumMmaWG / AtomNdKV)>{},
+                                              make_shape(Int<kBlockM>{}, Int<kHeadDimV>{}, Int<kStagesdO>{})));
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtomK<kBlockN, kHeadDim / (NumMmaWG / AtomMdQ)>{},
+                                             make_shape(Int<kBlockN>{}, Int<kHeadDim>{})));
+  using SmemLayoutV = decltype(tile_to_shape(SmemAtomK<kBlockN, kHeadDimV>{}, make_shape(Int<kBlockN>{}, Int<kHeadDimV>{})));
+  using SmemLayoutPdS = decltype(tile_to_shape(SmemAtomK<kBlockM / AtomMSdP, kBlockN / (NumMmaWG / AtomMSdP)>{},
+                                               make_shape(Int<kBlockM>{}, Int<kBlockN>{}, Int<kStagesdS>{})));
+  // Transposed views (same memory).
+  using SmemLayoutQt = decltype(composition(
+      SmemLayoutQ{}, make_layout(make_shape(Int<kHeadDim>{}, Int<kBlockM>{}, Int<kStagesQ>{}),
+                                 make_stride(Int<kBlockM>{}, _1{}, Int<kBlockM * kHeadDim>{}))));
+  using SmemLayoutdOt = decltype(composition(
+      SmemLayoutdO{}, make_layout(make_shape(Int<kHeadDimV>{}, Int<kBlockM>{}, Int<kStagesdO>{}),
+                                  make_stride(Int<kBlockM>{}, _1{}, Int<kBlockM * kHeadDimV>{}))));
+  using SmemLayoutKt = decltype(composition(
+      SmemLayoutK{}, make_layout(make_shape(Int<kHeadDim>{}, Int<kBlockN>{}), make_stride(Int<kBlockN>{}, _1{}))));
+  using SmemLayoutPdSt = decltype(composition(
+      SmemLayoutPdS{}, make_layout(make_shape(Int<kBlockN>{}, Int<kBlockM>{}, Int<kStagesdS>{}),
+                                   make_stride(Int<kBlockM>{}, _1{}, Int<kBlockM * kBlockN>{}))));
+  // Row statistics; the stage stride is padded so that each stage is 16-byte aligned for the bulk copy.
+  static constexpr int kStatsStride = (kBlockM + 63) / 64 * 64;
+  using SmemLayoutLSE = Layout<Shape<Int<kBlockM>, Int<kStagesQ>>, Stride<_1, Int<kStatsStride>>>;
+  using SmemLayoutdPsum = Layout<Shape<Int<kBlockM>, Int<kStagesdO>>, Stride<_1, Int<kStatsStride>>>;
+
+  // P / dS register -> smem: stmatrix, transposing when the accumulator holds S^T.
+  static constexpr int kPdSPerThread = kBlockM * kBlockN / NumMmaThreads;
+  using SmemCopyAtomPdS = Copy_Atom<
+      std::conditional_t<!SdP_swapAB,
+                         std::conditional_t<kPdSPerThread % 8 == 0, SM90_U32x4_STSM_N, SM90_U32x2_STSM_N>,
+                         std::conditional_t<kPdSPerThread % 8 == 0, SM90_U16x8_STSM_T, SM90_U16x4_STSM_T>>,
+      Element>;
+
+  // --- Shared memory budget ---
+  static constexpr int kSmemBytesNoDq =
+      (cosize_v<SmemLayoutQ> + cosize_v<SmemLayoutdO> + cosize_v<SmemLayoutK> + cosize_v<SmemLayoutV> +
+       (Mma_dKV_is_RS ? 1 : 2) * cosize_v<SmemLayoutPdS>) * int(sizeof(Element)) +
+      (kStagesQ + kStagesdO) * kStatsStride * 4 + 1024 * 8;
+  // dQ through smem and a bulk reduce-add when it fits next to everything else, else atomics.
+  static constexpr bool kDqViaSmem = kSmemBytesNoDq + kBlockM * kHeadDim * 4 <= 227 * 1024;
+  static constexpr int kDqChunk = kBlockM * kHeadDim;  // floats per row block in dq_accum
+
+  using PipelineQ = cutlass::PipelineTmaAsync<kStagesQ>;
+  using PipelinedO = cutlass::PipelineTmaAsync<kStagesdO>;
+  using PipelineStateQ = typename PipelineQ::PipelineState;
+  using PipelineStatedO = typename PipelinedO::PipelineState;
+
+  struct TensorStorage {
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> v;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdO>, 1024> d_o;
+    alignas(1024) cute::array_aligned<Element, Mma_dKV_is_RS ? 1 : cosize_v<SmemLayoutPdS>, 1024> p;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutPdS>, 1024> ds;
+    alignas(128) cute::array_aligned<ElementAccum, kDqViaSmem ? kDqChunk : 1, 128> dq;
+    alignas(128) cute::array_aligned<ElementAccum, cosize_v<SmemLayoutLSE>, 128> lse;
+    alignas(128) cute::array_aligned<ElementAccum, cosize_v<SmemLayoutdPsum>, 128> dpsum;
+  };
+
+  // --- TMA ---
+  using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;  // (rows, d, head, batch)
+  using StrideQKV = Stride<int64_t, _1, int64_t, int64_t>;
+  template <class SmemLayout, class TileShape>
+  using TmaLoad = decltype(make_tma_copy(
+      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQKV{}),
+      SmemLayout{}, TileShape{}, _1{}));
+  using TMA_Q = TmaLoad<decltype(take<0, 2>(SmemLayoutQ{})), Shape<Int<kBlockM>, Int<kHeadDim>>>;
+  using TMA_dO = TmaLoad<decltype(take<0, 2>(SmemLayoutdO{})), Shape<Int<kBlockM>, Int<kHeadDimV>>>;
+  using TMA_K = TmaLoad<SmemLayoutK, Shape<Int<kBlockN>, Int<kHeadDim>>>;
+  using TMA_V = TmaLoad<SmemLayoutV, Shape<Int<kBlockN>, Int<kHeadDimV>>>;
+
+  static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesdO = kBlockM * kHeadDimV * sizeof(Element);
+  static constexpr uint32_t kBytesK = kBlockN * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesV = kBlockN * kHeadDimV * sizeof(Element);
+  static constexpr uint32_t kBytesStats = kBlockM * sizeof(ElementAccum);
+
+  struct Params {
+    TMA_Q tma_q;
+    TMA_dO tma_do;
+    TMA_K tma_k;
+    TMA_V tma_v;
+    ShapeQKV shape_q, shape_do, shape_k, shape_v;
+    float const* lse_log2;  // (H, q_rows_padded)
+    float const* dpsum;     // (H, q_rows_padded)
+    float* dq_accum;        // (H, q_rows_padded, kHeadDim) in fragment-order chunks
+    int* dq_semaphore;      // (B, H, num_m_blocks), deterministic only
+    int q_rows_padded;
+    int num_m_blocks;
+    int seqlen_q, seqlen_k;  // dense lengths, or max lengths when packed
+    int num_heads;
+    int window_left, window_right;  // finite
+    float softmax_scale_log2;       // with softcap: softcap * log2(e)
+    float softcap_val;              // softmax_scale / softcap
+    bool deterministic;
+    int const* cu_seqlens_q;
+    int const* cu_seqlens_k;
+    int const* seqused_q;
+    int const* seqused_k;
+    cutlass::FastDivmod qhead_per_kvhead;
+  };
+
+  struct Arguments {
+    Element const* q;
+    Element const* k;
+    Element const* v;
+    Element const* d_o;
+    ShapeQKV shape_q, shape_do, shape_k, shape_v;
+    StrideQKV stride_q, stride_do, stride_k, stride_v;
+  };
+
+  static Params to_params(Arguments const& a, Params p) {
+    p.tma_q = make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(a.q), a.shape_q, a.stride_q),
+                            take<0, 2>(SmemLayoutQ{}), Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
+    p.tma_do = make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(a.d_o), a.shape_do, a.stride_do),
+                             take<0, 2>(SmemLayoutdO{}), Shape<Int<kBlockM>, Int<kHeadDimV>>{}, _1{});
+    p.tma_k = make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(a.k), a.shape_k, a.stride_k), SmemLayoutK{},
+                            Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
+    p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(a.v), a.shape_v, a.stride_v), SmemLayoutV{},
+                            Shape<Int<kBlockN>, Int<kHeadDimV>>{}, _1{});
+    p.shape_q = a.shape_q;
+    p.shape_do = a.shape_do;
+    p.shape_k = a.shape_k;
+    p.shape_v = a.shape_v;
+    return p;
+  }
+
+  CUTE_DEVICE static void prefetch_tma_descriptors(Params const& p) {
+    cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_do.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
+  }
+
+  // Producer warp: K, V once, then Q + lse_log2 and dO + dPsum per row block.
+  CUTE_DEVICE static void load(Params const& p, TensorStorage& smem, PipelineQ pipeline_q, PipelinedO pipeline_do,
+                               cutlass::arch::ClusterTransactionBarrier& barrier_kv, BwdSeqlen const& seq,
+                               int n_block, int head, int batch) {
+    auto [m_block_min, m_block_max] = m_block_range<kBlockM, kBlockN, HasWindow>(seq, n_block, p.window_left, p.window_right);
+    if (m_block_max <= m_block_min) { return; }
+    int const head_kv = p.qhead_per_kvhead.divide(head);
+    bool const varlen_q = p.cu_seqlens_q != nullptr;
+    bool const varlen_k = p.cu_seqlens_k != nullptr;
+
+    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(smem.d_o.data()), SmemLayoutdO{});
+    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), SmemLayoutV{});
+
+    Tensor mQ = p.tma_q.get_tma_tensor(p.shape_q)(_, _, head, varlen_q ? 0 : batch);
+    Tensor mdO = p.tma_do.get_tma_tensor(p.shape_do)(_, _, head, varlen_q ? 0 : batch);
+    Tensor mK = p.tma_k.get_tma_tensor(p.shape_k)(_, _, head_kv, varlen_k ? 0 : batch);
+    Tensor mV = p.tma_v.get_tma_tensor(p.shape_v)(_, _, head_kv, varlen_k ? 0 : batch);
+    Tensor gQ = local_tile(domain_offset(make_coord(seq.offset_q, _0{}), mQ), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                           make_coord(_, _0{}));  // (M, D, m_blocks)
+    Tensor gdO = local_tile(domain_offset(make_coord(seq.offset_q, _0{}), mdO), Shape<Int<kBlockM>, Int<kHeadDimV>>{},
+                            make_coord(_, _0{}));
+    Tensor gK = local_tile(domain_offset(make_coord(seq.offset_k, _0{}), mK), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                           make_coord(n_block, _0{}));
+    Tensor gV = local_tile(domain_offset(make_coord(seq.offset_k, _0{}), mV), Shape<Int<kBlockN>, Int<kHeadDimV>>{},
+                           make_coord(n_block, _0{}));
+
+    auto [tQgQ, tQsQ] = tma_partition(p.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+    auto [tdOgdO, tdOsdO] = tma_partition(p.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+    auto [tKgK, tKsK] = tma_partition(p.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    auto [tVgV, tVsV] = tma_partition(p.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+
+    int64_t const stats_base = int64_t(head) * p.q_rows_padded + seq.offset_q_padded;
+    float const* lse_log2 = p.lse_log2 + stats_base;
+    float const* dpsum = p.dpsum + stats_base;
+
+    if (!cute::elect_one_sync()) { return; }
+    PipelineStateQ write_q = cutlass::make_producer_start_state<PipelineQ>();
+    PipelineStatedO write_do = cutlass::make_producer_start_state<PipelinedO>();
+    for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
+      pipeline_q.producer_acquire(write_q);
+      uint64_t* bar_q = pipeline_q.producer_get_barrier(write_q);
+      copy(p.tma_q.with(*bar_q, 0, TMA::CacheHintSm90::EVICT_LAST), tQgQ(_, m_block), tQsQ(_, write_q.index()));
+      SM90_BULK_COPY_G2S::copy(lse_log2 + m_block * kBlockM, bar_q,
+                               smem.lse.data() + write_q.index() * kStatsStride, kBytesStats);
+      if (m_block == m_block_min) {
+        barrier_kv.arrive_and_expect_tx(kBytesK + kBytesV);
+        copy(p.tma_k.with(reinterpret_cast<uint64_t&>(barrier_kv), 0), tKgK, tKsK);
+        copy(p.tma_v.with(reinterpret_cast<uint64_t&>(barrier_kv), 0), tVgV, tVsV);
+      }
+      pipeline_do.producer_acquire(write_do);
+      uint64_t* bar_do = pipeline_do.producer_get_barrier(write_do);
+      copy(p.tma_do.with(*bar_do, 0, TMA::CacheHintSm90::EVICT_LAST), tdOgdO(_, m_block), tdOsdO(_, write_do.index()));
+      SM90_BULK_COPY_G2S::copy(dpsum + m_block * kBlockM, bar_do,
+                               smem.dpsum.data() + write_do.index() * kStatsStride, kBytesStats);
+      ++write_q;
+      ++write_do;
+    }
+    // Keep the CTA alive until the consumers have released every stage it filled.
+    pipeline_q.producer_tail(write_q);
+    pipeline_do.producer_tail(write_do);
+  }
+
+  // Second producer warp: bulk reduce-add of each warpgroup's dQ smem into dq_accum, in
+  // column-block order per row block when deterministic.
+  CUTE_DEVICE static void store_dq(Params const& p, TensorStorage& smem, BwdSeqlen const& seq, int n_block, int head,
+                                   int batch) {
+    if constexpr (kDqViaSmem) {
+      auto [m_block_min, m_block_max] = m_block_range<kBlockM, kBlockN, HasWindow>(seq, n_block, p.window_left, p.window_right);
+      constexpr int kWgChunk = kDqChunk / NumMmaWG;
+      float* dq_accum = p.dq_accum + (int64_t(head) * p.q_rows_padded + seq.offset_q_padded) * kHeadDim;
+      int* semaphore = p.dq_semaphore + (int64_t(batch) * p.num_heads + head) * p.num_m_blocks;
+      bool const lane0 = cute::elect_one_sync();
+      for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
+        if (p.deterministic) {
+          if (lane0) {
+            int const rank = n_block - n_block_first<kBlockM, kBlockN, HasWindow>(seq, m_block, p.window_left);
+            semaphore_wait_eq(semaphore + m_block, rank);
+          }
+          __syncwarp();
+        }
+        CUTLASS_PRAGMA_UNROLL
+        for (int wg = 0; wg < NumMmaWG; ++wg) {
+          cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp,
+                                            uint32_t(BwdBarrier::kDqFull) + wg);
+          if (lane0) {
+            bulk_reduce_add_f32(smem.dq.data() + wg * kWgChunk, dq_accum + int64_t(m_block) * kDqChunk + wg * kWgChunk,
+                                kWgChunk * int(sizeof(float)));
+            cute::tma_store_arrive();
+          }
+        }
+        if (p.deterministic) {
+          // The next column block may only add once this block's sums have landed.
+          if (lane0) {
+            asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+            __threadfence();
+            semaphore_increment(semaphore + m_block);
+          }
+          __syncwarp();
+          CUTLASS_PRAGMA_UNROLL
+          for (int wg = 0; wg < NumMmaWG; ++wg) {
+            cutlass::arch::NamedBarrier::arrive(cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp,
+                                                uint32_t(BwdBarrier::kDqEmpty) + wg);
+          }
+        } else {
+          for_each(make_int_sequence<NumMmaWG>{}, [&](auto wg) {
+            if (lane0) { cute::tma_store_wait<NumMmaWG - 1 - decltype(wg)::value>(); }
+            __syncwarp();
+            cutlass::arch::NamedBarrier::arrive(cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp,
+                                                uint32_t(BwdBarrier::kDqEmpty) + decltype(wg)::value);
+          });
+        }
+      }
+      if (lane0) { cute::tma_store_wait<0>(); }
+    }
+  }
+
+  // MMA warpgroups. Returns false when the column block sees no row (dK = dV = 0).
+  template <class FragdK, class FragdV>
+  CUTE_DEVICE static bool mma(Params const& p, TensorStorage& smem, PipelineQ pipeline_q, PipelinedO pipeline_do,
+                              cutlass::arch::ClusterTransactionBarrier& barrier_kv, BwdSeqlen const& seq,
+                              FragdK& tdKrdK, FragdV& tdVrdV, int thread_idx, int n_block, int head, int batch) {
+    auto [m_block_min, m_block_max] = m_block_range<kBlockM, kBlockN, HasWindow>(seq, n_block, p.window_left, p.window_right);
+    if (m_block_max <= m_block_min) { return false; }
+
+    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(smem.d_o.data()), SmemLayoutdO{});
+    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), SmemLayoutV{});
+    Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), SmemLayoutQt{});
+    Tensor sdOt = make_tensor(make_smem_ptr(smem.d_o.data()), SmemLayoutdOt{});
+    Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), SmemLayoutKt{});
+    Tensor sP = make_tensor(make_smem_ptr(smem.p.data()), SmemLayoutPdS{});
+    Tensor sPt = make_tensor(make_smem_ptr(smem.p.data()), SmemLayoutPdSt{});
+    Tensor sdS = make_tensor(make_smem_ptr(smem.ds.data()), SmemLayoutPdS{});
+    Tensor sdSt = make_tensor(make_smem_ptr(smem.ds.data()), SmemLayoutPdSt{});
+
+    int const wg_idx = __shfl_sync(0xffffffff, thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
+    int const thread_in_wg = thread_idx % cutlass::NumThreadsPerWarpGroup;
+    auto wg_layout = make_layout(make_shape(Int<NumMmaWG>{}), make_stride(Int<cutlass::NumThreadsPerWarpGroup>{}));
+
+    TiledMmaSdP tiled_mma_SdP;
+    TiledMmadK tiled_mma_dK;
+    TiledMmadV tiled_mma_dV;
+    TiledMmadQ tiled_mma_dQ;
+    auto wg_mma_SdP = tiled_mma_SdP.get_slice(wg_layout(wg_idx));
+    auto wg_mma_dK = tiled_mma_dK.get_slice(wg_layout(wg_idx));
+    auto wg_mma_dV = tiled_mma_dV.get_slice(wg_layout(wg_idx));
+    auto wg_mma_dQ = tiled_mma_dQ.get_slice(wg_layout(wg_idx));
+    auto thr_mma_SdP = tiled_mma_SdP.get_thread_slice(thread_idx);
+
+    Tensor tSrQ = mma_operand_fragment<!SdP_swapAB>(wg_mma_SdP, sQ);
+    Tensor tSrK = mma_operand_fragment<SdP_swapAB>(wg_mma_SdP, sK);
+    Tensor tdPrdO = mma_operand_fragment<!SdP_swapAB>(wg_mma_SdP, sdO);
+    Tensor tdPrV = mma_operand_fragment<SdP_swapAB>(wg_mma_SdP, sV);
+    Tensor tdVrdO = mma_operand_fragment<dKV_swapAB>(wg_mma_dV, sdOt);
+    Tensor tdKrQ = mma_operand_fragment<dKV_swapAB>(wg_mma_dK, sQt);
+    Tensor tdQrdS = mma_operand_fragment<!dQ_swapAB>(wg_mma_dQ, sdS);
+    Tensor tdQrK = mma_operand_fragment<dQ_swapAB>(wg_mma_dQ, sKt);
+
+    auto smem_tiled_copy_PdS = make_tiled_copy_C(SmemCopyAtomPdS{}, tiled_mma_SdP);
+    auto smem_thr_copy_PdS = smem_tiled_copy_PdS.get_thread_slice(thread_idx);
+    Tensor tPsP = smem_thr_copy_PdS.partition_D(
+        cute::conditional_return<!SdP_swapAB>(as_position_independent_swizzle_tensor(sP),
+                                              as_position_independent_swizzle_tensor(sPt)));
+    Tensor tdSsdS = smem_thr_copy_PdS.partition_D(
+        cute::conditional_return<!SdP_swapAB>(as_position_independent_swizzle_tensor(sdS),
+                                              as_position_independent_swizzle_tensor(sdSt)));
+
+    // Coordinates (row of S, column of S) of each accumulator element of this thread.
+    using ShapeSAcc = std::conditional_t<!SdP_swapAB, Shape<Int<kBlockM>, Int<kBlockN>>, Shape<Int<kBlockN>, Int<kBlockM>>>;
+    Tensor tScS = thr_mma_SdP.partition_C(make_identity_tensor(ShapeSAcc{}));
+    Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol_layout<SdP_swapAB>(tScS.layout()));
+    auto row_of = [&](int mi) { return get<SdP_swapAB ? 1 : 0>(tScS_rc(mi, 0)); };
+    auto col_of = [&](int ni) { return get<SdP_swapAB ? 0 : 1>(tScS_rc(0, ni)); };
+    constexpr int kRows = decltype(size<0>(tScS_rc))::value;
+    constexpr int kCols = decltype(size<1>(tScS_rc))::value;
+
+    float* dq_accum = p.dq_accum + (int64_t(head) * p.q_rows_padded + seq.offset_q_padded) * kHeadDim;
+    int* dq_semaphore = p.dq_semaphore + (int64_t(batch) * p.num_heads + head) * p.num_m_blocks;
+
+    // Column masking: key columns past seqlen_k always; the window band when HasWindow.
+    int const col_limit = seq.seqlen_k - n_block * kBlockN;
+    bool const mask_seqlen_k = col_limit < kBlockN;
+    int const diag = seq.seqlen_k - seq.seqlen_q;
+    auto apply_mask = [&](auto& scores, int m_block) {
+      if constexpr (HasWindow) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int mi = 0; mi < kRows; ++mi) {
+          int const row = m_block * kBlockM + row_of(mi);
+          // Visible global columns [row + diag - left, row + diag + right], in this block's frame.
+          int const lo = row + diag - p.window_left - n_block * kBlockN;
+          int const hi = cute::min(row + diag + p.window_right - n_block * kBlockN + 1, col_limit);
+          CUTLASS_PRAGMA_UNROLL
+          for (int ni = 0; ni < kCols; ++ni) {
+            int const col = col_of(ni);
+            if (col < lo || col >= hi) { scores(mi, ni) = -INFINITY; }
+          }
+        }
+      } else {
+        if (mask_seqlen_k) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int ni = 0; ni < kCols; ++ni) {
+            if (col_of(ni) >= col_limit) {
+              CUTLASS_PRAGMA_UNROLL
+              for (int mi = 0; mi < kRows; ++mi) { scores(mi, ni) = -INFINITY; }
+            }
+          }
+        }
+      }
+    };
+
+    clear(tdKrdK);
+    clear(tdVrdV);
+    barrier_kv.wait(0);
+
+    PipelineStateQ read_q;
+    PipelineStatedO read_do;
+
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
+      int const stage_q = read_q.index();
+      int const stage_do = read_do.index();
+      int const stage_ds = kStagesdS == 1 ? 0 : stage_q;
+
+      // S = Q K^T
+      Tensor tSrS = partition_fragment_C(tiled_mma_SdP, ShapeSAcc{});
+      pipeline_q.consumer_wait(read_q);
+      wgmma_gemm<true, -1, SdP_swapAB>(tiled_mma_SdP, tSrQ(_, _, _, stage_q), tSrK, tSrS);
+      float lse[kRows];
+      CUTLASS_PRAGMA_UNROLL
+      for (int mi = 0; mi < kRows; ++mi) { lse[mi] = smem.lse[stage_q * kStatsStride + row_of(mi)]; }
+
+      // dP = dO V^T
+      Tensor tdPrdP = partition_fragment_C(tiled_mma_SdP, ShapeSAcc{});
+      pipeline_do.consumer_wait(read_do);
+      wgmma_gemm<true, -1, SdP_swapAB>(tiled_mma_SdP, tdPrdO(_, _, _, stage_do), tdPrV, tdPrdP);
+      warpgroup_wait<1>();
+
+      Tensor scores = make_tensor(tSrS.data(), acc_rowcol_layout<SdP_swapAB>(tSrS.layout()));
+      // d softcap(x)/dx = 1 - tanh^2, taken before masking so masked entries stay finite.
+      Tensor dtanh = make_tensor_like(scores);
+      if constexpr (HasSoftcap) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(scores); ++i) {
+          float const t = cutlass::fast_tanh(scores(i) * p.softcap_val);
+          scores(i) = t;
+          dtanh(i) = 1.f - t * t;
+        }
+      }
+      apply_mask(scores, m_block);
+      CUTLASS_PRAGMA_UNROLL
+      for (int mi = 0; mi < kRows; ++mi) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int ni = 0; ni < kCols; ++ni) { scores(mi, ni) = exp2f(scores(mi, ni) * p.softmax_scale_log2 - lse[mi]); }
+      }
+      float dpsum[kRows];
+      CUTLASS_PRAGMA_UNROLL
+      for (int mi = 0; mi < kRows; ++mi) { dpsum[mi] = smem.dpsum[stage_do * kStatsStride + row_of(mi)]; }
+
+      Tensor rP = make_tensor_like<Element>(tSrS);
+      convert_fragment(tSrS, rP);
+      if constexpr (!Mma_dKV_is_RS) {
+        // With one P buffer, the previous step's dV MMA must be done reading it.
+        if constexpr (kStagesdS == 1) {
+          cutlass::arch::NamedBarrier::sync(NumMmaThreads, uint32_t(BwdBarrier::kPdS));
+        }
+        cute::copy(smem_tiled_copy_PdS, smem_thr_copy_PdS.retile_S(rP), tPsP(_, _, _, stage_ds));
+      }
+
+      // dS = P (dP - dPsum) [* dtanh]
+      warpgroup_wait<0>();
+      Tensor dS = make_tensor(tdPrdP.data(), scores.layout());
+      CUTLASS_PRAGMA_UNROLL
+      for (int mi = 0; mi < kRows; ++mi) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int ni = 0; ni < kCols; ++ni) {
+          dS(mi, ni) = scores(mi, ni) * (dS(mi, ni) - dpsum[mi]);
+          if constexpr (HasSoftcap) { dS(mi, ni) *= dtanh(mi, ni); }
+        }
+      }
+      Tensor rdS = make_tensor_like<Element>(tdPrdP);
+      convert_fragment(tdPrdP, rdS);
+      // P must be visible before the dV MMA reads it; with one dS buffer the previous dQ / dK
+      // MMAs of the other warpgroups must be done with it.
+      if constexpr (!Mma_dKV_is_RS || kStagesdS == 1) {
+        cutlass::arch::fence_view_async_shared();
+        cutlass::arch::NamedBarrier::sync(NumMmaThreads, uint32_t(BwdBarrier::kPdS));
+      }
+      cute::copy(smem_tiled_copy_PdS, smem_thr_copy_PdS.retile_S(rdS), tdSsdS(_, _, _, stage_ds));
+
+      // dV += P^T dO
+      if constexpr (Mma_dKV_is_RS) {
+        Tensor tdVrP = make_tensor(rP.data(), acc_as_a_operand_layout(rP.layout()));
+        wgmma_gemm<false, -1, false>(tiled_mma_dV, tdVrP, tdVrdO(_, _, _, stage_do), tdVrdV);
+      } else {
+        Tensor tdVrP = mma_operand_fragment<!dKV_swapAB>(wg_mma_dV, sPt);
+        wgmma_gemm<false, -1, dKV_swapAB>(tiled_mma_dV, tdVrP(_, _, _, stage_ds), tdVrdO(_, _, _, stage_do), tdVrdV);
+      }
+
+      // dS visible to every warpgroup before dQ = dS K.
+      cutlass::arch::fence_view_async_shared();
+      cutlass::arch::NamedBarrier::sync(NumMmaThreads, uint32_t(BwdBarrier::kPdS));
+      using ShapedQAcc = std::conditional_t<!dQ_swapAB, Shape<Int<kBlockM>, Int<kHeadDim>>, Shape<Int<kHeadDim>, Int<kBlockM>>>;
+      Tensor tdQrdQ = partition_fragment_C(tiled_mma_dQ, ShapedQAcc{});
+      wgmma_gemm<true, 1, dQ_swapAB>(tiled_mma_dQ, tdQrdS(_, _, _, stage_ds), tdQrK, tdQrdQ);
+      pipeline_do.consumer_release(read_do);  // the dV MMA is done with dO
+
+      // dK += dS^T Q
+      if constexpr (Mma_dKV_is_RS) {
+        Tensor tdKrdS = make_tensor(rdS.data(), acc_as_a_operand_layout(rdS.layout()));
+        wgmma_gemm<false, 1, false>(tiled_mma_dK, tdKrdS, tdKrQ(_, _, _, stage_q), tdKrdK);
+      } else {
+        Tensor tdKrdS = mma_operand_fragment<!dKV_swapAB>(wg_mma_dK, sdSt);
+        wgmma_gemm<false, 1, dKV_swapAB>(tiled_mma_dK, tdKrdS(_, _, _, stage_ds), tdKrQ(_, _, _, stage_q), tdKrdK);
+      }
+
+      // dQ out, in fragment order (see the top of this file).
+      static_assert(decltype(size(tdQrdQ))::value % 4 == 0);
+      constexpr int kDqVecs = decltype(size(tdQrdQ))::value / 4;
+      auto dq_vec = [&](int i) { return make_float4(tdQrdQ(4 * i), tdQrdQ(4 * i + 1), tdQrdQ(4 * i + 2), tdQrdQ(4 * i + 3)); };
+      if constexpr (kDqViaSmem) {
+        cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp,
+                                          uint32_t(BwdBarrier::kDqEmpty) + wg_idx);
+        float4* sdq = reinterpret_cast<float4*>(smem.dq.data() + wg_idx * (kDqChunk / NumMmaWG));
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < kDqVecs; ++i) { sdq[i * cutlass::NumThreadsPerWarpGroup + thread_in_wg] = dq_vec(i); }
+        cutlass::arch::fence_view_async_shared();
+        cutlass::arch::NamedBarrier::arrive(cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp,
+                                            uint32_t(BwdBarrier::kDqFull) + wg_idx);
+      } else {
+        if (p.deterministic) {
+          if (thread_idx == 0) {
+            int const rank = n_block - n_block_first<kBlockM, kBlockN, HasWindow>(seq, m_block, p.window_left);
+            semaphore_wait_eq(dq_semaphore + m_block, rank);
+          }
+          cutlass::arch::NamedBarrier::sync(NumMmaThreads, uint32_t(BwdBarrier::kEpilogue));
+        }
+        float4* gdq = reinterpret_cast<float4*>(dq_accum + int64_t(m_block) * kDqChunk + wg_idx * (kDqChunk / NumMmaWG));
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < kDqVecs; ++i) { atomicAdd(gdq + i * cutlass::NumThreadsPerWarpGroup + thread_in_wg, dq_vec(i)); }
+        if (p.deterministic) {
+          __threadfence();
+          cutlass::arch::NamedBarrier::sync(NumMmaThreads, uint32_t(BwdBarrier::kEpilogue));
+          if (thread_idx == 0) { semaphore_increment(dq_semaphore + m_block); }
+        }
+      }
+
+      warpgroup_wait<0>();
+      pipeline_q.consumer_release(read_q);  // the dK MMA is done with Q
+      ++read_q;
+      ++read_do;
+    }
+    return true;
+  }
+};
+
+}  // namespace cuflash::sm90::bwd

@@ -1,0 +1,47 @@
+// Tile configuration of the sm90 backward kernel: the one table that both the kernel
+// templates (compile time) and the workspace sizing (run time) read.
+#pragma once
+
+namespace cuflash::sm90::bwd {
+
+struct BwdTile {
+  int block_m;          // rows of Q / dO per step
+  int block_n;          // rows of K / V per CTA
+  int num_mma_wg;       // MMA warpgroups (plus one producer warpgroup)
+  int stages_do;        // dO pipeline stages (Q always has 2)
+  int stages_ds;        // P / dS smem buffers: 1 or 2
+  bool sdp_swap_ab;     // compute S^T and dP^T (keys on the MMA M side)
+  bool dkv_swap_ab;     // compute dK^T and dV^T
+  bool dq_swap_ab;      // compute dQ^T
+  int atom_m_sdp;       // warpgroups along the M side of the S / dP MMA
+  int atom_n_dkv;       // warpgroups along the N side of the dK / dV MMA
+  int atom_m_dq;        // warpgroups along the M side of the dQ MMA
+};
+
+// head_dim / head_dim_v are the padded compile-time head dims of an instantiation
+// (64, 96, 128, 192, 256, or 192 with head_dim_v 128). `window` covers causal and local.
+constexpr BwdTile bwd_tile(int head_dim, int head_dim_v, bool window, bool softcap) {
+  if (head_dim <= 64) return {128, 128, 2, 2, 2, false, true, false, 1, 2, 2};
+  if (head_dim <= 96) return {64, 128, 2, 2, 2, true, false, false, 1, 2, 1};
+  if (head_dim <= 128) {
+    // 80-row tiles only fit the register budget without the mask / softcap temporaries;
+    // their M extent is not a multiple of 64, so the dQ MMA runs transposed.
+    bool const wide = !window && !softcap;
+    return {wide ? 80 : 64, 128, 2, 2, 2, true, false, wide, 1, 2, 1};
+  }
+  if (head_dim <= 192) {
+    if (head_dim_v == head_dim) return {64, 96, 3, 1, 1, false, true, false, 1, 1, 1};
+    // 192 x 128: three warpgroups cannot split the 128-wide dV^T, so two do all of it.
+    return {64, 96, 2, 1, 1, false, true, false, 1, 2, 1};
+  }
+  return {64, 64, 2, 1, 1, false, true, true, 1, 2, 1};
+}
+
+// Rows of one head's slice of the fp32 workspaces (lse_log2, dpsum, dq_accum): each batch
+// starts on a block boundary so that blocks of different sequences never share a chunk.
+constexpr long long padded_rows(long long total_rows, int batch, int max_seqlen, int block, bool varlen) {
+  return varlen ? (total_rows + static_cast<long long>(batch) * block) / block * block
+                : static_cast<long long>(batch) * ((max_seqlen + block - 1) / block * block);
+}
+
+}  // namespace cuflash::sm90::bwd
