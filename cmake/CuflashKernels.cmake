@@ -77,20 +77,26 @@ list(LENGTH CUFLASH_SELECTED_INSTANTIATIONS _count)
 message(STATUS "cuflash: kernel set '${CUFLASH_KERNEL_SET}' (hdims ${_hdims}; dtypes ${_dtypes}): ${_count} instantiation files")
 
 # The list of compiled configurations, for dispatch to report what is missing.
-# cuflash_built_kernels.inc: CUFLASH_BUILT(<stem>) for every file; cuflash_built_fwd.inc:
-# CUFLASH_BUILT_FWD(<stem>) for the forward ones, which src/sm90/dispatch_fwd_sm90.cu links to.
+# cuflash_built_kernels.inc: CUFLASH_BUILT(<stem>) for every file; cuflash_built_fwd.inc /
+# cuflash_built_bwd.inc: CUFLASH_BUILT_FWD / CUFLASH_BUILT_BWD(<stem>) for the forward /
+# backward ones, which src/sm90/dispatch_fwd_sm90.cu / dispatch_bwd_sm90.cu link to.
 set(CUFLASH_BUILT_LIST "")
 set(CUFLASH_BUILT_FWD_LIST "")
+set(CUFLASH_BUILT_BWD_LIST "")
 foreach(_file ${CUFLASH_SELECTED_INSTANTIATIONS})
   get_filename_component(_name ${_file} NAME_WE)
   string(APPEND CUFLASH_BUILT_LIST "CUFLASH_BUILT(${_name})\n")
   if(_name MATCHES "^flash_fwd_")
     string(APPEND CUFLASH_BUILT_FWD_LIST "CUFLASH_BUILT_FWD(${_name})\n")
+  elseif(_name MATCHES "^flash_bwd_")
+    string(APPEND CUFLASH_BUILT_BWD_LIST "CUFLASH_BUILT_BWD(${_name})\n")
   endif()
 endforeach()
-foreach(_inc cuflash_built_kernels cuflash_built_fwd)
+foreach(_inc cuflash_built_kernels cuflash_built_fwd cuflash_built_bwd)
   if(_inc STREQUAL "cuflash_built_fwd")
     set(_text "${CUFLASH_BUILT_FWD_LIST}")
+  elseif(_inc STREQUAL "cuflash_built_bwd")
+    set(_text "${CUFLASH_BUILT_BWD_LIST}")
   else()
     set(_text "${CUFLASH_BUILT_LIST}")
   endif()

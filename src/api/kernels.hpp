@@ -18,6 +18,8 @@ void run_combine(const CombineParams& params, StreamHandle stream);
 void run_backward(BwdParams& params, StreamHandle stream);
 std::size_t backward_workspace_bytes(const BwdParams& params);
 std::vector<std::string> built_kernels();
+// The backward ones, e.g. "bwd bf16 hdim128" (defined with the backward dispatch).
+std::vector<std::string> built_backward_kernels();
 bool device_available();
 int device_sm_count(int device_index);
 

@@ -147,14 +147,6 @@ void run_forward(FwdParams& params, StreamHandle stream) {
                   "CUFLASH_DTYPES naming it");
 }
 
-void run_backward(BwdParams& params, StreamHandle stream) {
-  not_supported("q", "the sm90 backward kernel is not in this build yet");
-}
-
-std::size_t backward_workspace_bytes(const BwdParams& params) {
-  not_supported("q", "the sm90 backward kernel is not in this build yet");
-}
-
 std::vector<std::string> built_kernels() {
   std::vector<std::string> names;
   for (const FwdEntry* entry = kFwdEntries; entry->name != nullptr; ++entry)

@@ -27,6 +27,7 @@ struct FlashBwdKernelSm90 {
     alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_kv;
   };
   static constexpr int kSharedStorageSize = sizeof(SharedStorage);
+  static_assert(kSharedStorageSize <= 227 * 1024, "shared memory of the backward tile exceeds 227 KB");
 
   struct Params {
     typename Mainloop::Params mainloop;

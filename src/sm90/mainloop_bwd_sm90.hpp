@@ -279,8 +279,8 @@ struct MainloopBwdSm90 {
   using SmemLayoutPdSt = decltype(composition(
       SmemLayoutPdS{}, make_layout(make_shape(Int<kBlockN>{}, Int<kBlockM>{}, Int<kStagesdS>{}),
                                    make_stride(Int<kBlockM>{}, _1{}, Int<kBlockM * kBlockN>{}))));
-  // Row statistics; the stage stride is padded so that each stage is 16-byte aligned for the bulk copy.
-  static constexpr int kStatsStride = (kBlockM + 63) / 64 * 64;
+  // Row statistics; each stage starts 128-byte aligned for the bulk copy.
+  static constexpr int kStatsStride = (kBlockM + 31) / 32 * 32;
   using SmemLayoutLSE = Layout<Shape<Int<kBlockM>, Int<kStagesQ>>, Stride<_1, Int<kStatsStride>>>;
   using SmemLayoutdPsum = Layout<Shape<Int<kBlockM>, Int<kStagesdO>>, Stride<_1, Int<kStatsStride>>>;
 
@@ -292,31 +292,35 @@ struct MainloopBwdSm90 {
                          std::conditional_t<kPdSPerThread % 8 == 0, SM90_U16x8_STSM_T, SM90_U16x4_STSM_T>>,
       Element>;
 
-  // --- Shared memory budget ---
-  static constexpr int kSmemBytesNoDq =
-      (cosize_v<SmemLayoutQ> + cosize_v<SmemLayoutdO> + cosize_v<SmemLayoutK> + cosize_v<SmemLayoutV> +
-       (Mma_dKV_is_RS ? 1 : 2) * cosize_v<SmemLayoutPdS>) * int(sizeof(Element)) +
-      (kStagesQ + kStagesdO) * kStatsStride * 4 + 1024 * 8;
-  // dQ through smem and a bulk reduce-add when it fits next to everything else, else atomics.
-  static constexpr bool kDqViaSmem = kSmemBytesNoDq + kBlockM * kHeadDim * 4 <= 227 * 1024;
-  static constexpr int kDqChunk = kBlockM * kHeadDim;  // floats per row block in dq_accum
-
   using PipelineQ = cutlass::PipelineTmaAsync<kStagesQ>;
   using PipelinedO = cutlass::PipelineTmaAsync<kStagesdO>;
   using PipelineStateQ = typename PipelineQ::PipelineState;
   using PipelineStatedO = typename PipelinedO::PipelineState;
 
-  struct TensorStorage {
-    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
-    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> v;
-    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
-    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdO>, 1024> d_o;
-    alignas(1024) cute::array_aligned<Element, Mma_dKV_is_RS ? 1 : cosize_v<SmemLayoutPdS>, 1024> p;
-    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutPdS>, 1024> ds;
-    alignas(128) cute::array_aligned<ElementAccum, kDqViaSmem ? kDqChunk : 1, 128> dq;
-    alignas(128) cute::array_aligned<ElementAccum, cosize_v<SmemLayoutLSE>, 128> lse;
-    alignas(128) cute::array_aligned<ElementAccum, cosize_v<SmemLayoutdPsum>, 128> dpsum;
+  static constexpr int kDqChunk = kBlockM * kHeadDim;  // floats per row block in dq_accum
+
+  template <class T, int N, int Align>
+  using SmemArray = std::conditional_t<N == 0, cute::array<T, 0>, cute::array_aligned<T, N, Align>>;
+
+  template <bool DqViaSmem>
+  struct TensorStorageT {
+    SmemArray<Element, cosize_v<SmemLayoutK>, 1024> k;
+    SmemArray<Element, cosize_v<SmemLayoutV>, 1024> v;
+    SmemArray<Element, cosize_v<SmemLayoutQ>, 1024> q;
+    SmemArray<Element, cosize_v<SmemLayoutdO>, 1024> d_o;
+    SmemArray<Element, cosize_v<SmemLayoutPdS>, 1024> ds;
+    SmemArray<ElementAccum, cosize_v<SmemLayoutLSE>, 128> lse;
+    SmemArray<ElementAccum, cosize_v<SmemLayoutdPsum>, 128> dpsum;
+    // Last, so that the empty ones cost no alignment padding.
+    SmemArray<Element, Mma_dKV_is_RS ? 0 : cosize_v<SmemLayoutPdS>, 1024> p;
+    SmemArray<ElementAccum, DqViaSmem ? kDqChunk : 0, 128> dq;
   };
+  // dQ goes through smem and a bulk reduce-add when its buffer fits next to everything else
+  // (the kernel adds a few barriers), else by atomics from registers.
+  static constexpr int kSmemLimit = 227 * 1024 - 128;
+  static constexpr bool kDqViaSmem = sizeof(TensorStorageT<true>) <= kSmemLimit;
+  using TensorStorage = TensorStorageT<kDqViaSmem>;
+  static_assert(sizeof(TensorStorage) <= kSmemLimit, "tile does not fit in shared memory");
 
   // --- TMA ---
   using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;  // (rows, d, head, batch)
@@ -623,9 +627,9 @@ struct MainloopBwdSm90 {
       Tensor tSrS = partition_fragment_C(tiled_mma_SdP, ShapeSAcc{});
       pipeline_q.consumer_wait(read_q);
       wgmma_gemm<true, -1, SdP_swapAB>(tiled_mma_SdP, tSrQ(_, _, _, stage_q), tSrK, tSrS);
-      float lse[kRows];
-      CUTLASS_PRAGMA_UNROLL
-      for (int mi = 0; mi < kRows; ++mi) { lse[mi] = smem.lse[stage_q * kStatsStride + row_of(mi)]; }
+      // Row statistics are read from smem where they are used rather than held in registers:
+      // with S^T tiles each thread covers many rows.
+      float const* lse = smem.lse.data() + stage_q * kStatsStride;
 
       // dP = dO V^T
       Tensor tdPrdP = partition_fragment_C(tiled_mma_SdP, ShapeSAcc{});
@@ -648,11 +652,11 @@ struct MainloopBwdSm90 {
       CUTLASS_PRAGMA_UNROLL
       for (int mi = 0; mi < kRows; ++mi) {
         CUTLASS_PRAGMA_UNROLL
-        for (int ni = 0; ni < kCols; ++ni) { scores(mi, ni) = exp2f(scores(mi, ni) * p.softmax_scale_log2 - lse[mi]); }
+        for (int ni = 0; ni < kCols; ++ni) {
+          scores(mi, ni) = exp2f(scores(mi, ni) * p.softmax_scale_log2 - lse[row_of(mi)]);
+        }
       }
-      float dpsum[kRows];
-      CUTLASS_PRAGMA_UNROLL
-      for (int mi = 0; mi < kRows; ++mi) { dpsum[mi] = smem.dpsum[stage_do * kStatsStride + row_of(mi)]; }
+      float const* dpsum = smem.dpsum.data() + stage_do * kStatsStride;
 
       Tensor rP = make_tensor_like<Element>(tSrS);
       convert_fragment(tSrS, rP);
@@ -671,7 +675,7 @@ struct MainloopBwdSm90 {
       for (int mi = 0; mi < kRows; ++mi) {
         CUTLASS_PRAGMA_UNROLL
         for (int ni = 0; ni < kCols; ++ni) {
-          dS(mi, ni) = scores(mi, ni) * (dS(mi, ni) - dpsum[mi]);
+          dS(mi, ni) = scores(mi, ni) * (dS(mi, ni) - dpsum[row_of(mi)]);
           if constexpr (HasSoftcap) { dS(mi, ni) *= dtanh(mi, ni); }
         }
       }

@@ -21,7 +21,8 @@ struct BwdTile {
 // head_dim / head_dim_v are the padded compile-time head dims of an instantiation
 // (64, 96, 128, 192, 256, or 192 with head_dim_v 128). `window` covers causal and local.
 constexpr BwdTile bwd_tile(int head_dim, int head_dim_v, bool window, bool softcap) {
-  if (head_dim <= 64) return {128, 128, 2, 2, 2, false, true, false, 1, 2, 2};
+  // S^T tiles let dV / dK take P^T / dS^T from registers, which keeps P out of smem.
+  if (head_dim <= 64) return {128, 128, 2, 2, 2, true, false, false, 1, 2, 2};
   if (head_dim <= 96) return {64, 128, 2, 2, 2, true, false, false, 1, 2, 1};
   if (head_dim <= 128) {
     // 80-row tiles only fit the register budget without the mask / softcap temporaries;
