@@ -92,7 +92,8 @@ struct EpilogueBwdSm90 {
       int64_t const row0 = seq.offset_k + int64_t(n_block) * kBlockN;
       Element* dk = p.dk + (p.varlen_k ? 0 : batch * p.dk_batch_stride) + row0 * p.dk_row_stride + head * p.dk_head_stride;
       Element* dv = p.dv + (p.varlen_k ? 0 : batch * p.dv_batch_stride) + row0 * p.dv_row_stride + head * p.dv_head_stride;
-      int const rows = seq.seqlen_k - n_block * kBlockN;
+      // Rows past seqused_k (up to the batch's own rows) get zeros.
+      int const rows = seq.capacity_k - n_block * kBlockN;
       // Every warpgroup must be done reading K / V before they are overwritten.
       cutlass::arch::NamedBarrier::sync(NumMmaThreads, uint32_t(BwdBarrier::kEpilogue));
       store_tile<typename Mainloop::TiledMmadV, FragdV, typename Mainloop::SmemLayoutV, kHeadDimV>(

@@ -69,8 +69,8 @@ struct FlashBwdKernelSm90 {
     __syncthreads();
 
     BwdSeqlen const seq = BwdSeqlen::make<Mainloop::kBlockM, Mainloop::kBlockN>(params.mainloop, batch);
-    // Grids are sized for the longest sequence; this block has no keys of this batch.
-    if (n_block * Mainloop::kBlockN >= seq.seqlen_k) { return; }
+    // Grids are sized for the longest sequence; this block has no key rows of this batch.
+    if (n_block * Mainloop::kBlockN >= seq.capacity_k) { return; }
 
     if (warp_group_idx == 0) {
       cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();

@@ -55,7 +55,7 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
     cudaMemsetAsync(params.dk_accum, 0, sizeof(float) * size_t(num_heads_kv) * k_rows_padded * kHeadDim, stream);
     cudaMemsetAsync(params.dv_accum, 0, sizeof(float) * size_t(num_heads_kv) * k_rows_padded * kHeadDimV, stream);
   }
-  int* dkv_semaphore = params.dq_semaphore + size_t(batch) * num_heads * num_m_blocks;
+  int* dkv_semaphore = params.deterministic ? params.dq_semaphore + size_t(batch) * num_heads * num_m_blocks : nullptr;
   if (params.deterministic) {
     cudaMemsetAsync(params.dq_semaphore, 0,
                     sizeof(int) * (size_t(batch) * num_heads * num_m_blocks + size_t(batch) * num_heads_kv * num_n_blocks),
@@ -192,7 +192,7 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // Postprocess: dQ, and dK / dV for GQA.
   PostprocessParams post_q{params.dq_accum, params.dq, params.dq_batch_stride, params.dq_row_stride, params.dq_head_stride,
                            q_rows_padded, params.seqlen_q, params.head_dim, params.softmax_scale,
-                           params.cu_seqlens_q, params.seqused_q};
+                           params.cu_seqlens_q};
   if (num_m_blocks > 0) {
     flash_bwd_postprocess_sm90<Element, typename Mainloop::TiledMmadQ, Mainloop::dQ_swapAB, kBlockM, kHeadDim>
         <<<dim3(num_m_blocks, num_heads, batch), Mainloop::NumMmaThreads, 0, stream>>>(post_q);
@@ -201,13 +201,13 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   if (gqa && num_n_blocks > 0) {
     PostprocessParams post_k{params.dk_accum, params.dk, params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride,
                              k_rows_padded, params.seqlen_k, params.head_dim, params.softmax_scale,
-                             params.cu_seqlens_k, params.seqused_k};
+                             params.cu_seqlens_k};
     flash_bwd_postprocess_sm90<Element, typename Mainloop::TiledMmadK, Mainloop::dKV_swapAB, kBlockN, kHeadDim>
         <<<dim3(num_n_blocks, num_heads_kv, batch), Mainloop::NumMmaThreads, 0, stream>>>(post_k);
     check_launch("the dK postprocess kernel");
     PostprocessParams post_v{params.dv_accum, params.dv, params.dv_batch_stride, params.dv_row_stride, params.dv_head_stride,
                              k_rows_padded, params.seqlen_k, params.head_dim_v, 1.f,
-                             params.cu_seqlens_k, params.seqused_k};
+                             params.cu_seqlens_k};
     flash_bwd_postprocess_sm90<Element, typename Mainloop::TiledMmadV, Mainloop::dKV_swapAB, kBlockN, kHeadDimV>
         <<<dim3(num_n_blocks, num_heads_kv, batch), Mainloop::NumMmaThreads, 0, stream>>>(post_v);
     check_launch("the dV postprocess kernel");

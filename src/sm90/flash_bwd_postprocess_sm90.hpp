@@ -19,7 +19,6 @@ struct PostprocessParams {
   int cols;    // actual head dim
   float scale;
   int const* cu_seqlens;
-  int const* seqused;
 };
 
 // Grid (ceil(seqlen / kRows), heads, B), size(TiledMma) threads. `Swapped`: the accumulator
@@ -39,8 +38,9 @@ __global__ void __launch_bounds__(decltype(size(TiledMma{}))::value)
   int const offset = varlen ? p.cu_seqlens[batch] : 0;
   int const offset_padded = varlen ? (offset + batch * kRows) / kRows * kRows
                                    : batch * ((p.seqlen + kRows - 1) / kRows * kRows);
-  int const seqlen = p.seqused ? p.seqused[batch] : (varlen ? p.cu_seqlens[batch + 1] - offset : p.seqlen);
-  if (block * kRows >= seqlen) { return; }
+  // Every row the batch owns is written: rows past seqused hold zero sums.
+  int const capacity = varlen ? p.cu_seqlens[batch + 1] - offset : p.seqlen;
+  if (block * kRows >= capacity) { return; }
 
   using AccShape = std::conditional_t<!Swapped, Shape<Int<kRows>, Int<kCols>>, Shape<Int<kCols>, Int<kRows>>>;
   int const thread_idx = threadIdx.x;
@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(decltype(size(TiledMma{}))::value)
 
   Element* out = static_cast<Element*>(p.out) + (varlen ? 0 : batch * p.out_batch_stride) +
                  (int64_t(offset) + int64_t(block) * kRows) * p.out_row_stride + head * p.out_head_stride;
-  int const rows = seqlen - block * kRows;
+  int const rows = capacity - block * kRows;
   constexpr int kChunks = kCols / 8;
   for (int idx = thread_idx; idx < kRows * kChunks; idx += NumThreads) {
     int const row = idx / kChunks;

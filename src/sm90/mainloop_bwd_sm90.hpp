@@ -134,7 +134,8 @@ CUTE_DEVICE void bulk_reduce_add_f32(float const* smem_src, float* gmem_dst, int
 struct BwdSeqlen {
   int offset_q, offset_k;                // first row of this batch in q / k (packed) or 0
   int offset_q_padded, offset_k_padded;  // first row of this batch in the workspace rows
-  int seqlen_q, seqlen_k;
+  int seqlen_q, seqlen_k;                // rows in use (seqused caps)
+  int capacity_q, capacity_k;            // rows the batch owns; gradients of unused rows are 0
 
   template <int kBlockM, int kBlockN, class Params>
   CUTE_DEVICE static BwdSeqlen make(Params const& p, int b) {
@@ -147,8 +148,10 @@ struct BwdSeqlen {
                                  : b * ((p.seqlen_q + kBlockM - 1) / kBlockM * kBlockM);
     s.offset_k_padded = varlen_k ? (s.offset_k + b * kBlockN) / kBlockN * kBlockN
                                  : b * ((p.seqlen_k + kBlockN - 1) / kBlockN * kBlockN);
-    s.seqlen_q = p.seqused_q ? p.seqused_q[b] : (varlen_q ? p.cu_seqlens_q[b + 1] - s.offset_q : p.seqlen_q);
-    s.seqlen_k = p.seqused_k ? p.seqused_k[b] : (varlen_k ? p.cu_seqlens_k[b + 1] - s.offset_k : p.seqlen_k);
+    s.capacity_q = varlen_q ? p.cu_seqlens_q[b + 1] - s.offset_q : p.seqlen_q;
+    s.capacity_k = varlen_k ? p.cu_seqlens_k[b + 1] - s.offset_k : p.seqlen_k;
+    s.seqlen_q = p.seqused_q ? p.seqused_q[b] : s.capacity_q;
+    s.seqlen_k = p.seqused_k ? p.seqused_k[b] : s.capacity_k;
     return s;
   }
 };
@@ -157,6 +160,7 @@ struct BwdSeqlen {
 // (window_left / window_right already made finite by the host when unbounded).
 template <int kBlockM, int kBlockN, bool HasWindow>
 CUTE_DEVICE cute::tuple<int, int> m_block_range(BwdSeqlen const& s, int n_block, int window_left, int window_right) {
+  if (n_block * kBlockN >= s.seqlen_k) { return {0, 0}; }  // keys past seqused_k
   int m_block_max = (s.seqlen_q + kBlockM - 1) / kBlockM;
   int m_block_min = 0;
   if constexpr (HasWindow) {
@@ -434,7 +438,8 @@ struct MainloopBwdSm90 {
     float const* lse_log2 = p.lse_log2 + stats_base;
     float const* dpsum = p.dpsum + stats_base;
 
-    if (!cute::elect_one_sync()) { return; }
+    // Lane 0 issues everything: it is the pipelines' leader thread (expects the transaction bytes).
+    if (threadIdx.x % cutlass::NumThreadsPerWarp != 0) { return; }
     PipelineStateQ write_q = cutlass::make_producer_start_state<PipelineQ>();
     PipelineStatedO write_do = cutlass::make_producer_start_state<PipelinedO>();
     for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
@@ -567,12 +572,19 @@ struct MainloopBwdSm90 {
         cute::conditional_return<!SdP_swapAB>(as_position_independent_swizzle_tensor(sdS),
                                               as_position_independent_swizzle_tensor(sdSt)));
 
-    // Coordinates (row of S, column of S) of each accumulator element of this thread.
+    // Coordinates (row of S, column of S) of this thread's accumulator elements: a per-thread
+    // base plus the offsets of thread 0, which are compile-time constants. Written this way the
+    // per-element indices stay immediates instead of loop-invariant registers.
     using ShapeSAcc = std::conditional_t<!SdP_swapAB, Shape<Int<kBlockM>, Int<kBlockN>>, Shape<Int<kBlockN>, Int<kBlockM>>>;
     Tensor tScS = thr_mma_SdP.partition_C(make_identity_tensor(ShapeSAcc{}));
     Tensor tScS_rc = make_tensor(tScS.data(), acc_rowcol_layout<SdP_swapAB>(tScS.layout()));
-    auto row_of = [&](int mi) { return get<SdP_swapAB ? 1 : 0>(tScS_rc(mi, 0)); };
-    auto col_of = [&](int ni) { return get<SdP_swapAB ? 0 : 1>(tScS_rc(0, ni)); };
+    Tensor tScS0 = tiled_mma_SdP.get_thread_slice(0).partition_C(make_identity_tensor(ShapeSAcc{}));
+    Tensor tScS0_rc = make_tensor(tScS0.data(), acc_rowcol_layout<SdP_swapAB>(tScS0.layout()));
+    constexpr int kRowMode = SdP_swapAB ? 1 : 0;
+    auto row_offset = [&](int mi) { return int(get<kRowMode>(tScS0_rc(mi, 0))); };
+    auto col_offset = [&](int ni) { return int(get<1 - kRowMode>(tScS0_rc(0, ni))); };
+    int const row_base = int(get<kRowMode>(tScS_rc(0, 0))) - row_offset(0);
+    int const col_base = int(get<1 - kRowMode>(tScS_rc(0, 0))) - col_offset(0);
     constexpr int kRows = decltype(size<0>(tScS_rc))::value;
     constexpr int kCols = decltype(size<1>(tScS_rc))::value;
 
@@ -580,28 +592,30 @@ struct MainloopBwdSm90 {
     int* dq_semaphore = p.dq_semaphore + (int64_t(batch) * p.num_heads + head) * p.num_m_blocks;
 
     // Column masking: key columns past seqlen_k always; the window band when HasWindow.
-    int const col_limit = seq.seqlen_k - n_block * kBlockN;
-    bool const mask_seqlen_k = col_limit < kBlockN;
+    int const col_limit = seq.seqlen_k - n_block * kBlockN - col_base;  // in col_offset terms
+    bool const mask_seqlen_k = seq.seqlen_k - n_block * kBlockN < kBlockN;
     int const diag = seq.seqlen_k - seq.seqlen_q;
     auto apply_mask = [&](auto& scores, int m_block) {
       if constexpr (HasWindow) {
+        // Key column c of the tile is visible to query row r iff
+        // -window_left <= c - r + n_block * kBlockN - m_block * kBlockM - diag <= window_right
+        // and c < seqlen_k - n_block * kBlockN.
+        int const shift = n_block * kBlockN - m_block * kBlockM - diag + col_base - row_base;
         CUTLASS_PRAGMA_UNROLL
         for (int mi = 0; mi < kRows; ++mi) {
-          int const row = m_block * kBlockM + row_of(mi);
-          // Visible global columns [row + diag - left, row + diag + right], in this block's frame.
-          int const lo = row + diag - p.window_left - n_block * kBlockN;
-          int const hi = cute::min(row + diag + p.window_right - n_block * kBlockN + 1, col_limit);
           CUTLASS_PRAGMA_UNROLL
           for (int ni = 0; ni < kCols; ++ni) {
-            int const col = col_of(ni);
-            if (col < lo || col >= hi) { scores(mi, ni) = -INFINITY; }
+            int const rel = shift + (col_offset(ni) - row_offset(mi));
+            if (rel > p.window_right || rel < -p.window_left || col_offset(ni) >= col_limit) {
+              scores(mi, ni) = -INFINITY;
+            }
           }
         }
       } else {
         if (mask_seqlen_k) {
           CUTLASS_PRAGMA_UNROLL
           for (int ni = 0; ni < kCols; ++ni) {
-            if (col_of(ni) >= col_limit) {
+            if (col_offset(ni) >= col_limit) {
               CUTLASS_PRAGMA_UNROLL
               for (int mi = 0; mi < kRows; ++mi) { scores(mi, ni) = -INFINITY; }
             }
@@ -629,7 +643,7 @@ struct MainloopBwdSm90 {
       wgmma_gemm<true, -1, SdP_swapAB>(tiled_mma_SdP, tSrQ(_, _, _, stage_q), tSrK, tSrS);
       // Row statistics are read from smem where they are used rather than held in registers:
       // with S^T tiles each thread covers many rows.
-      float const* lse = smem.lse.data() + stage_q * kStatsStride;
+      float const* lse = smem.lse.data() + stage_q * kStatsStride + row_base;
 
       // dP = dO V^T
       Tensor tdPrdP = partition_fragment_C(tiled_mma_SdP, ShapeSAcc{});
@@ -653,10 +667,10 @@ struct MainloopBwdSm90 {
       for (int mi = 0; mi < kRows; ++mi) {
         CUTLASS_PRAGMA_UNROLL
         for (int ni = 0; ni < kCols; ++ni) {
-          scores(mi, ni) = exp2f(scores(mi, ni) * p.softmax_scale_log2 - lse[row_of(mi)]);
+          scores(mi, ni) = exp2f(scores(mi, ni) * p.softmax_scale_log2 - lse[row_offset(mi)]);
         }
       }
-      float const* dpsum = smem.dpsum.data() + stage_do * kStatsStride;
+      float const* dpsum = smem.dpsum.data() + stage_do * kStatsStride + row_base;
 
       Tensor rP = make_tensor_like<Element>(tSrS);
       convert_fragment(tSrS, rP);
@@ -675,7 +689,7 @@ struct MainloopBwdSm90 {
       for (int mi = 0; mi < kRows; ++mi) {
         CUTLASS_PRAGMA_UNROLL
         for (int ni = 0; ni < kCols; ++ni) {
-          dS(mi, ni) = scores(mi, ni) * (dS(mi, ni) - dpsum[row_of(mi)]);
+          dS(mi, ni) = scores(mi, ni) * (dS(mi, ni) - dpsum[row_offset(mi)]);
           if constexpr (HasSoftcap) { dS(mi, ni) *= dtanh(mi, ni); }
         }
       }

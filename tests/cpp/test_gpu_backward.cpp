@@ -1,0 +1,513 @@
+// GPU backward kernels against the CPU reference (DESIGN.md section 5): random shapes over every
+// backward option the sm90 kernels support; dq / dk / dv / d_sink are poisoned before each run,
+// every element is checked for NaN and compared with the accuracy rule in gpu_test_util.hpp
+// (at most twice the error of the same backward done naively in the input dtype).
+// Deterministic mode runs twice and must agree bit for bit.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cuflash/cuflash.hpp"
+#include "gpu_test_util.hpp"
+
+namespace cuflash {
+namespace {
+
+using gpu_testing::DeviceBuffer;
+
+const Device kCpu{};
+const Device kCuda{DeviceType::kCUDA, 0};
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct BwdCase {
+  std::string label;
+  DType dtype = DType::kBFloat16;
+  int batch = 1, seqlen_q = 1, seqlen_k = 1, heads = 1, heads_kv = 1, head_dim = 128, head_dim_v = 128;
+  bool causal = false;
+  int window_left = -1, window_right = -1;
+  float softcap = 0.f;
+  std::optional<DType> sink;
+  bool varlen = false;   // packed rows with cu_seqlens; lengths drawn up to seqlen_q/k
+  bool seqused = false;  // seqused_q/k cap each sequence below its length
+  bool strided = false;  // every tensor, gradients included, lives in wider rows
+  bool deterministic = false;
+  unsigned seed = 1;
+};
+
+std::string case_name(const BwdCase& c) {
+  std::ostringstream name;
+  name << c.label << "_" << (c.dtype == DType::kBFloat16 ? "bf16" : "fp16") << "_d" << c.head_dim;
+  if (c.head_dim_v != c.head_dim) name << "x" << c.head_dim_v;
+  return name.str();
+}
+
+// Host copy of one problem in flattened rows: q is (rows_q, H, D) whether dense (rows = B * Sq)
+// or packed (rows = total_q); likewise k, v, out, dout. out and lse come from the reference
+// forward; every 16-bit input is already rounded to the dtype.
+struct Problem {
+  BwdCase c;
+  std::vector<int> len_q, len_k, used_q, used_k, start_q, start_k;
+  int rows_q = 0, rows_k = 0;
+  std::vector<float> q, k, v, out, dout, lse, sink;
+  float scale = 1.f;
+
+  explicit Problem(const BwdCase& bc) : c(bc) {
+    std::mt19937 rng(c.seed);
+    std::uniform_int_distribution<int> any_q(0, c.seqlen_q), any_k(0, c.seqlen_k);
+    for (int b = 0; b < c.batch; ++b) {
+      int lq = c.varlen ? any_q(rng) : c.seqlen_q;
+      int lk = c.varlen ? any_k(rng) : c.seqlen_k;
+      if (c.varlen && b == 0) lq = c.seqlen_q, lk = c.seqlen_k;  // the longest one is always there
+      if (c.varlen && b == 1) lq = 0;                             // no queries
+      if (c.varlen && b == 2) lk = 0;                             // no keys: every row fully masked
+      len_q.push_back(lq);
+      len_k.push_back(lk);
+      used_q.push_back(c.seqused ? std::uniform_int_distribution<int>(0, lq)(rng) : lq);
+      used_k.push_back(c.seqused ? std::uniform_int_distribution<int>(0, lk)(rng) : lk);
+      start_q.push_back(rows_q);
+      start_k.push_back(rows_k);
+      rows_q += lq;
+      rows_k += lk;
+    }
+    std::normal_distribution<float> normal(0.f, 1.f);
+    auto fill = [&](std::vector<float>& data, std::size_t n) {
+      data.resize(n);
+      for (float& x : data) x = gpu_testing::round_to(normal(rng), c.dtype);
+    };
+    fill(q, std::size_t(rows_q) * c.heads * c.head_dim);
+    fill(k, std::size_t(rows_k) * c.heads_kv * c.head_dim);
+    fill(v, std::size_t(rows_k) * c.heads_kv * c.head_dim_v);
+    fill(dout, std::size_t(rows_q) * c.heads * c.head_dim_v);
+    if (c.sink) {
+      sink.resize(c.heads);
+      for (float& x : sink) x = gpu_testing::round_to(normal(rng), *c.sink == DType::kFloat32 ? c.dtype : *c.sink);
+    }
+    scale = 1.f / std::sqrt(float(c.head_dim));
+    run_forward();
+  }
+
+  std::int64_t outer_q() const { return c.varlen ? rows_q : c.batch; }
+  std::int64_t outer_k() const { return c.varlen ? rows_k : c.batch; }
+  std::size_t lse_size() const {
+    return c.varlen ? std::size_t(c.heads) * rows_q : std::size_t(c.batch) * c.heads * c.seqlen_q;
+  }
+  std::int64_t lse_index(int b, int h, int r) const {
+    return c.varlen ? std::int64_t(h) * rows_q + start_q[b] + r : (std::int64_t(b) * c.heads + h) * c.seqlen_q + r;
+  }
+  std::vector<int> cu(const std::vector<int>& start, int total) const {
+    std::vector<int> result = start;
+    result.push_back(total);
+    return result;
+  }
+
+  // (rows | batch, [seqlen,] heads, dim) view with `pad` extra elements after each head vector.
+  TensorView view(void* data, DType dtype, bool is_q, int heads, int dim, int pad, Device device) const {
+    const std::int64_t head_pitch = dim + pad, row_pitch = heads * head_pitch;
+    const std::int64_t seqlen = is_q ? c.seqlen_q : c.seqlen_k;
+    const std::int64_t outer = is_q ? outer_q() : outer_k();
+    if (c.varlen) return TensorView(data, dtype, {outer, heads, dim}, {row_pitch, head_pitch, 1}, device);
+    return TensorView(data, dtype, {outer, seqlen, heads, dim}, {seqlen * row_pitch, row_pitch, head_pitch, 1}, device);
+  }
+  TensorView lse_view(void* data, Device device) const {
+    if (c.varlen) return TensorView(data, DType::kFloat32, {c.heads, rows_q}, device);
+    return TensorView(data, DType::kFloat32, {c.batch, c.heads, c.seqlen_q}, device);
+  }
+
+  // int_data: cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k where `device` can read them.
+  void set_common(SequenceLayout& seq, AttentionOptions& opts, Device device, const std::vector<void*>& int_data) const {
+    const std::int64_t B = c.batch;
+    if (c.varlen) {
+      seq.cu_seqlens_q = TensorView(int_data[0], DType::kInt32, {B + 1}, device);
+      seq.cu_seqlens_k = TensorView(int_data[1], DType::kInt32, {B + 1}, device);
+      seq.max_seqlen_q = *std::max_element(len_q.begin(), len_q.end());
+      seq.max_seqlen_k = *std::max_element(len_k.begin(), len_k.end());
+    }
+    if (c.seqused) {
+      seq.seqused_q = TensorView(int_data[2], DType::kInt32, {B}, device);
+      seq.seqused_k = TensorView(int_data[3], DType::kInt32, {B}, device);
+    }
+    opts.causal = c.causal;
+    opts.window_left = c.window_left;
+    opts.window_right = c.window_right;
+    opts.softcap = c.softcap;
+  }
+
+  // out and lse of the reference forward; out rounded to the dtype as a kernel would store it.
+  void run_forward() {
+    std::vector<float> qf = q, kf = k, vf = v;
+    out.assign(std::size_t(rows_q) * c.heads * c.head_dim_v, 0.f);
+    lse.assign(lse_size(), kNegInf);
+    std::vector<int> cu_q = cu(start_q, rows_q), cu_k = cu(start_k, rows_k), uq = used_q, uk = used_k;
+    std::vector<float> sink_copy = sink;
+    ForwardArgs args;
+    args.q = view(qf.data(), DType::kFloat32, true, c.heads, c.head_dim, 0, kCpu);
+    args.k = view(kf.data(), DType::kFloat32, false, c.heads_kv, c.head_dim, 0, kCpu);
+    args.v = view(vf.data(), DType::kFloat32, false, c.heads_kv, c.head_dim_v, 0, kCpu);
+    args.out = view(out.data(), DType::kFloat32, true, c.heads, c.head_dim_v, 0, kCpu);
+    args.lse = lse_view(lse.data(), kCpu);
+    if (c.sink) args.learnable_sink = TensorView(sink_copy.data(), DType::kFloat32, {c.heads}, kCpu);
+    set_common(args.seq, args.opts, kCpu, {cu_q.data(), cu_k.data(), uq.data(), uk.data()});
+    forward(args);
+    for (float& x : out) x = gpu_testing::round_to(x, c.dtype);
+  }
+};
+
+struct Grads {
+  std::vector<double> dq, dk, dv, d_sink;  // layouts of q, k, v (unpadded), sink
+};
+
+Grads run_reference(const Problem& pb) {
+  const BwdCase& c = pb.c;
+  std::vector<float> q = pb.q, k = pb.k, v = pb.v, out = pb.out, dout = pb.dout, lse = pb.lse, sink = pb.sink;
+  std::vector<float> dq(q.size(), std::nanf("")), dk(k.size(), std::nanf("")), dv(v.size(), std::nanf(""));
+  std::vector<float> d_sink(c.heads, std::nanf(""));
+  std::vector<int> cu_q = pb.cu(pb.start_q, pb.rows_q), cu_k = pb.cu(pb.start_k, pb.rows_k);
+  std::vector<int> uq = pb.used_q, uk = pb.used_k;
+  BackwardArgs args;
+  args.q = pb.view(q.data(), DType::kFloat32, true, c.heads, c.head_dim, 0, kCpu);
+  args.k = pb.view(k.data(), DType::kFloat32, false, c.heads_kv, c.head_dim, 0, kCpu);
+  args.v = pb.view(v.data(), DType::kFloat32, false, c.heads_kv, c.head_dim_v, 0, kCpu);
+  args.out = pb.view(out.data(), DType::kFloat32, true, c.heads, c.head_dim_v, 0, kCpu);
+  args.dout = pb.view(dout.data(), DType::kFloat32, true, c.heads, c.head_dim_v, 0, kCpu);
+  args.lse = pb.lse_view(lse.data(), kCpu);
+  args.dq = pb.view(dq.data(), DType::kFloat32, true, c.heads, c.head_dim, 0, kCpu);
+  args.dk = pb.view(dk.data(), DType::kFloat32, false, c.heads_kv, c.head_dim, 0, kCpu);
+  args.dv = pb.view(dv.data(), DType::kFloat32, false, c.heads_kv, c.head_dim_v, 0, kCpu);
+  if (c.sink) {
+    args.learnable_sink = TensorView(sink.data(), DType::kFloat32, {c.heads}, kCpu);
+    args.d_sink = TensorView(d_sink.data(), DType::kFloat32, {c.heads}, kCpu);
+  }
+  args.deterministic = c.deterministic;
+  pb.set_common(args.seq, args.opts, kCpu, {cu_q.data(), cu_k.data(), uq.data(), uk.data()});
+  backward(args);
+  Grads g{{dq.begin(), dq.end()}, {dk.begin(), dk.end()}, {dv.begin(), dv.end()}, {}};
+  if (c.sink) g.d_sink.assign(d_sink.begin(), d_sink.end());
+  return g;
+}
+
+// The same backward done naively in the input dtype, as a plain framework would: scores,
+// probabilities, dP, the row sums and dS each rounded to the dtype, gradients accumulated in
+// fp32 and rounded once.
+Grads naive_low_precision(const Problem& pb) {
+  const BwdCase& c = pb.c;
+  auto r = [&](float x) { return gpu_testing::round_to(x, c.dtype); };
+  std::vector<float> dq(pb.q.size(), 0.f), dk(pb.k.size(), 0.f), dv(pb.v.size(), 0.f), d_sink(c.heads, 0.f);
+  const int group = c.heads / c.heads_kv;
+  const int right = c.causal ? 0 : c.window_right;
+  std::vector<float> qs(c.head_dim);
+  for (int b = 0; b < c.batch; ++b) {
+    const int sq = pb.used_q[b], sk = pb.used_k[b];
+    for (int h = 0; h < c.heads; ++h) {
+      const int hk = h / group;
+      for (int i = 0; i < sq; ++i) {
+        const float lse = pb.lse[pb.lse_index(b, h, i)];
+        if (lse == kNegInf) continue;
+        const std::size_t qrow = (std::size_t(pb.start_q[b] + i) * c.heads + h);
+        for (int d = 0; d < c.head_dim; ++d) qs[d] = r(pb.q[qrow * c.head_dim + d] * pb.scale);
+        float delta = 0.f;
+        for (int d = 0; d < c.head_dim_v; ++d) delta += pb.dout[qrow * c.head_dim_v + d] * pb.out[qrow * c.head_dim_v + d];
+        delta = r(delta);
+        if (c.sink) d_sink[h] -= std::exp(pb.sink[h] - lse) * delta;
+        for (int j = 0; j < sk; ++j) {
+          const int diag = i + sk - sq;
+          if ((right >= 0 && j > diag + right) || (c.window_left >= 0 && j < diag - c.window_left)) continue;
+          const std::size_t krow = std::size_t(pb.start_k[b] + j) * c.heads_kv + hk;
+          float dot = 0.f;
+          for (int d = 0; d < c.head_dim; ++d) dot += qs[d] * pb.k[krow * c.head_dim + d];
+          float s = r(dot), deriv = 1.f;
+          if (c.softcap > 0.f) {
+            const float t = std::tanh(s / c.softcap);
+            s = r(c.softcap * t);
+            deriv = 1.f - t * t;
+          }
+          const float p = r(std::exp(s - lse));
+          float dp = 0.f;
+          for (int d = 0; d < c.head_dim_v; ++d) dp += pb.dout[qrow * c.head_dim_v + d] * pb.v[krow * c.head_dim_v + d];
+          const float ds = r(p * (r(dp) - delta) * deriv);
+          for (int d = 0; d < c.head_dim; ++d) {
+            dq[qrow * c.head_dim + d] += ds * pb.k[krow * c.head_dim + d] * pb.scale;
+            dk[krow * c.head_dim + d] += ds * pb.q[qrow * c.head_dim + d] * pb.scale;
+          }
+          for (int d = 0; d < c.head_dim_v; ++d) dv[krow * c.head_dim_v + d] += p * pb.dout[qrow * c.head_dim_v + d];
+        }
+      }
+    }
+  }
+  Grads g;
+  for (float x : dq) g.dq.push_back(r(x));
+  for (float x : dk) g.dk.push_back(r(x));
+  for (float x : dv) g.dv.push_back(r(x));
+  if (c.sink) g.d_sink.assign(d_sink.begin(), d_sink.end());
+  return g;
+}
+
+struct GpuRun {
+  Grads grads;
+  std::vector<std::uint16_t> dq_bits, dk_bits, dv_bits;  // raw outputs, padding included
+  std::vector<float> d_sink;
+};
+
+GpuRun run_gpu(const Problem& pb) {
+  const BwdCase& c = pb.c;
+  const int pad = c.strided ? 8 : 0;  // keeps 16-byte aligned rows
+  auto device_copy = [&](const std::vector<float>& values, int rows, int heads, int dim) {
+    std::vector<std::uint16_t> bits(std::size_t(rows) * heads * (dim + pad), gpu_testing::kPoison16);
+    for (std::size_t i = 0; i < std::size_t(rows) * heads; ++i) {
+      for (int d = 0; d < dim; ++d) bits[i * (dim + pad) + d] = gpu_testing::to_bits(values[i * dim + d], c.dtype);
+    }
+    return DeviceBuffer::from(bits);
+  };
+  auto poisoned = [&](int rows, int heads, int dim) {
+    return DeviceBuffer::from(std::vector<std::uint16_t>(std::size_t(rows) * heads * (dim + pad), gpu_testing::kPoison16));
+  };
+  DeviceBuffer q = device_copy(pb.q, pb.rows_q, c.heads, c.head_dim);
+  DeviceBuffer k = device_copy(pb.k, pb.rows_k, c.heads_kv, c.head_dim);
+  DeviceBuffer v = device_copy(pb.v, pb.rows_k, c.heads_kv, c.head_dim_v);
+  DeviceBuffer out = device_copy(pb.out, pb.rows_q, c.heads, c.head_dim_v);
+  DeviceBuffer dout = device_copy(pb.dout, pb.rows_q, c.heads, c.head_dim_v);
+  DeviceBuffer lse = DeviceBuffer::from(pb.lse);
+  DeviceBuffer dq = poisoned(pb.rows_q, c.heads, c.head_dim);
+  DeviceBuffer dk = poisoned(pb.rows_k, c.heads_kv, c.head_dim);
+  DeviceBuffer dv = poisoned(pb.rows_k, c.heads_kv, c.head_dim_v);
+  DeviceBuffer cu_q = DeviceBuffer::from(pb.cu(pb.start_q, pb.rows_q));
+  DeviceBuffer cu_k = DeviceBuffer::from(pb.cu(pb.start_k, pb.rows_k));
+  DeviceBuffer used_q = DeviceBuffer::from(pb.used_q);
+  DeviceBuffer used_k = DeviceBuffer::from(pb.used_k);
+  DeviceBuffer sink, d_sink;
+  if (c.sink) {
+    if (*c.sink == DType::kFloat32) {
+      sink = DeviceBuffer::from(pb.sink);
+    } else {
+      std::vector<std::uint16_t> bits;
+      for (float x : pb.sink) bits.push_back(gpu_testing::to_bits(x, *c.sink));
+      sink = DeviceBuffer::from(bits);
+    }
+    d_sink = DeviceBuffer::from(std::vector<float>(c.heads, std::nanf("")));
+  }
+
+  BackwardArgs args;
+  args.q = pb.view(q.data(), c.dtype, true, c.heads, c.head_dim, pad, kCuda);
+  args.k = pb.view(k.data(), c.dtype, false, c.heads_kv, c.head_dim, pad, kCuda);
+  args.v = pb.view(v.data(), c.dtype, false, c.heads_kv, c.head_dim_v, pad, kCuda);
+  args.out = pb.view(out.data(), c.dtype, true, c.heads, c.head_dim_v, pad, kCuda);
+  args.dout = pb.view(dout.data(), c.dtype, true, c.heads, c.head_dim_v, pad, kCuda);
+  args.lse = pb.lse_view(lse.data(), kCuda);
+  args.dq = pb.view(dq.data(), c.dtype, true, c.heads, c.head_dim, pad, kCuda);
+  args.dk = pb.view(dk.data(), c.dtype, false, c.heads_kv, c.head_dim, pad, kCuda);
+  args.dv = pb.view(dv.data(), c.dtype, false, c.heads_kv, c.head_dim_v, pad, kCuda);
+  if (c.sink) {
+    args.learnable_sink = TensorView(sink.data(), *c.sink, {c.heads}, kCuda);
+    args.d_sink = TensorView(d_sink.data(), DType::kFloat32, {c.heads}, kCuda);
+  }
+  args.deterministic = c.deterministic;
+  pb.set_common(args.seq, args.opts, kCuda, {cu_q.data(), cu_k.data(), used_q.data(), used_k.data()});
+  backward(args);
+  gpu_testing::check_cuda(cudaDeviceSynchronize(), "backward kernels");
+
+  GpuRun run;
+  run.dq_bits = dq.to_host<std::uint16_t>();
+  run.dk_bits = dk.to_host<std::uint16_t>();
+  run.dv_bits = dv.to_host<std::uint16_t>();
+  auto unpad = [&](const std::vector<std::uint16_t>& bits, int dim) {
+    std::vector<double> values;
+    for (std::size_t i = 0; i < bits.size(); ++i) {
+      if (int(i % (dim + pad)) < dim) values.push_back(gpu_testing::from_bits(bits[i], c.dtype));
+    }
+    return values;
+  };
+  run.grads.dq = unpad(run.dq_bits, c.head_dim);
+  run.grads.dk = unpad(run.dk_bits, c.head_dim);
+  run.grads.dv = unpad(run.dv_bits, c.head_dim_v);
+  if (c.sink) {
+    run.d_sink = d_sink.to_host<float>();
+    run.grads.d_sink.assign(run.d_sink.begin(), run.d_sink.end());
+  }
+  // Padding between head vectors is not the kernels' to write.
+  for (const auto* bits : {&run.dq_bits, &run.dk_bits, &run.dv_bits}) {
+    const int dim = bits == &run.dv_bits ? c.head_dim_v : c.head_dim;
+    for (std::size_t i = 0; i < bits->size(); ++i) {
+      if (int(i % (dim + pad)) >= dim) EXPECT_EQ((*bits)[i], gpu_testing::kPoison16) << "padding written at " << i;
+    }
+  }
+  return run;
+}
+
+void expect_close(const char* what, const std::vector<double>& gpu, const std::vector<double>& naive,
+                  const std::vector<double>& ref) {
+  ASSERT_EQ(gpu.size(), ref.size()) << what;
+  ASSERT_EQ(naive.size(), ref.size()) << what;
+  gpu_testing::ErrorStats gpu_stats, naive_stats;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    gpu_testing::accumulate_error(gpu_stats, gpu[i], ref[i]);
+    gpu_testing::accumulate_error(naive_stats, naive[i], ref[i]);
+  }
+  EXPECT_FALSE(gpu_stats.has_nan) << what << ": NaN or unwritten element";
+  EXPECT_FALSE(gpu_stats.inf_mismatch) << what << ": inf where the reference is finite, or the reverse";
+  const double slack = 1e-4;
+  EXPECT_LE(gpu_stats.max_error, 2.0 * naive_stats.max_error + slack)
+      << what << ": max error " << gpu_stats.max_error << ", naive " << naive_stats.max_error;
+}
+
+class GpuBackward : public ::testing::TestWithParam<BwdCase> {};
+
+TEST_P(GpuBackward, MatchesReference) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  const BwdCase& c = GetParam();
+  const Problem pb(c);
+  GpuRun gpu;
+  try {
+    gpu = run_gpu(pb);
+  } catch (const Error& error) {
+    if (error.kind() == Error::Kind::kNotBuilt) GTEST_SKIP() << error.what();
+    throw;
+  }
+  const Grads ref = run_reference(pb);
+  const Grads naive = naive_low_precision(pb);
+  expect_close("dq", gpu.grads.dq, naive.dq, ref.dq);
+  expect_close("dk", gpu.grads.dk, naive.dk, ref.dk);
+  expect_close("dv", gpu.grads.dv, naive.dv, ref.dv);
+  if (c.sink) expect_close("d_sink", gpu.grads.d_sink, naive.d_sink, ref.d_sink);
+
+  if (c.deterministic) {
+    const GpuRun again = run_gpu(pb);
+    EXPECT_EQ(gpu.dq_bits, again.dq_bits) << "dq differs between two deterministic runs";
+    EXPECT_EQ(gpu.dk_bits, again.dk_bits) << "dk differs between two deterministic runs";
+    EXPECT_EQ(gpu.dv_bits, again.dv_bits) << "dv differs between two deterministic runs";
+    if (c.sink) {
+      EXPECT_EQ(0, std::memcmp(gpu.d_sink.data(), again.d_sink.data(), gpu.d_sink.size() * sizeof(float)))
+          << "d_sink differs between two deterministic runs";
+    }
+  }
+}
+
+std::vector<BwdCase> backward_cases() {
+  const std::pair<int, int> head_dims[] = {{64, 64}, {96, 96}, {128, 128}, {192, 192}, {192, 128}, {256, 256}};
+  std::vector<BwdCase> cases;
+  unsigned seed = 1000;
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+    for (auto [d, dv] : head_dims) {
+      auto add = [&](BwdCase c) {
+        c.dtype = dtype;
+        c.head_dim = d;
+        c.head_dim_v = dv;
+        c.seed = seed++;
+        cases.push_back(c);
+      };
+      BwdCase c;
+      c = {};
+      c.label = "dense", c.batch = 2, c.seqlen_q = 257, c.seqlen_k = 257, c.heads = 3, c.heads_kv = 3;
+      add(c);
+      c = {};
+      c.label = "causal_long", c.batch = 1, c.seqlen_q = 1023, c.seqlen_k = 1023, c.heads = 2, c.heads_kv = 2,
+      c.causal = true;
+      add(c);
+      c = {};
+      c.label = "varlen_causal_gqa", c.batch = 4, c.seqlen_q = 300, c.seqlen_k = 333, c.heads = 4, c.heads_kv = 1,
+      c.causal = true, c.varlen = true;
+      add(c);
+      if (dtype == DType::kFloat16) continue;  // the rest once per head dim
+      c = {};
+      c.label = "odd_lengths_sq_ne_sk", c.batch = 2, c.seqlen_q = 17, c.seqlen_k = 1023, c.heads = 2, c.heads_kv = 2;
+      add(c);
+      c = {};
+      c.label = "causal_decode_mqa", c.batch = 2, c.seqlen_q = 17, c.seqlen_k = 700, c.heads = 8, c.heads_kv = 1,
+      c.causal = true;
+      add(c);
+      c = {};
+      c.label = "causal_sq_gt_sk", c.batch = 1, c.seqlen_q = 300, c.seqlen_k = 100, c.heads = 2, c.heads_kv = 2,
+      c.causal = true;
+      add(c);
+      c = {};
+      c.label = "local_gqa2", c.batch = 1, c.seqlen_q = 513, c.seqlen_k = 513, c.heads = 4, c.heads_kv = 2,
+      c.window_left = 64, c.window_right = 32;
+      add(c);
+      c = {};
+      c.label = "local_left_only", c.batch = 2, c.seqlen_q = 200, c.seqlen_k = 700, c.heads = 2, c.heads_kv = 2,
+      c.window_left = 100;
+      add(c);
+      c = {};
+      c.label = "local_right_only_sq_gt_sk", c.batch = 1, c.seqlen_q = 400, c.seqlen_k = 150, c.heads = 2,
+      c.heads_kv = 2, c.window_right = 10;
+      add(c);
+      c = {};
+      c.label = "softcap", c.batch = 2, c.seqlen_q = 255, c.seqlen_k = 255, c.heads = 2, c.heads_kv = 2,
+      c.softcap = 30.f;
+      add(c);
+      c = {};
+      c.label = "softcap_causal_gqa", c.batch = 1, c.seqlen_q = 300, c.seqlen_k = 300, c.heads = 4, c.heads_kv = 2,
+      c.causal = true, c.softcap = 15.f;
+      add(c);
+      c = {};
+      c.label = "sink_fp32_one_query", c.batch = 3, c.seqlen_q = 1, c.seqlen_k = 17, c.heads = 4, c.heads_kv = 4,
+      c.sink = DType::kFloat32;
+      add(c);
+      c = {};
+      c.label = "sink_bf16_causal", c.batch = 1, c.seqlen_q = 129, c.seqlen_k = 129, c.heads = 2, c.heads_kv = 2,
+      c.causal = true, c.sink = DType::kBFloat16;
+      add(c);
+      c = {};
+      c.label = "sink_fp16_local_mqa", c.batch = 1, c.seqlen_q = 190, c.seqlen_k = 260, c.heads = 2, c.heads_kv = 1,
+      c.window_left = 20, c.window_right = 0, c.sink = DType::kFloat16;
+      add(c);
+      c = {};
+      c.label = "varlen_seqused", c.batch = 5, c.seqlen_q = 200, c.seqlen_k = 150, c.heads = 2, c.heads_kv = 2,
+      c.varlen = true, c.seqused = true;
+      add(c);
+      c = {};
+      c.label = "dense_seqused_causal_gqa", c.batch = 3, c.seqlen_q = 130, c.seqlen_k = 190, c.heads = 2,
+      c.heads_kv = 1, c.causal = true, c.seqused = true;
+      add(c);
+      c = {};
+      c.label = "strided_gqa3", c.batch = 2, c.seqlen_q = 150, c.seqlen_k = 211, c.heads = 6, c.heads_kv = 2,
+      c.strided = true;
+      add(c);
+      c = {};
+      c.label = "gqa8", c.batch = 1, c.seqlen_q = 128, c.seqlen_k = 384, c.heads = 8, c.heads_kv = 1;
+      add(c);
+      c = {};
+      c.label = "single_row_and_key", c.batch = 3, c.seqlen_q = 1, c.seqlen_k = 1, c.heads = 2, c.heads_kv = 2;
+      add(c);
+      c = {};
+      c.label = "deterministic_dense", c.batch = 2, c.seqlen_q = 700, c.seqlen_k = 700, c.heads = 2, c.heads_kv = 2,
+      c.deterministic = true;
+      add(c);
+      c = {};
+      c.label = "deterministic_causal_gqa_sink", c.batch = 2, c.seqlen_q = 600, c.seqlen_k = 650, c.heads = 6,
+      c.heads_kv = 2, c.causal = true, c.sink = DType::kFloat32, c.deterministic = true;
+      add(c);
+      c = {};
+      c.label = "deterministic_varlen_local", c.batch = 4, c.seqlen_q = 500, c.seqlen_k = 520, c.heads = 3,
+      c.heads_kv = 1, c.varlen = true, c.window_left = 150, c.window_right = 40, c.deterministic = true;
+      add(c);
+    }
+  }
+  // Head dims that are not a kernel's own (zero-filled up to the next compiled one).
+  BwdCase c;
+  c.label = "head_dim_40", c.batch = 2, c.seqlen_q = 190, c.seqlen_k = 170, c.heads = 2, c.heads_kv = 1,
+  c.head_dim = 40, c.head_dim_v = 40, c.causal = true, c.seed = seed++;
+  cases.push_back(c);
+  c = {};
+  c.label = "head_dim_120", c.batch = 1, c.seqlen_q = 333, c.seqlen_k = 290, c.heads = 2, c.heads_kv = 2,
+  c.head_dim = 120, c.head_dim_v = 120, c.seed = seed++;
+  cases.push_back(c);
+  c = {};
+  c.label = "head_dims_64_128", c.batch = 1, c.seqlen_q = 200, c.seqlen_k = 200, c.heads = 2, c.heads_kv = 2,
+  c.head_dim = 64, c.head_dim_v = 128, c.causal = true, c.seed = seed++;
+  cases.push_back(c);
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Options, GpuBackward, ::testing::ValuesIn(backward_cases()),
+                         [](const ::testing::TestParamInfo<BwdCase>& info) { return case_name(info.param); });
+
+}  // namespace
+}  // namespace cuflash
