@@ -40,7 +40,6 @@ set(CUFLASH_CUDA_FLAGS
   -lineinfo
   -Xcompiler=-Wno-unused-parameter
   -DCUTLASS_ENABLE_GDC_FOR_SM90
-  -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
   -DNDEBUG)
 
 # --- Kernel selection ---------------------------------------------------------------
@@ -103,6 +102,14 @@ foreach(_inc cuflash_built_kernels cuflash_built_fwd cuflash_built_bwd)
   file(WRITE ${PROJECT_BINARY_DIR}/generated/${_inc}.inc.tmp "${_text}")
   configure_file(${PROJECT_BINARY_DIR}/generated/${_inc}.inc.tmp ${PROJECT_BINARY_DIR}/generated/${_inc}.inc COPYONLY)
 endforeach()
+
+# The backward tiles need WGMMA N extents such as 80 and 40, which CUTLASS declares only with
+# CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED (src/sm90/mainloop_bwd_sm90.hpp checks for it).
+set(_bwd_instantiations ${CUFLASH_SELECTED_INSTANTIATIONS})
+list(FILTER _bwd_instantiations INCLUDE REGEX "/flash_bwd_[^/]*\\.cu$")
+if(_bwd_instantiations)
+  set_source_files_properties(${_bwd_instantiations} PROPERTIES COMPILE_DEFINITIONS CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED)
+endif()
 
 file(GLOB CUFLASH_SM90_SOURCES CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/src/sm90/*.cu)
 target_sources(cuflash PRIVATE ${CUFLASH_SM90_SOURCES} ${CUFLASH_SELECTED_INSTANTIATIONS})
