@@ -314,34 +314,30 @@ HostLengths check_host_sequences(const SequenceLayout& seq, const AttentionShape
   if (s.varlen_q) check_offsets(*seq.cu_seqlens_q, "cu_seqlens_q", s.total_q, "total_q");
   if (s.varlen_k) check_offsets(*seq.cu_seqlens_k, "cu_seqlens_k", s.total_k, "total_k");
 
-  // Capacity of each sequence: what its storage holds from its start.
-  auto capacity_q = [&](std::int64_t b) {
-    return s.varlen_q ? s.total_q - read_int(*seq.cu_seqlens_q, b) : s.seqlen_q;
-  };
-  auto capacity_k = [&](std::int64_t b) {
-    if (s.varlen_k) return s.total_k - read_int(*seq.cu_seqlens_k, b);
-    return s.seqlen_k;  // dense Sk, or max_pages * page_size when paged
-  };
+  // Rows of each sequence: its cu_seqlens segment, the dense length, or for paged k/v
+  // max_pages * page_size. seqused caps them (it never reaches into the next sequence).
   for (std::int64_t b = 0; b < s.batch; ++b) {
-    std::int64_t len_q = s.varlen_q
-                             ? read_int(*seq.cu_seqlens_q, b + 1) - read_int(*seq.cu_seqlens_q, b)
-                             : s.seqlen_q;
-    std::int64_t len_k = s.varlen_k
-                             ? read_int(*seq.cu_seqlens_k, b + 1) - read_int(*seq.cu_seqlens_k, b)
-                             : s.seqlen_k;
+    const std::int64_t capacity_q =
+        s.varlen_q ? read_int(*seq.cu_seqlens_q, b + 1) - read_int(*seq.cu_seqlens_q, b)
+                   : s.seqlen_q;
+    const std::int64_t capacity_k =
+        s.varlen_k ? read_int(*seq.cu_seqlens_k, b + 1) - read_int(*seq.cu_seqlens_k, b)
+                   : s.seqlen_k;
+    std::int64_t len_q = capacity_q;
+    std::int64_t len_k = capacity_k;
     if (seq.seqused_q) {
       len_q = read_int(*seq.seqused_q, b);
-      if (len_q < 0 || len_q > capacity_q(b)) {
+      if (len_q < 0 || len_q > capacity_q) {
         fail("seqused_q", "expected seqused_q[" + std::to_string(b) + "] in [0, " +
-                              std::to_string(capacity_q(b)) + "] (rows of q for sequence " +
+                              std::to_string(capacity_q) + "] (rows of q for sequence " +
                               std::to_string(b) + "), got " + std::to_string(len_q));
       }
     }
     if (seq.seqused_k) {
       len_k = read_int(*seq.seqused_k, b);
-      if (len_k < 0 || len_k > capacity_k(b)) {
+      if (len_k < 0 || len_k > capacity_k) {
         fail("seqused_k", "expected seqused_k[" + std::to_string(b) + "] in [0, " +
-                              std::to_string(capacity_k(b)) + "] (rows of k for sequence " +
+                              std::to_string(capacity_k) + "] (rows of k for sequence " +
                               std::to_string(b) + "), got " + std::to_string(len_k));
       }
     }
@@ -930,8 +926,10 @@ CombineShape check_combine(const CombineArgs& args) {
       previous = value;
     }
     for (std::int64_t b = 0; args.seqused && b < c.batch; ++b) {
-      const std::int64_t start = args.cu_seqlens ? read_int(*args.cu_seqlens, b) : 0;
-      const std::int64_t capacity = c.seqlen - start;
+      // Rows of sequence b: its cu_seqlens segment (all rows without cu_seqlens).
+      const std::int64_t capacity =
+          args.cu_seqlens ? read_int(*args.cu_seqlens, b + 1) - read_int(*args.cu_seqlens, b)
+                          : c.seqlen;
       const std::int64_t used = read_int(*args.seqused, b);
       if (used < 0 || used > capacity) {
         fail("seqused", "expected seqused[" + std::to_string(b) + "] in [0, " +

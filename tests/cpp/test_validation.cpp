@@ -396,6 +396,20 @@ TEST_F(ForwardValidation, ChecksSequsedAndLengthHints) {
   args.seq.seqused_k = int_tensor(ok, {2});
   EXPECT_NO_THROW(validate(args));
 
+  // A packed sequence's seqused is capped by its own segment, not by the rows after its start.
+  std::vector<std::int32_t> past_segment{31, 20};
+  args = varlen_forward();
+  args.seq.seqused_q = int_tensor(past_segment, {2});
+  EXPECT_INVALID(validate(args), "seqused_q", "expected seqused_q[0] in [0, 30]", "got 31");
+  std::vector<std::int32_t> past_segment_k{41, 60};
+  args = varlen_forward();
+  args.seq.seqused_k = int_tensor(past_segment_k, {2});
+  EXPECT_INVALID(validate(args), "seqused_k", "expected seqused_k[0] in [0, 40]", "got 41");
+  std::vector<std::int32_t> within{30, 0};
+  args = varlen_forward();
+  args.seq.seqused_q = int_tensor(within, {2});
+  EXPECT_NO_THROW(validate(args));
+
   args = varlen_forward();
   args.seq.max_seqlen_q = 20;
   EXPECT_INVALID(validate(args), "max_seqlen_q",
@@ -954,6 +968,11 @@ TEST_F(CombineValidation, ChecksSequenceTensors) {
   args = varlen_combine();
   args.cu_seqlens = int_tensor(beyond, {3});
   EXPECT_INVALID(validate(args), "cu_seqlens", "total = 50", "cu_seqlens[2] = 60");
+
+  std::vector<std::int32_t> past_segment{31, 10};
+  args = varlen_combine();
+  args.seqused = int_tensor(past_segment, {2});
+  EXPECT_INVALID(validate(args), "seqused", "expected seqused[0] in [0, 30], got 31");
 
   std::vector<std::int32_t> too_many{30, 21};
   args = varlen_combine();
