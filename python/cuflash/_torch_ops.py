@@ -82,13 +82,13 @@ def _(q, k, v, learnable_sink, cu_seqlens_q, *args):
 @torch.library.custom_op("cuflash::bwd", mutates_args=())
 def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, learnable_sink: Optional[Tensor],
         cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], seqused_q: Optional[Tensor],
-        seqused_k: Optional[Tensor], max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
-        softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int, softcap: float,
-        score_mod_kind: int, score_mod_scalars: List[float], mask_mod_kind: int, mask_mod_scalars: List[float],
-        aux: List[Tensor], num_score_aux: int, block_sparse: List[Tensor], block_sparse_slots: List[int],
-        deterministic: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        seqused_k: Optional[Tensor], page_table: Optional[Tensor], max_seqlen_q: Optional[int],
+        max_seqlen_k: Optional[int], softmax_scale: Optional[float], causal: bool, window_left: int,
+        window_right: int, softcap: float, score_mod_kind: int, score_mod_scalars: List[float], mask_mod_kind: int,
+        mask_mod_scalars: List[float], aux: List[Tensor], num_score_aux: int, block_sparse: List[Tensor],
+        block_sparse_slots: List[int], deterministic: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     call = _call(q, k, v, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                 max_seqlen_k, None, softmax_scale, causal, window_left, window_right, softcap, score_mod_kind,
+                 max_seqlen_k, page_table, softmax_scale, causal, window_left, window_right, softcap, score_mod_kind,
                  score_mod_scalars, mask_mod_kind, mask_mod_scalars, aux, num_score_aux, block_sparse,
                  block_sparse_slots, 1, None, deterministic)
     dq, dk, dv, d_sink = _interface._run_backward(call, out, dout.contiguous() if dout.stride(-1) != 1 else dout,
@@ -110,7 +110,8 @@ _FWD_INPUTS = ("q", "k", "v", "learnable_sink", "cu_seqlens_q", "cu_seqlens_k", 
                "window_right", "softcap", "score_mod_kind", "score_mod_scalars", "mask_mod_kind",
                "mask_mod_scalars", "aux", "num_score_aux", "block_sparse", "block_sparse_slots", "num_splits", "pack_gqa",
                "deterministic")
-_TENSOR_INPUTS = ("q", "k", "v", "learnable_sink", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")
+_TENSOR_INPUTS = ("q", "k", "v", "learnable_sink", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k",
+                  "page_table")
 _OPTIONS = ("max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal", "window_left", "window_right", "softcap",
             "score_mod_kind", "score_mod_scalars", "mask_mod_kind", "mask_mod_scalars", "num_score_aux")
 
@@ -133,8 +134,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, sink, cu_q, cu_k, used_q, used_k, out, lse = ctx.saved_tensors
-    dq, dk, dv, d_sink = bwd(dout, q, k, v, out, lse, sink, cu_q, cu_k, used_q, used_k, aux=ctx.aux,
+    q, k, v, sink, cu_q, cu_k, used_q, used_k, page_table, out, lse = ctx.saved_tensors
+    dq, dk, dv, d_sink = bwd(dout, q, k, v, out, lse, sink, cu_q, cu_k, used_q, used_k, page_table, aux=ctx.aux,
                              block_sparse=ctx.block_sparse,
                              block_sparse_slots=ctx.block_sparse_slots, deterministic=ctx.deterministic, **ctx.options)
     grads = {name: [None] * length for name, length in ctx.list_lengths.items()}

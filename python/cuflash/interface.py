@@ -560,7 +560,8 @@ def _run_backward(call: _Call, out: Tensor, dout: Tensor, lse: Tensor
     _C.backward(call.export(call.q), call.export(call.k), call.export(call.v), call.export(out),
                 call.export(dout), call.export(lse), call.export(dq), call.export(dk), call.export(dv),
                 learnable_sink=call.export(call.learnable_sink), d_sink=call.export(d_sink),
-                deterministic=call.deterministic, stream=stream, **call.common_kwargs())
+                page_table=call.export(call.page_table), deterministic=call.deterministic, stream=stream,
+                **call.common_kwargs())
     dq, dk, dv, d_sink = framework.finish([dq, dk, dv, d_sink], stream, like=call.q)
     return dq, dk, dv, d_sink
 

@@ -210,8 +210,8 @@ void backward(const InArray& q, const InArray& k, const InArray& v, const InArra
               const OptIn& learnable_sink, const OptOut& d_sink, const OptIn& cu_seqlens_q,
               const OptIn& cu_seqlens_k, const OptIn& seqused_q, const OptIn& seqused_k,
               std::optional<std::int64_t> max_seqlen_q, std::optional<std::int64_t> max_seqlen_k,
-              std::optional<double> softmax_scale, bool causal, int window_left, int window_right, double softcap,
-              int score_mod_kind, const std::vector<double>& score_mod_scalars,
+              const OptIn& page_table, std::optional<double> softmax_scale, bool causal, int window_left,
+              int window_right, double softcap, int score_mod_kind, const std::vector<double>& score_mod_scalars,
               const std::vector<InArray>& score_mod_aux, int mask_mod_kind,
               const std::vector<double>& mask_mod_scalars, const std::vector<InArray>& mask_mod_aux,
               const std::vector<OptIn>& block_sparse, int block_m, int block_n, bool deterministic,
@@ -229,7 +229,7 @@ void backward(const InArray& q, const InArray& k, const InArray& v, const InArra
   args.learnable_sink = to_view(learnable_sink, "learnable_sink");
   args.d_sink = to_view(d_sink, "d_sink");
   CommonArgs common = make_common(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-                                  std::nullopt, softmax_scale, causal, window_left, window_right, softcap,
+                                  page_table, softmax_scale, causal, window_left, window_right, softcap,
                                   score_mod_kind, score_mod_scalars, score_mod_aux, mask_mod_kind,
                                   mask_mod_scalars, mask_mod_aux, block_sparse, block_m, block_n);
   args.seq = std::move(common.seq);
@@ -429,12 +429,12 @@ NB_MODULE(_C, m) {
         "cu_seqlens_q"_a.none() = nb::none(), "cu_seqlens_k"_a.none() = nb::none(),
         "seqused_q"_a.none() = nb::none(), "seqused_k"_a.none() = nb::none(),
         "max_seqlen_q"_a.none() = nb::none(), "max_seqlen_k"_a.none() = nb::none(),
-        "softmax_scale"_a.none() = nb::none(), "causal"_a = false, "window_left"_a = -1, "window_right"_a = -1,
-        "softcap"_a = 0.0, "score_mod_kind"_a = 0, "score_mod_scalars"_a = std::vector<double>{},
-        "score_mod_aux"_a = std::vector<InArray>{}, "mask_mod_kind"_a = 0,
-        "mask_mod_scalars"_a = std::vector<double>{}, "mask_mod_aux"_a = std::vector<InArray>{},
-        "block_sparse"_a = std::vector<OptIn>{}, "block_m"_a = 128, "block_n"_a = 128,
-        "deterministic"_a = false, "stream"_a = 0,
+        "page_table"_a.none() = nb::none(), "softmax_scale"_a.none() = nb::none(), "causal"_a = false,
+        "window_left"_a = -1, "window_right"_a = -1, "softcap"_a = 0.0, "score_mod_kind"_a = 0,
+        "score_mod_scalars"_a = std::vector<double>{}, "score_mod_aux"_a = std::vector<InArray>{},
+        "mask_mod_kind"_a = 0, "mask_mod_scalars"_a = std::vector<double>{},
+        "mask_mod_aux"_a = std::vector<InArray>{}, "block_sparse"_a = std::vector<OptIn>{}, "block_m"_a = 128,
+        "block_n"_a = 128, "deterministic"_a = false, "stream"_a = 0,
         "Runs cuflash::backward, writing dq, dk, dv (and d_sink when given).");
   m.def("combine", &combine, "out_partial"_a, "lse_partial"_a, "out"_a, "lse"_a.none() = nb::none(),
         "cu_seqlens"_a.none() = nb::none(), "seqused"_a.none() = nb::none(), "stream"_a = 0,

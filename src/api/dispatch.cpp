@@ -116,6 +116,12 @@ void backward(const BackwardArgs& args, StreamHandle stream, Workspace workspace
   }
 #if CUFLASH_HAS_CUDA
   require_device();
+  if (shape.paged) {
+    // The sm90 backward kernel reads k/v as dense or packed rows; it has no page table.
+    throw Error(Error::Kind::kNotSupported, "page_table",
+                "page_table: paged k/v are not supported by the sm90 backward kernel yet (the CPU "
+                "reference takes them)");
+  }
   detail::DeviceGuard guard(shape.device.index);
   BwdParams params = device_bwd_params(args, shape);
   const std::size_t bytes = sm90::backward_workspace_bytes(params);

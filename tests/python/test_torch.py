@@ -108,6 +108,22 @@ def test_block_sparse_autograd(gen):
         assert_close(to_numpy(tensor.grad), e, scale=max(1.0, np.abs(e).max()), what=name)
 
 
+def test_paged_kv_autograd(gen):
+    # As many pages as sequences: read as dense k/v, the pages would go to the wrong sequence.
+    page_table = torch.tensor([[1], [0]], dtype=torch.int32)
+    q, k_cache, v_cache = tensors(gen, [(2, 9, 4, 32), (2, 24, 2, 32), (2, 24, 2, 32)])
+    out, _ = cuflash.flash_attn_varlen_func(q, k_cache, v_cache, page_table=page_table, causal=True)
+    dout = torch.randn(out.shape, generator=gen).half()
+    out.backward(dout)
+    k, v = (to_numpy(t)[page_table[:, 0].long().numpy()] for t in (k_cache, v_cache))
+    expected = ref.backward_dense(to_numpy(dout), to_numpy(q), k, v, to_numpy(out), ref.Options(causal=True))
+    pages = page_table[:, 0].long().numpy()
+    for name, tensor, e in zip(("dq", "dk", "dv"), (q, k_cache, v_cache), expected[:3]):
+        if name != "dq":
+            e = e[np.argsort(pages)]
+        assert_close(to_numpy(tensor.grad), e, scale=max(1.0, np.abs(e).max()), what=name)
+
+
 def test_no_grad_and_inference_mode(gen):
     q, k, v = tensors(gen, [(1, 8, 2, 32)] * 3)
     with torch.no_grad():
