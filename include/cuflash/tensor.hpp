@@ -37,6 +37,8 @@ struct TensorView {
   Device device{};
 
   TensorView() = default;
+  // Both constructors throw cuflash::Error for more than kMaxDims sizes or, in the strided
+  // one, a stride count that differs from the size count.
   // Contiguous (row-major) view.
   TensorView(void* data_, DType dtype_, std::initializer_list<std::int64_t> shape_, Device device_ = {});
   // Strided view.

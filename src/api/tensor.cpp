@@ -1,5 +1,7 @@
 #include <sstream>
+#include <string>
 
+#include "cuflash/error.hpp"
 #include "cuflash/tensor.hpp"
 
 namespace cuflash {
@@ -28,8 +30,27 @@ std::string device_name(const Device& device) {
   return device.type == DeviceType::kCPU ? std::string("cpu") : "cuda:" + std::to_string(device.index);
 }
 
+namespace {
+
+// The shape and stride arrays hold kMaxDims entries: longer lists would be written past them.
+void check_dims(std::size_t shape_size, std::size_t stride_size) {
+  if (shape_size > static_cast<std::size_t>(kMaxDims)) {
+    throw Error(Error::Kind::kInvalidArgument, "shape",
+                "shape: expected at most " + std::to_string(kMaxDims) + " dimensions, got " +
+                    std::to_string(shape_size));
+  }
+  if (stride_size != shape_size) {
+    throw Error(Error::Kind::kInvalidArgument, "stride",
+                "stride: expected one stride per dimension (" + std::to_string(shape_size) +
+                    "), got " + std::to_string(stride_size));
+  }
+}
+
+}  // namespace
+
 TensorView::TensorView(void* data_, DType dtype_, std::initializer_list<std::int64_t> shape_, Device device_)
     : data(data_), dtype(dtype_), ndim(static_cast<int>(shape_.size())), device(device_) {
+  check_dims(shape_.size(), shape_.size());
   int i = 0;
   for (std::int64_t s : shape_) shape[i++] = s;
   std::int64_t running = 1;
@@ -42,6 +63,7 @@ TensorView::TensorView(void* data_, DType dtype_, std::initializer_list<std::int
 TensorView::TensorView(void* data_, DType dtype_, std::initializer_list<std::int64_t> shape_,
                        std::initializer_list<std::int64_t> stride_, Device device_)
     : data(data_), dtype(dtype_), ndim(static_cast<int>(shape_.size())), device(device_) {
+  check_dims(shape_.size(), stride_.size());
   int i = 0;
   for (std::int64_t s : shape_) shape[i++] = s;
   i = 0;
