@@ -278,14 +278,15 @@ AttentionShape check_qkv(const TensorView& q, const TensorView& k, const TensorV
 
   if (seq.seqused_q) check_int_vector(*seq.seqused_q, "seqused_q", s.batch, "(batch,)");
   if (seq.seqused_k) check_int_vector(*seq.seqused_k, "seqused_k", s.batch, "(batch,)");
-  if (seq.max_seqlen_q && *seq.max_seqlen_q < 0) {
-    fail("max_seqlen_q",
-         "expected a non-negative length, got " + std::to_string(*seq.max_seqlen_q));
-  }
-  if (seq.max_seqlen_k && *seq.max_seqlen_k < 0) {
-    fail("max_seqlen_k",
-         "expected a non-negative length, got " + std::to_string(*seq.max_seqlen_k));
-  }
+  // The kernels take the hints as int32 lengths.
+  auto check_length_hint = [&](const std::optional<std::int64_t>& hint, const std::string& name) {
+    if (hint && (*hint < 0 || *hint > kMaxRows)) {
+      fail(name, "expected a length in [0, " + std::to_string(kMaxRows) + "], got " +
+                     std::to_string(*hint));
+    }
+  };
+  check_length_hint(seq.max_seqlen_q, "max_seqlen_q");
+  check_length_hint(seq.max_seqlen_k, "max_seqlen_k");
   return s;
 }
 

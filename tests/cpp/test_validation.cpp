@@ -431,7 +431,17 @@ TEST_F(ForwardValidation, ChecksSequsedAndLengthHints) {
 
   args = varlen_forward();
   args.seq.max_seqlen_k = -1;
-  EXPECT_INVALID(validate(args), "max_seqlen_k", "expected a non-negative length, got -1");
+  EXPECT_INVALID(validate(args), "max_seqlen_k", "expected a length in [0, 2147483647], got -1");
+
+  // The kernels take the hints as int32 lengths.
+  args = varlen_forward();
+  args.seq.max_seqlen_q = std::int64_t{1} << 32;
+  EXPECT_INVALID(validate(args), "max_seqlen_q",
+                 "expected a length in [0, 2147483647], got 4294967296");
+  args = varlen_forward();
+  args.seq.max_seqlen_k = std::int64_t{1} << 31;
+  EXPECT_INVALID(validate(args), "max_seqlen_k",
+                 "expected a length in [0, 2147483647], got 2147483648");
 
   args = varlen_forward();
   args.seq.max_seqlen_q = 30;
