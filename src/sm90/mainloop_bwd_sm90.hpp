@@ -672,9 +672,12 @@ struct MainloopBwdSm90 {
       }
       float const* dpsum = smem.dpsum.data() + stage_do * kStatsStride + row_base;
 
+      // P for the dV MMA: to smem now (overlapping the dP MMA) when the MMA reads it from smem;
+      // kept in registers otherwise, converted after dS so fp32 P and its 16-bit copy are not
+      // both live while dS is computed.
       Tensor rP = make_tensor_like<Element>(tSrS);
-      convert_fragment(tSrS, rP);
       if constexpr (!Mma_dKV_is_RS) {
+        convert_fragment(tSrS, rP);
         // With one P buffer, the previous step's dV MMA must be done reading it.
         if constexpr (kStagesdS == 1) {
           cutlass::arch::NamedBarrier::sync(NumMmaThreads, uint32_t(BwdBarrier::kPdS));
@@ -693,6 +696,7 @@ struct MainloopBwdSm90 {
           if constexpr (HasSoftcap) { dS(mi, ni) *= dtanh(mi, ni); }
         }
       }
+      if constexpr (Mma_dKV_is_RS) { convert_fragment(tSrS, rP); }
       Tensor rdS = make_tensor_like<Element>(tdPrdP);
       convert_fragment(tdPrdP, rdS);
       // P must be visible before the dV MMA reads it; with one dS buffer the previous dQ / dK
