@@ -46,7 +46,10 @@ ModParams make_mod_params(int kind, const std::vector<double>& scalars,
   for (int i = 0; i < mod.num_aux; ++i) {
     mod.aux[i] = aux[i].data;
     mod.aux_dtype[i] = static_cast<int>(aux[i].dtype);
-    mod.aux_rows[i] = aux[i].ndim >= 2 ? aux[i].numel() / aux[i].size(-1) : 1;
+    // Rows: the product of the leading dims (a division by the last one fails when it is 0).
+    std::int64_t rows = 1;
+    for (int d = 0; d + 1 < aux[i].ndim; ++d) rows *= aux[i].shape[d];
+    mod.aux_rows[i] = rows;
     mod.aux_cols[i] = aux[i].size(-1);
   }
   return mod;

@@ -197,6 +197,20 @@ TEST(ParamsForward, ModsAndBlockSparsity) {
   EXPECT_EQ(p.block_sparse.num_col_blocks, 2);
 }
 
+TEST(ParamsForward, EmptyAuxTensorOfAnEmptyProblem) {
+  // No query or key rows: document ids of length 0 are valid and have 2 rows of 0 columns.
+  ForwardArgs args;
+  args.q = TensorView(nullptr, DType::kBFloat16, {2, 0, 8, 64});
+  args.k = TensorView(nullptr, DType::kBFloat16, {2, 0, 8, 64});
+  args.v = TensorView(nullptr, DType::kBFloat16, {2, 0, 8, 64});
+  args.out = TensorView(nullptr, DType::kBFloat16, {2, 0, 8, 64});
+  args.opts.mask_mod.kind = MaskModKind::kDocument;
+  args.opts.mask_mod.aux = {TensorView(nullptr, DType::kInt32, {2, 0})};
+  const FwdParams p = make_fwd_params(args, check_forward(args));
+  EXPECT_EQ(p.mask_mod.aux_rows[0], 2);
+  EXPECT_EQ(p.mask_mod.aux_cols[0], 0);
+}
+
 TEST(ParamsForward, SplitHeuristicAndBuffers) {
   FwdParams p;
   p.batch = 1;
