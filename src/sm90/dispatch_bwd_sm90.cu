@@ -147,7 +147,11 @@ void check_supported(const BwdParams& p) {
 
 }  // namespace
 
-std::size_t backward_workspace_bytes(const BwdParams& params) { return workspace_layout(params).total; }
+// Unsupported calls fail here already, before dispatch allocates the workspace.
+std::size_t backward_workspace_bytes(const BwdParams& params) {
+  check_supported(params);
+  return workspace_layout(params).total;
+}
 
 void run_backward(BwdParams& params, StreamHandle stream) {
   check_supported(params);
