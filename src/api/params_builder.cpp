@@ -99,25 +99,25 @@ float default_softmax_scale(std::int64_t head_dim) {
   return static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
 }
 
-FwdParams make_fwd_params(const ForwardArgs& args, const AttentionShape& shape) {
-  FwdParams p;
-  p.q = args.q.data;
-  p.k = args.k.data;
-  p.v = args.v.data;
-  p.out = args.out.data;
-  p.lse = args.lse ? static_cast<float*>(args.lse->data) : nullptr;
+namespace {
 
-  const RowStrides q = row_strides(args.q), k = row_strides(args.k), v = row_strides(args.v),
-                   o = row_strides(args.out);
-  p.q_batch_stride = q.batch, p.q_row_stride = q.row, p.q_head_stride = q.head;
-  p.k_batch_stride = k.batch, p.k_row_stride = k.row, p.k_head_stride = k.head;
-  p.v_batch_stride = v.batch, p.v_row_stride = v.row, p.v_head_stride = v.head;
-  p.o_batch_stride = o.batch, p.o_row_stride = o.row, p.o_head_stride = o.head;
-  if (args.lse) {
-    const RowStrides lse = lse_strides(*args.lse);
-    p.lse_batch_stride = lse.batch;
-    p.lse_head_stride = lse.head;
-  }
+// What FwdParams and BwdParams share: inputs, sizes, sequence layout and options. `out` gives
+// the output strides (the forward's result, the backward's input).
+template <class Params>
+void fill_attention_params(Params& p, const TensorView& q, const TensorView& k, const TensorView& v,
+                           const TensorView& out, const SequenceLayout& seq,
+                           const AttentionOptions& opts,
+                           const std::optional<TensorView>& learnable_sink,
+                           const AttentionShape& shape, bool backward) {
+  p.q = q.data;
+  p.k = k.data;
+  p.v = v.data;
+  const RowStrides qs = row_strides(q), ks = row_strides(k), vs = row_strides(v),
+                   os = row_strides(out);
+  p.q_batch_stride = qs.batch, p.q_row_stride = qs.row, p.q_head_stride = qs.head;
+  p.k_batch_stride = ks.batch, p.k_row_stride = ks.row, p.k_head_stride = ks.head;
+  p.v_batch_stride = vs.batch, p.v_row_stride = vs.row, p.v_head_stride = vs.head;
+  p.o_batch_stride = os.batch, p.o_row_stride = os.row, p.o_head_stride = os.head;
 
   p.batch = static_cast<int>(shape.batch);
   p.seqlen_q = static_cast<int>(shape.seqlen_q);
@@ -129,47 +129,60 @@ FwdParams make_fwd_params(const ForwardArgs& args, const AttentionShape& shape) 
   p.total_q = static_cast<int>(shape.total_q);
   p.total_k = static_cast<int>(shape.total_k);
 
-  p.cu_seqlens_q = data_of<int>(args.seq.cu_seqlens_q);
-  p.cu_seqlens_k = data_of<int>(args.seq.cu_seqlens_k);
-  p.seqused_q = data_of<int>(args.seq.seqused_q);
-  p.seqused_k = data_of<int>(args.seq.seqused_k);
-  if (args.seq.page_table) {
-    p.page_table = data_of<int>(args.seq.page_table);
-    p.page_table_batch_stride = args.seq.page_table->stride[0];
+  p.cu_seqlens_q = data_of<int>(seq.cu_seqlens_q);
+  p.cu_seqlens_k = data_of<int>(seq.cu_seqlens_k);
+  p.seqused_q = data_of<int>(seq.seqused_q);
+  p.seqused_k = data_of<int>(seq.seqused_k);
+  if (seq.page_table) {
+    p.page_table = data_of<int>(seq.page_table);
+    p.page_table_batch_stride = seq.page_table->stride[0];
     p.page_size = static_cast<int>(shape.page_size);
   }
 
-  p.softmax_scale = args.opts.softmax_scale.value_or(default_softmax_scale(shape.head_dim));
+  p.softmax_scale = opts.softmax_scale.value_or(default_softmax_scale(shape.head_dim));
   p.softmax_scale_log2 = p.softmax_scale * kLog2e;
-  p.softcap = args.opts.softcap;
-  const MaskWindow w =
-      normalize_window(args.opts.causal, args.opts.window_left, args.opts.window_right);
+  p.softcap = opts.softcap;
+  const MaskWindow w = normalize_window(opts.causal, opts.window_left, opts.window_right);
   p.is_causal = w.is_causal;
   p.is_local = w.is_local;
   p.window_left = w.window_left;
   p.window_right = w.window_right;
+  if (learnable_sink) {
+    p.learnable_sink = learnable_sink->data;
+    p.sink_dtype = static_cast<int>(learnable_sink->dtype);
+  }
 
-  if (args.learnable_sink) {
-    p.learnable_sink = args.learnable_sink->data;
-    p.sink_dtype = static_cast<int>(args.learnable_sink->dtype);
+  p.dtype = static_cast<int>(shape.dtype);
+  p.score_mod = make_mod_params(static_cast<int>(opts.score_mod.kind), opts.score_mod.scalars,
+                                opts.score_mod.aux);
+  p.mask_mod = make_mod_params(static_cast<int>(opts.mask_mod.kind), opts.mask_mod.scalars,
+                               opts.mask_mod.aux);
+  p.block_sparse = make_block_sparse_params(opts, shape, backward);
+  p.device_index = shape.device.index;
+}
+
+}  // namespace
+
+FwdParams make_fwd_params(const ForwardArgs& args, const AttentionShape& shape) {
+  FwdParams p;
+  fill_attention_params(p, args.q, args.k, args.v, args.out, args.seq, args.opts,
+                        args.learnable_sink, shape, /*backward=*/false);
+  p.out = args.out.data;
+  if (args.lse) {
+    p.lse = static_cast<float*>(args.lse->data);
+    const RowStrides lse = lse_strides(*args.lse);
+    p.lse_batch_stride = lse.batch;
+    p.lse_head_stride = lse.head;
   }
   p.num_splits = 1;
   p.pack_gqa = args.pack_gqa.value_or(shape.num_heads != shape.num_heads_kv);
-  p.dtype = static_cast<int>(shape.dtype);
-  p.score_mod = make_mod_params(static_cast<int>(args.opts.score_mod.kind),
-                                args.opts.score_mod.scalars, args.opts.score_mod.aux);
-  p.mask_mod = make_mod_params(static_cast<int>(args.opts.mask_mod.kind),
-                               args.opts.mask_mod.scalars, args.opts.mask_mod.aux);
-  p.block_sparse = make_block_sparse_params(args.opts, shape, /*backward=*/false);
-  p.device_index = shape.device.index;
   return p;
 }
 
 BwdParams make_bwd_params(const BackwardArgs& args, const AttentionShape& shape) {
   BwdParams p;
-  p.q = args.q.data;
-  p.k = args.k.data;
-  p.v = args.v.data;
+  fill_attention_params(p, args.q, args.k, args.v, args.out, args.seq, args.opts,
+                        args.learnable_sink, shape, /*backward=*/true);
   p.out = args.out.data;
   p.dout = args.dout.data;
   p.lse = static_cast<const float*>(args.lse.data);
@@ -178,61 +191,16 @@ BwdParams make_bwd_params(const BackwardArgs& args, const AttentionShape& shape)
   p.dv = args.dv.data;
   p.d_sink = args.d_sink ? static_cast<float*>(args.d_sink->data) : nullptr;
 
-  const RowStrides q = row_strides(args.q), k = row_strides(args.k), v = row_strides(args.v),
-                   o = row_strides(args.out), dout = row_strides(args.dout),
-                   dq = row_strides(args.dq), dk = row_strides(args.dk), dv = row_strides(args.dv),
+  const RowStrides dout = row_strides(args.dout), dq = row_strides(args.dq),
+                   dk = row_strides(args.dk), dv = row_strides(args.dv),
                    lse = lse_strides(args.lse);
-  p.q_batch_stride = q.batch, p.q_row_stride = q.row, p.q_head_stride = q.head;
-  p.k_batch_stride = k.batch, p.k_row_stride = k.row, p.k_head_stride = k.head;
-  p.v_batch_stride = v.batch, p.v_row_stride = v.row, p.v_head_stride = v.head;
-  p.o_batch_stride = o.batch, p.o_row_stride = o.row, p.o_head_stride = o.head;
   p.do_batch_stride = dout.batch, p.do_row_stride = dout.row, p.do_head_stride = dout.head;
   p.dq_batch_stride = dq.batch, p.dq_row_stride = dq.row, p.dq_head_stride = dq.head;
   p.dk_batch_stride = dk.batch, p.dk_row_stride = dk.row, p.dk_head_stride = dk.head;
   p.dv_batch_stride = dv.batch, p.dv_row_stride = dv.row, p.dv_head_stride = dv.head;
   p.lse_batch_stride = lse.batch, p.lse_head_stride = lse.head;
-
-  p.batch = static_cast<int>(shape.batch);
-  p.seqlen_q = static_cast<int>(shape.seqlen_q);
-  p.seqlen_k = static_cast<int>(shape.seqlen_k);
-  p.num_heads = static_cast<int>(shape.num_heads);
-  p.num_heads_kv = static_cast<int>(shape.num_heads_kv);
-  p.head_dim = static_cast<int>(shape.head_dim);
-  p.head_dim_v = static_cast<int>(shape.head_dim_v);
-  p.total_q = static_cast<int>(shape.total_q);
-  p.total_k = static_cast<int>(shape.total_k);
-  p.cu_seqlens_q = data_of<int>(args.seq.cu_seqlens_q);
-  p.cu_seqlens_k = data_of<int>(args.seq.cu_seqlens_k);
-  p.seqused_q = data_of<int>(args.seq.seqused_q);
-  p.seqused_k = data_of<int>(args.seq.seqused_k);
-  if (args.seq.page_table) {
-    p.page_table = data_of<int>(args.seq.page_table);
-    p.page_table_batch_stride = args.seq.page_table->stride[0];
-    p.page_size = static_cast<int>(shape.page_size);
-  }
-
-  p.softmax_scale = args.opts.softmax_scale.value_or(default_softmax_scale(shape.head_dim));
-  p.softmax_scale_log2 = p.softmax_scale * kLog2e;
-  p.softcap = args.opts.softcap;
-  const MaskWindow w =
-      normalize_window(args.opts.causal, args.opts.window_left, args.opts.window_right);
-  p.is_causal = w.is_causal;
-  p.is_local = w.is_local;
-  p.window_left = w.window_left;
-  p.window_right = w.window_right;
-  if (args.learnable_sink) {
-    p.learnable_sink = args.learnable_sink->data;
-    p.sink_dtype = static_cast<int>(args.learnable_sink->dtype);
-  }
   p.deterministic = args.deterministic;
-  p.dtype = static_cast<int>(shape.dtype);
-  p.score_mod = make_mod_params(static_cast<int>(args.opts.score_mod.kind),
-                                args.opts.score_mod.scalars, args.opts.score_mod.aux);
-  p.mask_mod = make_mod_params(static_cast<int>(args.opts.mask_mod.kind),
-                               args.opts.mask_mod.scalars, args.opts.mask_mod.aux);
-  p.block_sparse = make_block_sparse_params(args.opts, shape, /*backward=*/true);
   p.pack_gqa = false;  // backward processes one query head per tile
-  p.device_index = shape.device.index;
   return p;
 }
 
