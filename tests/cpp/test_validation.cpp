@@ -203,12 +203,16 @@ TEST_F(ForwardValidation, RejectsBrokenViews) {
 TEST(TensorViewConstruction, RejectsMoreDimensionsThanItHolds) {
   float data[1] = {};
   // Seven sizes would be written past the six-entry shape array.
-  expect_error([&] { TensorView(data, DType::kFloat32, {1, 1, 1, 1, 1, 1, 1}); },
-               Error::Kind::kInvalidArgument, "shape",
-               {"expected at most 6 dimensions, got 7"});
-  expect_error([&] { TensorView(data, DType::kFloat32, {1, 1}, {1, 1, 1}); },
-               Error::Kind::kInvalidArgument, "stride",
-               {"expected one stride per dimension (2), got 3"});
+  expect_error(
+      [&] {
+        TensorView(data, DType::kFloat32, {1, 1, 1, 1, 1, 1, 1});
+      },
+      Error::Kind::kInvalidArgument, "shape", {"expected at most 6 dimensions, got 7"});
+  expect_error(
+      [&] {
+        TensorView(data, DType::kFloat32, {1, 1}, {1, 1, 1});
+      },
+      Error::Kind::kInvalidArgument, "stride", {"expected one stride per dimension (2), got 3"});
   const TensorView ok(data, DType::kFloat32, {1, 2, 1, 1, 1, 1}, {2, 1, 1, 1, 1, 1});
   EXPECT_EQ(ok.ndim, 6);
   EXPECT_EQ(ok.stride[0], 2);
