@@ -124,6 +124,17 @@ void check_int_vector(const TensorView& t, const std::string& name, std::int64_t
   check_contiguous(t, name);
 }
 
+// cu_seqlens: int32, contiguous, (batch + 1,) with at least one entry; returns batch.
+std::int64_t check_cu_seqlens(const TensorView& cu, const std::string& name) {
+  check_dtype(cu, name, DType::kInt32);
+  check_ndim(cu, name, 1, "(batch + 1,)");
+  if (cu.shape[0] < 1) {
+    fail(name, "expected shape (batch + 1,) with at least one entry, got " + cu.shape_string());
+  }
+  check_contiguous(cu, name);
+  return cu.shape[0] - 1;
+}
+
 void check_head_dim(std::int64_t head_dim, const std::string& name, const std::string& what) {
   if (head_dim < 8 || head_dim > 256 || head_dim % 8 != 0) {
     fail(name, "expected " + what + " (last dimension) to be a multiple of 8 in [8, 256], got " +
@@ -138,6 +149,22 @@ std::int32_t read_int(const TensorView& t, std::int64_t i0, std::int64_t i1 = 0,
   std::int64_t offset = 0;
   for (int d = 0; d < t.ndim && d < 4; ++d) offset += index[d] * t.stride[d];
   return static_cast<const std::int32_t*>(t.data)[offset];
+}
+
+// cu_seqlens in host memory: batch + 1 non-decreasing offsets in [0, total].
+void check_host_offsets(const TensorView& cu, const std::string& name, std::int64_t batch,
+                        std::int64_t total, const std::string& total_name) {
+  std::int64_t previous = 0;
+  for (std::int64_t i = 0; i <= batch; ++i) {
+    const std::int64_t value = read_int(cu, i);
+    if (value < previous || value > total) {
+      fail(name, "expected non-decreasing offsets in [0, " + total_name + " = " +
+                     std::to_string(total) + "], got " + name + "[" + std::to_string(i) +
+                     "] = " + std::to_string(value) +
+                     (i > 0 ? " after " + std::to_string(previous) : std::string()));
+    }
+    previous = value;
+  }
 }
 
 // --- Inputs shared by forward and backward ------------------------------------------------
@@ -181,15 +208,7 @@ AttentionShape check_qkv(const TensorView& q, const TensorView& k, const TensorV
 
   // q decides batch, seqlen_q, num_heads and head_dim.
   if (s.varlen_q) {
-    const TensorView& cu = *seq.cu_seqlens_q;
-    check_dtype(cu, "cu_seqlens_q", DType::kInt32);
-    check_ndim(cu, "cu_seqlens_q", 1, "(batch + 1,)");
-    if (cu.shape[0] < 1) {
-      fail("cu_seqlens_q",
-           "expected shape (batch + 1,) with at least one entry, got " + cu.shape_string());
-    }
-    check_contiguous(cu, "cu_seqlens_q");
-    s.batch = cu.shape[0] - 1;
+    s.batch = check_cu_seqlens(*seq.cu_seqlens_q, "cu_seqlens_q");
     check_ndim(q, "q", 3, "(total_q, num_heads, head_dim) with cu_seqlens_q");
     s.total_q = q.shape[0];
   } else {
@@ -297,23 +316,12 @@ HostLengths check_host_sequences(const SequenceLayout& seq, const AttentionShape
   if (s.device.type != DeviceType::kCPU) return lengths;
   lengths.known = true;
 
-  auto check_offsets = [&](const TensorView& cu, const std::string& name, std::int64_t total,
-                           const std::string& total_name) {
-    std::int64_t previous = 0;
-    for (std::int64_t i = 0; i <= s.batch; ++i) {
-      const std::int64_t value = read_int(cu, i);
-      const std::int64_t low = i == 0 ? 0 : previous;
-      if (value < low || value > total) {
-        fail(name, "expected non-decreasing offsets in [0, " + total_name + " = " +
-                       std::to_string(total) + "], got " + name + "[" + std::to_string(i) +
-                       "] = " + std::to_string(value) +
-                       (i > 0 ? " after " + std::to_string(previous) : std::string()));
-      }
-      previous = value;
-    }
-  };
-  if (s.varlen_q) check_offsets(*seq.cu_seqlens_q, "cu_seqlens_q", s.total_q, "total_q");
-  if (s.varlen_k) check_offsets(*seq.cu_seqlens_k, "cu_seqlens_k", s.total_k, "total_k");
+  if (s.varlen_q) {
+    check_host_offsets(*seq.cu_seqlens_q, "cu_seqlens_q", s.batch, s.total_q, "total_q");
+  }
+  if (s.varlen_k) {
+    check_host_offsets(*seq.cu_seqlens_k, "cu_seqlens_k", s.batch, s.total_k, "total_k");
+  }
 
   // Rows of each sequence: its cu_seqlens segment, the dense length, or for paged k/v
   // max_pages * page_size. seqused caps them (it never reaches into the next sequence).
@@ -893,17 +901,7 @@ CombineShape check_combine(const CombineArgs& args) {
   if (c.varlen) {
     c.seqlen = op.shape[1];
     c.batch = 1;
-    if (args.cu_seqlens) {
-      const TensorView& cu = *args.cu_seqlens;
-      check_dtype(cu, "cu_seqlens", DType::kInt32);
-      check_ndim(cu, "cu_seqlens", 1, "(batch + 1,)");
-      if (cu.shape[0] < 1) {
-        fail("cu_seqlens",
-             "expected shape (batch + 1,) with at least one entry, got " + cu.shape_string());
-      }
-      check_contiguous(cu, "cu_seqlens");
-      c.batch = cu.shape[0] - 1;
-    }
+    if (args.cu_seqlens) c.batch = check_cu_seqlens(*args.cu_seqlens, "cu_seqlens");
   } else {
     c.batch = op.shape[1];
     c.seqlen = op.shape[2];
@@ -916,15 +914,8 @@ CombineShape check_combine(const CombineArgs& args) {
   if (args.seqused) check_int_vector(*args.seqused, "seqused", c.batch, "(batch,)");
 
   if (c.device.type == DeviceType::kCPU) {
-    std::int64_t previous = 0;
-    for (std::int64_t b = 0; args.cu_seqlens && b <= c.batch; ++b) {
-      const std::int64_t value = read_int(*args.cu_seqlens, b);
-      if (value < previous || value > c.seqlen) {
-        fail("cu_seqlens",
-             "expected non-decreasing offsets in [0, total = " + std::to_string(c.seqlen) +
-                 "], got cu_seqlens[" + std::to_string(b) + "] = " + std::to_string(value));
-      }
-      previous = value;
+    if (args.cu_seqlens) {
+      check_host_offsets(*args.cu_seqlens, "cu_seqlens", c.batch, c.seqlen, "total");
     }
     for (std::int64_t b = 0; args.seqused && b < c.batch; ++b) {
       // Rows of sequence b: its cu_seqlens segment (all rows without cu_seqlens).
