@@ -34,6 +34,7 @@ _SINK_DTYPES = ("float32", "bfloat16", "float16")
 _MAX_HEAD_DIM = 256
 _HEAD_DIM_MULTIPLE = 8  # 16 bytes of 16-bit elements
 _MAX_SPLITS = 256
+_INT32_MAX = 2**31 - 1  # lengths and window sides are int32 in the C++ parameters
 
 
 # ---------------------------------------------------------------------------------------------
@@ -68,7 +69,8 @@ def _check_bool(value: Any, argument: str, optional: bool = False) -> Optional[b
     _fail(TypeError, argument, f"expected {expected}, got {type(value).__name__}")
 
 
-def _check_int(value: Any, argument: str, optional: bool = False, minimum: Optional[int] = None) -> Optional[int]:
+def _check_int(value: Any, argument: str, optional: bool = False, minimum: Optional[int] = None,
+               maximum: Optional[int] = None) -> Optional[int]:
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -77,6 +79,8 @@ def _check_int(value: Any, argument: str, optional: bool = False, minimum: Optio
     value = int(value)
     if minimum is not None and value < minimum:
         _fail(ValueError, argument, f"expected a value >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        _fail(ValueError, argument, f"expected a value <= {maximum}, got {value}")
     return value
 
 
@@ -105,6 +109,8 @@ def _check_window(window_size: Any) -> Tuple[int, int]:
             _fail(TypeError, "window_size", f"{side} must be an int or None, got {type(value).__name__}")
         if value < -1:
             _fail(ValueError, "window_size", f"{side} must be >= 0 (or None / -1 for unbounded), got {value}")
+        if value > _INT32_MAX:
+            _fail(ValueError, "window_size", f"{side} must be at most {_INT32_MAX} (or None for unbounded), got {value}")
         bounds.append(int(value))
     return bounds[0], bounds[1]
 
@@ -445,8 +451,8 @@ def _prepare(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, s
     seqused_k = _index_tensor(framework, seqused_k, "seqused_k", (batch,), device, "(batch_size,)")
     if page_table is not None:
         _check_device(framework, page_table, "page_table", device)
-    max_seqlen_q = _check_int(max_seqlen_q, "max_seqlen_q", optional=True, minimum=0)
-    max_seqlen_k = _check_int(max_seqlen_k, "max_seqlen_k", optional=True, minimum=0)
+    max_seqlen_q = _check_int(max_seqlen_q, "max_seqlen_q", optional=True, minimum=0, maximum=_INT32_MAX)
+    max_seqlen_k = _check_int(max_seqlen_k, "max_seqlen_k", optional=True, minimum=0, maximum=_INT32_MAX)
 
     if learnable_sink is not None:
         _check_tensor(learnable_sink, "learnable_sink", framework)
@@ -473,6 +479,7 @@ def _prepare(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, s
     num_splits = _check_int(num_splits, "num_splits")
     if num_splits > _MAX_SPLITS:
         _fail(ValueError, "num_splits", f"expected at most {_MAX_SPLITS}, got {num_splits}")
+    num_splits = max(num_splits, 0)  # every value <= 0 picks the heuristic
     pack_gqa = _check_bool(pack_gqa, "pack_gqa", optional=True)
     deterministic = _check_bool(deterministic, "deterministic")
     if score_mod is not None and softcap != 0.0:

@@ -107,6 +107,15 @@ def test_max_seqlen(varlen):
     f = cuflash.flash_attn_varlen_func
     expect_error("max_seqlen_q", f, q, k, v, cu_q, cu_k, max_seqlen_q=-1, exception=ValueError)
     expect_error("max_seqlen_k", f, q, k, v, cu_q, cu_k, max_seqlen_k=3.5, exception=TypeError)
+    # Lengths are int32 in the kernels: larger hints are refused by name, not by the binding.
+    expect_error("max_seqlen_q", f, q, k, v, cu_q, cu_k, max_seqlen_q=2**31, exception=ValueError)
+    expect_error("max_seqlen_k", f, q, k, v, cu_q, cu_k, max_seqlen_k=2**64, exception=ValueError)
+
+
+def test_any_non_positive_num_splits_picks_the_heuristic(dense):
+    expected, _ = cuflash.flash_attn_func(*dense, num_splits=0)
+    out, _ = cuflash.flash_attn_func(*dense, num_splits=-2**40)
+    np.testing.assert_array_equal(out, expected)
 
 
 def test_page_table(rng):
@@ -146,6 +155,8 @@ def test_learnable_sink(dense):
     ("window_size", (1, 2, 3), TypeError),
     ("window_size", (1.5, None), TypeError),
     ("window_size", (-3, 0), ValueError),
+    ("window_size", (2**31, 0), ValueError),
+    ("window_size", (None, 2**40), ValueError),
     ("softcap", "big", TypeError),
     ("softcap", -1.0, ValueError),
     ("num_splits", 1.5, TypeError),
