@@ -2,6 +2,7 @@
 // kernels (device tensors). Device memory never falls back to the CPU.
 #include <cstddef>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "api/params_builder.hpp"
@@ -155,7 +156,9 @@ void combine(const CombineArgs& args, StreamHandle stream) {
 
 std::vector<std::string> built_kernels() {
 #if CUFLASH_HAS_CUDA
-  return sm90::built_kernels();
+  std::vector<std::string> names = sm90::built_kernels();
+  for (std::string& name : sm90::built_backward_kernels()) names.push_back(std::move(name));
+  return names;
 #else
   return {};
 #endif
