@@ -78,7 +78,9 @@ struct AttentionOptions {
 // (num_pages, page_size, H_kv, D) with page_table (B, max_pages) int32.
 struct SequenceLayout {
   std::optional<TensorView> cu_seqlens_q, cu_seqlens_k;
-  std::optional<TensorView> seqused_q, seqused_k;  // (B,) int32
+  // (B,) int32: rows in use of each sequence, at most its length (its cu_seqlens segment,
+  // the dense S, or max_pages * page_size).
+  std::optional<TensorView> seqused_q, seqused_k;
   std::optional<std::int64_t> max_seqlen_q, max_seqlen_k;
   std::optional<TensorView> page_table;
 };
@@ -114,7 +116,7 @@ struct CombineArgs {
   TensorView out;
   std::optional<TensorView> lse;
   std::optional<TensorView> cu_seqlens;  // (B+1,) int32, with the packed layout
-  std::optional<TensorView> seqused;     // (B,) int32
+  std::optional<TensorView> seqused;     // (B,) int32, each at most its sequence's rows
 };
 
 }  // namespace cuflash
