@@ -196,9 +196,13 @@ struct HostLengths {
   std::vector<std::int64_t> q, k;  // per batch entry, after seqused
 };
 
-// q, k, v, the sequence layout and their sizes.
+// q, k, v (dtypes, shapes), the sequence layout and their sizes.
 AttentionShape check_qkv(const TensorView& q, const TensorView& k, const TensorView& v,
                          const SequenceLayout& seq) {
+  check_input_dtype(q);
+  check_same_dtype(k, "k", q.dtype);
+  check_same_dtype(v, "v", q.dtype);
+
   AttentionShape s;
   s.device = q.device;
   s.dtype = q.dtype;
@@ -762,10 +766,6 @@ AttentionShape check_forward(const ForwardArgs& args) {
   if (args.learnable_sink) check_device(*args.learnable_sink, "learnable_sink", device);
   check_sequence_devices(args.seq, device);
 
-  check_input_dtype(args.q);
-  check_same_dtype(args.k, "k", args.q.dtype);
-  check_same_dtype(args.v, "v", args.q.dtype);
-
   AttentionShape s = check_qkv(args.q, args.k, args.v, args.seq);
   check_like_out(args.out, "out", s);
   if (args.lse) check_lse(*args.lse, "lse", s);
@@ -793,10 +793,6 @@ AttentionShape check_backward(const BackwardArgs& args) {
   if (args.learnable_sink) check_device(*args.learnable_sink, "learnable_sink", device);
   if (args.d_sink) check_device(*args.d_sink, "d_sink", device);
   check_sequence_devices(args.seq, device);
-
-  check_input_dtype(args.q);
-  check_same_dtype(args.k, "k", args.q.dtype);
-  check_same_dtype(args.v, "v", args.q.dtype);
 
   AttentionShape s = check_qkv(args.q, args.k, args.v, args.seq);
   check_like_out(args.out, "out", s);
