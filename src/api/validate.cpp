@@ -559,8 +559,10 @@ void check_mask_mod(const MaskMod& mod, const AttentionShape& s, const KnownLeng
       check_aux_tensor(doc, "mask_mod.aux[0]", s.device);
       check_dtype(doc, "mask_mod.aux[0]", DType::kInt32, "(document ids)");
       check_ndim(doc, "mask_mod.aux[0]", 2, "(batch, max(seqlen_q, seqlen_k))");
-      // Lengths of packed sequences in device memory are unknown without max_seqlen_*.
-      const std::int64_t needed = std::max(known.q.value_or(0), known.k.value_or(0));
+      // Lengths of packed or paged sequences in device memory are unknown without
+      // max_seqlen_*: the ids must then cover their bounds (total rows, max_pages * page_size).
+      const std::int64_t needed =
+          std::max(known.q.value_or(s.seqlen_q), known.k.value_or(s.seqlen_k));
       if (doc.shape[0] != s.batch || doc.shape[1] < needed) {
         fail("mask_mod.aux[0]", "expected shape (" + std::to_string(s.batch) +
                                     ", L) with L >= " + std::to_string(needed) +

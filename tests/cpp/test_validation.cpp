@@ -637,6 +637,21 @@ TEST_F(ForwardValidation, ChecksMaskMods) {
   args.opts.mask_mod.aux = {tensor(DType::kInt32, {2, 60})};
   EXPECT_NO_THROW(validate(args));
 
+  // Packed in device memory without max_seqlen_*: the lengths cannot be read, so the ids
+  // must cover their bounds total_q = 50 and total_k = 100.
+  args = varlen_forward();
+  for (TensorView* t : {&args.q, &args.k, &args.v, &args.out}) t->dtype = DType::kBFloat16;
+  for (TensorView* t : {&args.q, &args.k, &args.v, &args.out, &*args.lse,
+                        &*args.seq.cu_seqlens_q, &*args.seq.cu_seqlens_k}) {
+    t->device = kCuda0;
+  }
+  args.opts.mask_mod.kind = MaskModKind::kDocument;
+  args.opts.mask_mod.aux = {tensor(DType::kInt32, {2, 60}, kCuda0)};
+  EXPECT_INVALID(validate(args), "mask_mod.aux[0]", "L >= 100", "got (2, 60)");
+  args.seq.max_seqlen_q = 30;
+  args.seq.max_seqlen_k = 60;
+  EXPECT_NO_THROW(validate(args));
+
   args = dense_forward();
   args.opts.mask_mod.kind = static_cast<MaskModKind>(-2);
   EXPECT_INVALID(validate(args), "mask_mod.kind", "got -2");
