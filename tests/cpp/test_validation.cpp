@@ -641,8 +641,8 @@ TEST_F(ForwardValidation, ChecksMaskMods) {
   // must cover their bounds total_q = 50 and total_k = 100.
   args = varlen_forward();
   for (TensorView* t : {&args.q, &args.k, &args.v, &args.out}) t->dtype = DType::kBFloat16;
-  for (TensorView* t : {&args.q, &args.k, &args.v, &args.out, &*args.lse,
-                        &*args.seq.cu_seqlens_q, &*args.seq.cu_seqlens_k}) {
+  for (TensorView* t : {&args.q, &args.k, &args.v, &args.out, &*args.lse, &*args.seq.cu_seqlens_q,
+                        &*args.seq.cu_seqlens_k}) {
     t->device = kCuda0;
   }
   args.opts.mask_mod.kind = MaskModKind::kDocument;
