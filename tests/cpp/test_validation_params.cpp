@@ -246,12 +246,12 @@ TEST(ParamsForward, SplitHeuristicAndBuffers) {
   p.num_splits = 5;
   const std::size_t out_bytes = 5 * 2 * 3 * 4 * 64 * sizeof(float);  // 30720, a multiple of 256
   const std::size_t lse_bytes = 5 * 2 * 3 * 4 * sizeof(float);       // 480 -> 512
+  EXPECT_EQ(lse_bytes, 480u);
   EXPECT_EQ(split_kv_workspace_bytes(p), out_bytes + 512);
   std::vector<char> workspace(split_kv_workspace_bytes(p));
   assign_split_kv_buffers(p, workspace.data());
   EXPECT_EQ(static_cast<void*>(p.out_partial), workspace.data());
   EXPECT_EQ(reinterpret_cast<char*>(p.lse_partial), workspace.data() + out_bytes);
-  (void)lse_bytes;
 }
 
 TEST(ParamsForward, SplitCombineWritesIntoOutAndLse) {
@@ -319,6 +319,27 @@ TEST(ParamsBackward, StridesAndBlockLists) {
   EXPECT_EQ(p.seqlen_k, 96);
   EXPECT_EQ(p.total_q, 256);
   EXPECT_EQ(p.total_k, 192);
+  EXPECT_EQ(p.num_heads, 8);
+  EXPECT_EQ(p.num_heads_kv, 2);
+  EXPECT_EQ(p.head_dim, 64);
+  EXPECT_EQ(p.head_dim_v, 32);
+  EXPECT_EQ(p.q, args.q.data);
+  EXPECT_EQ(p.dout, args.dout.data);
+  EXPECT_EQ(p.lse, args.lse.data);
+  EXPECT_EQ(p.dq, args.dq.data);
+  EXPECT_EQ(p.q_batch_stride, 128 * 8 * 64);
+  EXPECT_EQ(p.q_head_stride, 64);
+  EXPECT_EQ(p.k_row_stride, 2 * 64);
+  EXPECT_EQ(p.v_batch_stride, 96 * 2 * 32);
+  EXPECT_EQ(p.dq_row_stride, 8 * 64);
+  EXPECT_EQ(p.lse_batch_stride, 8 * 128);
+  EXPECT_FLOAT_EQ(p.softmax_scale, 0.125f);  // 1 / sqrt(head_dim)
+  EXPECT_FLOAT_EQ(p.softmax_scale_log2, 0.125f * 1.4426950408889634f);
+  EXPECT_FLOAT_EQ(p.softcap, 0.f);
+  EXPECT_FALSE(p.is_causal);
+  EXPECT_EQ(p.dtype, static_cast<int>(DType::kFloat16));
+  EXPECT_EQ(p.learnable_sink, args.learnable_sink->data);
+  EXPECT_FALSE(p.pack_gqa);
   EXPECT_EQ(p.do_batch_stride, 128 * 8 * 64);
   EXPECT_EQ(p.do_row_stride, 8 * 64);
   EXPECT_EQ(p.o_row_stride, 8 * 32);
@@ -334,6 +355,45 @@ TEST(ParamsBackward, StridesAndBlockLists) {
   EXPECT_TRUE(p.block_sparse.enabled);
   EXPECT_EQ(p.block_sparse.mask_block_cnt, cnt.data());  // the transposed (q_) lists
   EXPECT_EQ(p.workspace, nullptr);
+}
+
+TEST(ParamsBackward, PackedSequences) {
+  std::vector<std::int32_t> cu_q{0, 30, 50}, cu_k{0, 40, 100}, used_k{40, 25};
+  BackwardArgs args;
+  args.q = tensor(DType::kBFloat16, {50, 4, 64});
+  args.k = tensor(DType::kBFloat16, {100, 2, 64});
+  args.v = tensor(DType::kBFloat16, {100, 2, 64});
+  args.out = tensor(DType::kBFloat16, {50, 4, 64});
+  args.dout = tensor(DType::kBFloat16, {50, 4, 64});
+  args.lse = tensor(DType::kFloat32, {4, 50});
+  args.dq = tensor(DType::kBFloat16, {50, 4, 64});
+  args.dk = tensor(DType::kBFloat16, {100, 2, 64});
+  args.dv = tensor(DType::kBFloat16, {100, 2, 64});
+  args.seq.cu_seqlens_q = TensorView(cu_q.data(), DType::kInt32, {3});
+  args.seq.cu_seqlens_k = TensorView(cu_k.data(), DType::kInt32, {3});
+  args.seq.seqused_k = TensorView(used_k.data(), DType::kInt32, {2});
+  args.opts.causal = true;
+  args.opts.softmax_scale = 0.3f;
+  const BwdParams p = make_bwd_params(args, check_backward(args));
+  EXPECT_EQ(p.batch, 2);
+  EXPECT_EQ(p.seqlen_q, 30);
+  EXPECT_EQ(p.seqlen_k, 40);  // after seqused_k
+  EXPECT_EQ(p.total_q, 50);
+  EXPECT_EQ(p.total_k, 100);
+  EXPECT_EQ(p.cu_seqlens_q, cu_q.data());
+  EXPECT_EQ(p.cu_seqlens_k, cu_k.data());
+  EXPECT_EQ(p.seqused_q, nullptr);
+  EXPECT_EQ(p.seqused_k, used_k.data());
+  EXPECT_EQ(p.q_batch_stride, 0);
+  EXPECT_EQ(p.dq_batch_stride, 0);
+  EXPECT_EQ(p.dk_row_stride, 2 * 64);
+  EXPECT_EQ(p.lse_batch_stride, 0);
+  EXPECT_EQ(p.lse_head_stride, 50);
+  EXPECT_TRUE(p.is_causal);
+  EXPECT_EQ(p.window_right, 0);
+  EXPECT_FLOAT_EQ(p.softmax_scale, 0.3f);
+  EXPECT_EQ(p.page_table, nullptr);
+  EXPECT_FALSE(p.block_sparse.enabled);
 }
 
 TEST(ParamsBackward, PagedKV) {
