@@ -160,7 +160,7 @@ def _index_tensor(framework: Framework, x: Optional[Tensor], argument: str, expe
     _check_shape(x, argument, expected, what)
     _check_dtype(framework, x, argument, ("int32",))
     if expected[0] > 1 and framework.strides(x)[0] != 1:
-        _fail(ValueError, argument, "must be contiguous")
+        _fail(ValueError, argument, f"expected a contiguous tensor (stride 1), got strides {framework.strides(x)}")
     _check_device(framework, x, argument, device)
     return x
 
@@ -405,7 +405,8 @@ def _prepare(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, s
             _fail(ValueError, "page_table", f"expected shape (batch_size={batch}, max_num_pages_per_seq), "
                                             f"got {_shape(page_table)}")
         if framework.strides(page_table)[-1] != 1 and page_table.shape[-1] > 1:
-            _fail(ValueError, "page_table", "must be contiguous in the last dimension")
+            _fail(ValueError, "page_table", f"expected the last dimension to be contiguous (stride 1), "
+                                            f"got strides {framework.strides(page_table)}")
         if len(k.shape) != 4:
             _fail(ValueError, "k", f"expected 4 dimensions (num_pages, page_size, num_heads_kv, head_dim) "
                                    f"with page_table, got shape {_shape(k)}")
@@ -867,7 +868,8 @@ def flash_attn_combine(
     device = framework.device(out_partial)
     _check_device(framework, lse_partial, "lse_partial", device)
     if framework.strides(out_partial)[-1] != 1 and out_partial.shape[-1] > 1:
-        _fail(ValueError, "out_partial", "must be contiguous in the last dimension")
+        _fail(ValueError, "out_partial", f"expected the last dimension to be contiguous (stride 1), "
+                                         f"got strides {framework.strides(out_partial)}")
     num_splits = int(out_partial.shape[0])
     if num_splits < 1 or num_splits > _MAX_SPLITS:
         _fail(ValueError, "out_partial", f"num_splits (dimension 0) must be in [1, {_MAX_SPLITS}], got {num_splits}")
