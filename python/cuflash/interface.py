@@ -874,6 +874,8 @@ def flash_attn_combine(
     if num_splits < 1 or num_splits > _MAX_SPLITS:
         _fail(ValueError, "out_partial", f"num_splits (dimension 0) must be in [1, {_MAX_SPLITS}], got {num_splits}")
     is_varlen = len(out_partial.shape) == 4
+    if cu_seqlens is not None:
+        _check_tensor(cu_seqlens, "cu_seqlens", framework)
     if is_varlen:
         # Packed rows without cu_seqlens form one sequence.
         batch = int(cu_seqlens.shape[0]) - 1 if cu_seqlens is not None and len(cu_seqlens.shape) == 1 else 1
@@ -882,7 +884,6 @@ def flash_attn_combine(
         if cu_seqlens is not None:
             _fail(ValueError, "cu_seqlens", "needs the packed layout (num_splits, total_q, num_heads, head_dim)")
     if cu_seqlens is not None:
-        _check_tensor(cu_seqlens, "cu_seqlens", framework)
         if len(cu_seqlens.shape) != 1 or cu_seqlens.shape[0] < 1:
             _fail(ValueError, "cu_seqlens", f"expected shape (batch_size + 1,), got {_shape(cu_seqlens)}")
         _index_tensor(framework, cu_seqlens, "cu_seqlens", (batch + 1,), device, "(batch_size + 1,)")

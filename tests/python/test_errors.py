@@ -304,6 +304,7 @@ def test_combine(rng):
                  exception=ValueError)
     packed_out, packed_lse = out_partial[:, 0], lse_partial[:, 0]
     expect_error("cu_seqlens", f, packed_out, packed_lse, cu_seqlens=np.array([0, 8], np.int64), exception=TypeError)
+    expect_error("cu_seqlens", f, packed_out, packed_lse, cu_seqlens=[0, 8], exception=TypeError)
     expect_error("seqused", f, packed_out, packed_lse, cu_seqlens=np.array([0, 3, 8], np.int32),
                  seqused=np.array([1], np.int32), exception=ValueError)
 
