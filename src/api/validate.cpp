@@ -329,6 +329,17 @@ HostLengths check_host_sequences(const SequenceLayout& seq, const AttentionShape
 
   // Rows of each sequence: its cu_seqlens segment, the dense length, or for paged k/v
   // max_pages * page_size. seqused caps them (it never reaches into the next sequence).
+  auto used_rows = [](const std::optional<TensorView>& seqused, const std::string& name,
+                      const std::string& side, std::int64_t b, std::int64_t capacity) {
+    if (!seqused) return capacity;
+    const std::int64_t used = read_int(*seqused, b);
+    if (used < 0 || used > capacity) {
+      fail(name, "expected " + name + "[" + std::to_string(b) + "] in [0, " +
+                     std::to_string(capacity) + "] (rows of " + side + " for sequence " +
+                     std::to_string(b) + "), got " + std::to_string(used));
+    }
+    return used;
+  };
   for (std::int64_t b = 0; b < s.batch; ++b) {
     const std::int64_t capacity_q =
         s.varlen_q ? read_int(*seq.cu_seqlens_q, b + 1) - read_int(*seq.cu_seqlens_q, b)
@@ -336,24 +347,8 @@ HostLengths check_host_sequences(const SequenceLayout& seq, const AttentionShape
     const std::int64_t capacity_k =
         s.varlen_k ? read_int(*seq.cu_seqlens_k, b + 1) - read_int(*seq.cu_seqlens_k, b)
                    : s.seqlen_k;
-    std::int64_t len_q = capacity_q;
-    std::int64_t len_k = capacity_k;
-    if (seq.seqused_q) {
-      len_q = read_int(*seq.seqused_q, b);
-      if (len_q < 0 || len_q > capacity_q) {
-        fail("seqused_q", "expected seqused_q[" + std::to_string(b) + "] in [0, " +
-                              std::to_string(capacity_q) + "] (rows of q for sequence " +
-                              std::to_string(b) + "), got " + std::to_string(len_q));
-      }
-    }
-    if (seq.seqused_k) {
-      len_k = read_int(*seq.seqused_k, b);
-      if (len_k < 0 || len_k > capacity_k) {
-        fail("seqused_k", "expected seqused_k[" + std::to_string(b) + "] in [0, " +
-                              std::to_string(capacity_k) + "] (rows of k for sequence " +
-                              std::to_string(b) + "), got " + std::to_string(len_k));
-      }
-    }
+    const std::int64_t len_q = used_rows(seq.seqused_q, "seqused_q", "q", b, capacity_q);
+    const std::int64_t len_k = used_rows(seq.seqused_k, "seqused_k", "k", b, capacity_k);
     if (s.paged) {
       const TensorView& pt = *seq.page_table;
       const std::int64_t used_pages = ceil_div(len_k, s.page_size);
