@@ -42,6 +42,15 @@ FwdParams device_fwd_params(const ForwardArgs& args, const detail::AttentionShap
   return params;
 }
 
+// The sm90 backward kernel reads k/v as dense or packed rows; it has no page table.
+void refuse_paged_backward(const detail::AttentionShape& shape) {
+  if (shape.paged) {
+    throw Error(Error::Kind::kNotSupported, "page_table",
+                "page_table: paged k/v are not supported by the sm90 backward kernel yet (the CPU "
+                "reference takes them)");
+  }
+}
+
 BwdParams device_bwd_params(const BackwardArgs& args, const detail::AttentionShape& shape) {
   BwdParams params = detail::make_bwd_params(args, shape);
   params.num_sm = sm90::device_sm_count(shape.device.index);
@@ -78,6 +87,7 @@ std::size_t backward_workspace_size(const BackwardArgs& args) {
   if (on_cpu(shape.device)) return 0;
 #if CUFLASH_HAS_CUDA
   require_device();
+  refuse_paged_backward(shape);
   detail::DeviceGuard guard(shape.device.index);
   return sm90::backward_workspace_bytes(device_bwd_params(args, shape));
 #else
@@ -117,12 +127,7 @@ void backward(const BackwardArgs& args, StreamHandle stream, Workspace workspace
   }
 #if CUFLASH_HAS_CUDA
   require_device();
-  if (shape.paged) {
-    // The sm90 backward kernel reads k/v as dense or packed rows; it has no page table.
-    throw Error(Error::Kind::kNotSupported, "page_table",
-                "page_table: paged k/v are not supported by the sm90 backward kernel yet (the CPU "
-                "reference takes them)");
-  }
+  refuse_paged_backward(shape);
   detail::DeviceGuard guard(shape.device.index);
   BwdParams params = device_bwd_params(args, shape);
   const std::size_t bytes = sm90::backward_workspace_bytes(params);
