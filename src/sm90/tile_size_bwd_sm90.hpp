@@ -35,6 +35,8 @@ constexpr BwdTile bwd_tile(int head_dim, int head_dim_v, bool window, bool softc
     // 192 x 128: three warpgroups cannot split the 128-wide dV^T, so two do all of it.
     return {64, 96, 2, 1, 1, false, true, false, 1, 2, 1};
   }
+  // 64-wide column blocks: with 80 (FlashAttention-3's choice) dK^T and dV^T alone take 160 of
+  // the 240 registers and the dQ MMA would have to be split in halves to fit.
   return {64, 64, 2, 1, 1, false, true, true, 1, 2, 1};
 }
 
