@@ -11,13 +11,16 @@ import pathlib
 
 HEAD_DIMS = [(64, 64), (96, 96), (128, 128), (192, 192), (192, 128), (256, 256)]
 DTYPES = {"fp16": "cutlass::half_t", "bf16": "cutlass::bfloat16_t"}
-# Features compiled as separate kernels (softcap, split-KV), so that a kernel without them pays
-# nothing; everything else (causal, local, varlen, GQA, sink, lse) is a runtime choice.
+# Features compiled as separate kernels (softcap, split-KV, flex), so that a kernel without them
+# pays nothing; everything else (causal, local, varlen, GQA, sink, lse) is a runtime choice.
+# flex: score_mod, mask_mod and block sparsity (variants::FlexVariant; the mod kinds and softcap
+# are runtime choices inside it, so one kernel per head dim and dtype).
 FEATURES = {
-    "": ("false", "false"),
-    "softcap": ("true", "false"),
-    "split": ("false", "true"),
-    "softcap_split": ("true", "true"),
+    "": ("false", "false", "variants::NoVariant"),
+    "softcap": ("true", "false", "variants::NoVariant"),
+    "split": ("false", "true", "variants::NoVariant"),
+    "softcap_split": ("true", "true", "variants::NoVariant"),
+    "flex": ("false", "false", "variants::FlexVariant"),
 }
 
 TEMPLATE = """\
@@ -27,7 +30,8 @@ TEMPLATE = """\
 namespace cuflash::sm90 {{
 
 void run_{stem}(FwdParams& params, cudaStream_t stream) {{
-  run_flash_fwd_sm90<{element}, {hdim}, {hdim_v}, /*kHasSoftcap=*/{softcap}, /*kIsSplit=*/{split}>(params, stream);
+  run_flash_fwd_sm90<{element}, {hdim}, {hdim_v}, /*kHasSoftcap=*/{softcap}, /*kIsSplit=*/{split},
+                     {variant}>(params, stream);
 }}
 
 }}  // namespace cuflash::sm90
@@ -50,10 +54,10 @@ def main():
         old.unlink()
     for hdim, hdim_v in HEAD_DIMS:
         for dtype, element in DTYPES.items():
-            for feature, (softcap, split) in FEATURES.items():
+            for feature, (softcap, split, variant) in FEATURES.items():
                 name = stem(hdim, hdim_v, dtype, feature)
                 text = TEMPLATE.format(stem=name, element=element, hdim=hdim, hdim_v=hdim_v, softcap=softcap,
-                                       split=split)
+                                       split=split, variant=variant)
                 (args.out / f"{name}.cu").write_text(text)
 
 

@@ -243,6 +243,9 @@ CombineParams make_combine_params(const CombineArgs& args, const CombineShape& s
 
 int choose_num_splits(const FwdParams& params, int requested, int num_sm) {
   if (requested > 0) return std::min(requested, kMaxSplits);
+  // The flex kernels (score_mod, mask_mod, block sparsity) have no split-KV.
+  if (params.score_mod.kind != 0 || params.mask_mod.kind != 0 || params.block_sparse.enabled)
+    return 1;
   constexpr int kBlockM = 128, kBlockN = 128, kMaxHeuristicSplits = 128;
   const std::int64_t qheads_per_kvhead = params.num_heads / params.num_heads_kv;
   std::int64_t seqlen_k_loaded = params.seqlen_k;

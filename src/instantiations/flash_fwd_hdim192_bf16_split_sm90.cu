@@ -4,7 +4,8 @@
 namespace cuflash::sm90 {
 
 void run_flash_fwd_hdim192_bf16_split_sm90(FwdParams& params, cudaStream_t stream) {
-  run_flash_fwd_sm90<cutlass::bfloat16_t, 192, 192, /*kHasSoftcap=*/false, /*kIsSplit=*/true>(params, stream);
+  run_flash_fwd_sm90<cutlass::bfloat16_t, 192, 192, /*kHasSoftcap=*/false, /*kIsSplit=*/true,
+                     variants::NoVariant>(params, stream);
 }
 
 }  // namespace cuflash::sm90

@@ -4,7 +4,8 @@
 namespace cuflash::sm90 {
 
 void run_flash_fwd_hdim192_fp16_softcap_sm90(FwdParams& params, cudaStream_t stream) {
-  run_flash_fwd_sm90<cutlass::half_t, 192, 192, /*kHasSoftcap=*/true, /*kIsSplit=*/false>(params, stream);
+  run_flash_fwd_sm90<cutlass::half_t, 192, 192, /*kHasSoftcap=*/true, /*kIsSplit=*/false,
+                     variants::NoVariant>(params, stream);
 }
 
 }  // namespace cuflash::sm90

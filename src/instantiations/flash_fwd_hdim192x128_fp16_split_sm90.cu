@@ -4,7 +4,8 @@
 namespace cuflash::sm90 {
 
 void run_flash_fwd_hdim192x128_fp16_split_sm90(FwdParams& params, cudaStream_t stream) {
-  run_flash_fwd_sm90<cutlass::half_t, 192, 128, /*kHasSoftcap=*/false, /*kIsSplit=*/true>(params, stream);
+  run_flash_fwd_sm90<cutlass::half_t, 192, 128, /*kHasSoftcap=*/false, /*kIsSplit=*/true,
+                     variants::NoVariant>(params, stream);
 }
 
 }  // namespace cuflash::sm90

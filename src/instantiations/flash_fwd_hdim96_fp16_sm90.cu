@@ -4,7 +4,8 @@
 namespace cuflash::sm90 {
 
 void run_flash_fwd_hdim96_fp16_sm90(FwdParams& params, cudaStream_t stream) {
-  run_flash_fwd_sm90<cutlass::half_t, 96, 96, /*kHasSoftcap=*/false, /*kIsSplit=*/false>(params, stream);
+  run_flash_fwd_sm90<cutlass::half_t, 96, 96, /*kHasSoftcap=*/false, /*kIsSplit=*/false,
+                     variants::NoVariant>(params, stream);
 }
 
 }  // namespace cuflash::sm90

@@ -6,12 +6,14 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "api/kernels.hpp"
 #include "api/params.hpp"
 #include "cuflash/error.hpp"
 #include "cuflash/tensor.hpp"
+#include "sm90/tile_size_sm90.hpp"
 
 namespace cuflash::sm90 {
 
@@ -48,19 +50,51 @@ int round_head_dim(int head_dim) {
   return 0;
 }
 
+// score_mod, mask_mod and block sparsity run on the flex kernels (variants::FlexVariant).
+bool needs_flex(const FwdParams& p) {
+  return p.score_mod.kind != 0 || p.mask_mod.kind != 0 || p.block_sparse.enabled;
+}
+
+// The compiled head dims (hdim, hdim_v) that run a call's.
+std::pair<int, int> kernel_head_dims(const FwdParams& p) {
+  int const hdim = round_head_dim(std::max(p.head_dim, p.head_dim_v));
+  if (p.head_dim > 128 && p.head_dim <= 192 && p.head_dim_v <= 128) return {192, 128};
+  return {hdim, hdim};
+}
+
 std::string fwd_kernel_name(const FwdParams& p) {
-  int hdim = round_head_dim(std::max(p.head_dim, p.head_dim_v));
-  int hdim_v = hdim;
-  if (p.head_dim > 128 && p.head_dim <= 192 && p.head_dim_v <= 128) {
-    hdim = 192;
-    hdim_v = 128;
-  }
+  auto const [hdim, hdim_v] = kernel_head_dims(p);
   std::string name = "flash_fwd_hdim" + std::to_string(hdim);
   if (hdim_v != hdim) name += "x" + std::to_string(hdim_v);
   name += DType(p.dtype) == DType::kBFloat16 ? "_bf16" : "_fp16";
+  if (needs_flex(p)) return name + "_flex_sm90";  // softcap is a runtime choice in it
   if (p.softcap > 0.f) name += "_softcap";
   if (p.num_splits > 1) name += "_split";
   return name + "_sm90";
+}
+
+// What the flex kernels cannot do, refused by name before any launch.
+void check_flex(const FwdParams& p) {
+  if (p.num_splits > 1) {
+    not_supported("num_splits",
+                  "split-KV (num_splits = " + std::to_string(p.num_splits) +
+                      ") cannot be combined with score_mod, mask_mod or block sparsity in the "
+                      "sm90 forward kernel; use num_splits = 1");
+  }
+  if (!p.block_sparse.enabled) return;
+  // A kernel tile must lie inside one BlockMask row block, and a BlockMask column block must
+  // be a whole number of kernel n-blocks.
+  auto const [hdim, hdim_v] = kernel_head_dims(p);
+  FwdTileSize const tile = fwd_tile_size(hdim, hdim_v, /*flex=*/true);
+  if (p.block_sparse.block_m % tile.block_m != 0 || p.block_sparse.block_n % tile.block_n != 0) {
+    not_supported("block_sparse",
+                  "the sm90 forward kernel for head dim " + std::to_string(hdim) +
+                      " needs block_sparse.block_m to be a multiple of " +
+                      std::to_string(tile.block_m) + " and block_n a multiple of " +
+                      std::to_string(tile.block_n) + "; got block_m = " +
+                      std::to_string(p.block_sparse.block_m) +
+                      ", block_n = " + std::to_string(p.block_sparse.block_n));
+  }
 }
 
 // "flash_fwd_hdim192x128_bf16_softcap_sm90" -> "fwd bf16 hdim192x128 softcap"
@@ -99,15 +133,6 @@ void check_tma_operand(const char* argument, const void* data,
 }  // namespace
 
 void run_forward(FwdParams& params, StreamHandle stream) {
-  if (params.score_mod.kind != 0) {
-    not_supported("score_mod", "score_mod is not supported by the sm90 forward kernel yet");
-  }
-  if (params.mask_mod.kind != 0) {
-    not_supported("mask_mod", "mask_mod is not supported by the sm90 forward kernel yet");
-  }
-  if (params.block_sparse.enabled) {
-    not_supported("block_sparse", "block sparsity is not supported by the sm90 forward kernel yet");
-  }
   if (params.page_table != nullptr) {
     not_supported("page_table", "paged KV is not supported by the sm90 forward kernel yet");
   }
@@ -124,6 +149,7 @@ void run_forward(FwdParams& params, StreamHandle stream) {
   if (params.head_dim > 256 || params.head_dim_v > 256) {
     not_supported("q", "the sm90 forward kernel supports head dims up to 256");
   }
+  if (needs_flex(params)) check_flex(params);
   check_tma_operand("q", params.q,
                     {params.q_row_stride, params.q_head_stride, params.q_batch_stride});
   check_tma_operand("k", params.k,

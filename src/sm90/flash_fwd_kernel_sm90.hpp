@@ -17,24 +17,30 @@
 #include "api/params.hpp"
 #include "cuflash/tensor.hpp"
 #include "sm90/epilogue_fwd_sm90.hpp"
+#include "sm90/flex_sm90.hpp"
 #include "sm90/mainloop_fwd_sm90.hpp"
 #include "sm90/mask.hpp"
 #include "sm90/seqlen_info.hpp"
 #include "sm90/softmax.hpp"
 #include "sm90/tile_scheduler_sm90.hpp"
 #include "sm90/tile_size_sm90.hpp"
+#include "variants/variant.hpp"
 
 namespace cuflash::sm90 {
 
-template <class Element_, int kHeadDim_, int kHeadDimV_, bool kHasSoftcap_, bool kIsSplit_>
+// Variant_: variants::NoVariant (plain) or variants::FlexVariant (score_mod, mask_mod, block
+// sparsity; softcap is then a runtime choice inside it).
+template <class Element_, int kHeadDim_, int kHeadDimV_, bool kHasSoftcap_, bool kIsSplit_,
+          class Variant_ = variants::NoVariant>
 struct FwdConfig {
   using Element = Element_;
+  using Variant = Variant_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kHeadDimV = kHeadDimV_;
   static constexpr bool kHasSoftcap = kHasSoftcap_;
   static constexpr bool kIsSplit =
       kIsSplit_;  // split-KV: fp32 partial outputs for the combine kernel
-  static constexpr FwdTileSize kTile = fwd_tile_size(kHeadDim, kHeadDimV);
+  static constexpr FwdTileSize kTile = fwd_tile_size(kHeadDim, kHeadDimV, Variant::kIsFlex);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kStages = kTile.stages;
@@ -53,6 +59,10 @@ struct FlashFwdKernelSm90 {
   static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
   static constexpr int kNumThreads = kNumMmaThreads + cutlass::NumThreadsPerWarpGroup;
   static constexpr bool kIsSplit = Config::kIsSplit;
+  using Variant = typename Config::Variant;
+  static constexpr bool kIsFlex = Variant::kIsFlex;
+  static_assert(!(kIsFlex && (kIsSplit || Config::kHasSoftcap)),
+                "the flex variant has softcap built in and no split-KV");
   static_assert(kNumMmaWarpGroups == 2, "register split below assumes two MMA warpgroups");
   // 64K registers per SM: producer warpgroup 128 x 24, MMA warpgroups 256 x 240.
   static constexpr uint32_t kLoadRegisters = 24;
@@ -89,11 +99,15 @@ struct FlashFwdKernelSm90 {
     float scale_log2;     // multiplies the (soft-capped) score inside exp2
     float softcap_scale;  // softmax_scale / softcap
     Scheduler scheduler;
+    typename Variant::Params variant;
   };
 
   static Params to_params(FwdParams const& p) {
     bool const has_softcap = p.softcap > 0.f;
-    return {Mainloop::to_params(p), p, float(M_LOG2E) * (has_softcap ? p.softcap : p.softmax_scale),
+    // The flex variant's accumulators hold final scores (FlexTileMods::score), so only the
+    // change to base 2 is left for the exponent.
+    float const exp_scale = kIsFlex ? 1.f : has_softcap ? p.softcap : p.softmax_scale;
+    return {Mainloop::to_params(p), p, float(M_LOG2E) * exp_scale,
             has_softcap ? p.softmax_scale / p.softcap : 0.f,
             Scheduler{cute::ceil_div(p.seqlen_q, kBlockM), p.num_heads, p.batch,
                       kIsSplit ? p.num_splits : 1, p.window_right >= 0 || p.window_left >= 0,
@@ -101,7 +115,8 @@ struct FlashFwdKernelSm90 {
                           (long long)p.seqlen_k * (p.head_dim + p.head_dim_v) *
                               (long long)sizeof(Element),
                           p.num_heads / p.num_heads_kv,
-                          p.num_heads * p.batch * (kIsSplit ? p.num_splits : 1))}};
+                          p.num_heads * p.batch * (kIsSplit ? p.num_splits : 1))},
+            Variant::to_params(p)};
   }
 
   static dim3 grid_shape(Params const& params, int num_sm) {
@@ -130,28 +145,55 @@ struct FlashFwdKernelSm90 {
 
   // What one tile needs from the sequence: its lengths and the n-blocks to visit. has_rows is
   // false past the sequence's end (nothing to write); both roles skip such tiles alike.
+  using Walk = std::conditional_t<kIsFlex, FlexBlockWalk<kBlockM, kBlockN>, NBlockRange>;
+  using TileMods = std::conditional_t<kIsFlex, FlexTileMods<kBlockM, kBlockN>, NoTileMods>;
   struct TileWork {
     SeqlenInfo seqlen;
     FwdMask<kBlockM, kBlockN> mask;
-    int n_block_min, n_block_max;
+    Walk walk;
     bool has_rows;
-    CUTLASS_DEVICE bool has_keys() const { return n_block_min < n_block_max; }
+    CUTLASS_DEVICE bool has_keys() const { return walk.has_blocks(); }
   };
 
-  CUTLASS_DEVICE static TileWork tile_work(FwdParams const& p, FwdTile const& tile) {
+  CUTLASS_DEVICE static TileMods tile_mods(Params const& params, FwdTile const& tile,
+                                           SeqlenInfo const& seqlen) {
+    if constexpr (kIsFlex) {
+      return {params.variant, tile.batch, tile.head, seqlen.seqlen_q, seqlen.seqlen_k};
+    } else {
+      return {};
+    }
+  }
+
+  CUTLASS_DEVICE static TileWork tile_work(Params const& params, FwdTile const& tile) {
+    FwdParams const& p = params.fwd;
     SeqlenInfo const seqlen(tile.batch, p.seqlen_q, p.seqlen_k, p.cu_seqlens_q, p.cu_seqlens_k,
                             p.seqused_q, p.seqused_k);
     FwdMask<kBlockM, kBlockN> const mask{seqlen.seqlen_q, seqlen.seqlen_k, p.window_left,
                                          p.window_right};
-    TileWork work{seqlen, mask, 0, 0, tile.m_block * kBlockM < seqlen.seqlen_q_range};
-    if (work.has_rows) mask.n_block_range(tile.m_block, work.n_block_min, work.n_block_max);
-    if constexpr (kIsSplit) {  // an equal share of this row block's n-blocks
-      int const per_split = cute::ceil_div(work.n_block_max - work.n_block_min, p.num_splits);
-      work.n_block_min += tile.split * per_split;
-      work.n_block_max = min(work.n_block_max, work.n_block_min + per_split);
-      work.n_block_min = min(work.n_block_min, work.n_block_max);
+    bool const has_rows = tile.m_block * kBlockM < seqlen.seqlen_q_range;
+    int n_block_min = 0, n_block_max = 0;
+    if (has_rows) mask.n_block_range(tile.m_block, n_block_min, n_block_max);
+    if constexpr (kIsFlex) {
+      // Block lists say which blocks apply mask_mod, so its own block range holds only
+      // without them. Rows past seqused_q (no n-block range) read no list.
+      if (n_block_min < n_block_max) {
+        if (!params.variant.block_sparse.enabled)
+          tile_mods(params, tile, seqlen).narrow(tile.m_block, n_block_min, n_block_max);
+      }
+      Walk walk = n_block_min < n_block_max
+                      ? Walk::make(params.variant.block_sparse, tile.batch, tile.head,
+                                   tile.m_block, n_block_min, n_block_max)
+                      : Walk::make(BlockSparseParams{}, 0, 0, 0, 0, 0);
+      return {seqlen, mask, walk, has_rows};
+    } else {
+      if constexpr (kIsSplit) {  // an equal share of this row block's n-blocks
+        int const per_split = cute::ceil_div(n_block_max - n_block_min, p.num_splits);
+        n_block_min += tile.split * per_split;
+        n_block_max = min(n_block_max, n_block_min + per_split);
+        n_block_min = min(n_block_min, n_block_max);
+      }
+      return {seqlen, mask, Walk{n_block_min, n_block_max}, has_rows};
     }
-    return work;
   }
 
   CUTLASS_DEVICE void operator()(Params const& params, char* smem_buf) {
@@ -192,12 +234,12 @@ struct FlashFwdKernelSm90 {
         for (int tile_index = int(blockIdx.x); tile_index < num_tiles;
              tile_index += int(gridDim.x)) {
           FwdTile const tile = scheduler.tile(tile_index);
-          TileWork const work = tile_work(p, tile);
+          TileWork const work = tile_work(params, tile);
           if (!work.has_rows || !work.has_keys()) continue;
           int const head_kv = tile.head / (p.num_heads / p.num_heads_kv);
           Mainloop::load(params.mainloop, storage.tensors, storage.barrier_q, q_loads, pipeline_k,
                          pipeline_v, smem_pipe_write, work.seqlen, tile.m_block, tile.head, head_kv,
-                         tile.batch, work.n_block_min, work.n_block_max);
+                         tile.batch, work.walk);
           ++q_loads;
         }
       }
@@ -216,7 +258,7 @@ struct FlashFwdKernelSm90 {
       Mainloop::mma_init(thread_idx / cutlass::NumThreadsPerWarpGroup);
       for (int tile_index = int(blockIdx.x); tile_index < num_tiles; tile_index += int(gridDim.x)) {
         FwdTile const tile = scheduler.tile(tile_index);
-        TileWork const work = tile_work(p, tile);
+        TileWork const work = tile_work(params, tile);
         if (!work.has_rows) continue;
         Tensor tOrO =
             partition_fragment_C(tiled_mma_pv, select<0, 1>(typename Mainloop::TileShapePV{}));
@@ -225,8 +267,8 @@ struct FlashFwdKernelSm90 {
         if (work.has_keys()) {
           Mainloop::mma(storage.tensors, storage.barrier_q, q_loads, /*release_q=*/kSeparateO,
                         pipeline_k, pipeline_v, smem_pipe_read, tOrO, softmax, work.mask,
-                        params.softcap_scale, thread_idx, tile.m_block, work.n_block_min,
-                        work.n_block_max);
+                        params.softcap_scale, thread_idx, tile.m_block, work.walk,
+                        tile_mods(params, tile, work.seqlen));
         } else {
           clear(tOrO);
           CUTLASS_PRAGMA_UNROLL

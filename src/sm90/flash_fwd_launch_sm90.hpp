@@ -18,9 +18,11 @@ inline void check_launch(cudaError_t status, const char* what) {
   }
 }
 
-template <class Element, int kHeadDim, int kHeadDimV, bool kHasSoftcap, bool kIsSplit>
+template <class Element, int kHeadDim, int kHeadDimV, bool kHasSoftcap, bool kIsSplit,
+          class Variant = variants::NoVariant>
 void run_flash_fwd_sm90(FwdParams& params, cudaStream_t stream) {
-  using Kernel = FlashFwdKernelSm90<FwdConfig<Element, kHeadDim, kHeadDimV, kHasSoftcap, kIsSplit>>;
+  using Kernel =
+      FlashFwdKernelSm90<FwdConfig<Element, kHeadDim, kHeadDimV, kHasSoftcap, kIsSplit, Variant>>;
   typename Kernel::Params const kernel_params = Kernel::to_params(params);
   if (kernel_params.scheduler.num_tiles() == 0) return;
   int num_sm = params.num_sm;
@@ -33,9 +35,12 @@ void run_flash_fwd_sm90(FwdParams& params, cudaStream_t stream) {
   // Tiles of unequal cost (causal/local windows, packed sequences of different lengths) balance
   // better when the hardware hands out one tile per CTA as SMs free up than with a static
   // round-robin; equal tiles gain from the persistent loop (next loads under the epilogue).
+  // A mask_mod or block lists make tiles unequal too.
   bool const unequal_tiles = kernel_params.scheduler.longest_first ||
                              params.cu_seqlens_q != nullptr || params.cu_seqlens_k != nullptr ||
-                             params.seqused_q != nullptr || params.seqused_k != nullptr;
+                             params.seqused_q != nullptr || params.seqused_k != nullptr ||
+                             (Variant::kIsFlex &&
+                              (params.mask_mod.kind != 0 || params.block_sparse.enabled));
   int const max_ctas = unequal_tiles ? kernel_params.scheduler.num_tiles() : num_sm;
   dim3 const grid = Kernel::grid_shape(kernel_params, max_ctas);
   auto kernel = &flash_fwd_kernel_sm90<Kernel>;

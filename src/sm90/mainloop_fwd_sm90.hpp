@@ -42,6 +42,7 @@ struct MainloopFwdSm90 {
   static constexpr int kNumMmaWarpGroups = Config::kNumMmaWarpGroups;
   static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
   static constexpr bool kHasSoftcap = Config::kHasSoftcap;
+  static constexpr bool kIsFlex = Config::Variant::kIsFlex;
 
   using TileShapeQK = cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>, cute::Int<kHeadDim>>;
   using TileShapePV = cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDimV>, cute::Int<kBlockN>>;
@@ -176,12 +177,14 @@ struct MainloopFwdSm90 {
     cutlass::arch::ClusterBarrier empty;
   };
 
-  // Producer: called by one elected thread of the producer warp, once per tile with work.
+  // Producer: called by one elected thread of the producer warp, once per tile with work;
+  // `walk` (NBlockRange, FlexBlockWalk) gives the n-blocks in the order the consumers use them.
+  template <class Walk>
   CUTLASS_DEVICE static void load(Params const& params, TensorStorage& storage,
                                   QBarriers& barrier_q, int q_loads, PipelineK& pipeline_k,
                                   PipelineV& pipeline_v, PipelineState& smem_pipe_write,
                                   SeqlenInfo const& seqlen, int m_block, int head, int head_kv,
-                                  int batch, int n_block_min, int n_block_max) {
+                                  int batch, Walk walk) {
     using namespace cute;
     Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
@@ -220,13 +223,14 @@ struct MainloopFwdSm90 {
            tVgV(_, n_block), tVsV(_, smem_pipe_write.index()));
     };
     // The first K goes out before waiting for Q's buffer: it overlaps the previous tile's tail.
-    load_k(n_block_max - 1);
+    int n_block = walk.first();
+    load_k(n_block);
     if (q_loads > 0) barrier_q.empty.wait((q_loads - 1) & 1);
     barrier_q.full.arrive_and_expect_tx(kTmaBytesQ);
     copy(params.tma_load_q.with(reinterpret_cast<BarrierType&>(barrier_q.full), 0), tQgQ, tQsQ);
-    load_v(n_block_max - 1);
+    load_v(n_block);
     ++smem_pipe_write;
-    for (int n_block = n_block_max - 2; n_block >= n_block_min; --n_block) {
+    while (walk.next(n_block)) {
       load_k(n_block);
       load_v(n_block);
       ++smem_pipe_write;
@@ -259,15 +263,16 @@ struct MainloopFwdSm90 {
   }
 
   // Consumer: accumulates the unnormalised output of this thread's rows into tOrO and leaves
-  // the running max/sum in softmax. Requires n_block_min < n_block_max. q_loads: tiles with work
-  // this CTA has done before this one. Hands Q's buffer back when release_q is set; otherwise
-  // the caller does (when O reuses that buffer).
-  template <class TensorO, class Softmax>
+  // the running max/sum in softmax over the n-blocks of `walk` (at least one). q_loads: tiles
+  // with work this CTA has done before this one. Hands Q's buffer back when release_q is set;
+  // otherwise the caller does (when O reuses that buffer). The flex variant applies `mods`
+  // (FlexTileMods: final scores, mask_mod on the blocks the walk marks); NoTileMods elsewhere.
+  template <class TensorO, class Softmax, class Walk, class TileMods>
   CUTLASS_DEVICE static void mma(TensorStorage& storage, QBarriers& barrier_q, int q_loads,
                                  bool release_q, PipelineK& pipeline_k, PipelineV& pipeline_v,
                                  PipelineState& smem_pipe_read, TensorO& tOrO, Softmax& softmax,
                                  FwdMask<kBlockM, kBlockN> const& mask, float softcap_scale,
-                                 int thread_idx, int m_block, int n_block_min, int n_block_max) {
+                                 int thread_idx, int m_block, Walk walk, TileMods const& mods) {
     using namespace cute;
     Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
@@ -294,7 +299,7 @@ struct MainloopFwdSm90 {
       }
     };
 
-    int n_block = n_block_max - 1;
+    int n_block = walk.first();
     float scores_scale[Softmax::kNumRows];
 
     pipeline_k.consumer_wait(smem_pipe_read);
@@ -306,14 +311,18 @@ struct MainloopFwdSm90 {
     warpgroup_wait<0>();
     pipeline_k.consumer_release(smem_pipe_read);
     scores_transform(tSrS);
+    if constexpr (kIsFlex) mods.score(tSrS, tScS, m_block, n_block);
     if (mask.needs_mask(m_block, n_block)) mask.apply(tSrS, tScS, m_block, n_block);
+    if constexpr (kIsFlex) {
+      if (walk.masked) mods.mask(tSrS, tScS, m_block, n_block);
+    }
     softmax.template online</*kFirst=*/true>(tSrS, scores_scale);
     convert_into(tSrS, tOrP);
     clear(tOrO);
 
     PipelineState smem_pipe_read_v = smem_pipe_read;
     ++smem_pipe_read;
-    for (--n_block; n_block >= n_block_min; --n_block) {
+    while (walk.next(n_block)) {
       pipeline_k.consumer_wait(smem_pipe_read);
       warp_scheduler_barrier_sync(warp_group);
       gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_qk, tSrQ,
@@ -326,7 +335,11 @@ struct MainloopFwdSm90 {
       warpgroup_wait<1>();  // S is ready; P V may still run
       pipeline_k.consumer_release(smem_pipe_read);
       scores_transform(tSrS);
+      if constexpr (kIsFlex) mods.score(tSrS, tScS, m_block, n_block);
       if (mask.needs_mask(m_block, n_block)) mask.apply(tSrS, tScS, m_block, n_block);
+      if constexpr (kIsFlex) {
+        if (walk.masked) mods.mask(tSrS, tScS, m_block, n_block);
+      }
       softmax.template online</*kFirst=*/false>(tSrS, scores_scale);
       warpgroup_wait<0>();
       pipeline_v.consumer_release(smem_pipe_read_v);

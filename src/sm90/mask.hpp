@@ -14,6 +14,18 @@
 
 namespace cuflash::sm90 {
 
+// The n-blocks of a tile without block lists: n_block_max - 1 down to n_block_min.
+struct NBlockRange {
+  int n_block_min, n_block_max;
+  CUTLASS_DEVICE bool has_blocks() const { return n_block_min < n_block_max; }
+  CUTLASS_DEVICE int first() const { return n_block_max - 1; }
+  // Moves to the next n-block; false past the last.
+  CUTLASS_DEVICE bool next(int& n_block) const { return --n_block >= n_block_min; }
+};
+
+// The plain kernel's score hooks: none (the flex variant's are FlexTileMods, flex_sm90.hpp).
+struct NoTileMods {};
+
 template <int kBlockM, int kBlockN>
 struct FwdMask {
   int seqlen_q, seqlen_k;

@@ -22,4 +22,13 @@ constexpr FwdTileSize fwd_tile_size(int head_dim, int head_dim_v) {
   return {128, 80, 2};
 }
 
+// The flex kernel (score_mod / mask_mod / block sparsity) uses kBlockN 128 or 64 so that a
+// FlexAttention block (128 x 128 by default, multiples of 64 in practice) is a whole number of
+// kernel blocks: the largest of the two that is not above the plain tile's.
+constexpr FwdTileSize fwd_tile_size(int head_dim, int head_dim_v, bool flex) {
+  FwdTileSize tile = fwd_tile_size(head_dim, head_dim_v);
+  if (flex) tile.block_n = tile.block_n >= 128 ? 128 : 64;
+  return tile;
+}
+
 }  // namespace cuflash::sm90

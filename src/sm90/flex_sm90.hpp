@@ -1,0 +1,178 @@
+// The flex path of the forward kernel (variants::FlexVariant): which n-blocks a tile visits
+// (FlexBlockWalk, from the mask_mod's block-level hook or from FlexAttention block lists) and
+// the score_mod / mask_mod applied to a tile of scores (FlexTileMods).
+#pragma once
+
+#include <cutlass/cutlass.h>
+
+#include <cmath>
+#include <cute/tensor.hpp>
+#include <type_traits>
+
+#include "sm90/utils_sm90.hpp"
+#include "variants/variant.hpp"
+
+namespace cuflash::sm90 {
+
+// The n-blocks of one tile, in the order the producer loads them and the consumers use them.
+// Without block lists: n_block_max - 1 down to n_block_min, all with mask_mod. With them (as
+// the seed's block_sparse_utils): the row block's mask-list blocks, then its full-list blocks,
+// each list from its last entry; a list block of block_n keys is block_n / kBlockN kernel
+// n-blocks (last first), and those outside [n_block_min, n_block_max) (causal / window /
+// sequence length) are skipped. Lists are assumed disjoint and free of repeats, as
+// FlexAttention builds them; entries outside [0, ceil(seqlen_k / block_n)) are skipped.
+template <int kBlockM, int kBlockN>
+struct FlexBlockWalk {
+  int n_block_min, n_block_max;
+  int const* mask_idx;
+  int const* full_idx;
+  int mask_cnt, full_cnt;
+  int sub_blocks;  // kernel n-blocks per list block; 0 without lists
+  int pos;         // entry, counting through the mask list then the full list
+  int sub;         // kernel n-block within the entry, counting down
+  int current;     // the n-block the walk stands on
+  bool masked;     // whether `current` needs mask_mod
+  bool any;        // whether the tile has any n-block
+
+  CUTLASS_DEVICE static FlexBlockWalk make(BlockSparseParams const& bs, int batch, int head,
+                                           int m_block, int n_block_min, int n_block_max) {
+    FlexBlockWalk walk{n_block_min, n_block_max, nullptr, nullptr, 0, 0, 0, 0, 0,
+                       n_block_max - 1, true, n_block_min < n_block_max};
+    if (!bs.enabled) return walk;
+    // Dispatch guarantees bs.block_m % kBlockM == 0 and bs.block_n % kBlockN == 0.
+    int const row_block = m_block * kBlockM / bs.block_m;
+    long long const list =
+        (static_cast<long long>(batch) * bs.num_heads_b + (bs.num_heads_b == 1 ? 0 : head)) *
+            bs.num_row_blocks +
+        row_block;
+    if (bs.mask_block_cnt != nullptr) {
+      walk.mask_cnt = min(max(bs.mask_block_cnt[list], 0), bs.num_col_blocks);
+      walk.mask_idx = bs.mask_block_idx + list * bs.num_col_blocks;
+    }
+    if (bs.full_block_cnt != nullptr) {
+      walk.full_cnt = min(max(bs.full_block_cnt[list], 0), bs.num_col_blocks);
+      walk.full_idx = bs.full_block_idx + list * bs.num_col_blocks;
+    }
+    walk.sub_blocks = bs.block_n / kBlockN;
+    walk.sub = walk.sub_blocks - 1;
+    walk.any = walk.seek();
+    return walk;
+  }
+
+  CUTLASS_DEVICE bool has_blocks() const { return any; }
+  CUTLASS_DEVICE int first() const { return current; }
+
+  // Moves to the next n-block; false past the last.
+  CUTLASS_DEVICE bool next(int& n_block) {
+    if (sub_blocks == 0) return --n_block >= n_block_min;
+    --sub;
+    bool const found = seek();
+    n_block = current;
+    return found;
+  }
+
+ private:
+  // From (pos, sub) on, stands on the first n-block inside [n_block_min, n_block_max).
+  CUTLASS_DEVICE bool seek() {
+    for (; pos < mask_cnt + full_cnt; ++pos, sub = sub_blocks - 1) {
+      bool const in_mask = pos < mask_cnt;
+      int const block =
+          in_mask ? mask_idx[mask_cnt - 1 - pos] : full_idx[full_cnt - 1 - (pos - mask_cnt)];
+      int const base = block * sub_blocks;
+      sub = min(sub, n_block_max - 1 - base);
+      if (sub >= 0 && base + sub >= n_block_min) {
+        current = base + sub;
+        masked = in_mask;
+        return true;
+      }
+    }
+    return false;
+  }
+};
+
+// score_mod and mask_mod over one tile of scores, for one (batch, head) and sequence.
+template <int kBlockM, int kBlockN>
+struct FlexTileMods {
+  variants::FlexVariant::Params const& params;
+  int batch, head;
+  int seqlen_q, seqlen_k;
+
+  // Narrows [n_block_min, n_block_max) by the mask_mod's block-level hook (only without block
+  // lists: full-list blocks do not apply mask_mod).
+  CUTLASS_DEVICE void narrow(int m_block, int& n_block_min, int& n_block_max) const {
+    params.mask_mod.visit([&](auto const& mod) {
+      if constexpr (!std::is_same_v<std::decay_t<decltype(mod)>, variants::NoMaskMod>) {
+        int const row_min = m_block * kBlockM;
+        int const row_max = min(row_min + kBlockM, seqlen_q) - 1;
+        int col_begin = n_block_min * kBlockN, col_end = n_block_max * kBlockN;
+        mod.col_range(row_min, row_max, col_begin, col_end);
+        n_block_min = max(n_block_min, max(col_begin, 0) / kBlockN);
+        n_block_max = min(n_block_max, cute::ceil_div(max(col_end, 0), kBlockN));
+        n_block_max = max(n_block_max, n_block_min);
+      }
+    });
+  }
+
+  // Raw <q, k> to the final score: scale (or softcap) and score_mod.
+  template <class TensorS, class TensorC>
+  CUTLASS_DEVICE void score(TensorS& tSrS, TensorC const& tScS, int m_block, int n_block) const {
+    using namespace cute;
+    Tensor scores = make_tensor(tSrS.data(), acc_rowcol_layout(tSrS.layout()));
+    Tensor coords = make_tensor(tScS.data(), acc_rowcol_layout(tScS.layout()));
+    float const score_scale = params.score_scale;
+    float const tanh_scale = params.tanh_scale;
+    if (tanh_scale != 0.f) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(scores); ++i)
+        scores(i) = score_scale * tanh_approx(scores(i) * tanh_scale);
+    } else {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(scores); ++i) scores(i) *= score_scale;
+    }
+    params.score_mod.visit([&](auto const& mod) {
+      if constexpr (!std::is_same_v<std::decay_t<decltype(mod)>, variants::NoScoreMod>) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int m = 0; m < size<0>(scores); ++m) {
+          int const row = m_block * kBlockM + get<0>(coords(m, 0));
+          CUTLASS_PRAGMA_UNROLL
+          for (int n = 0; n < size<1>(scores); ++n) {
+            int const col = n_block * kBlockN + get<1>(coords(m, n));
+            scores(m, n) = mod.score(scores(m, n), batch, head, row, col);
+          }
+        }
+      }
+    });
+  }
+
+  // Sets the scores that mask_mod hides to -inf. Positions past the sequence are not asked
+  // (their keys are hidden by the length mask, their rows are never stored), so an aux array of
+  // the sequence's length is never read past its end.
+  template <class TensorS, class TensorC>
+  CUTLASS_DEVICE void mask(TensorS& tSrS, TensorC const& tScS, int m_block, int n_block) const {
+    using namespace cute;
+    params.mask_mod.visit([&](auto const& mod) {
+      if constexpr (!std::is_same_v<std::decay_t<decltype(mod)>, variants::NoMaskMod>) {
+        int const row_min = m_block * kBlockM;
+        int const col_first = n_block * kBlockN;
+        if (mod.all_visible(row_min, min(row_min + kBlockM, seqlen_q) - 1, col_first,
+                            min(col_first + kBlockN, seqlen_k) - 1)) {
+          return;
+        }
+        Tensor scores = make_tensor(tSrS.data(), acc_rowcol_layout(tSrS.layout()));
+        Tensor coords = make_tensor(tScS.data(), acc_rowcol_layout(tScS.layout()));
+        CUTLASS_PRAGMA_UNROLL
+        for (int m = 0; m < size<0>(scores); ++m) {
+          int const row = row_min + get<0>(coords(m, 0));
+          if (row >= seqlen_q) continue;
+          CUTLASS_PRAGMA_UNROLL
+          for (int n = 0; n < size<1>(scores); ++n) {
+            int const col = col_first + get<1>(coords(m, n));
+            if (col < seqlen_k && !mod.visible(batch, head, row, col)) scores(m, n) = -INFINITY;
+          }
+        }
+      }
+    });
+  }
+};
+
+}  // namespace cuflash::sm90

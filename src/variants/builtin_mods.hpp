@@ -1,0 +1,187 @@
+// The built-in score_mod and mask_mod functors (ScoreModKind / MaskModKind in options.hpp).
+// Each is a small type holding its runtime parameters (scalars, aux pointers) with an
+// element-level hook, `score(s, b, h, q_idx, kv_idx)` or `visible(b, h, q_idx, kv_idx)`, where
+// q_idx and kv_idx count from the start of the sequence (top-left, as in FlexAttention) and s is
+// the scaled, soft-capped score. Mask mods also have block-level hooks over a rectangle of
+// positions: `col_range` narrows the keys any of the rows can see, `all_visible` tells when no
+// element of the rectangle is hidden (so the per-element check can be skipped).
+// ScoreModSwitch / MaskModSwitch hold one built-in chosen at run time; `visit` calls a generic
+// callable with the concrete functor, so the kind is tested once per tile, not per element.
+#pragma once
+
+#include <cutlass/cutlass.h>
+
+#include "api/params.hpp"
+
+namespace cuflash::variants {
+
+struct NoScoreMod {};
+
+// s + slopes[h] * (kv_idx - q_idx); slopes: fp32 (H,).
+struct AlibiScoreMod {
+  float const* slopes;
+  CUTLASS_DEVICE float score(float s, int /*b*/, int h, int q_idx, int kv_idx) const {
+    return s + slopes[h] * float(kv_idx - q_idx);
+  }
+};
+
+// s + table[h, clamp(kv_idx - q_idx, -R, R) + R]; table: fp32 (H, 2R + 1).
+struct RelativeBiasScoreMod {
+  float const* table;
+  int width;  // 2R + 1
+  CUTLASS_DEVICE float score(float s, int /*b*/, int h, int q_idx, int kv_idx) const {
+    int const radius = (width - 1) / 2;
+    int const distance = min(max(kv_idx - q_idx, -radius), radius);
+    return s + table[h * width + distance + radius];
+  }
+};
+
+// Every mask below narrows columns with col_range(row_min, row_max, col_begin, col_end):
+// [col_begin, col_end) is narrowed to the keys that some row in [row_min, row_max] can see.
+struct NoMaskMod {};
+
+// kv_idx <= q_idx.
+struct CausalMaskMod {
+  CUTLASS_DEVICE bool visible(int /*b*/, int /*h*/, int q_idx, int kv_idx) const {
+    return kv_idx <= q_idx;
+  }
+  CUTLASS_DEVICE void col_range(int /*row_min*/, int row_max, int& /*col_begin*/,
+                                int& col_end) const {
+    col_end = min(col_end, row_max + 1);
+  }
+  CUTLASS_DEVICE bool all_visible(int row_min, int /*row_max*/, int /*col_first*/,
+                                  int col_last) const {
+    return col_last <= row_min;
+  }
+};
+
+// q_idx - kv_idx <= left and kv_idx - q_idx <= right; a negative side is unbounded.
+struct SlidingWindowMaskMod {
+  int left, right;
+  CUTLASS_DEVICE bool visible(int /*b*/, int /*h*/, int q_idx, int kv_idx) const {
+    return (left < 0 || q_idx - kv_idx <= left) && (right < 0 || kv_idx - q_idx <= right);
+  }
+  CUTLASS_DEVICE void col_range(int row_min, int row_max, int& col_begin, int& col_end) const {
+    if (left >= 0) col_begin = max(col_begin, row_min - left);
+    if (right >= 0) col_end = min(col_end, row_max + right + 1);
+  }
+  CUTLASS_DEVICE bool all_visible(int row_min, int row_max, int col_first, int col_last) const {
+    return (left < 0 || row_max - col_first <= left) && (right < 0 || col_last - row_min <= right);
+  }
+};
+
+// kv_idx <= q_idx or kv_idx < prefix.
+struct PrefixLMMaskMod {
+  int prefix;
+  CUTLASS_DEVICE bool visible(int /*b*/, int /*h*/, int q_idx, int kv_idx) const {
+    return kv_idx <= q_idx || kv_idx < prefix;
+  }
+  CUTLASS_DEVICE void col_range(int /*row_min*/, int row_max, int& /*col_begin*/,
+                                int& col_end) const {
+    col_end = min(col_end, max(row_max + 1, prefix));
+  }
+  CUTLASS_DEVICE bool all_visible(int row_min, int /*row_max*/, int /*col_first*/,
+                                  int col_last) const {
+    return col_last <= row_min || col_last < prefix;
+  }
+};
+
+// ids[b, q_idx] == ids[b, kv_idx]; ids: int32 (B, L), row stride `stride`.
+struct DocumentMaskMod {
+  int const* ids;
+  long long stride;
+  CUTLASS_DEVICE bool visible(int b, int /*h*/, int q_idx, int kv_idx) const {
+    int const* row = ids + b * stride;
+    return row[q_idx] == row[kv_idx];
+  }
+  CUTLASS_DEVICE void col_range(int, int, int&, int&) const {}
+  CUTLASS_DEVICE bool all_visible(int, int, int, int) const { return false; }
+};
+
+// One built-in score_mod, chosen at run time (ScoreModKind value).
+struct ScoreModSwitch {
+  int kind = 0;
+  float const* table = nullptr;  // alibi slopes or the relative-bias table
+  int width = 0;                 // relative bias: 2R + 1
+
+  static ScoreModSwitch from(ModParams const& mod) {
+    ScoreModSwitch result;
+    result.kind = mod.kind;
+    if (mod.kind != 0) {
+      result.table = static_cast<float const*>(mod.aux[0]);
+      result.width = int(mod.aux_cols[0]);
+    }
+    return result;
+  }
+
+  template <class Fn>
+  CUTLASS_DEVICE void visit(Fn&& fn) const {
+    switch (kind) {
+      case 1:
+        fn(AlibiScoreMod{table});
+        break;
+      case 2:
+        fn(RelativeBiasScoreMod{table, width});
+        break;
+      default:
+        fn(NoScoreMod{});
+        break;
+    }
+  }
+};
+
+// One built-in mask_mod, chosen at run time (MaskModKind value).
+struct MaskModSwitch {
+  int kind = 0;
+  int left = -1, right = -1;   // sliding window
+  int prefix = 0;              // prefix LM
+  int const* ids = nullptr;    // document ids
+  long long ids_stride = 0;
+
+  // Scalars are whole numbers >= 0 (validated); any value past 2^30 acts as unbounded.
+  static int whole(float x) { return x < float(1 << 30) ? int(x) : (1 << 30); }
+
+  static MaskModSwitch from(ModParams const& mod) {
+    MaskModSwitch result;
+    result.kind = mod.kind;
+    switch (mod.kind) {
+      case 2:
+        result.left = whole(mod.scalars[0]);
+        result.right = whole(mod.scalars[1]);
+        break;
+      case 3:
+        result.prefix = whole(mod.scalars[0]);
+        break;
+      case 4:
+        result.ids = static_cast<int const*>(mod.aux[0]);
+        result.ids_stride = mod.aux_cols[0];
+        break;
+      default:
+        break;
+    }
+    return result;
+  }
+
+  template <class Fn>
+  CUTLASS_DEVICE void visit(Fn&& fn) const {
+    switch (kind) {
+      case 1:
+        fn(CausalMaskMod{});
+        break;
+      case 2:
+        fn(SlidingWindowMaskMod{left, right});
+        break;
+      case 3:
+        fn(PrefixLMMaskMod{prefix});
+        break;
+      case 4:
+        fn(DocumentMaskMod{ids, ids_stride});
+        break;
+      default:
+        fn(NoMaskMod{});
+        break;
+    }
+  }
+};
+
+}  // namespace cuflash::variants

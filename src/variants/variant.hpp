@@ -1,0 +1,40 @@
+// Variant policies of the forward kernel (DESIGN.md section 3): a compile-time type that says
+// which optional features the kernel contains, with the runtime Params those features read.
+// NoVariant is the plain kernel: its code has none of the hooks below. FlexVariant carries the
+// built-in score_mod and mask_mod (chosen at run time inside the functors, builtin_mods.hpp)
+// and FlexAttention block sparsity; with it the kernel keeps final scores in its accumulators
+// (scaled, soft-capped and modified) rather than folding the scale into the exponent.
+#pragma once
+
+#include "api/params.hpp"
+#include "variants/builtin_mods.hpp"
+
+namespace cuflash::variants {
+
+struct NoVariant {
+  static constexpr bool kIsFlex = false;
+  struct Params {};
+  static Params to_params(FwdParams const&) { return {}; }
+};
+
+struct FlexVariant {
+  static constexpr bool kIsFlex = true;
+  struct Params {
+    ScoreModSwitch score_mod;
+    MaskModSwitch mask_mod;
+    // Score = score_scale * tanh(raw * tanh_scale) with softcap (score_scale = softcap), else
+    // score_scale * raw; raw = <q, k>.
+    float score_scale;
+    float tanh_scale;  // softmax_scale / softcap; 0 without softcap
+    BlockSparseParams block_sparse;
+  };
+
+  static Params to_params(FwdParams const& p) {
+    bool const has_softcap = p.softcap > 0.f;
+    return {ScoreModSwitch::from(p.score_mod), MaskModSwitch::from(p.mask_mod),
+            has_softcap ? p.softcap : p.softmax_scale,
+            has_softcap ? p.softmax_scale / p.softcap : 0.f, p.block_sparse};
+  }
+};
+
+}  // namespace cuflash::variants
