@@ -87,13 +87,12 @@ void check_flex(const FwdParams& p) {
   auto const [hdim, hdim_v] = kernel_head_dims(p);
   FwdTileSize const tile = fwd_tile_size(hdim, hdim_v, /*flex=*/true);
   if (p.block_sparse.block_m % tile.block_m != 0 || p.block_sparse.block_n % tile.block_n != 0) {
-    not_supported("block_sparse",
-                  "the sm90 forward kernel for head dim " + std::to_string(hdim) +
-                      " needs block_sparse.block_m to be a multiple of " +
-                      std::to_string(tile.block_m) + " and block_n a multiple of " +
-                      std::to_string(tile.block_n) + "; got block_m = " +
-                      std::to_string(p.block_sparse.block_m) +
-                      ", block_n = " + std::to_string(p.block_sparse.block_n));
+    not_supported("block_sparse", "the sm90 forward kernel for head dim " + std::to_string(hdim) +
+                                      " needs block_sparse.block_m to be a multiple of " +
+                                      std::to_string(tile.block_m) + " and block_n a multiple of " +
+                                      std::to_string(tile.block_n) +
+                                      "; got block_m = " + std::to_string(p.block_sparse.block_m) +
+                                      ", block_n = " + std::to_string(p.block_sparse.block_n));
   }
 }
 

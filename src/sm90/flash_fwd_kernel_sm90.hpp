@@ -107,7 +107,9 @@ struct FlashFwdKernelSm90 {
     // The flex variant's accumulators hold final scores (FlexTileMods::score), so only the
     // change to base 2 is left for the exponent.
     float const exp_scale = kIsFlex ? 1.f : has_softcap ? p.softcap : p.softmax_scale;
-    return {Mainloop::to_params(p), p, float(M_LOG2E) * exp_scale,
+    return {Mainloop::to_params(p),
+            p,
+            float(M_LOG2E) * exp_scale,
             has_softcap ? p.softmax_scale / p.softcap : 0.f,
             Scheduler{cute::ceil_div(p.seqlen_q, kBlockM), p.num_heads, p.batch,
                       kIsSplit ? p.num_splits : 1, p.window_right >= 0 || p.window_left >= 0,
@@ -181,8 +183,8 @@ struct FlashFwdKernelSm90 {
           tile_mods(params, tile, seqlen).narrow(tile.m_block, n_block_min, n_block_max);
       }
       Walk walk = n_block_min < n_block_max
-                      ? Walk::make(params.variant.block_sparse, tile.batch, tile.head,
-                                   tile.m_block, n_block_min, n_block_max)
+                      ? Walk::make(params.variant.block_sparse, tile.batch, tile.head, tile.m_block,
+                                   n_block_min, n_block_max)
                       : Walk::make(BlockSparseParams{}, 0, 0, 0, 0, 0);
       return {seqlen, mask, walk, has_rows};
     } else {

@@ -36,11 +36,11 @@ void run_flash_fwd_sm90(FwdParams& params, cudaStream_t stream) {
   // better when the hardware hands out one tile per CTA as SMs free up than with a static
   // round-robin; equal tiles gain from the persistent loop (next loads under the epilogue).
   // A mask_mod or block lists make tiles unequal too.
-  bool const unequal_tiles = kernel_params.scheduler.longest_first ||
-                             params.cu_seqlens_q != nullptr || params.cu_seqlens_k != nullptr ||
-                             params.seqused_q != nullptr || params.seqused_k != nullptr ||
-                             (Variant::kIsFlex &&
-                              (params.mask_mod.kind != 0 || params.block_sparse.enabled));
+  bool const unequal_tiles =
+      kernel_params.scheduler.longest_first || params.cu_seqlens_q != nullptr ||
+      params.cu_seqlens_k != nullptr || params.seqused_q != nullptr ||
+      params.seqused_k != nullptr ||
+      (Variant::kIsFlex && (params.mask_mod.kind != 0 || params.block_sparse.enabled));
   int const max_ctas = unequal_tiles ? kernel_params.scheduler.num_tiles() : num_sm;
   dim3 const grid = Kernel::grid_shape(kernel_params, max_ctas);
   auto kernel = &flash_fwd_kernel_sm90<Kernel>;

@@ -36,8 +36,9 @@ struct FlexBlockWalk {
 
   CUTLASS_DEVICE static FlexBlockWalk make(BlockSparseParams const& bs, int batch, int head,
                                            int m_block, int n_block_min, int n_block_max) {
-    FlexBlockWalk walk{n_block_min, n_block_max, nullptr, nullptr, 0, 0, 0, 0, 0,
-                       n_block_max - 1, true, n_block_min < n_block_max};
+    FlexBlockWalk walk{
+        n_block_min, n_block_max, nullptr, nullptr,         0,    0,
+        0,           0,           0,       n_block_max - 1, true, n_block_min < n_block_max};
     if (!bs.enabled) return walk;
     // Dispatch guarantees bs.block_m % kBlockM == 0 and bs.block_n % kBlockN == 0.
     int const row_block = m_block * kBlockM / bs.block_m;

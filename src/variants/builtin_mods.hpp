@@ -133,9 +133,9 @@ struct ScoreModSwitch {
 // One built-in mask_mod, chosen at run time (MaskModKind value).
 struct MaskModSwitch {
   int kind = 0;
-  int left = -1, right = -1;   // sliding window
-  int prefix = 0;              // prefix LM
-  int const* ids = nullptr;    // document ids
+  int left = -1, right = -1;  // sliding window
+  int prefix = 0;             // prefix LM
+  int const* ids = nullptr;   // document ids
   long long ids_stride = 0;
 
   // Scalars are whole numbers >= 0 (validated); any value past 2^30 acts as unbounded.

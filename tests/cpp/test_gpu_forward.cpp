@@ -480,26 +480,6 @@ TEST(GpuForwardUnsupported, PagedKvIsRefused) {
   }
 }
 
-TEST(GpuForwardUnsupported, MaskModIsRefused) {
-  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
-  if (!is_built("fwd bf16 hdim128")) GTEST_SKIP() << "hdim128 bf16 not built";
-  DeviceBuffer q(64 * 2 * 128 * 2), k(256 * 2 * 128 * 2), v(256 * 2 * 128 * 2),
-      out(64 * 2 * 128 * 2);
-  ForwardArgs args;
-  args.q = TensorView(q.data(), DType::kBFloat16, {1, 64, 2, 128}, kCuda);
-  args.k = TensorView(k.data(), DType::kBFloat16, {1, 256, 2, 128}, kCuda);
-  args.v = TensorView(v.data(), DType::kBFloat16, {1, 256, 2, 128}, kCuda);
-  args.out = TensorView(out.data(), DType::kBFloat16, {1, 64, 2, 128}, kCuda);
-  args.opts.mask_mod.kind = MaskModKind::kCausal;
-  try {
-    forward(args);
-    ADD_FAILURE() << "mask_mod ran";
-  } catch (const Error& error) {
-    EXPECT_EQ(error.kind(), Error::Kind::kNotSupported) << error.what();
-    EXPECT_EQ(error.argument(), "mask_mod");
-  }
-}
-
 }  // namespace
 }  // namespace cuflash
 

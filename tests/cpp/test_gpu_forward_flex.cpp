@@ -1,0 +1,623 @@
+// GPU forward kernel with score_mod, mask_mod and block sparsity (the flex kernels) against the
+// CPU reference (DESIGN.md section 5): every built-in mod, with causal / window / softcap, varlen,
+// block lists broadcast over heads and per head, block sizes that are several kernel blocks, and
+// rows that see no key. Outputs are poisoned before each run; every element is checked for NaN
+// and compared with the accuracy rule in gpu_test_util.hpp.
+#include <gtest/gtest.h>
+
+#if CUFLASH_HAS_CUDA  // a build without the CUDA toolkit has no device kernels to test
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cuflash/cuflash.hpp"
+#include "gpu_test_util.hpp"
+
+namespace cuflash {
+namespace {
+
+using gpu_testing::DeviceBuffer;
+
+const Device kCpu{};
+const Device kCuda{DeviceType::kCUDA, 0};
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct FlexCase {
+  std::string label;
+  DType dtype = DType::kBFloat16;
+  int batch = 1, seqlen_q = 1, seqlen_k = 1, heads = 2, heads_kv = 2, head_dim = 128;
+  bool causal = false;  // the bottom-right option, on top of any mask_mod
+  int window_left = -1, window_right = -1;
+  float softcap = 0.f;
+  ScoreModKind score_mod = ScoreModKind::kNone;
+  MaskModKind mask_mod = MaskModKind::kNone;
+  std::vector<double> mask_scalars;
+  bool varlen = false;  // packed rows; sequence 1 is empty, the others drawn up to seqlen_q/k
+  // Block sparsity: 0 off, else the lists' head count (1: broadcast, or heads).
+  int sparse_heads = 0;
+  int block_m = 128, block_n = 128;
+  bool full_lists = true, mask_lists = true;
+  // Row blocks left with no block at all (every output row 0, lse -inf).
+  bool empty_row_blocks = false;
+  unsigned seed = 1;
+};
+
+std::string case_name(const FlexCase& c) {
+  std::ostringstream name;
+  name << c.label << "_" << (c.dtype == DType::kBFloat16 ? "bf16" : "fp16") << "_d" << c.head_dim;
+  return name.str();
+}
+
+enum class Block : std::uint8_t { kSkip, kMask, kFull };
+
+// One problem in flattened rows: q (rows_q, H, D), k/v (rows_k, H_kv, D), dense (rows = B * S)
+// or packed; aux arrays and block lists as the API takes them.
+struct Problem {
+  FlexCase c;
+  std::vector<int> len_q, len_k, start_q, start_k;
+  int rows_q = 0, rows_k = 0;
+  std::vector<float> q, k, v;
+  float scale = 1.f;
+  std::vector<float> score_table;  // alibi (H,) or relative bias (H, 2R + 1)
+  int bias_width = 0;
+  std::vector<int> doc_ids;  // (B, doc_len)
+  int doc_len = 0;
+  // Block lists (B, H_b, row blocks[, col blocks]) and the state they give each block.
+  int row_blocks = 0, col_blocks = 0;
+  std::vector<int> mask_cnt, mask_idx, full_cnt, full_idx;
+  std::vector<Block> blocks;  // (B, H_b, row blocks, col blocks)
+
+  explicit Problem(const FlexCase& fc) : c(fc) {
+    std::mt19937 rng(c.seed);
+    std::uniform_int_distribution<int> any_q(0, c.seqlen_q), any_k(0, c.seqlen_k);
+    for (int b = 0; b < c.batch; ++b) {
+      int lq = c.varlen ? any_q(rng) : c.seqlen_q;
+      int lk = c.varlen ? any_k(rng) : c.seqlen_k;
+      if (c.varlen && b == 0) lq = c.seqlen_q, lk = c.seqlen_k;
+      if (c.varlen && b == 1) lq = 0;
+      len_q.push_back(lq);
+      len_k.push_back(lk);
+      start_q.push_back(rows_q);
+      start_k.push_back(rows_k);
+      rows_q += lq;
+      rows_k += lk;
+    }
+    std::normal_distribution<float> normal(0.f, 1.f);
+    auto fill = [&](std::vector<float>& data, std::size_t n) {
+      data.resize(n);
+      for (float& x : data) x = gpu_testing::round_to(normal(rng), c.dtype);
+    };
+    fill(q, std::size_t(rows_q) * c.heads * c.head_dim);
+    fill(k, std::size_t(rows_k) * c.heads_kv * c.head_dim);
+    fill(v, std::size_t(rows_k) * c.heads_kv * c.head_dim);
+    scale = 1.f / std::sqrt(float(c.head_dim));
+
+    if (c.score_mod == ScoreModKind::kAlibi) {
+      for (int h = 0; h < c.heads; ++h) score_table.push_back(std::ldexp(1.f, -(h % 8) - 1));
+    } else if (c.score_mod == ScoreModKind::kRelativeBias) {
+      bias_width = 2 * 40 + 1;
+      for (int i = 0; i < c.heads * bias_width; ++i) score_table.push_back(normal(rng));
+    }
+    if (c.mask_mod == MaskModKind::kDocument) {
+      // Documents of random lengths; with seqlen_q > seqlen_k the last ones hold queries only,
+      // so their rows see no key.
+      doc_len = std::max(c.seqlen_q, c.seqlen_k);
+      std::uniform_int_distribution<int> doc_length(1, 150);
+      for (int b = 0; b < c.batch; ++b) {
+        int doc = 0, left = doc_length(rng);
+        for (int i = 0; i < doc_len; ++i) {
+          if (left-- == 0) ++doc, left = doc_length(rng);
+          doc_ids.push_back(doc);
+        }
+      }
+    }
+    if (c.sparse_heads > 0) make_block_lists(rng);
+  }
+
+  // Each block is skipped, masked or full at random; lists in random order.
+  void make_block_lists(std::mt19937& rng) {
+    row_blocks = (c.seqlen_q + c.block_m - 1) / c.block_m;
+    col_blocks = (c.seqlen_k + c.block_n - 1) / c.block_n;
+    const int lists = c.batch * c.sparse_heads * row_blocks;
+    mask_cnt.assign(lists, 0);
+    full_cnt.assign(lists, 0);
+    mask_idx.assign(std::size_t(lists) * col_blocks, 0);
+    full_idx.assign(std::size_t(lists) * col_blocks, 0);
+    blocks.assign(std::size_t(lists) * col_blocks, Block::kSkip);
+    std::uniform_int_distribution<int> pick(0, 9);
+    for (int list = 0; list < lists; ++list) {
+      const int row_block = list % row_blocks;
+      if (c.empty_row_blocks && row_block % 2 == 1) continue;
+      std::vector<int> order(col_blocks);
+      for (int j = 0; j < col_blocks; ++j) order[j] = j;
+      std::shuffle(order.begin(), order.end(), rng);
+      for (int j : order) {
+        const int roll = pick(rng);
+        Block state = roll < 2 ? Block::kSkip : roll < 6 ? Block::kMask : Block::kFull;
+        if (state == Block::kMask && !c.mask_lists) state = Block::kFull;
+        if (state == Block::kFull && !c.full_lists) state = Block::kMask;
+        blocks[std::size_t(list) * col_blocks + j] = state;
+        if (state == Block::kMask) mask_idx[std::size_t(list) * col_blocks + mask_cnt[list]++] = j;
+        if (state == Block::kFull) full_idx[std::size_t(list) * col_blocks + full_cnt[list]++] = j;
+      }
+    }
+  }
+
+  // Score of query i, key j (positions in their sequence) of head h from s = scaled, capped.
+  float modded(float s, int h, int i, int j) const {
+    switch (c.score_mod) {
+      case ScoreModKind::kAlibi:
+        return s + score_table[h] * float(j - i);
+      case ScoreModKind::kRelativeBias: {
+        const int radius = (bias_width - 1) / 2;
+        return s + score_table[h * bias_width + std::clamp(j - i, -radius, radius) + radius];
+      }
+      default:
+        return s;
+    }
+  }
+
+  bool mask_mod_keeps(int b, int i, int j) const {
+    switch (c.mask_mod) {
+      case MaskModKind::kCausal:
+        return j <= i;
+      case MaskModKind::kSlidingWindow:
+        return i - j <= c.mask_scalars[0] && j - i <= c.mask_scalars[1];
+      case MaskModKind::kPrefixLM:
+        return j <= i || j < c.mask_scalars[0];
+      case MaskModKind::kDocument:
+        return doc_ids[std::size_t(b) * doc_len + i] == doc_ids[std::size_t(b) * doc_len + j];
+      default:
+        return true;
+    }
+  }
+
+  bool visible(int b, int h, int i, int j) const {
+    const int sq = len_q[b], sk = len_k[b];
+    const int diag = i + sk - sq;
+    const int right = c.causal ? 0 : c.window_right;
+    if ((right >= 0 && j > diag + right) || (c.window_left >= 0 && j < diag - c.window_left))
+      return false;
+    bool apply_mask_mod = true;
+    if (c.sparse_heads > 0) {
+      const int hb = c.sparse_heads == 1 ? 0 : h;
+      const int list = (b * c.sparse_heads + hb) * row_blocks + i / c.block_m;
+      const Block state = blocks[std::size_t(list) * col_blocks + j / c.block_n];
+      if (state == Block::kSkip) return false;
+      apply_mask_mod = state == Block::kMask;
+    }
+    return !apply_mask_mod || mask_mod_keeps(b, i, j);
+  }
+
+  std::int64_t lse_index(int b, int h, int r) const {
+    return c.varlen ? std::int64_t(h) * rows_q + start_q[b] + r
+                    : (std::int64_t(b) * c.heads + h) * c.seqlen_q + r;
+  }
+  std::size_t lse_size() const {
+    return c.varlen ? std::size_t(c.heads) * rows_q : std::size_t(c.batch) * c.heads * c.seqlen_q;
+  }
+  std::vector<int> cu(const std::vector<int>& start, int total) const {
+    std::vector<int> out = start;
+    out.push_back(total);
+    return out;
+  }
+};
+
+struct Result {
+  std::vector<double> out;  // (rows_q, H, D)
+  std::vector<double> lse;
+};
+
+// The same attention done naively in the input dtype: scaled q, scores, capped and modified
+// scores, probabilities and output each rounded to the dtype.
+Result naive_low_precision(const Problem& pb) {
+  const FlexCase& c = pb.c;
+  Result result;
+  result.out.assign(std::size_t(pb.rows_q) * c.heads * c.head_dim, 0.0);
+  result.lse.assign(pb.lse_size(), kNegInf);
+  const int group = c.heads / c.heads_kv;
+  std::vector<float> qs(c.head_dim), scores;
+  for (int b = 0; b < c.batch; ++b) {
+    const int sq = pb.len_q[b], sk = pb.len_k[b];
+    for (int h = 0; h < c.heads; ++h) {
+      const int hk = h / group;
+      for (int i = 0; i < sq; ++i) {
+        const float* qrow = &pb.q[(std::size_t(pb.start_q[b] + i) * c.heads + h) * c.head_dim];
+        for (int d = 0; d < c.head_dim; ++d)
+          qs[d] = gpu_testing::round_to(qrow[d] * pb.scale, c.dtype);
+        scores.assign(sk, kNegInf);
+        float row_max = kNegInf;
+        for (int j = 0; j < sk; ++j) {
+          if (!pb.visible(b, h, i, j)) continue;
+          const float* krow =
+              &pb.k[(std::size_t(pb.start_k[b] + j) * c.heads_kv + hk) * c.head_dim];
+          float dot = 0.f;
+          for (int d = 0; d < c.head_dim; ++d) dot += qs[d] * krow[d];
+          float s = gpu_testing::round_to(dot, c.dtype);
+          if (c.softcap > 0.f)
+            s = gpu_testing::round_to(c.softcap * std::tanh(s / c.softcap), c.dtype);
+          s = gpu_testing::round_to(pb.modded(s, h, i, j), c.dtype);
+          scores[j] = s;
+          row_max = std::max(row_max, s);
+        }
+        if (row_max == kNegInf) continue;  // nothing visible: out 0, lse -inf
+        float denom = 0.f;
+        for (int j = 0; j < sk; ++j) denom += std::exp(scores[j] - row_max);
+        result.lse[pb.lse_index(b, h, i)] = row_max + std::log(denom);
+        double* orow = &result.out[(std::size_t(pb.start_q[b] + i) * c.heads + h) * c.head_dim];
+        std::vector<float> acc(c.head_dim, 0.f);
+        for (int j = 0; j < sk; ++j) {
+          if (scores[j] == kNegInf) continue;
+          const float p = gpu_testing::round_to(std::exp(scores[j] - row_max) / denom, c.dtype);
+          const float* vrow =
+              &pb.v[(std::size_t(pb.start_k[b] + j) * c.heads_kv + hk) * c.head_dim];
+          for (int d = 0; d < c.head_dim; ++d) acc[d] += p * vrow[d];
+        }
+        for (int d = 0; d < c.head_dim; ++d) orow[d] = gpu_testing::round_to(acc[d], c.dtype);
+      }
+    }
+  }
+  return result;
+}
+
+TensorView rows_view(void* data, DType dtype, const FlexCase& c, std::int64_t outer,
+                     std::int64_t seqlen, std::int64_t heads, Device device) {
+  if (c.varlen) return TensorView(data, dtype, {outer, heads, c.head_dim}, device);
+  return TensorView(data, dtype, {outer, seqlen, heads, c.head_dim}, device);
+}
+
+// Where each int32 / fp32 side array lives for one run (host vectors or device buffers).
+struct SideData {
+  void* cu_q = nullptr;
+  void* cu_k = nullptr;
+  void* score_table = nullptr;
+  void* doc_ids = nullptr;
+  void* mask_cnt = nullptr;
+  void* mask_idx = nullptr;
+  void* full_cnt = nullptr;
+  void* full_idx = nullptr;
+};
+
+// The options and side tensors of a call, for either device.
+void set_flex_args(ForwardArgs& args, const Problem& pb, Device device, const SideData& side) {
+  const FlexCase& c = pb.c;
+  const std::int64_t B = c.batch;
+  if (c.varlen) {
+    args.seq.cu_seqlens_q = TensorView(side.cu_q, DType::kInt32, {B + 1}, device);
+    args.seq.cu_seqlens_k = TensorView(side.cu_k, DType::kInt32, {B + 1}, device);
+    args.seq.max_seqlen_q = *std::max_element(pb.len_q.begin(), pb.len_q.end());
+    args.seq.max_seqlen_k = *std::max_element(pb.len_k.begin(), pb.len_k.end());
+  }
+  args.opts.causal = c.causal;
+  args.opts.window_left = c.window_left;
+  args.opts.window_right = c.window_right;
+  args.opts.softcap = c.softcap;
+  args.opts.score_mod.kind = c.score_mod;
+  if (c.score_mod == ScoreModKind::kAlibi) {
+    args.opts.score_mod.aux = {TensorView(side.score_table, DType::kFloat32, {c.heads}, device)};
+  } else if (c.score_mod == ScoreModKind::kRelativeBias) {
+    args.opts.score_mod.aux = {
+        TensorView(side.score_table, DType::kFloat32, {c.heads, pb.bias_width}, device)};
+  }
+  args.opts.mask_mod.kind = c.mask_mod;
+  args.opts.mask_mod.scalars = c.mask_scalars;
+  if (c.mask_mod == MaskModKind::kDocument) {
+    args.opts.mask_mod.aux = {TensorView(side.doc_ids, DType::kInt32, {B, pb.doc_len}, device)};
+  }
+  if (c.sparse_heads > 0) {
+    BlockSparseTensors bs;
+    bs.block_m = c.block_m;
+    bs.block_n = c.block_n;
+    const std::int64_t hb = c.sparse_heads, rb = pb.row_blocks, cb = pb.col_blocks;
+    if (c.mask_lists) {
+      bs.mask_block_cnt = TensorView(side.mask_cnt, DType::kInt32, {B, hb, rb}, device);
+      bs.mask_block_idx = TensorView(side.mask_idx, DType::kInt32, {B, hb, rb, cb}, device);
+    }
+    if (c.full_lists) {
+      bs.full_block_cnt = TensorView(side.full_cnt, DType::kInt32, {B, hb, rb}, device);
+      bs.full_block_idx = TensorView(side.full_idx, DType::kInt32, {B, hb, rb, cb}, device);
+    }
+    args.opts.block_sparse = bs;
+  }
+}
+
+Result run_reference(const Problem& pb) {
+  const FlexCase& c = pb.c;
+  const std::int64_t outer_q = c.varlen ? pb.rows_q : c.batch;
+  const std::int64_t outer_k = c.varlen ? pb.rows_k : c.batch;
+  std::vector<float> q = pb.q, k = pb.k, v = pb.v, table = pb.score_table;
+  std::vector<float> out(std::size_t(pb.rows_q) * c.heads * c.head_dim, std::nanf(""));
+  std::vector<float> lse(pb.lse_size(), std::nanf(""));
+  std::vector<int> cu_q = pb.cu(pb.start_q, pb.rows_q), cu_k = pb.cu(pb.start_k, pb.rows_k);
+  std::vector<int> docs = pb.doc_ids, mask_cnt = pb.mask_cnt, mask_idx = pb.mask_idx,
+                   full_cnt = pb.full_cnt, full_idx = pb.full_idx;
+  ForwardArgs args;
+  args.q = rows_view(q.data(), DType::kFloat32, c, outer_q, c.seqlen_q, c.heads, kCpu);
+  args.k = rows_view(k.data(), DType::kFloat32, c, outer_k, c.seqlen_k, c.heads_kv, kCpu);
+  args.v = rows_view(v.data(), DType::kFloat32, c, outer_k, c.seqlen_k, c.heads_kv, kCpu);
+  args.out = rows_view(out.data(), DType::kFloat32, c, outer_q, c.seqlen_q, c.heads, kCpu);
+  if (c.varlen) {
+    args.lse = TensorView(lse.data(), DType::kFloat32, {c.heads, pb.rows_q}, kCpu);
+  } else {
+    args.lse = TensorView(lse.data(), DType::kFloat32, {c.batch, c.heads, c.seqlen_q}, kCpu);
+  }
+  set_flex_args(args, pb, kCpu,
+                {cu_q.data(), cu_k.data(), table.data(), docs.data(), mask_cnt.data(),
+                 mask_idx.data(), full_cnt.data(), full_idx.data()});
+  forward(args);
+  return {std::vector<double>(out.begin(), out.end()), std::vector<double>(lse.begin(), lse.end())};
+}
+
+Result run_gpu(const Problem& pb) {
+  const FlexCase& c = pb.c;
+  auto device_copy = [&](const std::vector<float>& values) {
+    std::vector<std::uint16_t> bits(values.size());
+    for (std::size_t i = 0; i < values.size(); ++i)
+      bits[i] = gpu_testing::to_bits(values[i], c.dtype);
+    return DeviceBuffer::from(bits);
+  };
+  DeviceBuffer q = device_copy(pb.q), k = device_copy(pb.k), v = device_copy(pb.v);
+  DeviceBuffer out = DeviceBuffer::from(std::vector<std::uint16_t>(
+      std::size_t(pb.rows_q) * c.heads * c.head_dim, gpu_testing::kPoison16));
+  DeviceBuffer lse = DeviceBuffer::from(std::vector<float>(pb.lse_size(), std::nanf("")));
+  DeviceBuffer cu_q = DeviceBuffer::from(pb.cu(pb.start_q, pb.rows_q));
+  DeviceBuffer cu_k = DeviceBuffer::from(pb.cu(pb.start_k, pb.rows_k));
+  DeviceBuffer table = DeviceBuffer::from(pb.score_table);
+  DeviceBuffer docs = DeviceBuffer::from(pb.doc_ids);
+  DeviceBuffer mask_cnt = DeviceBuffer::from(pb.mask_cnt);
+  DeviceBuffer mask_idx = DeviceBuffer::from(pb.mask_idx);
+  DeviceBuffer full_cnt = DeviceBuffer::from(pb.full_cnt);
+  DeviceBuffer full_idx = DeviceBuffer::from(pb.full_idx);
+
+  const std::int64_t outer_q = c.varlen ? pb.rows_q : c.batch;
+  const std::int64_t outer_k = c.varlen ? pb.rows_k : c.batch;
+  ForwardArgs args;
+  args.q = rows_view(q.data(), c.dtype, c, outer_q, c.seqlen_q, c.heads, kCuda);
+  args.k = rows_view(k.data(), c.dtype, c, outer_k, c.seqlen_k, c.heads_kv, kCuda);
+  args.v = rows_view(v.data(), c.dtype, c, outer_k, c.seqlen_k, c.heads_kv, kCuda);
+  args.out = rows_view(out.data(), c.dtype, c, outer_q, c.seqlen_q, c.heads, kCuda);
+  if (c.varlen) {
+    args.lse = TensorView(lse.data(), DType::kFloat32, {c.heads, pb.rows_q}, kCuda);
+  } else {
+    args.lse = TensorView(lse.data(), DType::kFloat32, {c.batch, c.heads, c.seqlen_q}, kCuda);
+  }
+  set_flex_args(args, pb, kCuda,
+                {cu_q.data(), cu_k.data(), table.data(), docs.data(), mask_cnt.data(),
+                 mask_idx.data(), full_cnt.data(), full_idx.data()});
+  forward(args);
+  gpu_testing::check_cuda(cudaDeviceSynchronize(), "forward kernel");
+
+  Result result;
+  for (std::uint16_t bits : out.to_host<std::uint16_t>())
+    result.out.push_back(gpu_testing::from_bits(bits, c.dtype));
+  for (float x : lse.to_host<float>()) result.lse.push_back(x);
+  return result;
+}
+
+void expect_close(const char* what, const std::vector<double>& gpu,
+                  const std::vector<double>& naive, const std::vector<double>& ref) {
+  ASSERT_EQ(gpu.size(), ref.size()) << what;
+  gpu_testing::ErrorStats gpu_stats, naive_stats;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    gpu_testing::accumulate_error(gpu_stats, gpu[i], ref[i]);
+    gpu_testing::accumulate_error(naive_stats, naive[i], ref[i]);
+  }
+  EXPECT_FALSE(gpu_stats.has_nan) << what << ": NaN or unwritten element";
+  EXPECT_FALSE(gpu_stats.inf_mismatch)
+      << what << ": -inf where the reference is finite, or the reverse";
+  EXPECT_FALSE(naive_stats.inf_mismatch)
+      << what << ": the naive check disagrees with the reference on -inf";
+  const double slack = 1e-4;
+  EXPECT_LE(gpu_stats.max_error, 2.0 * naive_stats.max_error + slack)
+      << what << ": max error " << gpu_stats.max_error << ", naive " << naive_stats.max_error;
+}
+
+// Rows of lse that are -inf in the reference: the case must produce some when it says so.
+std::size_t count_empty_rows(const Result& ref) {
+  return std::size_t(std::count(ref.lse.begin(), ref.lse.end(), double(kNegInf)));
+}
+
+bool is_built(const std::string& description) {
+  const std::vector<std::string> built = built_kernels();
+  return std::find(built.begin(), built.end(), description) != built.end();
+}
+
+class GpuForwardFlex : public ::testing::TestWithParam<FlexCase> {};
+
+TEST_P(GpuForwardFlex, MatchesReference) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  const FlexCase& c = GetParam();
+  const Problem pb(c);
+  Result gpu;
+  try {
+    gpu = run_gpu(pb);
+  } catch (const Error& error) {
+    if (error.kind() == Error::Kind::kNotBuilt) GTEST_SKIP() << error.what();
+    throw;
+  }
+  const Result ref = run_reference(pb);
+  const Result naive = naive_low_precision(pb);
+  expect_close("out", gpu.out, naive.out, ref.out);
+  expect_close("lse", gpu.lse, naive.lse, ref.lse);
+  if (c.empty_row_blocks || c.label.find("empty") != std::string::npos)
+    EXPECT_GT(count_empty_rows(ref), 0u) << "the case was meant to have rows without keys";
+}
+
+std::vector<FlexCase> flex_cases() {
+  std::vector<FlexCase> cases;
+  unsigned seed = 100;
+  auto add = [&](FlexCase c) {
+    c.seed = seed++;
+    cases.push_back(c);
+  };
+  FlexCase c;
+  // score_mods
+  c = {};
+  c.label = "alibi_gqa", c.batch = 2, c.seqlen_q = 300, c.seqlen_k = 300, c.heads = 4,
+  c.heads_kv = 2, c.score_mod = ScoreModKind::kAlibi;
+  add(c);
+  c = {};
+  c.label = "alibi_causal", c.seqlen_q = 200, c.seqlen_k = 333, c.causal = true,
+  c.score_mod = ScoreModKind::kAlibi;
+  add(c);
+  c = {};
+  c.label = "relative_bias_softcap", c.batch = 2, c.seqlen_q = 257, c.seqlen_k = 257,
+  c.softcap = 20.f, c.score_mod = ScoreModKind::kRelativeBias;
+  add(c);
+  c = {};
+  c.label = "relative_bias_window", c.seqlen_q = 513, c.seqlen_k = 513, c.heads = 4, c.heads_kv = 1,
+  c.window_left = 100, c.window_right = 20, c.score_mod = ScoreModKind::kRelativeBias;
+  add(c);
+  // mask_mods
+  c = {};
+  c.label = "mask_causal", c.seqlen_q = 1023, c.seqlen_k = 1023, c.mask_mod = MaskModKind::kCausal;
+  add(c);
+  c = {};
+  c.label = "mask_causal_sq_gt_sk", c.seqlen_q = 300, c.seqlen_k = 100,
+  c.mask_mod = MaskModKind::kCausal;
+  add(c);
+  c = {};
+  c.label = "mask_causal_with_causal_sk_gt_sq", c.seqlen_q = 150, c.seqlen_k = 400, c.causal = true,
+  c.mask_mod = MaskModKind::kCausal;
+  add(c);
+  c = {};
+  c.label = "sliding_window", c.batch = 2, c.seqlen_q = 700, c.seqlen_k = 700,
+  c.mask_mod = MaskModKind::kSlidingWindow, c.mask_scalars = {64, 16};
+  add(c);
+  c = {};
+  c.label = "sliding_window_softcap_alibi", c.seqlen_q = 400, c.seqlen_k = 520, c.softcap = 30.f,
+  c.score_mod = ScoreModKind::kAlibi, c.mask_mod = MaskModKind::kSlidingWindow,
+  c.mask_scalars = {200, 0};
+  add(c);
+  c = {};
+  c.label = "prefix_lm", c.seqlen_q = 500, c.seqlen_k = 500, c.mask_mod = MaskModKind::kPrefixLM,
+  c.mask_scalars = {100};
+  add(c);
+  c = {};
+  c.label = "prefix_lm_softcap_causal", c.seqlen_q = 260, c.seqlen_k = 260, c.softcap = 15.f,
+  c.causal = true, c.mask_mod = MaskModKind::kPrefixLM, c.mask_scalars = {130};
+  add(c);
+  c = {};
+  c.label = "document_alibi", c.batch = 2, c.seqlen_q = 600, c.seqlen_k = 600,
+  c.score_mod = ScoreModKind::kAlibi, c.mask_mod = MaskModKind::kDocument;
+  add(c);
+  c = {};
+  c.label = "document_empty_rows", c.seqlen_q = 400, c.seqlen_k = 150,
+  c.mask_mod = MaskModKind::kDocument;
+  add(c);
+  // varlen: positions count from each sequence's start
+  c = {};
+  c.label = "varlen_document_causal", c.batch = 4, c.seqlen_q = 300, c.seqlen_k = 333, c.heads = 4,
+  c.heads_kv = 2, c.causal = true, c.varlen = true, c.mask_mod = MaskModKind::kDocument;
+  add(c);
+  c = {};
+  c.label = "varlen_mask_causal_relative_bias", c.batch = 3, c.seqlen_q = 257, c.seqlen_k = 190,
+  c.varlen = true, c.score_mod = ScoreModKind::kRelativeBias, c.mask_mod = MaskModKind::kCausal;
+  add(c);
+  // block sparsity
+  c = {};
+  c.label = "sparse_broadcast_mask_causal", c.seqlen_q = 700, c.seqlen_k = 700, c.heads = 3,
+  c.heads_kv = 3, c.mask_mod = MaskModKind::kCausal, c.sparse_heads = 1;
+  add(c);
+  c = {};
+  c.label = "sparse_per_head_document", c.batch = 2, c.seqlen_q = 520, c.seqlen_k = 610,
+  c.heads = 2, c.heads_kv = 1, c.mask_mod = MaskModKind::kDocument, c.sparse_heads = 2;
+  add(c);
+  c = {};
+  c.label = "sparse_blocks_256x256_window", c.seqlen_q = 900, c.seqlen_k = 1000, c.heads = 2,
+  c.mask_mod = MaskModKind::kSlidingWindow, c.mask_scalars = {300, 100}, c.sparse_heads = 2,
+  c.block_m = 256, c.block_n = 256;
+  add(c);
+  c = {};
+  c.label = "sparse_block_m256_alibi_softcap", c.seqlen_q = 600, c.seqlen_k = 450,
+  c.score_mod = ScoreModKind::kAlibi, c.softcap = 25.f, c.mask_mod = MaskModKind::kPrefixLM,
+  c.mask_scalars = {200}, c.sparse_heads = 1, c.block_m = 256, c.block_n = 128;
+  add(c);
+  c = {};
+  c.label = "sparse_full_lists_only_causal", c.seqlen_q = 640, c.seqlen_k = 640, c.causal = true,
+  c.score_mod = ScoreModKind::kRelativeBias, c.sparse_heads = 2, c.mask_lists = false;
+  add(c);
+  c = {};
+  c.label = "sparse_mask_lists_only_no_mask_mod", c.seqlen_q = 333, c.seqlen_k = 444,
+  c.sparse_heads = 1, c.full_lists = false;
+  add(c);
+  c = {};
+  c.label = "sparse_empty_row_blocks", c.batch = 2, c.seqlen_q = 530, c.seqlen_k = 530, c.heads = 2,
+  c.mask_mod = MaskModKind::kCausal, c.sparse_heads = 2, c.empty_row_blocks = true;
+  add(c);
+  c = {};
+  c.label = "sparse_one_short_block", c.seqlen_q = 17, c.seqlen_k = 17, c.sparse_heads = 1,
+  c.score_mod = ScoreModKind::kAlibi, c.mask_mod = MaskModKind::kCausal;
+  add(c);
+  // fp16
+  c = {};
+  c.label = "fp16_document_sparse", c.dtype = DType::kFloat16, c.batch = 2, c.seqlen_q = 400,
+  c.seqlen_k = 400, c.mask_mod = MaskModKind::kDocument, c.score_mod = ScoreModKind::kAlibi,
+  c.sparse_heads = 1;
+  add(c);
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Mods, GpuForwardFlex, ::testing::ValuesIn(flex_cases()),
+                         [](const ::testing::TestParamInfo<FlexCase>& info) {
+                           return case_name(info.param);
+                         });
+
+// A small hdim128 bf16 call with a mask_mod, for the refusals below.
+struct SmallCall {
+  DeviceBuffer q{64 * 2 * 128 * 2}, k{256 * 2 * 128 * 2}, v{256 * 2 * 128 * 2},
+      out{64 * 2 * 128 * 2};
+  ForwardArgs args;
+  SmallCall() {
+    args.q = TensorView(q.data(), DType::kBFloat16, {1, 64, 2, 128}, kCuda);
+    args.k = TensorView(k.data(), DType::kBFloat16, {1, 256, 2, 128}, kCuda);
+    args.v = TensorView(v.data(), DType::kBFloat16, {1, 256, 2, 128}, kCuda);
+    args.out = TensorView(out.data(), DType::kBFloat16, {1, 64, 2, 128}, kCuda);
+    args.opts.mask_mod.kind = MaskModKind::kCausal;
+  }
+};
+
+void expect_not_supported(ForwardArgs& args, const std::string& argument) {
+  try {
+    forward(args);
+    ADD_FAILURE() << "ran";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.kind(), Error::Kind::kNotSupported) << error.what();
+    EXPECT_EQ(error.argument(), argument) << error.what();
+  }
+}
+
+TEST(GpuForwardFlexUnsupported, SplitKvIsRefused) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  if (!is_built("fwd bf16 hdim128 flex")) GTEST_SKIP() << "hdim128 bf16 flex not built";
+  SmallCall call;
+  call.args.num_splits = 2;
+  expect_not_supported(call.args, "num_splits");
+}
+
+TEST(GpuForwardFlexUnsupported, BlockSmallerThanTileIsRefused) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  if (!is_built("fwd bf16 hdim128 flex")) GTEST_SKIP() << "hdim128 bf16 flex not built";
+  SmallCall call;
+  // block_m 64: a 128-row kernel tile would span two BlockMask row blocks.
+  DeviceBuffer cnt = DeviceBuffer::from(std::vector<int>(2, 0));
+  DeviceBuffer idx = DeviceBuffer::from(std::vector<int>(2 * 2, 0));
+  BlockSparseTensors bs;
+  bs.block_m = 64;
+  bs.block_n = 128;
+  bs.mask_block_cnt = TensorView(cnt.data(), DType::kInt32, {1, 1, 1}, kCuda);
+  bs.mask_block_idx = TensorView(idx.data(), DType::kInt32, {1, 1, 1, 2}, kCuda);
+  call.args.opts.block_sparse = bs;
+  expect_not_supported(call.args, "block_sparse");
+}
+
+}  // namespace
+}  // namespace cuflash
+
+#endif  // CUFLASH_HAS_CUDA
