@@ -145,10 +145,11 @@ struct FlashFwdKernelSm90 {
     return sink * float(M_LOG2E);
   }
 
-  // What one tile needs from the sequence: its lengths and the n-blocks to visit. has_rows is
-  // false past the sequence's end (nothing to write); both roles skip such tiles alike.
   using Walk = std::conditional_t<kIsFlex, FlexBlockWalk<kBlockM, kBlockN>, NBlockRange>;
   using TileMods = std::conditional_t<kIsFlex, FlexTileMods<kBlockM, kBlockN>, NoTileMods>;
+
+  // What one tile needs from the sequence: its lengths and the n-blocks to visit. has_rows is
+  // false past the sequence's end (nothing to write); both roles skip such tiles alike.
   struct TileWork {
     SeqlenInfo seqlen;
     FwdMask<kBlockM, kBlockN> mask;
@@ -176,17 +177,14 @@ struct FlashFwdKernelSm90 {
     int n_block_min = 0, n_block_max = 0;
     if (has_rows) mask.n_block_range(tile.m_block, n_block_min, n_block_max);
     if constexpr (kIsFlex) {
-      // Block lists say which blocks apply mask_mod, so its own block range holds only
-      // without them. Rows past seqused_q (no n-block range) read no list.
-      if (n_block_min < n_block_max) {
-        if (!params.variant.block_sparse.enabled)
-          tile_mods(params, tile, seqlen).narrow(tile.m_block, n_block_min, n_block_max);
-      }
-      Walk walk = n_block_min < n_block_max
-                      ? Walk::make(params.variant.block_sparse, tile.batch, tile.head, tile.m_block,
-                                   n_block_min, n_block_max)
-                      : Walk::make(BlockSparseParams{}, 0, 0, 0, 0, 0);
-      return {seqlen, mask, walk, has_rows};
+      // Block lists say which blocks apply mask_mod, so the mask_mod's own block range holds
+      // only without them.
+      if (!params.variant.block_sparse.enabled && n_block_min < n_block_max)
+        tile_mods(params, tile, seqlen).narrow(tile.m_block, n_block_min, n_block_max);
+      return {seqlen, mask,
+              Walk::make(params.variant.block_sparse, tile.batch, tile.head, tile.m_block,
+                         n_block_min, n_block_max),
+              has_rows};
     } else {
       if constexpr (kIsSplit) {  // an equal share of this row block's n-blocks
         int const per_split = cute::ceil_div(n_block_max - n_block_min, p.num_splits);

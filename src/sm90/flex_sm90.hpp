@@ -39,7 +39,8 @@ struct FlexBlockWalk {
     FlexBlockWalk walk{
         n_block_min, n_block_max, nullptr, nullptr,         0,    0,
         0,           0,           0,       n_block_max - 1, true, n_block_min < n_block_max};
-    if (!bs.enabled) return walk;
+    // Tiles without an n-block range (rows past seqused_q, fully masked) read no list.
+    if (!bs.enabled || !walk.any) return walk;
     // Dispatch guarantees bs.block_m % kBlockM == 0 and bs.block_n % kBlockN == 0.
     int const row_block = m_block * kBlockM / bs.block_m;
     long long const list =
