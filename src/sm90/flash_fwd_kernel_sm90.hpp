@@ -107,12 +107,17 @@ struct FlashFwdKernelSm90 {
     // The flex variant's accumulators hold final scores (FlexTileMods::score), so only the
     // change to base 2 is left for the exponent.
     float const exp_scale = kIsFlex ? 1.f : has_softcap ? p.softcap : p.softmax_scale;
+    // Causal-like masks (the window options; the causal, sliding-window and prefix-LM mask_mods)
+    // give the last m-blocks the most keys.
+    bool const longest_first = p.window_right >= 0 || p.window_left >= 0 ||
+                               (kIsFlex && p.mask_mod.kind >= int(MaskModKind::kCausal) &&
+                                p.mask_mod.kind <= int(MaskModKind::kPrefixLM));
     return {Mainloop::to_params(p),
             p,
             float(M_LOG2E) * exp_scale,
             has_softcap ? p.softmax_scale / p.softcap : 0.f,
             Scheduler{cute::ceil_div(p.seqlen_q, kBlockM), p.num_heads, p.batch,
-                      kIsSplit ? p.num_splits : 1, p.window_right >= 0 || p.window_left >= 0,
+                      kIsSplit ? p.num_splits : 1, longest_first,
                       Scheduler::choose_section_size(
                           (long long)p.seqlen_k * (p.head_dim + p.head_dim_v) *
                               (long long)sizeof(Element),

@@ -12,6 +12,7 @@
 #include <cutlass/cutlass.h>
 
 #include "api/params.hpp"
+#include "cuflash/options.hpp"
 
 namespace cuflash::variants {
 
@@ -117,10 +118,10 @@ struct ScoreModSwitch {
   template <class Fn>
   CUTLASS_DEVICE void visit(Fn&& fn) const {
     switch (kind) {
-      case 1:
+      case int(ScoreModKind::kAlibi):
         fn(AlibiScoreMod{table});
         break;
-      case 2:
+      case int(ScoreModKind::kRelativeBias):
         fn(RelativeBiasScoreMod{table, width});
         break;
       default:
@@ -145,14 +146,14 @@ struct MaskModSwitch {
     MaskModSwitch result;
     result.kind = mod.kind;
     switch (mod.kind) {
-      case 2:
+      case int(MaskModKind::kSlidingWindow):
         result.left = whole(mod.scalars[0]);
         result.right = whole(mod.scalars[1]);
         break;
-      case 3:
+      case int(MaskModKind::kPrefixLM):
         result.prefix = whole(mod.scalars[0]);
         break;
-      case 4:
+      case int(MaskModKind::kDocument):
         result.ids = static_cast<int const*>(mod.aux[0]);
         result.ids_stride = mod.aux_cols[0];
         break;
@@ -165,16 +166,16 @@ struct MaskModSwitch {
   template <class Fn>
   CUTLASS_DEVICE void visit(Fn&& fn) const {
     switch (kind) {
-      case 1:
+      case int(MaskModKind::kCausal):
         fn(CausalMaskMod{});
         break;
-      case 2:
+      case int(MaskModKind::kSlidingWindow):
         fn(SlidingWindowMaskMod{left, right});
         break;
-      case 3:
+      case int(MaskModKind::kPrefixLM):
         fn(PrefixLMMaskMod{prefix});
         break;
-      case 4:
+      case int(MaskModKind::kDocument):
         fn(DocumentMaskMod{ids, ids_stride});
         break;
       default:
