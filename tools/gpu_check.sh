@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # One call on the lent H200: configure, build, run the GPU tests, a compute-sanitizer pass,
-# a SASS check and the forward benchmark, writing logs and results under $OUT.
+# a SASS check and the forward and backward benchmarks, writing logs and results under $OUT.
 #
 #   tools/gpu_check.sh                       # CUFLASH_KERNEL_SET=ci (hdim128 bf16), every step
 #   KERNEL_SET=all tools/gpu_check.sh        # every head dim and dtype
 #   KERNEL_SET=custom HDIMS="64;128;256" DTYPES=bf16 STEPS=build,test,bench tools/gpu_check.sh
+#   STEPS=build,bench_bwd BENCH_BWD_ARGS="--hdims 128" tools/gpu_check.sh
 #
 # Environment: KERNEL_SET (ci|all|custom), HDIMS / DTYPES (for custom), STEPS (comma list of
-# build,test,sanitize,sass,bench), GTEST_FILTER, SANITIZE_FILTER (memcheck),
+# build,test,sanitize,sass,bench,bench_bwd), GTEST_FILTER, SANITIZE_FILTER (memcheck),
 # RACECHECK_FILTER, BENCH_ARGS, BENCH_ENV_B (run the
-# benchmark a second time with these VAR=value settings), JOBS.
+# benchmark a second time with these VAR=value settings), BENCH_BWD_ARGS (bench/bench_bwd.py),
+# BENCH_BWD_TIMEOUT (seconds, default 300: a hung backward kernel ends the step, not the call), JOBS.
 # Carry `.cutlass` (CUTLASS headers) and, where the machine has no GoogleTest, `.deps`
 # (a googletest source tree at .deps/googletest).
 set -uo pipefail
@@ -20,11 +22,13 @@ mkdir -p "$OUT"
 KERNEL_SET=${KERNEL_SET:-ci}
 HDIMS=${HDIMS:-128}
 DTYPES=${DTYPES:-bf16}
-STEPS=${STEPS:-build,test,sanitize,sass,bench}
+STEPS=${STEPS:-build,test,sanitize,sass,bench,bench_bwd}
 GTEST_FILTER=${GTEST_FILTER:-*GpuForward*}
 SANITIZE_FILTER=${SANITIZE_FILTER:-*varlen_causal_gqa_bf16_d128*:*sink_fp16_local_bf16_d128*:GpuForwardUnsupported*}
 RACECHECK_FILTER=${RACECHECK_FILTER:-*dense_bf16_d128*:*varlen_causal_gqa_bf16_d64*}
 BENCH_ARGS=${BENCH_ARGS:-}
+BENCH_BWD_ARGS=${BENCH_BWD_ARGS:-}
+BENCH_BWD_TIMEOUT=${BENCH_BWD_TIMEOUT:-300}
 JOBS=${JOBS:-$(nproc)}
 BUILD=$ROOT/build-gpu
 SUMMARY=$OUT/summary.txt
@@ -32,6 +36,9 @@ status=0
 
 has_step() { [[ ",$STEPS," == *",$1,"* ]]; }
 note() { echo "$*" | tee -a "$SUMMARY"; }
+# The Python package with the extension just built, for the benchmarks.
+pkg=/tmp/cuflash_pkg
+make_pkg() { rm -rf "$pkg" && mkdir -p "$pkg" && cp -r "$ROOT/python/cuflash" "$pkg/" && cp "$BUILD"/python/_C*.so "$pkg/cuflash/"; }
 
 note "gpu_check $(date -u +%FT%TZ) kernel_set=$KERNEL_SET hdims=$HDIMS dtypes=$DTYPES steps=$STEPS"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader 2>&1 | tee -a "$SUMMARY"
@@ -98,8 +105,7 @@ if has_step sass; then
 fi
 
 if has_step bench; then
-  pkg=/tmp/cuflash_pkg
-  rm -rf "$pkg" && mkdir -p "$pkg" && cp -r "$ROOT/python/cuflash" "$pkg/" && cp "$BUILD"/python/_C*.so "$pkg/cuflash/"
+  make_pkg
   start=$(date +%s)
   # shellcheck disable=SC2086
   PYTHONUNBUFFERED=1 PYTHONPATH="$pkg" python3 "$ROOT/bench/bench_fwd.py" --out "$OUT" $BENCH_ARGS 2>&1 | tee "$OUT/bench.log"
@@ -110,6 +116,18 @@ if has_step bench; then
     env $BENCH_ENV_B PYTHONUNBUFFERED=1 PYTHONPATH="$pkg" python3 "$ROOT/bench/bench_fwd.py" --out "$OUT" --tag _b \
       $BENCH_ARGS 2>&1 | tee "$OUT/bench_b.log"
   fi
+fi
+
+if has_step bench_bwd; then
+  make_pkg
+  start=$(date +%s)
+  # shellcheck disable=SC2086
+  PYTHONUNBUFFERED=1 PYTHONPATH="$pkg" timeout "$BENCH_BWD_TIMEOUT" python3 "$ROOT/bench/bench_bwd.py" --out "$OUT" \
+    $BENCH_BWD_ARGS 2>&1 | tee "$OUT/bench_bwd.log"
+  rc=${PIPESTATUS[0]}
+  [[ $rc -eq 124 ]] && note "bench_bwd: timed out after $BENCH_BWD_TIMEOUT s (what it measured is in bwd_sm90.json)"
+  skipped=$(grep -c '"skipped": "' "$OUT/bwd_sm90.json" 2>/dev/null || true)
+  note "bench_bwd: rc=$rc in $(( $(date +%s) - start )) s; skipped records: ${skipped:-no bwd_sm90.json}"
 fi
 
 note "gpu_check done: status=$status"

@@ -1,0 +1,159 @@
+"""What bench_fwd.py and bench_bwd.py share: the shape grid of DESIGN.md section 6, FLOP counts,
+the timing method, the table and the plot.
+
+torch and matplotlib are imported inside the functions that need them, so that the grid and the
+FLOP counts can be printed on a machine without either (bench_bwd.py --dry-run).
+"""
+
+import datetime
+import json
+import os
+import statistics
+
+TOKENS = 16384  # batch * seqlen
+HIDDEN = 2048  # heads * head_dim
+BWD_FLOP_FACTOR = 2.5  # backward FLOPs = 2.5 x forward FLOPs (5 matmuls against 2)
+
+
+def add_grid_args(parser, out_default="."):
+    """The options every benchmark takes: output folder, grid, timing, file name tag."""
+    parser.add_argument("--out", default=out_default)
+    parser.add_argument("--hdims", default="64,128,256")
+    parser.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
+    parser.add_argument("--causal", default="0,1")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--tag", default="", help="suffix for the output file names")
+
+
+def ints(text):
+    return [int(x) for x in text.split(",")]
+
+
+def bools(text):
+    return [bool(int(x)) for x in text.split(",")]
+
+
+def grid(args):
+    """(hdim, seqlen, batch, nheads) over --hdims x --seqlens, with batch * seqlen = TOKENS and
+    nheads * hdim = HIDDEN."""
+    for hdim in ints(args.hdims):
+        for seqlen in ints(args.seqlens):
+            yield hdim, seqlen, TOKENS // seqlen, HIDDEN // hdim
+
+
+def fwd_flops(batch, nheads, seqlen_q, seqlen_k, hdim, causal):
+    """4 * B * H * Sq * Sk * D (two matmuls), half of it when causal."""
+    return 4 * batch * nheads * seqlen_q * seqlen_k * hdim // (2 if causal else 1)
+
+
+def bwd_flops(batch, nheads, seqlen_q, seqlen_k, hdim, causal):
+    """2.5 x the forward count, half of it when causal."""
+    return int(BWD_FLOP_FACTOR * fwd_flops(batch, nheads, seqlen_q, seqlen_k, hdim, causal))
+
+
+def utc_now():
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def time_ms(fn, warmup, repeats, groups=5):
+    """Median over `groups` of the mean time of `repeats` back-to-back calls. Each group is queued
+    behind a sleep kernel, so the host-side cost of a call (argument checks, dispatch) stays out
+    of the measurement for every implementation alike."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    means = []
+    for _ in range(groups):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(40_000_000)  # ~20 ms at 1.98 GHz: time for the host to queue the calls
+        start.record()
+        for _ in range(repeats):
+            fn()
+        end.record()
+        end.synchronize()
+        means.append(start.elapsed_time(end) / repeats)
+    return statistics.median(means)
+
+
+def write_json(records, path):
+    with open(path, "w") as f:
+        json.dump(records, f, indent=1)
+
+
+def by_impl(record):
+    return record["impl"]
+
+
+def lookup(records, value_key, name, hdim, seqlen, causal, label=by_impl):
+    """The value of the first record of column `name` at (hdim, seqlen, causal); NaN if none."""
+    for r in records:
+        if (label(r), r["hdim"], r["seqlen"], r["causal"]) == (name, hdim, seqlen, causal):
+            value = r[value_key]
+            return float("nan") if value is None else value
+    return float("nan")
+
+
+def grid_keys(records):
+    return sorted({(r["hdim"], r["causal"], r["seqlen"]) for r in records})
+
+
+def table_lines(title, records, value_key, names, ratios, label=by_impl, ratio_width=8):
+    """A title, a header and one row per (hdim, causal, seqlen): the value of each column in
+    `names`, then each ratio (heading, numerator column, denominator column)."""
+    lines = [title]
+    widths = [max(8, len(n)) for n in names]
+    header = f"{'hdim':>4} {'causal':>6} {'seqlen':>6} " + " ".join(f"{n:>{w}}" for n, w in zip(names, widths))
+    for heading, _, _ in ratios:
+        header += f"  {heading:>{ratio_width}}"
+    lines.append(header)
+    for hdim, causal, seqlen in grid_keys(records):
+        values = [lookup(records, value_key, n, hdim, seqlen, causal, label) for n in names]
+        row = f"{hdim:>4} {int(causal):>6} {seqlen:>6} " + " ".join(f"{x:{w}.1f}" for x, w in zip(values, widths))
+        for _, num, den in ratios:
+            a = lookup(records, value_key, num, hdim, seqlen, causal, label)
+            b = lookup(records, value_key, den, hdim, seqlen, causal, label)
+            ratio = a / b if b else float("nan")
+            row += f"  {ratio:{ratio_width}.3f}"
+        lines.append(row)
+    return lines
+
+
+def plot(path, suptitle, records, value_key, names, label=by_impl):
+    """One panel per head dim (columns) and mask (rows: non-causal, causal), TFLOP/s against
+    seqlen for each column in `names`. Prints why when matplotlib or the plot fails."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        keys = grid_keys(records)
+        hdims = sorted({k[0] for k in keys})
+        fig, axes = plt.subplots(2, len(hdims), figsize=(5 * len(hdims), 8), squeeze=False)
+        for col, hdim in enumerate(hdims):
+            for row, causal in enumerate([False, True]):
+                ax = axes[row][col]
+                seqlens = sorted({k[2] for k in keys if k[0] == hdim and k[1] == causal})
+                for n in names:
+                    ax.plot(seqlens, [lookup(records, value_key, n, hdim, s, causal, label) for s in seqlens],
+                            marker="o", label=n)
+                ax.set_xscale("log", base=2)
+                ax.set_title(f"hdim {hdim}, {'causal' if causal else 'non-causal'}")
+                ax.set_xlabel("seqlen")
+                ax.set_ylabel("TFLOP/s")
+                ax.grid(True, alpha=0.3)
+                ax.legend()
+        fig.suptitle(suptitle)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+    except Exception as error:
+        print(f"plot skipped: {error}")
+
+
+def out_path(args, stem, ext):
+    os.makedirs(args.out, exist_ok=True)
+    return os.path.join(args.out, f"{stem}{args.tag}.{ext}")
