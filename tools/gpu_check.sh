@@ -8,7 +8,7 @@
 #   STEPS=build,bench_bwd BENCH_BWD_ARGS="--hdims 128" tools/gpu_check.sh
 #
 # Environment: KERNEL_SET (ci|all|custom), HDIMS / DTYPES (for custom), STEPS (comma list of
-# build,test,sanitize,sass,bench,bench_bwd), GTEST_FILTER, SANITIZE_FILTER (memcheck),
+# build,test,sanitize,sass,bench,bench_bwd), GTEST_FILTER (default *Gpu*), TEST_TIMEOUT, SANITIZE_FILTER (memcheck),
 # RACECHECK_FILTER, BENCH_ARGS, BENCH_ENV_B (run the
 # benchmark a second time with these VAR=value settings), BENCH_BWD_ARGS (bench/bench_bwd.py),
 # BENCH_BWD_TIMEOUT (seconds, default 300: a hung backward kernel ends the step, not the call), JOBS.
@@ -23,7 +23,7 @@ KERNEL_SET=${KERNEL_SET:-ci}
 HDIMS=${HDIMS:-128}
 DTYPES=${DTYPES:-bf16}
 STEPS=${STEPS:-build,test,sanitize,sass,bench,bench_bwd}
-GTEST_FILTER=${GTEST_FILTER:-*GpuForward*}
+GTEST_FILTER=${GTEST_FILTER:-*Gpu*}
 SANITIZE_FILTER=${SANITIZE_FILTER:-*varlen_causal_gqa_bf16_d128*:*sink_fp16_local_bf16_d128*:GpuForwardUnsupported*}
 RACECHECK_FILTER=${RACECHECK_FILTER:-*dense_bf16_d128*:*varlen_causal_gqa_bf16_d64*}
 BENCH_ARGS=${BENCH_ARGS:-}
@@ -69,8 +69,12 @@ fi
 TESTS=$BUILD/tests/cpp/cuflash_tests
 if has_step test; then
   start=$(date +%s)
-  "$TESTS" --gtest_filter="$GTEST_FILTER" --gtest_brief=1 --gtest_output="xml:$OUT/tests.xml" >"$OUT/tests.log" 2>&1
+  # A producer/consumer disagreement in a kernel hangs rather than fails: bound the run so the
+  # rest of the call (and its logs) still comes back.
+  timeout "${TEST_TIMEOUT:-420}" "$TESTS" --gtest_filter="$GTEST_FILTER" --gtest_brief=1 \
+    --gtest_output="xml:$OUT/tests.xml" >"$OUT/tests.log" 2>&1
   rc=$?
+  [[ $rc -eq 124 ]] && note "tests: timed out after ${TEST_TIMEOUT:-420} s (hang?); last test started: $(grep -E '^\[ RUN' "$OUT/tests.log" | tail -1)"
   note "tests ($GTEST_FILTER): rc=$rc in $(( $(date +%s) - start )) s; $(grep -E '^\[  PASSED  \]|^\[  FAILED  \]|^\[  SKIPPED \]' "$OUT/tests.log" | tr '\n' ' ')"
   grep -E "^\[  FAILED  \]|Failure|error" "$OUT/tests.log" | head -30 | tee -a "$SUMMARY"
   [[ $rc -ne 0 ]] && status=1
