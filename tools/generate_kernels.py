@@ -15,12 +15,16 @@ DTYPES = {"fp16": "cutlass::half_t", "bf16": "cutlass::bfloat16_t"}
 # pays nothing; everything else (causal, local, varlen, GQA, sink, lse) is a runtime choice.
 # flex: score_mod, mask_mod and block sparsity (variants::FlexVariant; the mod kinds and softcap
 # are runtime choices inside it, so one kernel per head dim and dtype).
+# paged: k/v read through a page table (TMA or gathered loads, picked at run time from the page
+# size); with split-KV too, for decoding from a paged cache. Softcap and flex are not paged.
 FEATURES = {
-    "": ("false", "false", "variants::NoVariant"),
-    "softcap": ("true", "false", "variants::NoVariant"),
-    "split": ("false", "true", "variants::NoVariant"),
-    "softcap_split": ("true", "true", "variants::NoVariant"),
-    "flex": ("false", "false", "variants::FlexVariant"),
+    "": ("false", "false", "variants::NoVariant", "false"),
+    "softcap": ("true", "false", "variants::NoVariant", "false"),
+    "split": ("false", "true", "variants::NoVariant", "false"),
+    "softcap_split": ("true", "true", "variants::NoVariant", "false"),
+    "flex": ("false", "false", "variants::FlexVariant", "false"),
+    "paged": ("false", "false", "variants::NoVariant", "true"),
+    "paged_split": ("false", "true", "variants::NoVariant", "true"),
 }
 
 TEMPLATE = """\
@@ -31,7 +35,7 @@ namespace cuflash::sm90 {{
 
 void run_{stem}(FwdParams& params, cudaStream_t stream) {{
   run_flash_fwd_sm90<{element}, {hdim}, {hdim_v}, /*kHasSoftcap=*/{softcap}, /*kIsSplit=*/{split},
-                     {variant}>(params, stream);
+                     {variant}{paged}>(params, stream);
 }}
 
 }}  // namespace cuflash::sm90
@@ -54,10 +58,11 @@ def main():
         old.unlink()
     for hdim, hdim_v in HEAD_DIMS:
         for dtype, element in DTYPES.items():
-            for feature, (softcap, split, variant) in FEATURES.items():
+            for feature, (softcap, split, variant, paged) in FEATURES.items():
                 name = stem(hdim, hdim_v, dtype, feature)
                 text = TEMPLATE.format(stem=name, element=element, hdim=hdim, hdim_v=hdim_v, softcap=softcap,
-                                       split=split, variant=variant)
+                                       split=split, variant=variant,
+                                       paged=", /*kIsPaged=*/true" if paged == "true" else "")
                 (args.out / f"{name}.cu").write_text(text)
 
 

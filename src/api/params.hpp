@@ -55,7 +55,7 @@ struct FwdParams {
   int num_heads = 0, num_heads_kv = 0;
   int head_dim = 0, head_dim_v = 0;
   int total_q = 0;  // rows of q when packed
-  int total_k = 0;  // rows of k/v when packed (cu_seqlens_k); bounds the TMA loads
+  int total_k = 0;  // rows of k/v when packed (cu_seqlens_k), pages * page_size when paged
 
   const int* cu_seqlens_q = nullptr;
   const int* cu_seqlens_k = nullptr;

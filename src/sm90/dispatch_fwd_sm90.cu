@@ -69,6 +69,7 @@ std::string fwd_kernel_name(const FwdParams& p) {
   name += DType(p.dtype) == DType::kBFloat16 ? "_bf16" : "_fp16";
   if (needs_flex(p)) return name + "_flex_sm90";  // softcap is a runtime choice in it
   if (p.softcap > 0.f) name += "_softcap";
+  if (p.page_table != nullptr) name += "_paged";
   if (p.num_splits > 1) name += "_split";
   return name + "_sm90";
 }
@@ -93,6 +94,18 @@ void check_flex(const FwdParams& p) {
                                       std::to_string(tile.block_n) +
                                       "; got block_m = " + std::to_string(p.block_sparse.block_m) +
                                       ", block_n = " + std::to_string(p.block_sparse.block_n));
+  }
+}
+
+// What the paged kernels (_paged, _paged_split) cannot do, refused by name before any launch.
+void check_paged(const FwdParams& p) {
+  if (needs_flex(p)) {
+    not_supported("page_table",
+                  "paged KV cannot be combined with score_mod, mask_mod or block sparsity in the "
+                  "sm90 forward kernel");
+  }
+  if (p.softcap > 0.f) {
+    not_supported("softcap", "the sm90 forward kernel has no softcap with paged KV (page_table)");
   }
 }
 
@@ -132,9 +145,6 @@ void check_tma_operand(const char* argument, const void* data,
 }  // namespace
 
 void run_forward(FwdParams& params, StreamHandle stream) {
-  if (params.page_table != nullptr) {
-    not_supported("page_table", "paged KV is not supported by the sm90 forward kernel yet");
-  }
   if (params.num_splits > 1 && (params.out_partial == nullptr || params.lse_partial == nullptr)) {
     throw Error(
         Error::Kind::kInvalidArgument, "num_splits",
@@ -148,6 +158,7 @@ void run_forward(FwdParams& params, StreamHandle stream) {
   if (params.head_dim > 256 || params.head_dim_v > 256) {
     not_supported("q", "the sm90 forward kernel supports head dims up to 256");
   }
+  if (params.page_table != nullptr) check_paged(params);
   if (needs_flex(params)) check_flex(params);
   check_tma_operand("q", params.q,
                     {params.q_row_stride, params.q_head_stride, params.q_batch_stride});

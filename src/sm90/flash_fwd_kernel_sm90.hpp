@@ -29,9 +29,10 @@
 namespace cuflash::sm90 {
 
 // Variant_: variants::NoVariant (plain) or variants::FlexVariant (score_mod, mask_mod, block
-// sparsity; softcap is then a runtime choice inside it).
+// sparsity; softcap is then a runtime choice inside it). kIsPaged_: k/v are pages read through
+// a page table (mainloop_fwd_sm90.hpp, load_paged).
 template <class Element_, int kHeadDim_, int kHeadDimV_, bool kHasSoftcap_, bool kIsSplit_,
-          class Variant_ = variants::NoVariant>
+          class Variant_ = variants::NoVariant, bool kIsPaged_ = false>
 struct FwdConfig {
   using Element = Element_;
   using Variant = Variant_;
@@ -40,6 +41,7 @@ struct FwdConfig {
   static constexpr bool kHasSoftcap = kHasSoftcap_;
   static constexpr bool kIsSplit =
       kIsSplit_;  // split-KV: fp32 partial outputs for the combine kernel
+  static constexpr bool kIsPaged = kIsPaged_;
   static constexpr FwdTileSize kTile = fwd_tile_size(kHeadDim, kHeadDimV, Variant::kIsFlex);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
@@ -61,12 +63,16 @@ struct FlashFwdKernelSm90 {
   static constexpr bool kIsSplit = Config::kIsSplit;
   using Variant = typename Config::Variant;
   static constexpr bool kIsFlex = Variant::kIsFlex;
+  static constexpr bool kIsPaged = Config::kIsPaged;
   static_assert(!(kIsFlex && (kIsSplit || Config::kHasSoftcap)),
                 "the flex variant has softcap built in and no split-KV");
+  static_assert(!(kIsFlex && kIsPaged), "the flex variant reads dense or packed k/v");
   static_assert(kNumMmaWarpGroups == 2, "register split below assumes two MMA warpgroups");
-  // 64K registers per SM: producer warpgroup 128 x 24, MMA warpgroups 256 x 240.
-  static constexpr uint32_t kLoadRegisters = 24;
-  static constexpr uint32_t kMmaRegisters = 240;
+  // 64K registers per SM: producer warpgroup 128 x 24, MMA warpgroups 256 x 240. Paged kernels
+  // may gather rows with the whole producer warpgroup (page-table lookups, 64-bit addresses), so
+  // they move 8 registers per MMA thread to it: 128 x 40 + 256 x 232.
+  static constexpr uint32_t kLoadRegisters = kIsPaged ? 40 : 24;
+  static constexpr uint32_t kMmaRegisters = kIsPaged ? 232 : 240;
   // Each thread of a WGMMA accumulator holds two rows of its warpgroup's 64.
   static constexpr int kRowsPerThread = 2;
 
@@ -225,6 +231,14 @@ struct FlashFwdKernelSm90 {
                                                  : PipelineK::ThreadCategory::Consumer;
     pipeline_params_k.is_leader = threadIdx.x % cutlass::NumThreadsPerWarpGroup == 0;
     pipeline_params_k.num_consumers = kNumMmaThreads;
+    // Gathered paged loads: no TMA transaction; each producer thread arrives once its cp.async
+    // copies of the stage have landed.
+    bool gathers = false;
+    if constexpr (kIsPaged) gathers = !params.mainloop.paged.use_tma;
+    if (gathers) {
+      pipeline_params_k.is_leader = false;
+      pipeline_params_k.num_producers = Mainloop::kNumGatherThreads;
+    }
     typename PipelineV::Params pipeline_params_v = pipeline_params_k;
     pipeline_params_v.transaction_bytes = Mainloop::kTmaBytesV;
     PipelineK pipeline_k(storage.pipeline_k, pipeline_params_k, Shape<_1, _1, _1>{});
@@ -233,7 +247,8 @@ struct FlashFwdKernelSm90 {
 
     if (warp_group_idx == 0) {
       cutlass::arch::warpgroup_reg_dealloc<kLoadRegisters>();
-      if (warp_idx == 0 && lane_predicate) {
+      bool const leader = warp_idx == 0 && lane_predicate;
+      if (leader || gathers) {
         PipelineState smem_pipe_write = cutlass::make_producer_start_state<PipelineK>();
         int q_loads = 0;
         for (int tile_index = int(blockIdx.x); tile_index < num_tiles;
@@ -242,11 +257,19 @@ struct FlashFwdKernelSm90 {
           TileWork const work = tile_work(params, tile);
           if (!work.has_rows || !work.has_keys()) continue;
           int const head_kv = tile.head / (p.num_heads / p.num_heads_kv);
-          Mainloop::load(params.mainloop, storage.tensors, storage.barrier_q, q_loads, pipeline_k,
-                         pipeline_v, smem_pipe_write, work.seqlen, tile.m_block, tile.head, head_kv,
-                         tile.batch, work.walk);
+          if constexpr (kIsPaged) {
+            Mainloop::load_paged(params.mainloop, storage.tensors, storage.barrier_q, q_loads,
+                                 pipeline_k, pipeline_v, smem_pipe_write, work.seqlen,
+                                 tile.m_block, tile.head, head_kv, tile.batch, work.walk,
+                                 int(threadIdx.x), leader);
+          } else {
+            Mainloop::load(params.mainloop, storage.tensors, storage.barrier_q, q_loads,
+                           pipeline_k, pipeline_v, smem_pipe_write, work.seqlen, tile.m_block,
+                           tile.head, head_kv, tile.batch, work.walk);
+          }
           ++q_loads;
         }
+        if constexpr (kIsPaged) cute::cp_async_wait<0>();  // no copy outlives its thread
       }
     } else {
       cutlass::arch::warpgroup_reg_alloc<kMmaRegisters>();

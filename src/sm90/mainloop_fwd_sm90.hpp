@@ -7,12 +7,19 @@
 // together with the PV of block n+1 so the softmax of one overlaps the GEMM of the other, and
 // warpgroups take turns issuing GEMMs (pingpong on named barriers) so one warpgroup's softmax
 // runs under the other's GEMMs.
+// Paged K/V (Config::kIsPaged, k/v as (pages, page_size, H_kv, D) with a page table): when a page
+// holds whole n-blocks, the producer thread looks the page of each n-block up and TMA-loads it from
+// a descriptor over the pages; otherwise the whole producer warpgroup gathers the rows with
+// 16-byte cp.async into the same swizzled stages, each thread arriving on the stage's barrier
+// when its copies land (load_paged).
 #pragma once
 
 #include <cutlass/arch/barrier.h>
 #include <cutlass/cutlass.h>
 
+#include <cute/arch/copy_sm80.hpp>
 #include <cute/tensor.hpp>
+#include <cutlass/fast_math.h>
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
 #include <cutlass/pipeline/pipeline.hpp>
 
@@ -43,6 +50,9 @@ struct MainloopFwdSm90 {
   static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
   static constexpr bool kHasSoftcap = Config::kHasSoftcap;
   static constexpr bool kIsFlex = Config::Variant::kIsFlex;
+  static constexpr bool kIsPaged = Config::kIsPaged;
+  // Gathered paged loads: every thread of the producer warpgroup copies 16-byte chunks.
+  static constexpr int kNumGatherThreads = cutlass::NumThreadsPerWarpGroup;
 
   using TileShapeQK = cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>, cute::Int<kHeadDim>>;
   using TileShapePV = cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDimV>, cute::Int<kBlockN>>;
@@ -114,12 +124,33 @@ struct MainloopFwdSm90 {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutV>, 1024> smem_v;
   };
 
-  struct Params {
+  struct DenseParams {
     TMA_Q tma_load_q;
     TMA_K tma_load_k;
     TMA_V tma_load_v;
-    ShapeQKV shape_q, shape_k, shape_v;
+    ShapeQKV shape_q, shape_k, shape_v;  // paged: k/v as (page_size, D, H_kv, pages)
   };
+  // What the producer needs to find a key row: page = page_table[key / page_size], row within
+  // it key % page_size. The K/V TMA descriptors above then span the pages.
+  struct PagedKV {
+    int const* page_table;
+    int64_t page_table_batch_stride;
+    cutlass::FastDivmod page_size;
+    bool use_tma;  // every page holds whole n-blocks: TMA; otherwise gathered loads
+    Element const* k;
+    Element const* v;
+    int64_t k_row_stride, k_page_stride, k_head_stride;
+    int64_t v_row_stride, v_page_stride, v_head_stride;
+    int head_dim, head_dim_v;  // the real ones: columns past them are zero-filled
+  };
+  struct PagedParams : DenseParams {
+    PagedKV paged;
+  };
+  // The plain kernel keeps its parameter layout: paged fields exist only in paged kernels.
+  using Params = std::conditional_t<kIsPaged, PagedParams, DenseParams>;
+
+  // Paged k/v use their page layout as the (rows, D, heads, batch) tensor of the descriptors.
+  static bool use_paged_tma(FwdParams const& p) { return p.page_size % kBlockN == 0; }
 
   // TMA needs every non-unit stride to be a multiple of 16 bytes; the stride of an extent-1
   // mode is never used, so any such value does.
@@ -133,9 +164,13 @@ struct MainloopFwdSm90 {
     bool const packed_k = p.cu_seqlens_k != nullptr;
     // Extents are at least 1 so that the descriptors encode even when no row is ever loaded.
     int const rows_q = max(packed_q ? p.total_q : p.seqlen_q, 1);
-    int const rows_k = max(packed_k ? p.total_k : p.seqlen_k, 1);
+    int rows_k = max(packed_k ? p.total_k : p.seqlen_k, 1);
     int const batch_q = packed_q ? 1 : p.batch;
-    int const batch_k = packed_k ? 1 : p.batch;
+    int batch_k = packed_k ? 1 : p.batch;
+    if constexpr (kIsPaged) {
+      rows_k = p.page_size;
+      batch_k = max(p.total_k / p.page_size, 1);  // pages
+    }
     ShapeQKV shape_q{rows_q, p.head_dim, p.num_heads, batch_q};
     ShapeQKV shape_k{rows_k, p.head_dim, p.num_heads_kv, batch_k};
     ShapeQKV shape_v{rows_k, p.head_dim_v, p.num_heads_kv, batch_k};
@@ -154,14 +189,34 @@ struct MainloopFwdSm90 {
                             make_layout(shape_k, stride_k));
     Tensor mV = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.v)),
                             make_layout(shape_v, stride_v));
-    return {make_tma_copy(SM90_TMA_LOAD{}, mQ, SmemLayoutQ{}, select<0, 2>(TileShapeQK{}), _1{}),
-            make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(SmemLayoutK{}),
-                          select<1, 2>(TileShapeQK{}), _1{}),
-            make_tma_copy(SM90_TMA_LOAD{}, mV, take<0, 2>(SmemLayoutV{}),
-                          select<2, 1>(TileShapePV{}), _1{}),
-            shape_q,
-            shape_k,
-            shape_v};
+    DenseParams dense{
+        make_tma_copy(SM90_TMA_LOAD{}, mQ, SmemLayoutQ{}, select<0, 2>(TileShapeQK{}), _1{}),
+        make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(SmemLayoutK{}), select<1, 2>(TileShapeQK{}),
+                      _1{}),
+        make_tma_copy(SM90_TMA_LOAD{}, mV, take<0, 2>(SmemLayoutV{}), select<2, 1>(TileShapePV{}),
+                      _1{}),
+        shape_q,
+        shape_k,
+        shape_v};
+    if constexpr (kIsPaged) {
+      PagedKV paged{p.page_table,
+                    p.page_table_batch_stride,
+                    cutlass::FastDivmod(p.page_size),
+                    use_paged_tma(p),
+                    static_cast<Element const*>(p.k),
+                    static_cast<Element const*>(p.v),
+                    p.k_row_stride,
+                    p.k_batch_stride,
+                    p.k_head_stride,
+                    p.v_row_stride,
+                    p.v_batch_stride,
+                    p.v_head_stride,
+                    p.head_dim,
+                    p.head_dim_v};
+      return PagedParams{dense, paged};
+    } else {
+      return dense;
+    }
   }
 
   CUTLASS_DEVICE static void prefetch_descriptors(Params const& params) {
@@ -228,6 +283,121 @@ struct MainloopFwdSm90 {
     if (q_loads > 0) barrier_q.empty.wait((q_loads - 1) & 1);
     barrier_q.full.arrive_and_expect_tx(kTmaBytesQ);
     copy(params.tma_load_q.with(reinterpret_cast<BarrierType&>(barrier_q.full), 0), tQgQ, tQsQ);
+    load_v(n_block);
+    ++smem_pipe_write;
+    while (walk.next(n_block)) {
+      load_k(n_block);
+      load_v(n_block);
+      ++smem_pipe_write;
+    }
+  }
+
+  // Copies key rows [n_block * kBlockN, + kBlockN) of K or V (kDim columns, `dim` of them real)
+  // into one pipeline stage `sX` (kBlockN, kDim), 16 bytes per cp.async; rows past seqlen_k and
+  // columns past dim are zero-filled, so no page past the sequence is read.
+  template <int kDim, class SmemTile>
+  CUTLASS_DEVICE static void gather_block(PagedKV const& paged, int const* page_table,
+                                          Element const* head_base, int64_t row_stride,
+                                          int64_t page_stride, int dim, SmemTile sX, int n_block,
+                                          int seqlen_k, int thread_idx) {
+    constexpr int kElemsPerChunk = 16 / int(sizeof(Element));
+    constexpr int kChunksPerRow = kDim / kElemsPerChunk;
+    constexpr int kChunks = kBlockN * kChunksPerRow;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < cute::ceil_div(kChunks, kNumGatherThreads); ++i) {
+      int const idx = thread_idx + i * kNumGatherThreads;
+      if (kChunks % kNumGatherThreads != 0 && idx >= kChunks) break;
+      int const row = idx / kChunksPerRow;
+      int const col = (idx % kChunksPerRow) * kElemsPerChunk;
+      int const key = n_block * kBlockN + row;
+      bool const valid = key < seqlen_k && col < dim;
+      Element const* src = head_base;  // any mapped address: a zero-fill reads nothing
+      if (valid) {
+        int page_idx, row_in_page;
+        paged.page_size.fast_divmod(page_idx, row_in_page, key);
+        src += int64_t(page_table[page_idx]) * page_stride + int64_t(row_in_page) * row_stride +
+               col;
+      }
+      cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
+          *reinterpret_cast<cute::uint128_t const*>(src),
+          *reinterpret_cast<cute::uint128_t*>(&sX(row, col)), valid);
+    }
+  }
+
+  // Producer for paged K/V. With TMA (paged.use_tma) it is called by one thread, as load;
+  // otherwise by all kNumGatherThreads threads of the producer warpgroup (thread_idx), of which
+  // `leader` alone issues Q's TMA. The pipelines' producer arrival counts match (kernel).
+  template <class Walk>
+  CUTLASS_DEVICE static void load_paged(Params const& params, TensorStorage& storage,
+                                        QBarriers& barrier_q, int q_loads, PipelineK& pipeline_k,
+                                        PipelineV& pipeline_v, PipelineState& smem_pipe_write,
+                                        SeqlenInfo const& seqlen, int m_block, int head,
+                                        int head_kv, int batch, Walk walk, int thread_idx,
+                                        bool leader) {
+    using namespace cute;
+    PagedKV const& paged = params.paged;
+    Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});
+    int const batch_q = get<3>(params.shape_q) == 1 ? 0 : batch;
+    Tensor mQ = params.tma_load_q.get_tma_tensor(params.shape_q)(_, _, head, batch_q);
+    Tensor gQ = local_tile(domain_offset(make_coord(seqlen.offset_q, _0{}), mQ),
+                           select<0, 2>(TileShapeQK{}), make_coord(m_block, _0{}));  // (M, D)
+    auto [tQgQ, tQsQ] = tma_partition(params.tma_load_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                      group_modes<0, 2>(gQ));
+    int const* page_table = paged.page_table + batch * paged.page_table_batch_stride;
+
+    // TMA: an n-block lies inside one page (page_size is a multiple of kBlockN).
+    auto tma_block = [&](auto const& tma_load, ShapeQKV const& shape, auto tile_shape,
+                         auto& sX, auto& pipeline, int n_block) {
+      int page_idx, row_in_page;
+      paged.page_size.fast_divmod(page_idx, row_in_page, n_block * kBlockN);
+      Tensor mX = tma_load.get_tma_tensor(shape)(_, _, head_kv, page_table[page_idx]);
+      Tensor gX = local_tile(mX, tile_shape, make_coord(_, _0{}));  // (N, D, blocks of a page)
+      auto partition = tma_partition(tma_load, _0{}, Layout<_1>{}, group_modes<0, 2>(sX),
+                                     group_modes<0, 2>(gX));
+      pipeline.producer_acquire(smem_pipe_write);
+      copy(tma_load.with(*pipeline.producer_get_barrier(smem_pipe_write), 0),
+           get<0>(partition)(_, row_in_page / kBlockN),
+           get<1>(partition)(_, smem_pipe_write.index()));
+    };
+    Element const* k_head = paged.k + head_kv * paged.k_head_stride;
+    Element const* v_head = paged.v + head_kv * paged.v_head_stride;
+    auto load_k = [&](int n_block) {
+      if (paged.use_tma) {
+        tma_block(params.tma_load_k, params.shape_k, select<1, 2>(TileShapeQK{}), sK, pipeline_k,
+                  n_block);
+      } else {
+        pipeline_k.producer_acquire(smem_pipe_write);
+        gather_block<kHeadDim>(paged, page_table, k_head, paged.k_row_stride, paged.k_page_stride,
+                               paged.head_dim, sK(_, _, smem_pipe_write.index()), n_block,
+                               seqlen.seqlen_k, thread_idx);
+        pipeline_k.producer_commit(smem_pipe_write, cutlass::arch::cpasync_barrier_arrive_noinc);
+      }
+    };
+    auto load_v = [&](int n_block) {
+      if (paged.use_tma) {
+        tma_block(params.tma_load_v, params.shape_v, select<2, 1>(TileShapePV{}), sV, pipeline_v,
+                  n_block);
+      } else {
+        pipeline_v.producer_acquire(smem_pipe_write);
+        gather_block<kHeadDimV>(paged, page_table, v_head, paged.v_row_stride,
+                                paged.v_page_stride, paged.head_dim_v,
+                                sV(_, _, smem_pipe_write.index()), n_block, seqlen.seqlen_k,
+                                thread_idx);
+        pipeline_v.producer_commit(smem_pipe_write, cutlass::arch::cpasync_barrier_arrive_noinc);
+      }
+    };
+
+    using BarrierType = cutlass::arch::ClusterTransactionBarrier::ValueType;
+    // Same order as load: the first K before waiting for Q's buffer.
+    int n_block = walk.first();
+    load_k(n_block);
+    if (q_loads > 0) barrier_q.empty.wait((q_loads - 1) & 1);
+    if (leader) {
+      barrier_q.full.arrive_and_expect_tx(kTmaBytesQ);
+      copy(params.tma_load_q.with(reinterpret_cast<BarrierType&>(barrier_q.full), 0), tQgQ, tQsQ);
+    }
     load_v(n_block);
     ++smem_pipe_write;
     while (walk.next(n_block)) {
