@@ -303,24 +303,34 @@ struct MainloopFwdSm90 {
     constexpr int kElemsPerChunk = 16 / int(sizeof(Element));
     constexpr int kChunksPerRow = kDim / kElemsPerChunk;
     constexpr int kChunks = kBlockN * kChunksPerRow;
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < cute::ceil_div(kChunks, kNumGatherThreads); ++i) {
-      int const idx = thread_idx + i * kNumGatherThreads;
-      if (kChunks % kNumGatherThreads != 0 && idx >= kChunks) break;
-      int const row = idx / kChunksPerRow;
-      int const col = (idx % kChunksPerRow) * kElemsPerChunk;
-      int const key = n_block * kBlockN + row;
-      bool const valid = key < seqlen_k && col < dim;
-      Element const* src = head_base;  // any mapped address: a zero-fill reads nothing
-      if (valid) {
+    // Rows in batches: the batch's page-table reads are all in flight before its copies are
+    // issued, and the producer's register budget holds one batch of 64-bit offsets.
+    constexpr int kBatch = 4;
+    constexpr int kBatchChunks = kBatch * kNumGatherThreads;
+#pragma unroll 1
+    for (int first = 0; first < kChunks; first += kBatchChunks) {
+      int64_t offset[kBatch];
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kBatch; ++j) {
+        int const idx = first + j * kNumGatherThreads + thread_idx;
+        // Rows past seqlen_k read the last key's page (always mapped) and are zero-filled.
+        int const key = min(n_block * kBlockN + idx / kChunksPerRow, seqlen_k - 1);
         int page_idx, row_in_page;
         paged.page_size.fast_divmod(page_idx, row_in_page, key);
-        src += int64_t(page_table[page_idx]) * page_stride + int64_t(row_in_page) * row_stride +
-               col;
+        offset[j] = int64_t(page_table[page_idx]) * page_stride + int64_t(row_in_page) * row_stride +
+                    (idx % kChunksPerRow) * kElemsPerChunk;
       }
-      cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
-          *reinterpret_cast<cute::uint128_t const*>(src),
-          *reinterpret_cast<cute::uint128_t*>(&sX(row, col)), valid);
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kBatch; ++j) {
+        int const idx = first + j * kNumGatherThreads + thread_idx;
+        if (kChunks % kBatchChunks != 0 && idx >= kChunks) break;
+        int const row = idx / kChunksPerRow;
+        int const col = (idx % kChunksPerRow) * kElemsPerChunk;
+        bool const valid = n_block * kBlockN + row < seqlen_k && col < dim;
+        cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
+            *reinterpret_cast<cute::uint128_t const*>(head_base + (valid ? offset[j] : 0)),
+            *reinterpret_cast<cute::uint128_t*>(&sX(row, col)), valid);
+      }
     }
   }
 
