@@ -149,8 +149,11 @@ struct MainloopFwdSm90 {
   // The plain kernel keeps its parameter layout: paged fields exist only in paged kernels.
   using Params = std::conditional_t<kIsPaged, PagedParams, DenseParams>;
 
-  // Paged k/v use their page layout as the (rows, D, heads, batch) tensor of the descriptors.
+  // TMA when every page holds whole n-blocks; gathered loads otherwise.
   static bool use_paged_tma(FwdParams const& p) { return p.page_size % kBlockN == 0; }
+
+  // The smallest power of two that is at least x.
+  static constexpr int pow2_ceil(int x) { return x <= 1 ? 1 : 2 * pow2_ceil((x + 1) / 2); }
 
   // TMA needs every non-unit stride to be a multiple of 16 bytes; the stride of an extent-1
   // mode is never used, so any such value does.
@@ -302,33 +305,39 @@ struct MainloopFwdSm90 {
                                           int seqlen_k, int thread_idx) {
     constexpr int kElemsPerChunk = 16 / int(sizeof(Element));
     constexpr int kChunksPerRow = kDim / kElemsPerChunk;
-    constexpr int kChunks = kBlockN * kChunksPerRow;
-    // Rows in batches: the batch's page-table reads are all in flight before its copies are
+    // Each thread keeps one column chunk: a row takes a power of two of threads (index math by
+    // shifts), of which those past kChunksPerRow copy nothing.
+    constexpr int kThreadsPerRow = pow2_ceil(kChunksPerRow);
+    constexpr int kRowsPerPass = kNumGatherThreads / kThreadsPerRow;
+    constexpr int kPasses = kBlockN / kRowsPerPass;
+    // Rows in batches: a batch's page-table reads are all in flight before its copies are
     // issued, and the producer's register budget holds one batch of 64-bit offsets.
     constexpr int kBatch = 4;
-    constexpr int kBatchChunks = kBatch * kNumGatherThreads;
+    static_assert(kNumGatherThreads % kThreadsPerRow == 0 && kBlockN % kRowsPerPass == 0 &&
+                      kPasses % kBatch == 0,
+                  "gathered loads: whole passes over the block");
+    int const chunk = thread_idx % kThreadsPerRow;
+    if (chunk >= kChunksPerRow) return;
+    int const col = chunk * kElemsPerChunk;
+    int const first_row = thread_idx / kThreadsPerRow;
 #pragma unroll 1
-    for (int first = 0; first < kChunks; first += kBatchChunks) {
+    for (int pass = 0; pass < kPasses; pass += kBatch) {
       int64_t offset[kBatch];
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < kBatch; ++j) {
-        int const idx = first + j * kNumGatherThreads + thread_idx;
         // Rows past seqlen_k read the last key's page (always mapped) and are zero-filled.
-        int const key = min(n_block * kBlockN + idx / kChunksPerRow, seqlen_k - 1);
+        int const key =
+            min(n_block * kBlockN + first_row + (pass + j) * kRowsPerPass, seqlen_k - 1);
         int page_idx, row_in_page;
         paged.page_size.fast_divmod(page_idx, row_in_page, key);
-        offset[j] = int64_t(page_table[page_idx]) * page_stride + int64_t(row_in_page) * row_stride +
-                    (idx % kChunksPerRow) * kElemsPerChunk;
+        offset[j] = int64_t(page_table[page_idx]) * page_stride + int64_t(row_in_page) * row_stride;
       }
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < kBatch; ++j) {
-        int const idx = first + j * kNumGatherThreads + thread_idx;
-        if (kChunks % kBatchChunks != 0 && idx >= kChunks) break;
-        int const row = idx / kChunksPerRow;
-        int const col = (idx % kChunksPerRow) * kElemsPerChunk;
+        int const row = first_row + (pass + j) * kRowsPerPass;
         bool const valid = n_block * kBlockN + row < seqlen_k && col < dim;
         cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
-            *reinterpret_cast<cute::uint128_t const*>(head_base + (valid ? offset[j] : 0)),
+            *reinterpret_cast<cute::uint128_t const*>(head_base + col + (valid ? offset[j] : 0)),
             *reinterpret_cast<cute::uint128_t*>(&sX(row, col)), valid);
       }
     }

@@ -321,11 +321,6 @@ void expect_close(const char* what, const std::vector<double>& gpu,
       << what << ": max error " << gpu_stats.max_error << ", naive " << naive_stats.max_error;
 }
 
-bool is_built(const std::string& description) {
-  const std::vector<std::string> built = built_kernels();
-  return std::find(built.begin(), built.end(), description) != built.end();
-}
-
 class GpuForward : public ::testing::TestWithParam<FwdCase> {};
 
 TEST_P(GpuForward, MatchesReference) {
@@ -456,29 +451,6 @@ INSTANTIATE_TEST_SUITE_P(Options, GpuForward, ::testing::ValuesIn(forward_cases(
                          [](const ::testing::TestParamInfo<FwdCase>& info) {
                            return case_name(info.param);
                          });
-
-// Features the kernel does not have yet are refused by name, never run on a fallback.
-TEST(GpuForwardUnsupported, PagedKvIsRefused) {
-  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
-  if (!is_built("fwd bf16 hdim128")) GTEST_SKIP() << "hdim128 bf16 not built";
-  DeviceBuffer q(64 * 2 * 128 * 2), k(256 * 2 * 128 * 2), v(256 * 2 * 128 * 2),
-      out(64 * 2 * 128 * 2);
-  std::vector<int> table = {0, 1};
-  DeviceBuffer page_table = DeviceBuffer::from(table);
-  ForwardArgs args;
-  args.q = TensorView(q.data(), DType::kBFloat16, {1, 64, 2, 128}, kCuda);
-  args.k = TensorView(k.data(), DType::kBFloat16, {2, 128, 2, 128}, kCuda);
-  args.v = TensorView(v.data(), DType::kBFloat16, {2, 128, 2, 128}, kCuda);
-  args.out = TensorView(out.data(), DType::kBFloat16, {1, 64, 2, 128}, kCuda);
-  args.seq.page_table = TensorView(page_table.data(), DType::kInt32, {1, 2}, kCuda);
-  try {
-    forward(args);
-    ADD_FAILURE() << "paged KV ran";
-  } catch (const Error& error) {
-    EXPECT_EQ(error.kind(), Error::Kind::kNotSupported) << error.what();
-    EXPECT_EQ(error.argument(), "page_table");
-  }
-}
 
 }  // namespace
 }  // namespace cuflash

@@ -1,0 +1,430 @@
+// GPU forward kernel with paged K/V against the CPU reference (DESIGN.md section 5): k/v live in
+// a pool of pages (num_pages, page_size, H_kv, D) reached through a random page table (shuffled
+// pages, pages shared between sequences, spare pages nobody uses). Page sizes that hold whole
+// n-blocks take the TMA path, the others the gathered one; both are covered for every head dim
+// this build has. Outputs are poisoned before each run and every element is checked.
+#include <gtest/gtest.h>
+
+#if CUFLASH_HAS_CUDA  // a build without the CUDA toolkit has no device kernels to test
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cuflash/cuflash.hpp"
+#include "gpu_test_util.hpp"
+
+namespace cuflash {
+namespace {
+
+using gpu_testing::DeviceBuffer;
+
+const Device kCpu{};
+const Device kCuda{DeviceType::kCUDA, 0};
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct PagedCase {
+  std::string label;
+  DType dtype = DType::kBFloat16;
+  int batch = 1, seqlen_q = 1, heads = 1, heads_kv = 1, head_dim = 128, head_dim_v = 128;
+  int page_size = 16;
+  int max_pages = 1;  // page_table columns: each sequence holds up to max_pages * page_size keys
+  bool causal = false;
+  int window_left = -1, window_right = -1;
+  bool seqused = false;       // seqused_k caps each sequence's keys (some mid-page, one empty)
+  bool packed_q = false;      // q packed with cu_seqlens_q, lengths drawn up to seqlen_q
+  bool shared_pages = false;  // sequence 1 starts with sequence 0's pages (a shared prefix)
+  int num_splits = 1;         // split-KV; <= 0 lets cuflash choose
+  unsigned seed = 1;
+};
+
+std::string case_name(const PagedCase& c) {
+  std::ostringstream name;
+  name << c.label << "_page" << c.page_size << "_"
+       << (c.dtype == DType::kBFloat16 ? "bf16" : "fp16") << "_d" << c.head_dim;
+  if (c.head_dim_v != c.head_dim) name << "x" << c.head_dim_v;
+  return name.str();
+}
+
+// Host copy of one problem: q as packed rows (rows_q, H, D) (dense is B * Sq rows), the page
+// pool as (num_pages, page_size, H_kv, D), and the page table.
+struct Problem {
+  PagedCase c;
+  std::vector<int> len_q, start_q;
+  std::vector<int> used_k;  // keys each sequence attends to
+  int rows_q = 0, num_pages = 0;
+  std::vector<int> page_table;  // (B, max_pages)
+  std::vector<float> q, k, v;   // values already rounded to the input dtype
+  float scale = 1.f;
+
+  explicit Problem(const PagedCase& pc) : c(pc) {
+    std::mt19937 rng(c.seed);
+    const int capacity = c.max_pages * c.page_size;
+    std::uniform_int_distribution<int> any_q(0, c.seqlen_q), any_k(0, capacity);
+    for (int b = 0; b < c.batch; ++b) {
+      int lq = c.packed_q ? any_q(rng) : c.seqlen_q;
+      if (c.packed_q && b == 0) lq = c.seqlen_q;  // the longest one is always there
+      len_q.push_back(lq);
+      start_q.push_back(rows_q);
+      rows_q += lq;
+      int lk = c.seqused ? any_k(rng) : capacity;
+      if (c.seqused && b == 0) lk = capacity;  // a full sequence
+      if (c.seqused && b == 1) lk = 0;         // and one without keys (out 0, lse -inf)
+      used_k.push_back(lk);
+    }
+    // Pool: every sequence's pages plus a few spare ones, handed out in a random order.
+    // Entries past a sequence's used keys point far outside the pool: a kernel that reads a
+    // page it should not faults instead of passing by luck.
+    const int spare = 3;
+    num_pages = c.batch * c.max_pages + spare;
+    std::vector<int> order(num_pages);
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), rng);
+    page_table.assign(std::size_t(c.batch) * c.max_pages, num_pages + (1 << 20));
+    int next = 0;
+    for (int b = 0; b < c.batch; ++b) {
+      const int pages_used = (used_k[b] + c.page_size - 1) / c.page_size;
+      for (int p = 0; p < pages_used; ++p) {
+        const bool shared = c.shared_pages && b == 1 && p < c.max_pages / 2;
+        page_table[std::size_t(b) * c.max_pages + p] =
+            shared ? page_table[p] : order[next++];
+      }
+    }
+    std::normal_distribution<float> normal(0.f, 1.f);
+    auto fill = [&](std::vector<float>& data, std::size_t n) {
+      data.resize(n);
+      for (float& x : data) x = gpu_testing::round_to(normal(rng), c.dtype);
+    };
+    fill(q, std::size_t(rows_q) * c.heads * c.head_dim);
+    const std::size_t pool_rows = std::size_t(num_pages) * c.page_size;
+    fill(k, pool_rows * c.heads_kv * c.head_dim);
+    fill(v, pool_rows * c.heads_kv * c.head_dim_v);
+    scale = 1.f / std::sqrt(float(c.head_dim));
+  }
+
+  // Row of the pool that holds key j of sequence b.
+  std::size_t key_row(int b, int j) const {
+    return std::size_t(page_table[std::size_t(b) * c.max_pages + j / c.page_size]) * c.page_size +
+           j % c.page_size;
+  }
+  std::int64_t lse_index(int b, int h, int r) const {
+    return c.packed_q ? std::int64_t(h) * rows_q + start_q[b] + r
+                      : (std::int64_t(b) * c.heads + h) * c.seqlen_q + r;
+  }
+  std::size_t lse_size() const {
+    return c.packed_q ? std::size_t(c.heads) * rows_q : std::size_t(c.batch) * c.heads * c.seqlen_q;
+  }
+  std::vector<int> cu_seqlens_q() const {
+    std::vector<int> out = start_q;
+    out.push_back(rows_q);
+    return out;
+  }
+};
+
+struct Result {
+  std::vector<double> out;  // (rows_q, H, Dv)
+  std::vector<double> lse;  // dense (B, H, Sq) or packed (H, total_q)
+};
+
+// The same attention computed naively in the input dtype (scaled q, scores, probabilities and
+// output each rounded), reading keys through the page table.
+Result naive_low_precision(const Problem& pb) {
+  const PagedCase& c = pb.c;
+  Result result;
+  result.out.assign(std::size_t(pb.rows_q) * c.heads * c.head_dim_v, 0.0);
+  result.lse.assign(pb.lse_size(), kNegInf);
+  const int group = c.heads / c.heads_kv;
+  const int right = c.causal ? 0 : c.window_right;
+  std::vector<float> qs(c.head_dim), scores;
+  for (int b = 0; b < c.batch; ++b) {
+    const int sq = pb.len_q[b], sk = pb.used_k[b];
+    for (int h = 0; h < c.heads; ++h) {
+      const int hk = h / group;
+      for (int i = 0; i < sq; ++i) {
+        const float* qrow = &pb.q[(std::size_t(pb.start_q[b] + i) * c.heads + h) * c.head_dim];
+        for (int d = 0; d < c.head_dim; ++d)
+          qs[d] = gpu_testing::round_to(qrow[d] * pb.scale, c.dtype);
+        scores.assign(sk, kNegInf);
+        float row_max = kNegInf;
+        for (int j = 0; j < sk; ++j) {
+          const int diag = i + sk - sq;
+          if ((right >= 0 && j > diag + right) || (c.window_left >= 0 && j < diag - c.window_left))
+            continue;
+          const float* krow = &pb.k[(pb.key_row(b, j) * c.heads_kv + hk) * c.head_dim];
+          float dot = 0.f;
+          for (int d = 0; d < c.head_dim; ++d) dot += qs[d] * krow[d];
+          scores[j] = gpu_testing::round_to(dot, c.dtype);
+          row_max = std::max(row_max, scores[j]);
+        }
+        if (row_max == kNegInf) continue;  // nothing visible: out 0, lse -inf
+        float denom = 0.f;
+        for (int j = 0; j < sk; ++j) denom += std::exp(scores[j] - row_max);
+        result.lse[pb.lse_index(b, h, i)] = row_max + std::log(denom);
+        double* orow = &result.out[(std::size_t(pb.start_q[b] + i) * c.heads + h) * c.head_dim_v];
+        std::vector<float> acc(c.head_dim_v, 0.f);
+        for (int j = 0; j < sk; ++j) {
+          if (scores[j] == kNegInf) continue;
+          const float p = gpu_testing::round_to(std::exp(scores[j] - row_max) / denom, c.dtype);
+          const float* vrow = &pb.v[(pb.key_row(b, j) * c.heads_kv + hk) * c.head_dim_v];
+          for (int d = 0; d < c.head_dim_v; ++d) acc[d] += p * vrow[d];
+        }
+        for (int d = 0; d < c.head_dim_v; ++d) orow[d] = gpu_testing::round_to(acc[d], c.dtype);
+      }
+    }
+  }
+  return result;
+}
+
+// ForwardArgs for data at `device`: q/out/lse/k/v pointers and the int arrays page_table,
+// cu_seqlens_q, seqused_k.
+struct ArgPointers {
+  void *q, *k, *v, *out, *lse, *page_table, *cu_seqlens_q, *seqused_k;
+};
+
+ForwardArgs make_args(const Problem& pb, DType dtype, Device device, const ArgPointers& ptr) {
+  const PagedCase& c = pb.c;
+  const std::int64_t B = c.batch, H = c.heads, Hkv = c.heads_kv;
+  ForwardArgs args;
+  if (c.packed_q) {
+    args.q = TensorView(ptr.q, dtype, {pb.rows_q, H, c.head_dim}, device);
+    args.out = TensorView(ptr.out, dtype, {pb.rows_q, H, c.head_dim_v}, device);
+    args.lse = TensorView(ptr.lse, DType::kFloat32, {H, pb.rows_q}, device);
+    args.seq.cu_seqlens_q = TensorView(ptr.cu_seqlens_q, DType::kInt32, {B + 1}, device);
+    args.seq.max_seqlen_q = *std::max_element(pb.len_q.begin(), pb.len_q.end());
+  } else {
+    args.q = TensorView(ptr.q, dtype, {B, c.seqlen_q, H, c.head_dim}, device);
+    args.out = TensorView(ptr.out, dtype, {B, c.seqlen_q, H, c.head_dim_v}, device);
+    args.lse = TensorView(ptr.lse, DType::kFloat32, {B, H, c.seqlen_q}, device);
+  }
+  args.k = TensorView(ptr.k, dtype, {pb.num_pages, c.page_size, Hkv, c.head_dim}, device);
+  args.v = TensorView(ptr.v, dtype, {pb.num_pages, c.page_size, Hkv, c.head_dim_v}, device);
+  args.seq.page_table = TensorView(ptr.page_table, DType::kInt32, {B, c.max_pages}, device);
+  if (c.seqused) args.seq.seqused_k = TensorView(ptr.seqused_k, DType::kInt32, {B}, device);
+  args.opts.causal = c.causal;
+  args.opts.window_left = c.window_left;
+  args.opts.window_right = c.window_right;
+  return args;
+}
+
+Result run_reference(const Problem& pb) {
+  std::vector<float> q = pb.q, k = pb.k, v = pb.v;
+  std::vector<float> out(std::size_t(pb.rows_q) * pb.c.heads * pb.c.head_dim_v, std::nanf(""));
+  std::vector<float> lse(pb.lse_size(), std::nanf(""));
+  std::vector<int> page_table = pb.page_table, cu_q = pb.cu_seqlens_q(), used_k = pb.used_k;
+  forward(make_args(pb, DType::kFloat32, kCpu,
+                    {q.data(), k.data(), v.data(), out.data(), lse.data(), page_table.data(),
+                     cu_q.data(), used_k.data()}));
+  return {std::vector<double>(out.begin(), out.end()), std::vector<double>(lse.begin(), lse.end())};
+}
+
+Result run_gpu(const Problem& pb) {
+  const PagedCase& c = pb.c;
+  auto device_copy = [&](const std::vector<float>& values) {
+    std::vector<std::uint16_t> bits(values.size());
+    for (std::size_t i = 0; i < values.size(); ++i)
+      bits[i] = gpu_testing::to_bits(values[i], c.dtype);
+    return DeviceBuffer::from(bits);
+  };
+  DeviceBuffer q = device_copy(pb.q), k = device_copy(pb.k), v = device_copy(pb.v);
+  DeviceBuffer out = DeviceBuffer::from(std::vector<std::uint16_t>(
+      std::size_t(pb.rows_q) * c.heads * c.head_dim_v, gpu_testing::kPoison16));
+  DeviceBuffer lse = DeviceBuffer::from(std::vector<float>(pb.lse_size(), std::nanf("")));
+  DeviceBuffer page_table = DeviceBuffer::from(pb.page_table);
+  DeviceBuffer cu_q = DeviceBuffer::from(pb.cu_seqlens_q());
+  DeviceBuffer used_k = DeviceBuffer::from(pb.used_k);
+  ForwardArgs args = make_args(pb, c.dtype, kCuda,
+                               {q.data(), k.data(), v.data(), out.data(), lse.data(),
+                                page_table.data(), cu_q.data(), used_k.data()});
+  args.num_splits = c.num_splits;
+  forward(args);
+  gpu_testing::check_cuda(cudaDeviceSynchronize(), "paged forward kernel");
+  Result result;
+  for (std::uint16_t bits : out.to_host<std::uint16_t>())
+    result.out.push_back(gpu_testing::from_bits(bits, c.dtype));
+  for (float x : lse.to_host<float>()) result.lse.push_back(x);
+  return result;
+}
+
+void expect_close(const char* what, const std::vector<double>& gpu,
+                  const std::vector<double>& naive, const std::vector<double>& ref) {
+  ASSERT_EQ(gpu.size(), ref.size()) << what;
+  gpu_testing::ErrorStats gpu_stats, naive_stats;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    gpu_testing::accumulate_error(gpu_stats, gpu[i], ref[i]);
+    gpu_testing::accumulate_error(naive_stats, naive[i], ref[i]);
+  }
+  EXPECT_FALSE(gpu_stats.has_nan) << what << ": NaN or unwritten element";
+  EXPECT_FALSE(gpu_stats.inf_mismatch)
+      << what << ": -inf where the reference is finite, or the reverse";
+  EXPECT_FALSE(naive_stats.inf_mismatch)
+      << what << ": the naive check disagrees with the reference on -inf";
+  const double slack = 1e-4;
+  EXPECT_LE(gpu_stats.max_error, 2.0 * naive_stats.max_error + slack)
+      << what << ": max error " << gpu_stats.max_error << ", naive " << naive_stats.max_error;
+}
+
+bool is_built(const std::string& description) {
+  const std::vector<std::string> built = built_kernels();
+  return std::find(built.begin(), built.end(), description) != built.end();
+}
+
+class GpuForwardPaged : public ::testing::TestWithParam<PagedCase> {};
+
+TEST_P(GpuForwardPaged, MatchesReference) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  const PagedCase& c = GetParam();
+  const Problem pb(c);
+  Result gpu;
+  try {
+    gpu = run_gpu(pb);
+  } catch (const Error& error) {
+    if (error.kind() == Error::Kind::kNotBuilt) GTEST_SKIP() << error.what();
+    throw;
+  }
+  const Result ref = run_reference(pb);
+  const Result naive = naive_low_precision(pb);
+  expect_close("out", gpu.out, naive.out, ref.out);
+  expect_close("lse", gpu.lse, naive.lse, ref.lse);
+}
+
+std::vector<PagedCase> paged_cases() {
+  std::vector<PagedCase> cases;
+  unsigned seed = 1;
+  auto add = [&](PagedCase c) {
+    c.seed = seed++;
+    cases.push_back(c);
+  };
+  // Every page size on hdim 128: 1, 3, 16, 64 gather rows; 128 and 256 hold whole 128-row
+  // n-blocks and go through TMA.
+  for (int page_size : {1, 3, 16, 64, 128, 256}) {
+    auto pages_for = [&](int keys) { return (keys + page_size - 1) / page_size; };
+    PagedCase c;
+    c = {};
+    c.label = "dense_gqa", c.batch = 2, c.seqlen_q = 100, c.heads = 4, c.heads_kv = 2,
+    c.page_size = page_size, c.max_pages = pages_for(300);
+    add(c);
+    c = {};
+    c.label = "causal_seqused", c.batch = 3, c.seqlen_q = 70, c.heads = 2, c.heads_kv = 2,
+    c.page_size = page_size, c.max_pages = pages_for(333), c.causal = true, c.seqused = true;
+    add(c);
+    c = {};
+    c.label = "local_shared_pages", c.batch = 2, c.seqlen_q = 150, c.heads = 2, c.heads_kv = 1,
+    c.page_size = page_size, c.max_pages = pages_for(520), c.window_left = 90,
+    c.window_right = 10, c.shared_pages = true;
+    add(c);
+    c = {};
+    c.label = "packed_q_causal", c.batch = 4, c.seqlen_q = 90, c.heads = 3, c.heads_kv = 3,
+    c.page_size = page_size, c.max_pages = pages_for(260), c.causal = true, c.packed_q = true,
+    c.seqused = true;
+    add(c);
+    // Decode: 1..8 new queries per sequence against a long cache, GQA 8.
+    for (int sq : {1, 4, 8}) {
+      c = {};
+      c.label = "decode_sq" + std::to_string(sq), c.batch = 3, c.seqlen_q = sq, c.heads = 8,
+      c.heads_kv = 1, c.page_size = page_size, c.max_pages = pages_for(1000), c.causal = true,
+      c.seqused = true;
+      add(c);
+    }
+    c = {};
+    c.label = "decode_split3", c.batch = 2, c.seqlen_q = 2, c.heads = 8, c.heads_kv = 2,
+    c.page_size = page_size, c.max_pages = pages_for(1500), c.causal = true, c.seqused = true,
+    c.num_splits = 3;
+    add(c);
+    c = {};
+    c.label = "decode_split_auto", c.batch = 2, c.seqlen_q = 1, c.heads = 4, c.heads_kv = 1,
+    c.page_size = page_size, c.max_pages = pages_for(2000), c.shared_pages = true,
+    c.num_splits = 0;
+    add(c);
+  }
+  // The other head dims (and fp16), when built: a gathered and a TMA page size for each
+  // (whole n-blocks: 192 rows for d64, 160 for d96, 128 for d192x128, 112 for d192, 80 for d256).
+  const struct {
+    int d, dv, tma_page;
+  } dims[] = {{64, 64, 192}, {96, 96, 160}, {192, 128, 128}, {192, 192, 112}, {256, 256, 80}};
+  for (auto [d, dv, tma_page] : dims) {
+    for (int page_size : {16, tma_page}) {
+      PagedCase c;
+      c.label = "causal_seqused_gqa", c.batch = 3, c.seqlen_q = 130, c.heads = 4, c.heads_kv = 2,
+      c.head_dim = d, c.head_dim_v = dv, c.page_size = page_size,
+      c.max_pages = (400 + page_size - 1) / page_size, c.causal = true, c.seqused = true;
+      add(c);
+      c.label = "decode_split_auto", c.seqlen_q = 3, c.max_pages = (1200 + page_size - 1) / page_size,
+      c.num_splits = 0;
+      add(c);
+    }
+  }
+  for (int page_size : {3, 128}) {
+    PagedCase c;
+    c.label = "dense_fp16", c.dtype = DType::kFloat16, c.batch = 2, c.seqlen_q = 77, c.heads = 2,
+    c.heads_kv = 1, c.page_size = page_size, c.max_pages = (400 + page_size - 1) / page_size,
+    c.seqused = true;
+    add(c);
+  }
+  // A head dim between the compiled ones: the extra columns are zero-filled on both paths.
+  for (int page_size : {16, 128}) {
+    PagedCase c;
+    c.label = "odd_head_dim", c.batch = 2, c.seqlen_q = 60, c.heads = 2, c.heads_kv = 2,
+    c.head_dim = 80, c.head_dim_v = 80, c.page_size = page_size,
+    c.max_pages = (300 + page_size - 1) / page_size, c.causal = true;
+    add(c);
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Pages, GpuForwardPaged, ::testing::ValuesIn(paged_cases()),
+                         [](const ::testing::TestParamInfo<PagedCase>& info) {
+                           return case_name(info.param);
+                         });
+
+// A small paged call on hdim 128 bf16 for the refusal tests.
+struct SmallPagedCall {
+  DeviceBuffer q{64 * 2 * 128 * 2}, k{256 * 2 * 128 * 2}, v{256 * 2 * 128 * 2},
+      out{64 * 2 * 128 * 2};
+  DeviceBuffer page_table = DeviceBuffer::from(std::vector<int>{0, 1});
+  ForwardArgs args;
+  SmallPagedCall() {
+    args.q = TensorView(q.data(), DType::kBFloat16, {1, 64, 2, 128}, kCuda);
+    args.k = TensorView(k.data(), DType::kBFloat16, {2, 128, 2, 128}, kCuda);
+    args.v = TensorView(v.data(), DType::kBFloat16, {2, 128, 2, 128}, kCuda);
+    args.out = TensorView(out.data(), DType::kBFloat16, {1, 64, 2, 128}, kCuda);
+    args.seq.page_table = TensorView(page_table.data(), DType::kInt32, {1, 2}, kCuda);
+  }
+};
+
+void expect_not_supported(const ForwardArgs& args, const std::string& argument) {
+  try {
+    forward(args);
+    ADD_FAILURE() << "the call ran";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.kind(), Error::Kind::kNotSupported) << error.what();
+    EXPECT_EQ(error.argument(), argument) << error.what();
+  }
+}
+
+// What the paged kernels do not have is refused by name, never run on a fallback.
+TEST(GpuForwardPagedUnsupported, SoftcapIsRefused) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  if (!is_built("fwd bf16 hdim128 paged")) GTEST_SKIP() << "hdim128 bf16 paged not built";
+  SmallPagedCall call;
+  call.args.opts.softcap = 30.f;
+  expect_not_supported(call.args, "softcap");
+}
+
+TEST(GpuForwardPagedUnsupported, ScoreModIsRefused) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  if (!is_built("fwd bf16 hdim128 paged")) GTEST_SKIP() << "hdim128 bf16 paged not built";
+  SmallPagedCall call;
+  call.args.opts.mask_mod.kind = MaskModKind::kCausal;
+  expect_not_supported(call.args, "page_table");
+}
+
+}  // namespace
+}  // namespace cuflash
+
+#endif  // CUFLASH_HAS_CUDA
