@@ -259,13 +259,13 @@ struct FlashFwdKernelSm90 {
           int const head_kv = tile.head / (p.num_heads / p.num_heads_kv);
           if constexpr (kIsPaged) {
             Mainloop::load_paged(params.mainloop, storage.tensors, storage.barrier_q, q_loads,
-                                 pipeline_k, pipeline_v, smem_pipe_write, work.seqlen,
-                                 tile.m_block, tile.head, head_kv, tile.batch, work.walk,
-                                 int(threadIdx.x), leader);
+                                 pipeline_k, pipeline_v, smem_pipe_write, work.seqlen, tile.m_block,
+                                 tile.head, head_kv, tile.batch, work.walk, int(threadIdx.x),
+                                 leader);
           } else {
-            Mainloop::load(params.mainloop, storage.tensors, storage.barrier_q, q_loads,
-                           pipeline_k, pipeline_v, smem_pipe_write, work.seqlen, tile.m_block,
-                           tile.head, head_kv, tile.batch, work.walk);
+            Mainloop::load(params.mainloop, storage.tensors, storage.barrier_q, q_loads, pipeline_k,
+                           pipeline_v, smem_pipe_write, work.seqlen, tile.m_block, tile.head,
+                           head_kv, tile.batch, work.walk);
           }
           ++q_loads;
         }

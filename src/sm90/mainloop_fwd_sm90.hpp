@@ -16,10 +16,10 @@
 
 #include <cutlass/arch/barrier.h>
 #include <cutlass/cutlass.h>
+#include <cutlass/fast_math.h>
 
 #include <cute/arch/copy_sm80.hpp>
 #include <cute/tensor.hpp>
-#include <cutlass/fast_math.h>
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
 #include <cutlass/pipeline/pipeline.hpp>
 
@@ -366,15 +366,17 @@ struct MainloopFwdSm90 {
                                       group_modes<0, 2>(gQ));
     int const* page_table = paged.page_table + batch * paged.page_table_batch_stride;
 
-    // TMA: an n-block lies inside one page (page_size is a multiple of kBlockN).
-    auto tma_block = [&](auto const& tma_load, ShapeQKV const& shape, auto tile_shape,
-                         auto& sX, auto& pipeline, int n_block) {
+    // TMA: an n-block lies inside one page (page_size is a multiple of kBlockN). Key rows of the
+    // last n-block past seqlen_k are loaded as the page holds them: their scores are masked, but
+    // a non-finite V there would still reach O (0 * inf); the gathered path zero-fills them.
+    auto tma_block = [&](auto const& tma_load, ShapeQKV const& shape, auto tile_shape, auto& sX,
+                         auto& pipeline, int n_block) {
       int page_idx, row_in_page;
       paged.page_size.fast_divmod(page_idx, row_in_page, n_block * kBlockN);
       Tensor mX = tma_load.get_tma_tensor(shape)(_, _, head_kv, page_table[page_idx]);
       Tensor gX = local_tile(mX, tile_shape, make_coord(_, _0{}));  // (N, D, blocks of a page)
-      auto partition = tma_partition(tma_load, _0{}, Layout<_1>{}, group_modes<0, 2>(sX),
-                                     group_modes<0, 2>(gX));
+      auto partition =
+          tma_partition(tma_load, _0{}, Layout<_1>{}, group_modes<0, 2>(sX), group_modes<0, 2>(gX));
       pipeline.producer_acquire(smem_pipe_write);
       copy(tma_load.with(*pipeline.producer_get_barrier(smem_pipe_write), 0),
            get<0>(partition)(_, row_in_page / kBlockN),
@@ -400,10 +402,9 @@ struct MainloopFwdSm90 {
                   n_block);
       } else {
         pipeline_v.producer_acquire(smem_pipe_write);
-        gather_block<kHeadDimV>(paged, page_table, v_head, paged.v_row_stride,
-                                paged.v_page_stride, paged.head_dim_v,
-                                sV(_, _, smem_pipe_write.index()), n_block, seqlen.seqlen_k,
-                                thread_idx);
+        gather_block<kHeadDimV>(paged, page_table, v_head, paged.v_row_stride, paged.v_page_stride,
+                                paged.head_dim_v, sV(_, _, smem_pipe_write.index()), n_block,
+                                seqlen.seqlen_k, thread_idx);
         pipeline_v.producer_commit(smem_pipe_write, cutlass::arch::cpasync_barrier_arrive_noinc);
       }
     };

@@ -92,8 +92,7 @@ struct Problem {
       const int pages_used = (used_k[b] + c.page_size - 1) / c.page_size;
       for (int p = 0; p < pages_used; ++p) {
         const bool shared = c.shared_pages && b == 1 && p < c.max_pages / 2;
-        page_table[std::size_t(b) * c.max_pages + p] =
-            shared ? page_table[p] : order[next++];
+        page_table[std::size_t(b) * c.max_pages + p] = shared ? page_table[p] : order[next++];
       }
     }
     std::normal_distribution<float> normal(0.f, 1.f);
@@ -315,8 +314,8 @@ std::vector<PagedCase> paged_cases() {
     add(c);
     c = {};
     c.label = "local_shared_pages", c.batch = 2, c.seqlen_q = 150, c.heads = 2, c.heads_kv = 1,
-    c.page_size = page_size, c.max_pages = pages_for(520), c.window_left = 90,
-    c.window_right = 10, c.shared_pages = true;
+    c.page_size = page_size, c.max_pages = pages_for(520), c.window_left = 90, c.window_right = 10,
+    c.shared_pages = true;
     add(c);
     c = {};
     c.label = "packed_q_causal", c.batch = 4, c.seqlen_q = 90, c.heads = 3, c.heads_kv = 3,
@@ -338,8 +337,7 @@ std::vector<PagedCase> paged_cases() {
     add(c);
     c = {};
     c.label = "decode_split_auto", c.batch = 2, c.seqlen_q = 1, c.heads = 4, c.heads_kv = 1,
-    c.page_size = page_size, c.max_pages = pages_for(2000), c.shared_pages = true,
-    c.num_splits = 0;
+    c.page_size = page_size, c.max_pages = pages_for(2000), c.shared_pages = true, c.num_splits = 0;
     add(c);
   }
   // The other head dims (and fp16), when built: a gathered and a TMA page size for each
@@ -354,8 +352,8 @@ std::vector<PagedCase> paged_cases() {
       c.head_dim = d, c.head_dim_v = dv, c.page_size = page_size,
       c.max_pages = (400 + page_size - 1) / page_size, c.causal = true, c.seqused = true;
       add(c);
-      c.label = "decode_split_auto", c.seqlen_q = 3, c.max_pages = (1200 + page_size - 1) / page_size,
-      c.num_splits = 0;
+      c.label = "decode_split_auto", c.seqlen_q = 3,
+      c.max_pages = (1200 + page_size - 1) / page_size, c.num_splits = 0;
       add(c);
     }
   }
