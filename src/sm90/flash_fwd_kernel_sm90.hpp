@@ -69,10 +69,10 @@ struct FlashFwdKernelSm90 {
   static_assert(!(kIsFlex && kIsPaged), "the flex variant reads dense or packed k/v");
   static_assert(kNumMmaWarpGroups == 2, "register split below assumes two MMA warpgroups");
   // 64K registers per SM: producer warpgroup 128 x 24, MMA warpgroups 256 x 240. Paged kernels
-  // may gather rows with the whole producer warpgroup (page-table lookups, 64-bit addresses), so
-  // they move 8 registers per MMA thread to it: 128 x 40 + 256 x 232.
-  static constexpr uint32_t kLoadRegisters = kIsPaged ? 40 : 24;
-  static constexpr uint32_t kMmaRegisters = kIsPaged ? 232 : 240;
+  // may gather rows with the whole producer warpgroup (page-table reads, 64-bit addresses): it
+  // takes the 8 registers per thread that the plain split leaves unused, 128 x 32 + 256 x 240.
+  static constexpr uint32_t kLoadRegisters = kIsPaged ? 32 : 24;
+  static constexpr uint32_t kMmaRegisters = 240;
   // Each thread of a WGMMA accumulator holds two rows of its warpgroup's 64.
   static constexpr int kRowsPerThread = 2;
 
