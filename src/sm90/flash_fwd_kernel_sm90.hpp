@@ -68,11 +68,15 @@ struct FlashFwdKernelSm90 {
                 "the flex variant has softcap built in and no split-KV");
   static_assert(!(kIsFlex && kIsPaged), "the flex variant reads dense or packed k/v");
   static_assert(kNumMmaWarpGroups == 2, "register split below assumes two MMA warpgroups");
-  // 64K registers per SM: producer warpgroup 128 x 24, MMA warpgroups 256 x 240. Paged kernels
-  // may gather rows with the whole producer warpgroup (page-table reads, 64-bit addresses): it
-  // takes the 8 registers per thread that the plain split leaves unused, 128 x 32 + 256 x 240.
-  static constexpr uint32_t kLoadRegisters = kIsPaged ? 32 : 24;
-  static constexpr uint32_t kMmaRegisters = 240;
+  // 64K registers per SM, 168 per thread at launch: producer warpgroup 128 x 24, MMA warpgroups
+  // 256 x 240 (setmaxnreg moves registers within the launch's 384 x 168). Paged kernels may
+  // gather rows with the whole producer warpgroup (page-table reads, 64-bit addresses), which
+  // needs more: 128 x 40 + 256 x 232, except at hdim 256 whose consumers spill at 232.
+  static constexpr uint32_t kLoadRegisters = Mainloop::kLoadRegisters;
+  static constexpr uint32_t kMmaRegisters = kLoadRegisters == 24 ? 240 : 232;
+  static_assert(kLoadRegisters * cutlass::NumThreadsPerWarpGroup + kMmaRegisters * kNumMmaThreads <=
+                    168 * kNumThreads,
+                "the register split fits the launch's allocation");
   // Each thread of a WGMMA accumulator holds two rows of its warpgroup's 64.
   static constexpr int kRowsPerThread = 2;
 

@@ -53,6 +53,11 @@ struct MainloopFwdSm90 {
   static constexpr bool kIsPaged = Config::kIsPaged;
   // Gathered paged loads: every thread of the producer warpgroup copies 16-byte chunks.
   static constexpr int kNumGatherThreads = cutlass::NumThreadsPerWarpGroup;
+  // Registers per producer thread (the kernel gives the rest to the MMA warpgroups): the TMA
+  // producer needs few; gathering needs more, but the hdim 256 consumers cannot spare them, so
+  // there the gather works in smaller batches.
+  static constexpr int kLoadRegisters = kIsPaged && kHeadDim < 256 ? 40 : 24;
+  static constexpr int kGatherBatch = kLoadRegisters >= 40 ? 4 : 2;
 
   using TileShapeQK = cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>, cute::Int<kHeadDim>>;
   using TileShapePV = cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDimV>, cute::Int<kBlockN>>;
@@ -312,7 +317,7 @@ struct MainloopFwdSm90 {
     constexpr int kPasses = kBlockN / kRowsPerPass;
     // Rows in batches: a batch's page-table reads are all in flight before its copies are
     // issued, and the producer's register budget holds one batch of 64-bit offsets.
-    constexpr int kBatch = 4;
+    constexpr int kBatch = kGatherBatch;
     static_assert(kNumGatherThreads % kThreadsPerRow == 0 && kBlockN % kRowsPerPass == 0 &&
                       kPasses % kBatch == 0,
                   "gathered loads: whole passes over the block");
@@ -337,7 +342,7 @@ struct MainloopFwdSm90 {
         int const row = first_row + (pass + j) * kRowsPerPass;
         bool const valid = n_block * kBlockN + row < seqlen_k && col < dim;
         cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
-            *reinterpret_cast<cute::uint128_t const*>(head_base + col + (valid ? offset[j] : 0)),
+            *reinterpret_cast<cute::uint128_t const*>(head_base + (valid ? offset[j] + col : 0)),
             *reinterpret_cast<cute::uint128_t*>(&sX(row, col)), valid);
       }
     }
