@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
-"""Writes the backward instantiations into src/instantiations/: one .cu file per head-dim /
-dtype pair, each holding that pair's four main kernels (causal-or-local x softcap) and its
-pre/postprocess kernels, so that a build selecting one pair (CI: hdim128 bf16) compiles one
-backward file.
+"""Writes the backward instantiations into src/instantiations/: per head-dim / dtype pair, one
+.cu file holding that pair's four plain main kernels (causal-or-local x softcap) and its
+pre/postprocess kernels, and one holding its flex kernel (score_mod, mask_mod and block
+sparsity; variants::FlexVariant, with causal / local and softcap switched at run time inside
+it), so that a plain kernel pays nothing for the flex hooks and a build selecting one pair
+(CI: hdim128 bf16) compiles two backward files.
 
 File stems are what the build (cmake/CuflashKernels.cmake) and the dispatch
-(src/sm90/dispatch_bwd_sm90.cu) match on: flash_bwd_hdim{D}[x{Dv}]_{dtype}_sm90.
+(src/sm90/dispatch_bwd_sm90.cu) match on: flash_bwd_hdim{D}[x{Dv}]_{dtype}[_flex]_sm90.
 """
 
 import argparse
@@ -21,16 +23,21 @@ TEMPLATE = """\
 namespace cuflash::sm90 {{
 
 void run_{stem}(BwdParams& params, cudaStream_t stream) {{
-  bwd::run_bwd<{element}, {hdim}, {hdim_v}>(params, stream);
+  bwd::{entry}<{element}, {hdim}, {hdim_v}>(params, stream);
 }}
 
 }}  // namespace cuflash::sm90
 """
 
 
-def stem(hdim, hdim_v, dtype):
+# File suffix -> launcher entry (src/sm90/flash_bwd_launch_sm90.hpp).
+FEATURES = {"": "run_bwd", "flex": "run_bwd_flex"}
+
+
+def stem(hdim, hdim_v, dtype, feature):
     dims = f"{hdim}" if hdim == hdim_v else f"{hdim}x{hdim_v}"
-    return f"flash_bwd_hdim{dims}_{dtype}_sm90"
+    suffix = f"_{feature}" if feature else ""
+    return f"flash_bwd_hdim{dims}_{dtype}{suffix}_sm90"
 
 
 def main():
@@ -43,9 +50,10 @@ def main():
         old.unlink()
     for hdim, hdim_v in HEAD_DIMS:
         for dtype, element in DTYPES.items():
-            name = stem(hdim, hdim_v, dtype)
-            text = TEMPLATE.format(stem=name, element=element, hdim=hdim, hdim_v=hdim_v)
-            (args.out / f"{name}.cu").write_text(text)
+            for feature, entry in FEATURES.items():
+                name = stem(hdim, hdim_v, dtype, feature)
+                text = TEMPLATE.format(stem=name, entry=entry, element=element, hdim=hdim, hdim_v=hdim_v)
+                (args.out / f"{name}.cu").write_text(text)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 // Runtime -> compile-time dispatch of the sm90 backward: picks the compiled instantiation for a
-// call's dtype and head dims (causal / local and softcap are switched inside it), rejects what
+// call's dtype, head dims and whether it needs the flex kernel (causal / local and softcap are
+// switched inside each), rejects what
 // the kernels do not support (kNotSupported) or what this build did not compile (kNotBuilt),
 // and lays out the workspace that backward_workspace_bytes reports.
 #include <cstdint>
@@ -55,11 +56,24 @@ KernelHeadDims kernel_head_dims(const BwdParams& p) {
   return {};
 }
 
+// score_mod, mask_mod and block sparsity run on the flex kernels (variants::FlexVariant).
+bool needs_flex(const BwdParams& p) {
+  return p.score_mod.kind != 0 || p.mask_mod.kind != 0 || p.block_sparse.enabled;
+}
+
+// The tile of the kernel that runs a call; the flex kernel has the window and softcap built in.
+bwd::BwdTile kernel_tile(const BwdParams& p) {
+  KernelHeadDims const dims = kernel_head_dims(p);
+  bool const flex = needs_flex(p);
+  return bwd::bwd_tile(dims.head_dim, dims.head_dim_v, flex || p.is_causal || p.is_local, flex || p.softcap > 0.f);
+}
+
 std::string kernel_name(const BwdParams& p) {
   KernelHeadDims const dims = kernel_head_dims(p);
   std::string name = "flash_bwd_hdim" + std::to_string(dims.head_dim);
   if (dims.head_dim_v != dims.head_dim) name += "x" + std::to_string(dims.head_dim_v);
   name += DType(p.dtype) == DType::kBFloat16 ? "_bf16" : "_fp16";
+  if (needs_flex(p)) name += "_flex";
   return name + "_sm90";
 }
 
@@ -71,7 +85,7 @@ struct WorkspaceLayout {
 
 WorkspaceLayout workspace_layout(const BwdParams& p) {
   KernelHeadDims const dims = kernel_head_dims(p);
-  bwd::BwdTile const tile = bwd::bwd_tile(dims.head_dim, dims.head_dim_v, p.is_causal || p.is_local, p.softcap > 0.f);
+  bwd::BwdTile const tile = kernel_tile(p);
   std::size_t const q_rows = std::size_t(
       bwd::padded_rows(p.total_q, p.batch, p.seqlen_q, tile.block_m, p.cu_seqlens_q != nullptr));
   std::size_t const k_rows = std::size_t(
@@ -117,6 +131,30 @@ void check_aligned(const char* argument, const void* data, std::initializer_list
   }
 }
 
+// What the flex kernels cannot do, refused by name.
+void check_flex(const BwdParams& p) {
+  // The deterministic order of dQ sums assumes that a row block's column blocks are contiguous;
+  // mask_mod narrowing and block lists break that.
+  if (p.deterministic) {
+    not_supported("deterministic",
+                  "the deterministic sm90 backward cannot be combined with score_mod, mask_mod or "
+                  "block sparsity; use deterministic = false");
+  }
+  if (!p.block_sparse.enabled) return;
+  // A kernel m-block must lie inside one BlockMask row block and a kernel column block inside
+  // one BlockMask column block.
+  bwd::BwdTile const tile = kernel_tile(p);
+  if (p.block_sparse.block_m % tile.block_m != 0 || p.block_sparse.block_n % tile.block_n != 0) {
+    KernelHeadDims const dims = kernel_head_dims(p);
+    not_supported("block_sparse", "the sm90 backward kernel for head dim " + std::to_string(dims.head_dim) +
+                                      " needs block_sparse.block_m to be a multiple of " +
+                                      std::to_string(tile.block_m) + " and block_n a multiple of " +
+                                      std::to_string(tile.block_n) +
+                                      "; got block_m = " + std::to_string(p.block_sparse.block_m) +
+                                      ", block_n = " + std::to_string(p.block_sparse.block_n));
+  }
+}
+
 void check_supported(const BwdParams& p) {
   if (DType(p.dtype) != DType::kFloat16 && DType(p.dtype) != DType::kBFloat16) {
     not_supported("q", std::string("the sm90 backward kernel takes float16 or bfloat16 inputs, got ") +
@@ -126,15 +164,7 @@ void check_supported(const BwdParams& p) {
     not_supported("q", "the sm90 backward kernel supports head dims up to 256, got " + std::to_string(p.head_dim) +
                            " / " + std::to_string(p.head_dim_v));
   }
-  if (p.score_mod.kind != 0) {
-    not_supported("score_mod", "score_mod is not supported by the sm90 backward kernel yet");
-  }
-  if (p.mask_mod.kind != 0) {
-    not_supported("mask_mod", "mask_mod is not supported by the sm90 backward kernel yet");
-  }
-  if (p.block_sparse.enabled) {
-    not_supported("block_sparse", "block sparsity is not supported by the sm90 backward kernel yet");
-  }
+  if (needs_flex(p)) check_flex(p);
   check_aligned("q", p.q, {p.q_row_stride, p.q_head_stride, p.q_batch_stride});
   check_aligned("k", p.k, {p.k_row_stride, p.k_head_stride, p.k_batch_stride});
   check_aligned("v", p.v, {p.v_row_stride, p.v_head_stride, p.v_batch_stride});
@@ -164,7 +194,7 @@ void run_backward(BwdParams& params, StreamHandle stream) {
                              (dims.head_dim_v != dims.head_dim ? "x" + std::to_string(dims.head_dim_v) : "");
     throw Error(Error::Kind::kNotBuilt, "q",
                 "the sm90 backward kernel 'bwd " + std::string(DType(params.dtype) == DType::kBFloat16 ? "bf16" : "fp16") +
-                    " hdim" + hdim + "' is not in this build (CUFLASH_KERNEL_SET=" + CUFLASH_KERNEL_SET +
+                    " hdim" + hdim + (needs_flex(params) ? " flex" : "") + "' is not in this build (CUFLASH_KERNEL_SET=" + CUFLASH_KERNEL_SET +
                     "); reconfigure with -DCUFLASH_KERNEL_SET=all, or =custom with CUFLASH_HDIMS and "
                     "CUFLASH_DTYPES naming it");
   }
@@ -188,12 +218,14 @@ void run_backward(BwdParams& params, StreamHandle stream) {
 std::vector<std::string> built_backward_kernels() {
   std::vector<std::string> names;
   for (const BwdEntry* entry = kBwdEntries; entry->name != nullptr; ++entry) {
-    // "flash_bwd_hdim192x128_bf16_sm90" -> "bwd bf16 hdim192x128"
+    // "flash_bwd_hdim192x128_bf16_sm90" -> "bwd bf16 hdim192x128", "..._flex_sm90" -> "... flex"
     std::string const stem = entry->name;
     std::size_t const hdim = stem.find("hdim");
     std::size_t const dtype = stem.find('_', hdim) + 1;
     std::size_t const end = stem.find('_', dtype);
-    names.push_back("bwd " + stem.substr(dtype, end - dtype) + " " + stem.substr(hdim, dtype - 1 - hdim));
+    bool const flex = stem.find("_flex_") != std::string::npos;
+    names.push_back("bwd " + stem.substr(dtype, end - dtype) + " " + stem.substr(hdim, dtype - 1 - hdim) +
+                    (flex ? " flex" : ""));
   }
   return names;
 }

@@ -29,9 +29,10 @@ inline void check_launch(char const* what) {
   }
 }
 
-template <class Element, int kHeadDim, int kHeadDimV, bool HasWindow, bool HasSoftcap>
+template <class Element, int kHeadDim, int kHeadDimV, bool HasWindow, bool HasSoftcap,
+          class Variant = variants::NoVariant>
 void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
-  using Mainloop = MainloopBwdSm90<Element, kHeadDim, kHeadDimV, HasWindow, HasSoftcap>;
+  using Mainloop = MainloopBwdSm90<Element, kHeadDim, kHeadDimV, HasWindow, HasSoftcap, Variant>;
   using Epilogue = EpilogueBwdSm90<Mainloop>;
   using Kernel = FlashBwdKernelSm90<Mainloop, Epilogue>;
   constexpr int kBlockM = Mainloop::kBlockM;
@@ -141,9 +142,16 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   ml.window_left = !causal_or_local || params.window_left < 0 ? unbounded : std::min(params.window_left, unbounded);
   ml.window_right = params.is_causal ? 0
                     : (!causal_or_local || params.window_right < 0 ? unbounded : std::min(params.window_right, unbounded));
-  // With softcap, tanh takes S * scale / softcap and the result is scaled back by softcap.
-  ml.softmax_scale_log2 = HasSoftcap ? params.softcap * float(M_LOG2E) : params.softmax_scale * float(M_LOG2E);
-  ml.softcap_val = HasSoftcap ? params.softmax_scale / params.softcap : 0.f;
+  // With softcap, tanh takes S * scale / softcap and the result is scaled back by softcap. The
+  // flex variant turns S into final scores itself (scale or softcap, then score_mod).
+  if constexpr (Mainloop::kIsFlex) {
+    ml.softmax_scale_log2 = float(M_LOG2E);
+    ml.softcap_val = 0.f;
+    ml.flex = Variant::to_params(params);
+  } else {
+    ml.softmax_scale_log2 = HasSoftcap ? params.softcap * float(M_LOG2E) : params.softmax_scale * float(M_LOG2E);
+    ml.softcap_val = HasSoftcap ? params.softmax_scale / params.softcap : 0.f;
+  }
   ml.deterministic = params.deterministic;
   ml.cu_seqlens_q = params.cu_seqlens_q;
   ml.cu_seqlens_k = params.cu_seqlens_k;
@@ -214,7 +222,7 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   }
 }
 
-// Entry of one instantiation file: the feature switches of this head-dim / dtype pair.
+// Entry of one plain instantiation file: the feature switches of this head-dim / dtype pair.
 template <class Element, int kHeadDim, int kHeadDimV>
 void run_bwd(BwdParams const& params, cudaStream_t stream) {
   bool const window = params.is_causal || params.is_local;
@@ -232,6 +240,14 @@ void run_bwd(BwdParams const& params, cudaStream_t stream) {
       run_bwd_config<Element, kHeadDim, kHeadDimV, false, false>(params, stream);
     }
   }
+}
+
+// Entry of one flex instantiation file (score_mod, mask_mod, block sparsity): one kernel, with
+// causal / local and softcap switched at run time inside it.
+template <class Element, int kHeadDim, int kHeadDimV>
+void run_bwd_flex(BwdParams const& params, cudaStream_t stream) {
+  run_bwd_config<Element, kHeadDim, kHeadDimV, /*HasWindow=*/true, /*HasSoftcap=*/false, variants::FlexVariant>(
+      params, stream);
 }
 
 }  // namespace cuflash::sm90::bwd

@@ -19,7 +19,9 @@
 
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
 
+#include "sm90/flex_bwd_sm90.hpp"
 #include "sm90/tile_size_bwd_sm90.hpp"
+#include "variants/variant.hpp"
 
 namespace cuflash::sm90::bwd {
 
@@ -188,16 +190,26 @@ CUTE_DEVICE int n_block_first(BwdSeqlen const& s, int m_block, int window_left) 
 
 // ---------------------------------------------------------------------------------------------
 
-template <class Element_, int kHeadDim_, int kHeadDimV_, bool HasWindow_, bool HasSoftcap_>
+// Variant_: variants::NoVariant (plain) or variants::FlexVariant (score_mod, mask_mod, block
+// sparsity; instantiated with HasWindow, since causal / local stay runtime choices in it, and
+// without HasSoftcap, which it switches at run time).
+template <class Element_, int kHeadDim_, int kHeadDimV_, bool HasWindow_, bool HasSoftcap_,
+          class Variant_ = variants::NoVariant>
 struct MainloopBwdSm90 {
   using Element = Element_;
   using ElementAccum = float;
+  using Variant = Variant_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kHeadDimV = kHeadDimV_;
   static constexpr bool HasWindow = HasWindow_;
   static constexpr bool HasSoftcap = HasSoftcap_;
+  static constexpr bool kIsFlex = Variant::kIsFlex;
+  static_assert(!kIsFlex || (HasWindow && !HasSoftcap), "the flex variant has the window and softcap built in");
+  // d score / d (softmax_scale * <q, k>) per element, applied to dS: softcap's 1 - tanh^2, and
+  // with the flex variant that times the score_mod's derivative.
+  static constexpr bool kHasScoreGrad = HasSoftcap || kIsFlex;
 
-  static constexpr BwdTile kTile = bwd_tile(kHeadDim, kHeadDimV, HasWindow, HasSoftcap);
+  static constexpr BwdTile kTile = bwd_tile(kHeadDim, kHeadDimV, HasWindow, kHasScoreGrad);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int NumMmaWG = kTile.num_mma_wg;
@@ -367,6 +379,8 @@ struct MainloopBwdSm90 {
     int const* seqused_q;
     int const* seqused_k;
     cutlass::FastDivmod qhead_per_kvhead;
+    // Last, so that the plain kernel's parameters keep their offsets.
+    typename Variant::Params flex;
   };
 
   struct Arguments {
@@ -401,12 +415,24 @@ struct MainloopBwdSm90 {
     cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
   }
 
+  // The m-blocks that column block n_block visits; the producer, the dQ warp and the MMA
+  // warpgroups each make the same walk.
+  CUTE_DEVICE static auto make_walk(Params const& p, BwdSeqlen const& seq, int n_block, int head, int batch) {
+    auto [m_block_min, m_block_max] = m_block_range<kBlockM, kBlockN, HasWindow>(seq, n_block, p.window_left, p.window_right);
+    if constexpr (kIsFlex) {
+      return FlexColumnWalk<kBlockM, kBlockN>::make(p.flex, seq.seqlen_k, batch, head, n_block, m_block_min,
+                                                     m_block_max);
+    } else {
+      return MBlockRange{m_block_min, m_block_max};
+    }
+  }
+
   // Producer warp: K, V once, then Q + lse_log2 and dO + dPsum per row block.
   CUTE_DEVICE static void load(Params const& p, TensorStorage& smem, PipelineQ pipeline_q, PipelinedO pipeline_do,
                                cutlass::arch::ClusterTransactionBarrier& barrier_kv, BwdSeqlen const& seq,
                                int n_block, int head, int batch) {
-    auto [m_block_min, m_block_max] = m_block_range<kBlockM, kBlockN, HasWindow>(seq, n_block, p.window_left, p.window_right);
-    if (m_block_max <= m_block_min) { return; }
+    auto walk = make_walk(p, seq, n_block, head, batch);
+    if (!walk.valid()) { return; }
     int const head_kv = p.qhead_per_kvhead.divide(head);
     bool const varlen_q = p.cu_seqlens_q != nullptr;
     bool const varlen_k = p.cu_seqlens_k != nullptr;
@@ -442,13 +468,15 @@ struct MainloopBwdSm90 {
     if (threadIdx.x % cutlass::NumThreadsPerWarp != 0) { return; }
     PipelineStateQ write_q = cutlass::make_producer_start_state<PipelineQ>();
     PipelineStatedO write_do = cutlass::make_producer_start_state<PipelinedO>();
-    for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
+    int const m_block_first = walk.m_block;
+    for (; walk.valid(); walk.next()) {
+      int const m_block = walk.m_block;
       pipeline_q.producer_acquire(write_q);
       uint64_t* bar_q = pipeline_q.producer_get_barrier(write_q);
       copy(p.tma_q.with(*bar_q, 0, TMA::CacheHintSm90::EVICT_LAST), tQgQ(_, m_block), tQsQ(_, write_q.index()));
       SM90_BULK_COPY_G2S::copy(lse_log2 + m_block * kBlockM, bar_q,
                                smem.lse.data() + write_q.index() * kStatsStride, kBytesStats);
-      if (m_block == m_block_min) {
+      if (m_block == m_block_first) {
         barrier_kv.arrive_and_expect_tx(kBytesK + kBytesV);
         copy(p.tma_k.with(reinterpret_cast<uint64_t&>(barrier_kv), 0), tKgK, tKsK);
         copy(p.tma_v.with(reinterpret_cast<uint64_t&>(barrier_kv), 0), tVgV, tVsV);
@@ -471,12 +499,13 @@ struct MainloopBwdSm90 {
   CUTE_DEVICE static void store_dq(Params const& p, TensorStorage& smem, BwdSeqlen const& seq, int n_block, int head,
                                    int batch) {
     if constexpr (kDqViaSmem) {
-      auto [m_block_min, m_block_max] = m_block_range<kBlockM, kBlockN, HasWindow>(seq, n_block, p.window_left, p.window_right);
+      auto walk = make_walk(p, seq, n_block, head, batch);
       constexpr int kWgChunk = kDqChunk / NumMmaWG;
       float* dq_accum = p.dq_accum + (int64_t(head) * p.q_rows_padded + seq.offset_q_padded) * kHeadDim;
       int* semaphore = p.dq_semaphore + (int64_t(batch) * p.num_heads + head) * p.num_m_blocks;
       bool const lane0 = cute::elect_one_sync();
-      for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
+      for (; walk.valid(); walk.next()) {
+        int const m_block = walk.m_block;
         if (p.deterministic) {
           if (lane0) {
             int const rank = n_block - n_block_first<kBlockM, kBlockN, HasWindow>(seq, m_block, p.window_left);
@@ -525,8 +554,8 @@ struct MainloopBwdSm90 {
   CUTE_DEVICE static bool mma(Params const& p, TensorStorage& smem, PipelineQ pipeline_q, PipelinedO pipeline_do,
                               cutlass::arch::ClusterTransactionBarrier& barrier_kv, BwdSeqlen const& seq,
                               FragdK& tdKrdK, FragdV& tdVrdV, int thread_idx, int n_block, int head, int batch) {
-    auto [m_block_min, m_block_max] = m_block_range<kBlockM, kBlockN, HasWindow>(seq, n_block, p.window_left, p.window_right);
-    if (m_block_max <= m_block_min) { return false; }
+    auto walk = make_walk(p, seq, n_block, head, batch);
+    if (!walk.valid()) { return false; }
 
     Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), SmemLayoutQ{});
     Tensor sdO = make_tensor(make_smem_ptr(smem.d_o.data()), SmemLayoutdO{});
@@ -624,6 +653,68 @@ struct MainloopBwdSm90 {
       }
     };
 
+    // Flex variant: raw <q, k> to the final score (scale or softcap, then score_mod) with its
+    // derivative in `grad`; and mask_mod. Positions past the sequence are not given to mask_mod
+    // (the length mask hides their keys, their rows are never stored), so an aux array of the
+    // sequence's length is never read past its end.
+    auto flex_scores = [&](auto const& flex, auto& scores, auto& grad, int m_block) {
+      float const score_scale = flex.score_scale;
+      float const tanh_scale = flex.tanh_scale;
+      if (tanh_scale != 0.f) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(scores); ++i) {
+          float const t = cutlass::fast_tanh(scores(i) * tanh_scale);
+          scores(i) = score_scale * t;
+          grad(i) = 1.f - t * t;
+        }
+      } else {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(scores); ++i) {
+          scores(i) *= score_scale;
+          grad(i) = 1.f;
+        }
+      }
+      flex.score_mod.visit([&](auto const& mod) {
+        if constexpr (!std::is_same_v<std::decay_t<decltype(mod)>, variants::NoScoreMod>) {
+          int const row_first = m_block * kBlockM + row_base;
+          int const col_first = n_block * kBlockN + col_base;
+          CUTLASS_PRAGMA_UNROLL
+          for (int mi = 0; mi < kRows; ++mi) {
+            int const row = row_first + row_offset(mi);
+            CUTLASS_PRAGMA_UNROLL
+            for (int ni = 0; ni < kCols; ++ni) {
+              int const col = col_first + col_offset(ni);
+              float const s = scores(mi, ni);
+              scores(mi, ni) = mod.score(s, batch, head, row, col);
+              grad(mi, ni) *= mod.grad(s, batch, head, row, col);
+            }
+          }
+        }
+      });
+    };
+    auto flex_mask = [&](auto const& flex, auto& scores, int m_block) {
+      flex.mask_mod.visit([&](auto const& mod) {
+        if constexpr (!std::is_same_v<std::decay_t<decltype(mod)>, variants::NoMaskMod>) {
+          int const tile_row = m_block * kBlockM;
+          int const tile_col = n_block * kBlockN;
+          if (mod.all_visible(tile_row, cute::min(tile_row + kBlockM, seq.seqlen_q) - 1, tile_col,
+                              cute::min(tile_col + kBlockN, seq.seqlen_k) - 1)) {
+            return;
+          }
+          CUTLASS_PRAGMA_UNROLL
+          for (int mi = 0; mi < kRows; ++mi) {
+            int const row = tile_row + row_base + row_offset(mi);
+            if (row >= seq.seqlen_q) { continue; }
+            CUTLASS_PRAGMA_UNROLL
+            for (int ni = 0; ni < kCols; ++ni) {
+              int const col = tile_col + col_base + col_offset(ni);
+              if (col < seq.seqlen_k && !mod.visible(batch, head, row, col)) { scores(mi, ni) = -INFINITY; }
+            }
+          }
+        }
+      });
+    };
+
     clear(tdKrdK);
     clear(tdVrdV);
     barrier_kv.wait(0);
@@ -632,7 +723,8 @@ struct MainloopBwdSm90 {
     PipelineStatedO read_do;
 
     CUTLASS_PRAGMA_NO_UNROLL
-    for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
+    for (; walk.valid(); walk.next()) {
+      int const m_block = walk.m_block;
       int const stage_q = read_q.index();
       int const stage_do = read_do.index();
       int const stage_ds = kStagesdS == 1 ? 0 : stage_q;
@@ -662,7 +754,11 @@ struct MainloopBwdSm90 {
           dtanh(i) = 1.f - t * t;
         }
       }
+      if constexpr (kIsFlex) { flex_scores(p.flex, scores, dtanh, m_block); }
       apply_mask(scores, m_block);
+      if constexpr (kIsFlex) {
+        if (walk.masked) { flex_mask(p.flex, scores, m_block); }
+      }
       CUTLASS_PRAGMA_UNROLL
       for (int mi = 0; mi < kRows; ++mi) {
         CUTLASS_PRAGMA_UNROLL
@@ -693,7 +789,7 @@ struct MainloopBwdSm90 {
         CUTLASS_PRAGMA_UNROLL
         for (int ni = 0; ni < kCols; ++ni) {
           dS(mi, ni) = scores(mi, ni) * (dS(mi, ni) - dpsum[row_offset(mi)]);
-          if constexpr (HasSoftcap) { dS(mi, ni) *= dtanh(mi, ni); }
+          if constexpr (kHasScoreGrad) { dS(mi, ni) *= dtanh(mi, ni); }
         }
       }
       if constexpr (Mma_dKV_is_RS) { convert_fragment(tSrS, rP); }

@@ -2,9 +2,11 @@
 // Each is a small type holding its runtime parameters (scalars, aux pointers) with an
 // element-level hook, `score(s, b, h, q_idx, kv_idx)` or `visible(b, h, q_idx, kv_idx)`, where
 // q_idx and kv_idx count from the start of the sequence (top-left, as in FlexAttention) and s is
-// the scaled, soft-capped score. Mask mods also have block-level hooks over a rectangle of
-// positions: `col_range` narrows the keys any of the rows can see, `all_visible` tells when no
-// element of the rectangle is hidden (so the per-element check can be skipped).
+// the scaled, soft-capped score. Score mods also give their derivative d score / d s for the
+// backward, `grad(s, b, h, q_idx, kv_idx)`. Mask mods also have block-level hooks over a
+// rectangle of positions: `col_range` narrows the keys any of the rows can see (forward),
+// `row_range` the queries that can see any of the columns (backward), `all_visible` tells when
+// no element of the rectangle is hidden (so the per-element check can be skipped).
 // ScoreModSwitch / MaskModSwitch hold one built-in chosen at run time; `visit` calls a generic
 // callable with the concrete functor, so the kind is tested once per tile, not per element.
 #pragma once
@@ -24,6 +26,9 @@ struct AlibiScoreMod {
   CUTLASS_DEVICE float score(float s, int /*b*/, int h, int q_idx, int kv_idx) const {
     return s + slopes[h] * float(kv_idx - q_idx);
   }
+  CUTLASS_DEVICE float grad(float /*s*/, int /*b*/, int /*h*/, int /*q_idx*/, int /*kv_idx*/) const {
+    return 1.f;
+  }
 };
 
 // s + table[h, clamp(kv_idx - q_idx, -R, R) + R]; table: fp32 (H, 2R + 1).
@@ -35,10 +40,15 @@ struct RelativeBiasScoreMod {
     int const distance = min(max(kv_idx - q_idx, -radius), radius);
     return s + table[h * width + distance + radius];
   }
+  CUTLASS_DEVICE float grad(float /*s*/, int /*b*/, int /*h*/, int /*q_idx*/, int /*kv_idx*/) const {
+    return 1.f;
+  }
 };
 
 // Every mask below narrows columns with col_range(row_min, row_max, col_begin, col_end):
-// [col_begin, col_end) is narrowed to the keys that some row in [row_min, row_max] can see.
+// [col_begin, col_end) is narrowed to the keys that some row in [row_min, row_max] can see;
+// and rows with row_range(col_min, col_max, row_begin, row_end): [row_begin, row_end) is
+// narrowed to the queries that see some column in [col_min, col_max].
 struct NoMaskMod {};
 
 // kv_idx <= q_idx.
@@ -49,6 +59,10 @@ struct CausalMaskMod {
   CUTLASS_DEVICE void col_range(int /*row_min*/, int row_max, int& /*col_begin*/,
                                 int& col_end) const {
     col_end = min(col_end, row_max + 1);
+  }
+  CUTLASS_DEVICE void row_range(int col_min, int /*col_max*/, int& row_begin,
+                                int& /*row_end*/) const {
+    row_begin = max(row_begin, col_min);
   }
   CUTLASS_DEVICE bool all_visible(int row_min, int /*row_max*/, int /*col_first*/,
                                   int col_last) const {
@@ -66,6 +80,10 @@ struct SlidingWindowMaskMod {
     if (left >= 0) col_begin = max(col_begin, row_min - left);
     if (right >= 0) col_end = min(col_end, row_max + right + 1);
   }
+  CUTLASS_DEVICE void row_range(int col_min, int col_max, int& row_begin, int& row_end) const {
+    if (right >= 0) row_begin = max(row_begin, col_min - right);
+    if (left >= 0) row_end = min(row_end, col_max + left + 1);
+  }
   CUTLASS_DEVICE bool all_visible(int row_min, int row_max, int col_first, int col_last) const {
     return (left < 0 || row_max - col_first <= left) && (right < 0 || col_last - row_min <= right);
   }
@@ -80,6 +98,10 @@ struct PrefixLMMaskMod {
   CUTLASS_DEVICE void col_range(int /*row_min*/, int row_max, int& /*col_begin*/,
                                 int& col_end) const {
     col_end = min(col_end, max(row_max + 1, prefix));
+  }
+  CUTLASS_DEVICE void row_range(int col_min, int /*col_max*/, int& row_begin,
+                                int& /*row_end*/) const {
+    if (col_min >= prefix) row_begin = max(row_begin, col_min);
   }
   CUTLASS_DEVICE bool all_visible(int row_min, int /*row_max*/, int /*col_first*/,
                                   int col_last) const {
@@ -96,6 +118,7 @@ struct DocumentMaskMod {
     return row[q_idx] == row[kv_idx];
   }
   CUTLASS_DEVICE void col_range(int, int, int&, int&) const {}
+  CUTLASS_DEVICE void row_range(int, int, int&, int&) const {}
   CUTLASS_DEVICE bool all_visible(int, int, int, int) const { return false; }
 };
 

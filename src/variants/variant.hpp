@@ -1,4 +1,4 @@
-// Variant policies of the forward kernel (DESIGN.md section 3): a compile-time type that says
+// Variant policies of the forward and backward kernels (DESIGN.md section 3): a compile-time type that says
 // which optional features the kernel contains, with the runtime Params those features read.
 // NoVariant is the plain kernel: its code has none of the hooks below. FlexVariant carries the
 // built-in score_mod and mask_mod (chosen at run time inside the functors, builtin_mods.hpp)
@@ -29,7 +29,9 @@ struct FlexVariant {
     BlockSparseParams block_sparse;
   };
 
-  static Params to_params(FwdParams const& p) {
+  // From FwdParams or BwdParams (the backward's block lists are the transposed ones).
+  template <class CallParams>
+  static Params to_params(CallParams const& p) {
     bool const has_softcap = p.softcap > 0.f;
     return {ScoreModSwitch::from(p.score_mod), MaskModSwitch::from(p.mask_mod),
             has_softcap ? p.softcap : p.softmax_scale,

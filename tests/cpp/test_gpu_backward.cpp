@@ -509,31 +509,5 @@ std::vector<BwdCase> backward_cases() {
 INSTANTIATE_TEST_SUITE_P(Options, GpuBackward, ::testing::ValuesIn(backward_cases()),
                          [](const ::testing::TestParamInfo<BwdCase>& info) { return case_name(info.param); });
 
-// Features the kernels do not have yet are refused by name, never run on a fallback.
-TEST(GpuBackwardUnsupported, MaskModIsRefused) {
-  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
-  const std::size_t q_bytes = 64 * 2 * 128 * 2, kv_bytes = 256 * 2 * 128 * 2;
-  DeviceBuffer q(q_bytes), k(kv_bytes), v(kv_bytes), out(q_bytes), dout(q_bytes), dq(q_bytes), dk(kv_bytes),
-      dv(kv_bytes), lse(2 * 64 * sizeof(float));
-  BackwardArgs args;
-  args.q = TensorView(q.data(), DType::kBFloat16, {1, 64, 2, 128}, kCuda);
-  args.k = TensorView(k.data(), DType::kBFloat16, {1, 256, 2, 128}, kCuda);
-  args.v = TensorView(v.data(), DType::kBFloat16, {1, 256, 2, 128}, kCuda);
-  args.out = TensorView(out.data(), DType::kBFloat16, {1, 64, 2, 128}, kCuda);
-  args.dout = TensorView(dout.data(), DType::kBFloat16, {1, 64, 2, 128}, kCuda);
-  args.lse = TensorView(lse.data(), DType::kFloat32, {1, 2, 64}, kCuda);
-  args.dq = TensorView(dq.data(), DType::kBFloat16, {1, 64, 2, 128}, kCuda);
-  args.dk = TensorView(dk.data(), DType::kBFloat16, {1, 256, 2, 128}, kCuda);
-  args.dv = TensorView(dv.data(), DType::kBFloat16, {1, 256, 2, 128}, kCuda);
-  args.opts.mask_mod.kind = MaskModKind::kCausal;
-  try {
-    backward(args);
-    ADD_FAILURE() << "mask_mod ran";
-  } catch (const Error& error) {
-    EXPECT_EQ(error.kind(), Error::Kind::kNotSupported) << error.what();
-    EXPECT_EQ(error.argument(), "mask_mod");
-  }
-}
-
 }  // namespace
 }  // namespace cuflash

@@ -1,0 +1,732 @@
+// GPU backward kernel with score_mod, mask_mod and block sparsity (the flex kernels) against the
+// CPU reference (DESIGN.md section 5): every built-in mod, with causal / window / softcap, GQA,
+// varlen, the transposed (column-block) lists broadcast over heads and per head, block sizes
+// that are several kernel blocks, and rows or column blocks that see nothing. dq / dk / dv are
+// poisoned before each run; every element is checked for NaN and compared with the accuracy
+// rule in gpu_test_util.hpp (at most twice the error of the same backward done naively in the
+// input dtype).
+#include <gtest/gtest.h>
+
+#if CUFLASH_HAS_CUDA  // a build without the CUDA toolkit has no device kernels to test
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cuflash/cuflash.hpp"
+#include "gpu_test_util.hpp"
+
+namespace cuflash {
+namespace {
+
+using gpu_testing::DeviceBuffer;
+
+const Device kCpu{};
+const Device kCuda{DeviceType::kCUDA, 0};
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct FlexBwdCase {
+  std::string label;
+  DType dtype = DType::kBFloat16;
+  int batch = 1, seqlen_q = 1, seqlen_k = 1, heads = 2, heads_kv = 2, head_dim = 128;
+  bool causal = false;  // the bottom-right option, on top of any mask_mod
+  int window_left = -1, window_right = -1;
+  float softcap = 0.f;
+  ScoreModKind score_mod = ScoreModKind::kNone;
+  MaskModKind mask_mod = MaskModKind::kNone;
+  std::vector<double> mask_scalars;
+  bool varlen = false;  // packed rows; sequence 1 has no queries, the others drawn up to seqlen_q/k
+  // Block sparsity: 0 off, else the lists' head count (1: broadcast, or heads).
+  int sparse_heads = 0;
+  int block_m = 128, block_n = 128;
+  bool full_lists = true, mask_lists = true;
+  // Column blocks left with no block at all (their dk / dv are 0).
+  bool empty_col_blocks = false;
+  unsigned seed = 1;
+};
+
+std::string case_name(const FlexBwdCase& c) {
+  std::ostringstream name;
+  name << c.label << "_" << (c.dtype == DType::kBFloat16 ? "bf16" : "fp16") << "_d" << c.head_dim;
+  return name.str();
+}
+
+enum class Block : std::uint8_t { kSkip, kMask, kFull };
+
+// One problem in flattened rows: q (rows_q, H, D), k / v (rows_k, H_kv, D), dense (rows = B * S)
+// or packed; out and lse from the reference forward (out rounded to the dtype, as a kernel
+// stores it); aux arrays and both the forward (row-block) and the backward (column-block) lists
+// of one block state table.
+struct Problem {
+  FlexBwdCase c;
+  std::vector<int> len_q, len_k, start_q, start_k;
+  int rows_q = 0, rows_k = 0;
+  std::vector<float> q, k, v, dout, out, lse;
+  float scale = 1.f;
+  std::vector<float> score_table;  // alibi (H,) or relative bias (H, 2R + 1)
+  int bias_width = 0;
+  std::vector<int> doc_ids;  // (B, doc_len)
+  int doc_len = 0;
+  int row_blocks = 0, col_blocks = 0;
+  std::vector<Block> blocks;  // (B, H_b, row blocks, col blocks)
+  // Forward lists (B, H_b, row blocks[, col blocks]) and backward ones (B, H_b, col blocks[, row blocks]).
+  std::vector<int> mask_cnt, mask_idx, full_cnt, full_idx;
+  std::vector<int> q_mask_cnt, q_mask_idx, q_full_cnt, q_full_idx;
+
+  explicit Problem(const FlexBwdCase& fc) : c(fc) {
+    std::mt19937 rng(c.seed);
+    std::uniform_int_distribution<int> any_q(0, c.seqlen_q), any_k(0, c.seqlen_k);
+    for (int b = 0; b < c.batch; ++b) {
+      int lq = c.varlen ? any_q(rng) : c.seqlen_q;
+      int lk = c.varlen ? any_k(rng) : c.seqlen_k;
+      if (c.varlen && b == 0) lq = c.seqlen_q, lk = c.seqlen_k;  // the longest one is always there
+      if (c.varlen && b == 1) lq = 0;                             // no queries: dk = dv = 0
+      len_q.push_back(lq);
+      len_k.push_back(lk);
+      start_q.push_back(rows_q);
+      start_k.push_back(rows_k);
+      rows_q += lq;
+      rows_k += lk;
+    }
+    std::normal_distribution<float> normal(0.f, 1.f);
+    auto fill = [&](std::vector<float>& data, std::size_t n) {
+      data.resize(n);
+      for (float& x : data) x = gpu_testing::round_to(normal(rng), c.dtype);
+    };
+    fill(q, std::size_t(rows_q) * c.heads * c.head_dim);
+    fill(k, std::size_t(rows_k) * c.heads_kv * c.head_dim);
+    fill(v, std::size_t(rows_k) * c.heads_kv * c.head_dim);
+    fill(dout, std::size_t(rows_q) * c.heads * c.head_dim);
+    scale = 1.f / std::sqrt(float(c.head_dim));
+
+    if (c.score_mod == ScoreModKind::kAlibi) {
+      // Small slopes keep the dtype-rounded naive scores sharp enough for the accuracy rule.
+      for (int h = 0; h < c.heads; ++h) score_table.push_back(std::ldexp(1.f, -(h % 4) - 5));
+    } else if (c.score_mod == ScoreModKind::kRelativeBias) {
+      bias_width = 2 * 40 + 1;
+      for (int i = 0; i < c.heads * bias_width; ++i) score_table.push_back(normal(rng));
+    }
+    if (c.mask_mod == MaskModKind::kDocument) {
+      // Documents of random lengths; with seqlen_q > seqlen_k the last ones hold queries only.
+      doc_len = std::max(c.seqlen_q, c.seqlen_k);
+      std::uniform_int_distribution<int> doc_length(1, 150);
+      for (int b = 0; b < c.batch; ++b) {
+        int doc = 0, left = doc_length(rng);
+        for (int i = 0; i < doc_len; ++i) {
+          if (left-- == 0) ++doc, left = doc_length(rng);
+          doc_ids.push_back(doc);
+        }
+      }
+    }
+    if (c.sparse_heads > 0) make_block_lists(rng);
+    run_forward();
+  }
+
+  // Each block is skipped, masked or full at random; both list kinds in random order.
+  void make_block_lists(std::mt19937& rng) {
+    row_blocks = (c.seqlen_q + c.block_m - 1) / c.block_m;
+    col_blocks = (c.seqlen_k + c.block_n - 1) / c.block_n;
+    const int heads_b = c.batch * c.sparse_heads;
+    blocks.assign(std::size_t(heads_b) * row_blocks * col_blocks, Block::kSkip);
+    std::uniform_int_distribution<int> pick(0, 9);
+    for (int hb = 0; hb < heads_b; ++hb) {
+      for (int rb = 0; rb < row_blocks; ++rb) {
+        for (int cb = 0; cb < col_blocks; ++cb) {
+          if (c.empty_col_blocks && cb % 2 == 1) continue;
+          const int roll = pick(rng);
+          Block state = roll < 2 ? Block::kSkip : roll < 6 ? Block::kMask : Block::kFull;
+          if (state == Block::kMask && !c.mask_lists) state = Block::kFull;
+          if (state == Block::kFull && !c.full_lists) state = Block::kMask;
+          blocks[(std::size_t(hb) * row_blocks + rb) * col_blocks + cb] = state;
+        }
+      }
+    }
+    // outer / inner: row / column blocks for the forward lists, the reverse for the backward.
+    auto make_lists = [&](bool transposed, Block kind, std::vector<int>& cnt, std::vector<int>& idx) {
+      const int outer = transposed ? col_blocks : row_blocks, inner = transposed ? row_blocks : col_blocks;
+      cnt.assign(std::size_t(heads_b) * outer, 0);
+      idx.assign(std::size_t(heads_b) * outer * inner, 0);
+      for (int hb = 0; hb < heads_b; ++hb) {
+        for (int o = 0; o < outer; ++o) {
+          const std::size_t list = std::size_t(hb) * outer + o;
+          std::vector<int> order(inner);
+          for (int i = 0; i < inner; ++i) order[i] = i;
+          std::shuffle(order.begin(), order.end(), rng);
+          for (int i : order) {
+            const int rb = transposed ? i : o, cb = transposed ? o : i;
+            if (blocks[(std::size_t(hb) * row_blocks + rb) * col_blocks + cb] == kind) {
+              idx[list * inner + cnt[list]++] = i;
+            }
+          }
+        }
+      }
+    };
+    make_lists(false, Block::kMask, mask_cnt, mask_idx);
+    make_lists(false, Block::kFull, full_cnt, full_idx);
+    make_lists(true, Block::kMask, q_mask_cnt, q_mask_idx);
+    make_lists(true, Block::kFull, q_full_cnt, q_full_idx);
+  }
+
+  // Score of query i, key j (positions in their sequence) of head h from s = scaled, capped.
+  // Both built-in score_mods have d score / d s = 1.
+  float modded(float s, int h, int i, int j) const {
+    switch (c.score_mod) {
+      case ScoreModKind::kAlibi:
+        return s + score_table[h] * float(j - i);
+      case ScoreModKind::kRelativeBias: {
+        const int radius = (bias_width - 1) / 2;
+        return s + score_table[h * bias_width + std::clamp(j - i, -radius, radius) + radius];
+      }
+      default:
+        return s;
+    }
+  }
+
+  bool mask_mod_keeps(int b, int i, int j) const {
+    switch (c.mask_mod) {
+      case MaskModKind::kCausal:
+        return j <= i;
+      case MaskModKind::kSlidingWindow:
+        return i - j <= c.mask_scalars[0] && j - i <= c.mask_scalars[1];
+      case MaskModKind::kPrefixLM:
+        return j <= i || j < c.mask_scalars[0];
+      case MaskModKind::kDocument:
+        return doc_ids[std::size_t(b) * doc_len + i] == doc_ids[std::size_t(b) * doc_len + j];
+      default:
+        return true;
+    }
+  }
+
+  bool visible(int b, int h, int i, int j) const {
+    const int sq = len_q[b], sk = len_k[b];
+    const int diag = i + sk - sq;
+    const int right = c.causal ? 0 : c.window_right;
+    if ((right >= 0 && j > diag + right) || (c.window_left >= 0 && j < diag - c.window_left)) return false;
+    bool apply_mask_mod = true;
+    if (c.sparse_heads > 0) {
+      const int hb = c.sparse_heads == 1 ? 0 : h;
+      const std::size_t list = std::size_t(b * c.sparse_heads + hb) * row_blocks + i / c.block_m;
+      const Block state = blocks[list * col_blocks + j / c.block_n];
+      if (state == Block::kSkip) return false;
+      apply_mask_mod = state == Block::kMask;
+    }
+    return !apply_mask_mod || mask_mod_keeps(b, i, j);
+  }
+
+  std::int64_t outer_q() const { return c.varlen ? rows_q : c.batch; }
+  std::int64_t outer_k() const { return c.varlen ? rows_k : c.batch; }
+  std::size_t lse_size() const {
+    return c.varlen ? std::size_t(c.heads) * rows_q : std::size_t(c.batch) * c.heads * c.seqlen_q;
+  }
+  std::int64_t lse_index(int b, int h, int r) const {
+    return c.varlen ? std::int64_t(h) * rows_q + start_q[b] + r : (std::int64_t(b) * c.heads + h) * c.seqlen_q + r;
+  }
+  std::vector<int> cu(const std::vector<int>& start, int total) const {
+    std::vector<int> result = start;
+    result.push_back(total);
+    return result;
+  }
+
+  TensorView view(void* data, DType dtype, bool is_q, int heads, Device device) const {
+    const std::int64_t seqlen = is_q ? c.seqlen_q : c.seqlen_k;
+    const std::int64_t outer = is_q ? outer_q() : outer_k();
+    if (c.varlen) return TensorView(data, dtype, {outer, heads, c.head_dim}, device);
+    return TensorView(data, dtype, {outer, seqlen, heads, c.head_dim}, device);
+  }
+  TensorView lse_view(void* data, Device device) const {
+    if (c.varlen) return TensorView(data, DType::kFloat32, {c.heads, rows_q}, device);
+    return TensorView(data, DType::kFloat32, {c.batch, c.heads, c.seqlen_q}, device);
+  }
+
+  // Where each int32 / fp32 side array lives for one call (host vectors or device buffers).
+  struct Side {
+    void* cu_q = nullptr;
+    void* cu_k = nullptr;
+    void* score_table = nullptr;
+    void* doc_ids = nullptr;
+    void* lists[8] = {};  // mask cnt / idx, full cnt / idx, then the q_ ones
+  };
+
+  void set_flex(SequenceLayout& seq, AttentionOptions& opts, Device device, const Side& side) const {
+    const std::int64_t B = c.batch;
+    if (c.varlen) {
+      seq.cu_seqlens_q = TensorView(side.cu_q, DType::kInt32, {B + 1}, device);
+      seq.cu_seqlens_k = TensorView(side.cu_k, DType::kInt32, {B + 1}, device);
+      seq.max_seqlen_q = *std::max_element(len_q.begin(), len_q.end());
+      seq.max_seqlen_k = *std::max_element(len_k.begin(), len_k.end());
+    }
+    opts.causal = c.causal;
+    opts.window_left = c.window_left;
+    opts.window_right = c.window_right;
+    opts.softcap = c.softcap;
+    opts.score_mod.kind = c.score_mod;
+    if (c.score_mod == ScoreModKind::kAlibi) {
+      opts.score_mod.aux = {TensorView(side.score_table, DType::kFloat32, {c.heads}, device)};
+    } else if (c.score_mod == ScoreModKind::kRelativeBias) {
+      opts.score_mod.aux = {TensorView(side.score_table, DType::kFloat32, {c.heads, bias_width}, device)};
+    }
+    opts.mask_mod.kind = c.mask_mod;
+    opts.mask_mod.scalars = c.mask_scalars;
+    if (c.mask_mod == MaskModKind::kDocument) {
+      opts.mask_mod.aux = {TensorView(side.doc_ids, DType::kInt32, {B, doc_len}, device)};
+    }
+    if (c.sparse_heads > 0) {
+      BlockSparseTensors bs;
+      bs.block_m = c.block_m;
+      bs.block_n = c.block_n;
+      const std::int64_t hb = c.sparse_heads, rb = row_blocks, cb = col_blocks;
+      if (c.mask_lists) {
+        bs.mask_block_cnt = TensorView(side.lists[0], DType::kInt32, {B, hb, rb}, device);
+        bs.mask_block_idx = TensorView(side.lists[1], DType::kInt32, {B, hb, rb, cb}, device);
+        bs.q_mask_block_cnt = TensorView(side.lists[4], DType::kInt32, {B, hb, cb}, device);
+        bs.q_mask_block_idx = TensorView(side.lists[5], DType::kInt32, {B, hb, cb, rb}, device);
+      }
+      if (c.full_lists) {
+        bs.full_block_cnt = TensorView(side.lists[2], DType::kInt32, {B, hb, rb}, device);
+        bs.full_block_idx = TensorView(side.lists[3], DType::kInt32, {B, hb, rb, cb}, device);
+        bs.q_full_block_cnt = TensorView(side.lists[6], DType::kInt32, {B, hb, cb}, device);
+        bs.q_full_block_idx = TensorView(side.lists[7], DType::kInt32, {B, hb, cb, rb}, device);
+      }
+      opts.block_sparse = bs;
+    }
+  }
+
+  // Host copies of the side arrays, kept alive by the caller while the views are used.
+  struct HostSide {
+    std::vector<int> cu_q, cu_k, docs, lists[8];
+    std::vector<float> table;
+    Side side;
+  };
+  void host_side(HostSide& h) const {
+    h.cu_q = cu(start_q, rows_q);
+    h.cu_k = cu(start_k, rows_k);
+    h.docs = doc_ids;
+    h.table = score_table;
+    const std::vector<int>* all[8] = {&mask_cnt,   &mask_idx,   &full_cnt,   &full_idx,
+                                      &q_mask_cnt, &q_mask_idx, &q_full_cnt, &q_full_idx};
+    for (int i = 0; i < 8; ++i) {
+      h.lists[i] = *all[i];
+      h.side.lists[i] = h.lists[i].data();
+    }
+    h.side.cu_q = h.cu_q.data();
+    h.side.cu_k = h.cu_k.data();
+    h.side.score_table = h.table.data();
+    h.side.doc_ids = h.docs.data();
+  }
+
+  void run_forward() {
+    std::vector<float> qf = q, kf = k, vf = v;
+    out.assign(std::size_t(rows_q) * c.heads * c.head_dim, 0.f);
+    lse.assign(lse_size(), kNegInf);
+    HostSide h;
+    host_side(h);
+    ForwardArgs args;
+    args.q = view(qf.data(), DType::kFloat32, true, c.heads, kCpu);
+    args.k = view(kf.data(), DType::kFloat32, false, c.heads_kv, kCpu);
+    args.v = view(vf.data(), DType::kFloat32, false, c.heads_kv, kCpu);
+    args.out = view(out.data(), DType::kFloat32, true, c.heads, kCpu);
+    args.lse = lse_view(lse.data(), kCpu);
+    set_flex(args.seq, args.opts, kCpu, h.side);
+    forward(args);
+    for (float& x : out) x = gpu_testing::round_to(x, c.dtype);
+  }
+};
+
+struct Grads {
+  std::vector<double> dq, dk, dv;  // layouts of q, k, v
+};
+
+Grads run_reference(const Problem& pb) {
+  const FlexBwdCase& c = pb.c;
+  std::vector<float> q = pb.q, k = pb.k, v = pb.v, out = pb.out, dout = pb.dout, lse = pb.lse;
+  std::vector<float> dq(q.size(), std::nanf("")), dk(k.size(), std::nanf("")), dv(v.size(), std::nanf(""));
+  Problem::HostSide h;
+  pb.host_side(h);
+  BackwardArgs args;
+  args.q = pb.view(q.data(), DType::kFloat32, true, c.heads, kCpu);
+  args.k = pb.view(k.data(), DType::kFloat32, false, c.heads_kv, kCpu);
+  args.v = pb.view(v.data(), DType::kFloat32, false, c.heads_kv, kCpu);
+  args.out = pb.view(out.data(), DType::kFloat32, true, c.heads, kCpu);
+  args.dout = pb.view(dout.data(), DType::kFloat32, true, c.heads, kCpu);
+  args.lse = pb.lse_view(lse.data(), kCpu);
+  args.dq = pb.view(dq.data(), DType::kFloat32, true, c.heads, kCpu);
+  args.dk = pb.view(dk.data(), DType::kFloat32, false, c.heads_kv, kCpu);
+  args.dv = pb.view(dv.data(), DType::kFloat32, false, c.heads_kv, kCpu);
+  pb.set_flex(args.seq, args.opts, kCpu, h.side);
+  backward(args);
+  return {{dq.begin(), dq.end()}, {dk.begin(), dk.end()}, {dv.begin(), dv.end()}};
+}
+
+// The same backward done naively in the input dtype: scores, capped and modified scores,
+// probabilities, dP, the row sums and dS each rounded to the dtype, gradients accumulated in
+// fp32 and rounded once.
+Grads naive_low_precision(const Problem& pb) {
+  const FlexBwdCase& c = pb.c;
+  auto r = [&](float x) { return gpu_testing::round_to(x, c.dtype); };
+  const int D = c.head_dim;
+  std::vector<float> dq(pb.q.size(), 0.f), dk(pb.k.size(), 0.f), dv(pb.v.size(), 0.f);
+  const int group = c.heads / c.heads_kv;
+  std::vector<float> qs(D);
+  for (int b = 0; b < c.batch; ++b) {
+    const int sq = pb.len_q[b], sk = pb.len_k[b];
+    for (int h = 0; h < c.heads; ++h) {
+      const int hk = h / group;
+      for (int i = 0; i < sq; ++i) {
+        const float lse = pb.lse[pb.lse_index(b, h, i)];
+        if (lse == kNegInf) continue;
+        const std::size_t qrow = std::size_t(pb.start_q[b] + i) * c.heads + h;
+        for (int d = 0; d < D; ++d) qs[d] = r(pb.q[qrow * D + d] * pb.scale);
+        float delta = 0.f;
+        for (int d = 0; d < D; ++d) delta += pb.dout[qrow * D + d] * pb.out[qrow * D + d];
+        delta = r(delta);
+        for (int j = 0; j < sk; ++j) {
+          if (!pb.visible(b, h, i, j)) continue;
+          const std::size_t krow = std::size_t(pb.start_k[b] + j) * c.heads_kv + hk;
+          float dot = 0.f;
+          for (int d = 0; d < D; ++d) dot += qs[d] * pb.k[krow * D + d];
+          float s = r(dot), deriv = 1.f;
+          if (c.softcap > 0.f) {
+            const float t = std::tanh(s / c.softcap);
+            s = r(c.softcap * t);
+            deriv = 1.f - t * t;
+          }
+          s = r(pb.modded(s, h, i, j));
+          const float p = r(std::exp(s - lse));
+          float dp = 0.f;
+          for (int d = 0; d < D; ++d) dp += pb.dout[qrow * D + d] * pb.v[krow * D + d];
+          const float ds = r(p * (r(dp) - delta) * deriv);
+          for (int d = 0; d < D; ++d) {
+            dq[qrow * D + d] += ds * pb.k[krow * D + d] * pb.scale;
+            dk[krow * D + d] += ds * pb.q[qrow * D + d] * pb.scale;
+            dv[krow * D + d] += p * pb.dout[qrow * D + d];
+          }
+        }
+      }
+    }
+  }
+  Grads g;
+  for (float x : dq) g.dq.push_back(r(x));
+  for (float x : dk) g.dk.push_back(r(x));
+  for (float x : dv) g.dv.push_back(r(x));
+  return g;
+}
+
+Grads run_gpu(const Problem& pb) {
+  const FlexBwdCase& c = pb.c;
+  auto device_copy = [&](const std::vector<float>& values) {
+    std::vector<std::uint16_t> bits(values.size());
+    for (std::size_t i = 0; i < values.size(); ++i) bits[i] = gpu_testing::to_bits(values[i], c.dtype);
+    return DeviceBuffer::from(bits);
+  };
+  auto poisoned = [&](std::size_t n) {
+    return DeviceBuffer::from(std::vector<std::uint16_t>(n, gpu_testing::kPoison16));
+  };
+  DeviceBuffer q = device_copy(pb.q), k = device_copy(pb.k), v = device_copy(pb.v);
+  DeviceBuffer out = device_copy(pb.out), dout = device_copy(pb.dout);
+  DeviceBuffer lse = DeviceBuffer::from(pb.lse);
+  DeviceBuffer dq = poisoned(pb.q.size()), dk = poisoned(pb.k.size()), dv = poisoned(pb.v.size());
+  DeviceBuffer cu_q = DeviceBuffer::from(pb.cu(pb.start_q, pb.rows_q));
+  DeviceBuffer cu_k = DeviceBuffer::from(pb.cu(pb.start_k, pb.rows_k));
+  DeviceBuffer table = DeviceBuffer::from(pb.score_table);
+  DeviceBuffer docs = DeviceBuffer::from(pb.doc_ids);
+  const std::vector<int>* all[8] = {&pb.mask_cnt,   &pb.mask_idx,   &pb.full_cnt,   &pb.full_idx,
+                                    &pb.q_mask_cnt, &pb.q_mask_idx, &pb.q_full_cnt, &pb.q_full_idx};
+  std::vector<DeviceBuffer> lists;
+  for (const std::vector<int>* list : all) lists.push_back(DeviceBuffer::from(*list));
+  Problem::Side side{cu_q.data(), cu_k.data(), table.data(), docs.data(), {}};
+  for (int i = 0; i < 8; ++i) side.lists[i] = lists[i].data();
+
+  BackwardArgs args;
+  args.q = pb.view(q.data(), c.dtype, true, c.heads, kCuda);
+  args.k = pb.view(k.data(), c.dtype, false, c.heads_kv, kCuda);
+  args.v = pb.view(v.data(), c.dtype, false, c.heads_kv, kCuda);
+  args.out = pb.view(out.data(), c.dtype, true, c.heads, kCuda);
+  args.dout = pb.view(dout.data(), c.dtype, true, c.heads, kCuda);
+  args.lse = pb.lse_view(lse.data(), kCuda);
+  args.dq = pb.view(dq.data(), c.dtype, true, c.heads, kCuda);
+  args.dk = pb.view(dk.data(), c.dtype, false, c.heads_kv, kCuda);
+  args.dv = pb.view(dv.data(), c.dtype, false, c.heads_kv, kCuda);
+  pb.set_flex(args.seq, args.opts, kCuda, side);
+  backward(args);
+  gpu_testing::check_cuda(cudaDeviceSynchronize(), "backward kernels");
+
+  Grads g;
+  for (std::uint16_t bits : dq.to_host<std::uint16_t>()) g.dq.push_back(gpu_testing::from_bits(bits, c.dtype));
+  for (std::uint16_t bits : dk.to_host<std::uint16_t>()) g.dk.push_back(gpu_testing::from_bits(bits, c.dtype));
+  for (std::uint16_t bits : dv.to_host<std::uint16_t>()) g.dv.push_back(gpu_testing::from_bits(bits, c.dtype));
+  return g;
+}
+
+void expect_close(const char* what, const std::vector<double>& gpu, const std::vector<double>& naive,
+                  const std::vector<double>& ref) {
+  ASSERT_EQ(gpu.size(), ref.size()) << what;
+  ASSERT_EQ(naive.size(), ref.size()) << what;
+  gpu_testing::ErrorStats gpu_stats, naive_stats;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    gpu_testing::accumulate_error(gpu_stats, gpu[i], ref[i]);
+    gpu_testing::accumulate_error(naive_stats, naive[i], ref[i]);
+  }
+  EXPECT_FALSE(gpu_stats.has_nan) << what << ": NaN or unwritten element";
+  EXPECT_FALSE(gpu_stats.inf_mismatch) << what << ": inf where the reference is finite, or the reverse";
+  const double slack = 1e-4;
+  EXPECT_LE(gpu_stats.max_error, 2.0 * naive_stats.max_error + slack)
+      << what << ": max error " << gpu_stats.max_error << ", naive " << naive_stats.max_error;
+}
+
+bool is_built(const std::string& description) {
+  const std::vector<std::string> built = built_kernels();
+  return std::find(built.begin(), built.end(), description) != built.end();
+}
+
+class GpuBackwardFlex : public ::testing::TestWithParam<FlexBwdCase> {};
+
+TEST_P(GpuBackwardFlex, MatchesReference) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  const FlexBwdCase& c = GetParam();
+  const Problem pb(c);
+  Grads gpu;
+  try {
+    gpu = run_gpu(pb);
+  } catch (const Error& error) {
+    if (error.kind() == Error::Kind::kNotBuilt) GTEST_SKIP() << error.what();
+    throw;
+  }
+  const Grads ref = run_reference(pb);
+  const Grads naive = naive_low_precision(pb);
+  expect_close("dq", gpu.dq, naive.dq, ref.dq);
+  expect_close("dk", gpu.dk, naive.dk, ref.dk);
+  expect_close("dv", gpu.dv, naive.dv, ref.dv);
+  if (c.label.find("empty") != std::string::npos) {
+    EXPECT_GT(std::count(pb.lse.begin(), pb.lse.end(), kNegInf), 0) << "the case was meant to have rows without keys";
+  }
+}
+
+std::vector<FlexBwdCase> flex_cases() {
+  std::vector<FlexBwdCase> cases;
+  unsigned seed = 2000;
+  auto add = [&](FlexBwdCase c) {
+    c.seed = seed++;
+    cases.push_back(c);
+  };
+  FlexBwdCase c;
+  // score_mods
+  c = {};
+  c.label = "alibi_gqa", c.batch = 2, c.seqlen_q = 300, c.seqlen_k = 300, c.heads = 4, c.heads_kv = 2,
+  c.score_mod = ScoreModKind::kAlibi;
+  add(c);
+  c = {};
+  c.label = "alibi_causal", c.seqlen_q = 200, c.seqlen_k = 333, c.causal = true, c.score_mod = ScoreModKind::kAlibi;
+  add(c);
+  c = {};
+  c.label = "relative_bias_softcap", c.batch = 2, c.seqlen_q = 257, c.seqlen_k = 257, c.softcap = 20.f,
+  c.score_mod = ScoreModKind::kRelativeBias;
+  add(c);
+  c = {};
+  c.label = "relative_bias_window_mqa", c.seqlen_q = 513, c.seqlen_k = 513, c.heads = 4, c.heads_kv = 1,
+  c.window_left = 100, c.window_right = 20, c.score_mod = ScoreModKind::kRelativeBias;
+  add(c);
+  // mask_mods
+  c = {};
+  c.label = "mask_causal", c.seqlen_q = 1023, c.seqlen_k = 1023, c.mask_mod = MaskModKind::kCausal;
+  add(c);
+  c = {};
+  c.label = "mask_causal_sq_gt_sk", c.seqlen_q = 300, c.seqlen_k = 100, c.mask_mod = MaskModKind::kCausal;
+  add(c);
+  c = {};
+  c.label = "mask_causal_with_causal_sk_gt_sq", c.seqlen_q = 150, c.seqlen_k = 400, c.causal = true,
+  c.mask_mod = MaskModKind::kCausal;
+  add(c);
+  c = {};
+  c.label = "sliding_window", c.batch = 2, c.seqlen_q = 700, c.seqlen_k = 700,
+  c.mask_mod = MaskModKind::kSlidingWindow, c.mask_scalars = {64, 16};
+  add(c);
+  c = {};
+  c.label = "sliding_window_softcap_alibi", c.seqlen_q = 400, c.seqlen_k = 520, c.softcap = 30.f,
+  c.score_mod = ScoreModKind::kAlibi, c.mask_mod = MaskModKind::kSlidingWindow, c.mask_scalars = {200, 0};
+  add(c);
+  c = {};
+  c.label = "prefix_lm", c.seqlen_q = 500, c.seqlen_k = 500, c.mask_mod = MaskModKind::kPrefixLM,
+  c.mask_scalars = {100};
+  add(c);
+  c = {};
+  c.label = "prefix_lm_softcap_causal", c.seqlen_q = 260, c.seqlen_k = 260, c.softcap = 15.f, c.causal = true,
+  c.mask_mod = MaskModKind::kPrefixLM, c.mask_scalars = {130};
+  add(c);
+  c = {};
+  c.label = "document_alibi", c.batch = 2, c.seqlen_q = 600, c.seqlen_k = 600, c.score_mod = ScoreModKind::kAlibi,
+  c.mask_mod = MaskModKind::kDocument;
+  add(c);
+  c = {};
+  c.label = "document_empty_rows", c.seqlen_q = 400, c.seqlen_k = 150, c.mask_mod = MaskModKind::kDocument;
+  add(c);
+  // varlen: positions count from each sequence's start
+  c = {};
+  c.label = "varlen_document_causal_gqa", c.batch = 4, c.seqlen_q = 300, c.seqlen_k = 333, c.heads = 4,
+  c.heads_kv = 2, c.causal = true, c.varlen = true, c.mask_mod = MaskModKind::kDocument;
+  add(c);
+  c = {};
+  c.label = "varlen_mask_causal_relative_bias", c.batch = 3, c.seqlen_q = 257, c.seqlen_k = 190, c.varlen = true,
+  c.score_mod = ScoreModKind::kRelativeBias, c.mask_mod = MaskModKind::kCausal;
+  add(c);
+  // block sparsity (128 x 128 blocks are two 64-row kernel m-blocks at head dim 128)
+  c = {};
+  c.label = "sparse_broadcast_mask_causal", c.seqlen_q = 700, c.seqlen_k = 700, c.heads = 3, c.heads_kv = 3,
+  c.mask_mod = MaskModKind::kCausal, c.sparse_heads = 1;
+  add(c);
+  c = {};
+  c.label = "sparse_per_head_document_gqa", c.batch = 2, c.seqlen_q = 520, c.seqlen_k = 610, c.heads = 2,
+  c.heads_kv = 1, c.mask_mod = MaskModKind::kDocument, c.sparse_heads = 2;
+  add(c);
+  c = {};
+  c.label = "sparse_blocks_256x256_window", c.seqlen_q = 900, c.seqlen_k = 1000, c.heads = 2,
+  c.mask_mod = MaskModKind::kSlidingWindow, c.mask_scalars = {300, 100}, c.sparse_heads = 2, c.block_m = 256,
+  c.block_n = 256;
+  add(c);
+  c = {};
+  c.label = "sparse_block_m256_alibi_softcap", c.seqlen_q = 600, c.seqlen_k = 450,
+  c.score_mod = ScoreModKind::kAlibi, c.softcap = 25.f, c.mask_mod = MaskModKind::kPrefixLM,
+  c.mask_scalars = {200}, c.sparse_heads = 1, c.block_m = 256, c.block_n = 128;
+  add(c);
+  c = {};
+  c.label = "sparse_full_lists_only_causal", c.seqlen_q = 640, c.seqlen_k = 640, c.causal = true,
+  c.score_mod = ScoreModKind::kRelativeBias, c.sparse_heads = 2, c.mask_lists = false;
+  add(c);
+  c = {};
+  c.label = "sparse_mask_lists_only_no_mask_mod", c.seqlen_q = 333, c.seqlen_k = 444, c.sparse_heads = 1,
+  c.full_lists = false;
+  add(c);
+  c = {};
+  c.label = "sparse_empty_col_blocks", c.batch = 2, c.seqlen_q = 530, c.seqlen_k = 530, c.heads = 2,
+  c.mask_mod = MaskModKind::kCausal, c.sparse_heads = 2, c.empty_col_blocks = true;
+  add(c);
+  c = {};
+  c.label = "sparse_one_short_block", c.seqlen_q = 17, c.seqlen_k = 17, c.sparse_heads = 1,
+  c.score_mod = ScoreModKind::kAlibi, c.mask_mod = MaskModKind::kCausal;
+  add(c);
+  c = {};
+  c.label = "sparse_varlen_causal", c.batch = 3, c.seqlen_q = 400, c.seqlen_k = 300, c.heads = 2, c.varlen = true,
+  c.causal = true, c.mask_mod = MaskModKind::kPrefixLM, c.mask_scalars = {64}, c.sparse_heads = 2;
+  add(c);
+  // other head dims: 128 x 128 blocks over 128 x 128 tiles (64) and over 64 x 64 tiles (256)
+  c = {};
+  c.label = "sparse_document_alibi", c.batch = 2, c.seqlen_q = 400, c.seqlen_k = 400, c.head_dim = 64,
+  c.mask_mod = MaskModKind::kDocument, c.score_mod = ScoreModKind::kAlibi, c.sparse_heads = 1;
+  add(c);
+  c = {};
+  c.label = "sparse_sliding_window_softcap", c.seqlen_q = 333, c.seqlen_k = 300, c.head_dim = 256,
+  c.softcap = 20.f, c.mask_mod = MaskModKind::kSlidingWindow, c.mask_scalars = {90, 40}, c.sparse_heads = 2;
+  add(c);
+  c = {};
+  c.label = "mask_causal_relative_bias", c.seqlen_q = 300, c.seqlen_k = 300, c.head_dim = 192,
+  c.score_mod = ScoreModKind::kRelativeBias, c.mask_mod = MaskModKind::kCausal;
+  add(c);
+  // fp16
+  c = {};
+  c.label = "fp16_document_sparse", c.dtype = DType::kFloat16, c.batch = 2, c.seqlen_q = 400, c.seqlen_k = 400,
+  c.mask_mod = MaskModKind::kDocument, c.score_mod = ScoreModKind::kAlibi, c.sparse_heads = 1;
+  add(c);
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Mods, GpuBackwardFlex, ::testing::ValuesIn(flex_cases()),
+                         [](const ::testing::TestParamInfo<FlexBwdCase>& info) { return case_name(info.param); });
+
+// A small bf16 backward call with a causal mask_mod, for the refusals below.
+struct SmallCall {
+  static constexpr std::int64_t kSq = 64, kSk = 256, kHeads = 2;
+  std::int64_t head_dim;
+  DeviceBuffer q, k, v, out, dout, dq, dk, dv, lse;
+  BackwardArgs args;
+  explicit SmallCall(std::int64_t d)
+      : head_dim(d),
+        q(kSq * kHeads * d * 2),
+        k(kSk * kHeads * d * 2),
+        v(kSk * kHeads * d * 2),
+        out(kSq * kHeads * d * 2),
+        dout(kSq * kHeads * d * 2),
+        dq(kSq * kHeads * d * 2),
+        dk(kSk * kHeads * d * 2),
+        dv(kSk * kHeads * d * 2),
+        lse(kHeads * kSq * sizeof(float)) {
+    auto rows = [&](DeviceBuffer& buffer, std::int64_t seqlen) {
+      return TensorView(buffer.data(), DType::kBFloat16, {1, seqlen, kHeads, head_dim}, kCuda);
+    };
+    args.q = rows(q, kSq);
+    args.k = rows(k, kSk);
+    args.v = rows(v, kSk);
+    args.out = rows(out, kSq);
+    args.dout = rows(dout, kSq);
+    args.dq = rows(dq, kSq);
+    args.dk = rows(dk, kSk);
+    args.dv = rows(dv, kSk);
+    args.lse = TensorView(lse.data(), DType::kFloat32, {1, kHeads, kSq}, kCuda);
+    args.opts.mask_mod.kind = MaskModKind::kCausal;
+  }
+};
+
+void expect_not_supported(BackwardArgs& args, const std::string& argument) {
+  try {
+    backward(args);
+    ADD_FAILURE() << "ran";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.kind(), Error::Kind::kNotSupported) << error.what();
+    EXPECT_EQ(error.argument(), argument) << error.what();
+  }
+}
+
+// Backward block lists (one column block of block_n keys over the 256 keys) for SmallCall.
+struct SmallLists {
+  DeviceBuffer cnt, idx;
+  SmallLists(BackwardArgs& args, int block_m, int block_n)
+      : cnt(DeviceBuffer::from(std::vector<int>((256 + block_n - 1) / block_n, 0))),
+        idx(DeviceBuffer::from(std::vector<int>(((256 + block_n - 1) / block_n) * ((64 + block_m - 1) / block_m), 0))) {
+    const std::int64_t col_blocks = (256 + block_n - 1) / block_n, row_blocks = (64 + block_m - 1) / block_m;
+    BlockSparseTensors bs;
+    bs.block_m = block_m;
+    bs.block_n = block_n;
+    bs.q_mask_block_cnt = TensorView(cnt.data(), DType::kInt32, {1, 1, col_blocks}, kCuda);
+    bs.q_mask_block_idx = TensorView(idx.data(), DType::kInt32, {1, 1, col_blocks, row_blocks}, kCuda);
+    args.opts.block_sparse = bs;
+  }
+};
+
+TEST(GpuBackwardFlexUnsupported, DeterministicIsRefused) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  SmallCall call(128);
+  call.args.deterministic = true;
+  expect_not_supported(call.args, "deterministic");
+}
+
+TEST(GpuBackwardFlexUnsupported, BlockNarrowerThanTileIsRefused) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  // block_n 64: a 128-key column block of the head-dim-128 kernel would span two BlockMask
+  // column blocks.
+  SmallCall call(128);
+  SmallLists lists(call.args, 128, 64);
+  expect_not_supported(call.args, "block_sparse");
+}
+
+TEST(GpuBackwardFlexUnsupported, BlockNotAMultipleOfTileIsRefused) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  // Head dim 192 runs 96-key column blocks; a 128-key BlockMask block is not a whole number of them.
+  SmallCall call(192);
+  SmallLists lists(call.args, 128, 128);
+  expect_not_supported(call.args, "block_sparse");
+}
+
+TEST(GpuBackwardFlexUnsupported, BuiltKernelsListFlex) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  // The CI set builds hdim128 bf16; its flex backward must be among the listed kernels.
+  if (!is_built("bwd bf16 hdim128")) GTEST_SKIP() << "hdim128 bf16 backward not built";
+  EXPECT_TRUE(is_built("bwd bf16 hdim128 flex"));
+}
+
+}  // namespace
+}  // namespace cuflash
+
+#endif  // CUFLASH_HAS_CUDA
