@@ -4,9 +4,9 @@
 // from the mask_mod's block-level hook or from the transposed FlexAttention block lists).
 #pragma once
 
-#include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
 
+#include <cute/tensor.hpp>
 #include <type_traits>
 
 #include "variants/variant.hpp"
@@ -39,11 +39,15 @@ struct FlexColumnWalk {
   bool masked;     // whether `m_block` needs mask_mod
   bool any;        // whether the walk stands on an m-block
 
-  CUTE_DEVICE static FlexColumnWalk make(variants::FlexVariant::Params const& flex, int seqlen_k, int batch,
-                                         int head, int n_block, int m_block_min, int m_block_max) {
-    FlexColumnWalk walk{m_block_min, m_block_max, nullptr, nullptr, 0, 0, 0, 0, 0, m_block_min, true, false};
+  CUTE_DEVICE static FlexColumnWalk make(variants::FlexVariant::Params const& flex, int seqlen_k,
+                                         int batch, int head, int n_block, int m_block_min,
+                                         int m_block_max) {
+    FlexColumnWalk walk{m_block_min, m_block_max, nullptr, nullptr,     0,    0,
+                        0,           0,           0,       m_block_min, true, false};
     // Column blocks without a row range (keys past seqused_k, fully masked) read no list.
-    if (m_block_min >= m_block_max) { return walk; }
+    if (m_block_min >= m_block_max) {
+      return walk;
+    }
     BlockSparseParams const& bs = flex.block_sparse;
     if (!bs.enabled) {
       flex.mask_mod.visit([&](auto const& mod) {
@@ -53,7 +57,8 @@ struct FlexColumnWalk {
           int row_begin = walk.m_block_min * kBlockM, row_end = walk.m_block_max * kBlockM;
           mod.row_range(col_min, col_max, row_begin, row_end);
           walk.m_block_min = cute::max(walk.m_block_min, cute::max(row_begin, 0) / kBlockM);
-          walk.m_block_max = cute::min(walk.m_block_max, cute::ceil_div(cute::max(row_end, 0), kBlockM));
+          walk.m_block_max =
+              cute::min(walk.m_block_max, cute::ceil_div(cute::max(row_end, 0), kBlockM));
         }
       });
       walk.m_block = walk.m_block_min;
@@ -63,7 +68,8 @@ struct FlexColumnWalk {
     // Dispatch guarantees bs.block_m % kBlockM == 0 and bs.block_n % kBlockN == 0.
     int const col_block = n_block * kBlockN / bs.block_n;
     long long const list =
-        (static_cast<long long>(batch) * bs.num_heads_b + (bs.num_heads_b == 1 ? 0 : head)) * bs.num_col_blocks +
+        (static_cast<long long>(batch) * bs.num_heads_b + (bs.num_heads_b == 1 ? 0 : head)) *
+            bs.num_col_blocks +
         col_block;
     if (bs.mask_block_cnt != nullptr) {
       walk.mask_cnt = cute::min(cute::max(bs.mask_block_cnt[list], 0), bs.num_row_blocks);

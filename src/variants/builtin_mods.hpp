@@ -26,7 +26,8 @@ struct AlibiScoreMod {
   CUTLASS_DEVICE float score(float s, int /*b*/, int h, int q_idx, int kv_idx) const {
     return s + slopes[h] * float(kv_idx - q_idx);
   }
-  CUTLASS_DEVICE float grad(float /*s*/, int /*b*/, int /*h*/, int /*q_idx*/, int /*kv_idx*/) const {
+  CUTLASS_DEVICE float grad(float /*s*/, int /*b*/, int /*h*/, int /*q_idx*/,
+                            int /*kv_idx*/) const {
     return 1.f;
   }
 };
@@ -40,7 +41,8 @@ struct RelativeBiasScoreMod {
     int const distance = min(max(kv_idx - q_idx, -radius), radius);
     return s + table[h * width + distance + radius];
   }
-  CUTLASS_DEVICE float grad(float /*s*/, int /*b*/, int /*h*/, int /*q_idx*/, int /*kv_idx*/) const {
+  CUTLASS_DEVICE float grad(float /*s*/, int /*b*/, int /*h*/, int /*q_idx*/,
+                            int /*kv_idx*/) const {
     return 1.f;
   }
 };

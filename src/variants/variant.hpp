@@ -1,7 +1,7 @@
-// Variant policies of the forward and backward kernels (DESIGN.md section 3): a compile-time type that says
-// which optional features the kernel contains, with the runtime Params those features read.
-// NoVariant is the plain kernel: its code has none of the hooks below. FlexVariant carries the
-// built-in score_mod and mask_mod (chosen at run time inside the functors, builtin_mods.hpp)
+// Variant policies of the forward and backward kernels (DESIGN.md section 3): a compile-time type
+// that says which optional features the kernel contains, with the runtime Params those features
+// read. NoVariant is the plain kernel: its code has none of the hooks below. FlexVariant carries
+// the built-in score_mod and mask_mod (chosen at run time inside the functors, builtin_mods.hpp)
 // and FlexAttention block sparsity; with it the kernel keeps final scores in its accumulators
 // (scaled, soft-capped and modified) rather than folding the scale into the exponent.
 #pragma once

@@ -74,7 +74,8 @@ struct Problem {
   int doc_len = 0;
   int row_blocks = 0, col_blocks = 0;
   std::vector<Block> blocks;  // (B, H_b, row blocks, col blocks)
-  // Forward lists (B, H_b, row blocks[, col blocks]) and backward ones (B, H_b, col blocks[, row blocks]).
+  // Forward lists (B, H_b, row blocks[, col blocks]) and backward ones (B, H_b, col blocks[, row
+  // blocks]).
   std::vector<int> mask_cnt, mask_idx, full_cnt, full_idx;
   std::vector<int> q_mask_cnt, q_mask_idx, q_full_cnt, q_full_idx;
 
@@ -85,7 +86,7 @@ struct Problem {
       int lq = c.varlen ? any_q(rng) : c.seqlen_q;
       int lk = c.varlen ? any_k(rng) : c.seqlen_k;
       if (c.varlen && b == 0) lq = c.seqlen_q, lk = c.seqlen_k;  // the longest one is always there
-      if (c.varlen && b == 1) lq = 0;                             // no queries: dk = dv = 0
+      if (c.varlen && b == 1) lq = 0;                            // no queries: dk = dv = 0
       len_q.push_back(lq);
       len_k.push_back(lk);
       start_q.push_back(rows_q);
@@ -147,8 +148,10 @@ struct Problem {
       }
     }
     // outer / inner: row / column blocks for the forward lists, the reverse for the backward.
-    auto make_lists = [&](bool transposed, Block kind, std::vector<int>& cnt, std::vector<int>& idx) {
-      const int outer = transposed ? col_blocks : row_blocks, inner = transposed ? row_blocks : col_blocks;
+    auto make_lists = [&](bool transposed, Block kind, std::vector<int>& cnt,
+                          std::vector<int>& idx) {
+      const int outer = transposed ? col_blocks : row_blocks,
+                inner = transposed ? row_blocks : col_blocks;
       cnt.assign(std::size_t(heads_b) * outer, 0);
       idx.assign(std::size_t(heads_b) * outer * inner, 0);
       for (int hb = 0; hb < heads_b; ++hb) {
@@ -206,7 +209,8 @@ struct Problem {
     const int sq = len_q[b], sk = len_k[b];
     const int diag = i + sk - sq;
     const int right = c.causal ? 0 : c.window_right;
-    if ((right >= 0 && j > diag + right) || (c.window_left >= 0 && j < diag - c.window_left)) return false;
+    if ((right >= 0 && j > diag + right) || (c.window_left >= 0 && j < diag - c.window_left))
+      return false;
     bool apply_mask_mod = true;
     if (c.sparse_heads > 0) {
       const int hb = c.sparse_heads == 1 ? 0 : h;
@@ -224,7 +228,8 @@ struct Problem {
     return c.varlen ? std::size_t(c.heads) * rows_q : std::size_t(c.batch) * c.heads * c.seqlen_q;
   }
   std::int64_t lse_index(int b, int h, int r) const {
-    return c.varlen ? std::int64_t(h) * rows_q + start_q[b] + r : (std::int64_t(b) * c.heads + h) * c.seqlen_q + r;
+    return c.varlen ? std::int64_t(h) * rows_q + start_q[b] + r
+                    : (std::int64_t(b) * c.heads + h) * c.seqlen_q + r;
   }
   std::vector<int> cu(const std::vector<int>& start, int total) const {
     std::vector<int> result = start;
@@ -252,7 +257,8 @@ struct Problem {
     void* lists[8] = {};  // mask cnt / idx, full cnt / idx, then the q_ ones
   };
 
-  void set_flex(SequenceLayout& seq, AttentionOptions& opts, Device device, const Side& side) const {
+  void set_flex(SequenceLayout& seq, AttentionOptions& opts, Device device,
+                const Side& side) const {
     const std::int64_t B = c.batch;
     if (c.varlen) {
       seq.cu_seqlens_q = TensorView(side.cu_q, DType::kInt32, {B + 1}, device);
@@ -268,7 +274,8 @@ struct Problem {
     if (c.score_mod == ScoreModKind::kAlibi) {
       opts.score_mod.aux = {TensorView(side.score_table, DType::kFloat32, {c.heads}, device)};
     } else if (c.score_mod == ScoreModKind::kRelativeBias) {
-      opts.score_mod.aux = {TensorView(side.score_table, DType::kFloat32, {c.heads, bias_width}, device)};
+      opts.score_mod.aux = {
+          TensorView(side.score_table, DType::kFloat32, {c.heads, bias_width}, device)};
     }
     opts.mask_mod.kind = c.mask_mod;
     opts.mask_mod.scalars = c.mask_scalars;
@@ -344,7 +351,8 @@ struct Grads {
 Grads run_reference(const Problem& pb) {
   const FlexBwdCase& c = pb.c;
   std::vector<float> q = pb.q, k = pb.k, v = pb.v, out = pb.out, dout = pb.dout, lse = pb.lse;
-  std::vector<float> dq(q.size(), std::nanf("")), dk(k.size(), std::nanf("")), dv(v.size(), std::nanf(""));
+  std::vector<float> dq(q.size(), std::nanf("")), dk(k.size(), std::nanf("")),
+      dv(v.size(), std::nanf(""));
   Problem::HostSide h;
   pb.host_side(h);
   BackwardArgs args;
@@ -420,7 +428,8 @@ Grads run_gpu(const Problem& pb) {
   const FlexBwdCase& c = pb.c;
   auto device_copy = [&](const std::vector<float>& values) {
     std::vector<std::uint16_t> bits(values.size());
-    for (std::size_t i = 0; i < values.size(); ++i) bits[i] = gpu_testing::to_bits(values[i], c.dtype);
+    for (std::size_t i = 0; i < values.size(); ++i)
+      bits[i] = gpu_testing::to_bits(values[i], c.dtype);
     return DeviceBuffer::from(bits);
   };
   auto poisoned = [&](std::size_t n) {
@@ -456,14 +465,17 @@ Grads run_gpu(const Problem& pb) {
   gpu_testing::check_cuda(cudaDeviceSynchronize(), "backward kernels");
 
   Grads g;
-  for (std::uint16_t bits : dq.to_host<std::uint16_t>()) g.dq.push_back(gpu_testing::from_bits(bits, c.dtype));
-  for (std::uint16_t bits : dk.to_host<std::uint16_t>()) g.dk.push_back(gpu_testing::from_bits(bits, c.dtype));
-  for (std::uint16_t bits : dv.to_host<std::uint16_t>()) g.dv.push_back(gpu_testing::from_bits(bits, c.dtype));
+  for (std::uint16_t bits : dq.to_host<std::uint16_t>())
+    g.dq.push_back(gpu_testing::from_bits(bits, c.dtype));
+  for (std::uint16_t bits : dk.to_host<std::uint16_t>())
+    g.dk.push_back(gpu_testing::from_bits(bits, c.dtype));
+  for (std::uint16_t bits : dv.to_host<std::uint16_t>())
+    g.dv.push_back(gpu_testing::from_bits(bits, c.dtype));
   return g;
 }
 
-void expect_close(const char* what, const std::vector<double>& gpu, const std::vector<double>& naive,
-                  const std::vector<double>& ref) {
+void expect_close(const char* what, const std::vector<double>& gpu,
+                  const std::vector<double>& naive, const std::vector<double>& ref) {
   ASSERT_EQ(gpu.size(), ref.size()) << what;
   ASSERT_EQ(naive.size(), ref.size()) << what;
   gpu_testing::ErrorStats gpu_stats, naive_stats;
@@ -472,7 +484,8 @@ void expect_close(const char* what, const std::vector<double>& gpu, const std::v
     gpu_testing::accumulate_error(naive_stats, naive[i], ref[i]);
   }
   EXPECT_FALSE(gpu_stats.has_nan) << what << ": NaN or unwritten element";
-  EXPECT_FALSE(gpu_stats.inf_mismatch) << what << ": inf where the reference is finite, or the reverse";
+  EXPECT_FALSE(gpu_stats.inf_mismatch)
+      << what << ": inf where the reference is finite, or the reverse";
   const double slack = 1e-4;
   EXPECT_LE(gpu_stats.max_error, 2.0 * naive_stats.max_error + slack)
       << what << ": max error " << gpu_stats.max_error << ", naive " << naive_stats.max_error;
@@ -502,7 +515,8 @@ TEST_P(GpuBackwardFlex, MatchesReference) {
   expect_close("dk", gpu.dk, naive.dk, ref.dk);
   expect_close("dv", gpu.dv, naive.dv, ref.dv);
   if (c.label.find("empty") != std::string::npos) {
-    EXPECT_GT(std::count(pb.lse.begin(), pb.lse.end(), kNegInf), 0) << "the case was meant to have rows without keys";
+    EXPECT_GT(std::count(pb.lse.begin(), pb.lse.end(), kNegInf), 0)
+        << "the case was meant to have rows without keys";
   }
 }
 
@@ -516,26 +530,29 @@ std::vector<FlexBwdCase> flex_cases() {
   FlexBwdCase c;
   // score_mods
   c = {};
-  c.label = "alibi_gqa", c.batch = 2, c.seqlen_q = 300, c.seqlen_k = 300, c.heads = 4, c.heads_kv = 2,
+  c.label = "alibi_gqa", c.batch = 2, c.seqlen_q = 300, c.seqlen_k = 300, c.heads = 4,
+  c.heads_kv = 2, c.score_mod = ScoreModKind::kAlibi;
+  add(c);
+  c = {};
+  c.label = "alibi_causal", c.seqlen_q = 200, c.seqlen_k = 333, c.causal = true,
   c.score_mod = ScoreModKind::kAlibi;
   add(c);
   c = {};
-  c.label = "alibi_causal", c.seqlen_q = 200, c.seqlen_k = 333, c.causal = true, c.score_mod = ScoreModKind::kAlibi;
+  c.label = "relative_bias_softcap", c.batch = 2, c.seqlen_q = 257, c.seqlen_k = 257,
+  c.softcap = 20.f, c.score_mod = ScoreModKind::kRelativeBias;
   add(c);
   c = {};
-  c.label = "relative_bias_softcap", c.batch = 2, c.seqlen_q = 257, c.seqlen_k = 257, c.softcap = 20.f,
+  c.label = "relative_bias_window_mqa", c.seqlen_q = 513, c.seqlen_k = 513, c.heads = 4,
+  c.heads_kv = 1, c.window_left = 100, c.window_right = 20,
   c.score_mod = ScoreModKind::kRelativeBias;
-  add(c);
-  c = {};
-  c.label = "relative_bias_window_mqa", c.seqlen_q = 513, c.seqlen_k = 513, c.heads = 4, c.heads_kv = 1,
-  c.window_left = 100, c.window_right = 20, c.score_mod = ScoreModKind::kRelativeBias;
   add(c);
   // mask_mods
   c = {};
   c.label = "mask_causal", c.seqlen_q = 1023, c.seqlen_k = 1023, c.mask_mod = MaskModKind::kCausal;
   add(c);
   c = {};
-  c.label = "mask_causal_sq_gt_sk", c.seqlen_q = 300, c.seqlen_k = 100, c.mask_mod = MaskModKind::kCausal;
+  c.label = "mask_causal_sq_gt_sk", c.seqlen_q = 300, c.seqlen_k = 100,
+  c.mask_mod = MaskModKind::kCausal;
   add(c);
   c = {};
   c.label = "mask_causal_with_causal_sk_gt_sq", c.seqlen_q = 150, c.seqlen_k = 400, c.causal = true,
@@ -547,45 +564,48 @@ std::vector<FlexBwdCase> flex_cases() {
   add(c);
   c = {};
   c.label = "sliding_window_softcap_alibi", c.seqlen_q = 400, c.seqlen_k = 520, c.softcap = 30.f,
-  c.score_mod = ScoreModKind::kAlibi, c.mask_mod = MaskModKind::kSlidingWindow, c.mask_scalars = {200, 0};
+  c.score_mod = ScoreModKind::kAlibi, c.mask_mod = MaskModKind::kSlidingWindow,
+  c.mask_scalars = {200, 0};
   add(c);
   c = {};
   c.label = "prefix_lm", c.seqlen_q = 500, c.seqlen_k = 500, c.mask_mod = MaskModKind::kPrefixLM,
   c.mask_scalars = {100};
   add(c);
   c = {};
-  c.label = "prefix_lm_softcap_causal", c.seqlen_q = 260, c.seqlen_k = 260, c.softcap = 15.f, c.causal = true,
-  c.mask_mod = MaskModKind::kPrefixLM, c.mask_scalars = {130};
+  c.label = "prefix_lm_softcap_causal", c.seqlen_q = 260, c.seqlen_k = 260, c.softcap = 15.f,
+  c.causal = true, c.mask_mod = MaskModKind::kPrefixLM, c.mask_scalars = {130};
   add(c);
   c = {};
-  c.label = "document_alibi", c.batch = 2, c.seqlen_q = 600, c.seqlen_k = 600, c.score_mod = ScoreModKind::kAlibi,
+  c.label = "document_alibi", c.batch = 2, c.seqlen_q = 600, c.seqlen_k = 600,
+  c.score_mod = ScoreModKind::kAlibi, c.mask_mod = MaskModKind::kDocument;
+  add(c);
+  c = {};
+  c.label = "document_empty_rows", c.seqlen_q = 400, c.seqlen_k = 150,
   c.mask_mod = MaskModKind::kDocument;
-  add(c);
-  c = {};
-  c.label = "document_empty_rows", c.seqlen_q = 400, c.seqlen_k = 150, c.mask_mod = MaskModKind::kDocument;
   add(c);
   // varlen: positions count from each sequence's start
   c = {};
-  c.label = "varlen_document_causal_gqa", c.batch = 4, c.seqlen_q = 300, c.seqlen_k = 333, c.heads = 4,
-  c.heads_kv = 2, c.causal = true, c.varlen = true, c.mask_mod = MaskModKind::kDocument;
+  c.label = "varlen_document_causal_gqa", c.batch = 4, c.seqlen_q = 300, c.seqlen_k = 333,
+  c.heads = 4, c.heads_kv = 2, c.causal = true, c.varlen = true,
+  c.mask_mod = MaskModKind::kDocument;
   add(c);
   c = {};
-  c.label = "varlen_mask_causal_relative_bias", c.batch = 3, c.seqlen_q = 257, c.seqlen_k = 190, c.varlen = true,
-  c.score_mod = ScoreModKind::kRelativeBias, c.mask_mod = MaskModKind::kCausal;
+  c.label = "varlen_mask_causal_relative_bias", c.batch = 3, c.seqlen_q = 257, c.seqlen_k = 190,
+  c.varlen = true, c.score_mod = ScoreModKind::kRelativeBias, c.mask_mod = MaskModKind::kCausal;
   add(c);
   // block sparsity (128 x 128 blocks are two 64-row kernel m-blocks at head dim 128)
   c = {};
-  c.label = "sparse_broadcast_mask_causal", c.seqlen_q = 700, c.seqlen_k = 700, c.heads = 3, c.heads_kv = 3,
-  c.mask_mod = MaskModKind::kCausal, c.sparse_heads = 1;
+  c.label = "sparse_broadcast_mask_causal", c.seqlen_q = 700, c.seqlen_k = 700, c.heads = 3,
+  c.heads_kv = 3, c.mask_mod = MaskModKind::kCausal, c.sparse_heads = 1;
   add(c);
   c = {};
-  c.label = "sparse_per_head_document_gqa", c.batch = 2, c.seqlen_q = 520, c.seqlen_k = 610, c.heads = 2,
-  c.heads_kv = 1, c.mask_mod = MaskModKind::kDocument, c.sparse_heads = 2;
+  c.label = "sparse_per_head_document_gqa", c.batch = 2, c.seqlen_q = 520, c.seqlen_k = 610,
+  c.heads = 2, c.heads_kv = 1, c.mask_mod = MaskModKind::kDocument, c.sparse_heads = 2;
   add(c);
   c = {};
   c.label = "sparse_blocks_256x256_window", c.seqlen_q = 900, c.seqlen_k = 1000, c.heads = 2,
-  c.mask_mod = MaskModKind::kSlidingWindow, c.mask_scalars = {300, 100}, c.sparse_heads = 2, c.block_m = 256,
-  c.block_n = 256;
+  c.mask_mod = MaskModKind::kSlidingWindow, c.mask_scalars = {300, 100}, c.sparse_heads = 2,
+  c.block_m = 256, c.block_n = 256;
   add(c);
   c = {};
   c.label = "sparse_block_m256_alibi_softcap", c.seqlen_q = 600, c.seqlen_k = 450,
@@ -597,8 +617,8 @@ std::vector<FlexBwdCase> flex_cases() {
   c.score_mod = ScoreModKind::kRelativeBias, c.sparse_heads = 2, c.mask_lists = false;
   add(c);
   c = {};
-  c.label = "sparse_mask_lists_only_no_mask_mod", c.seqlen_q = 333, c.seqlen_k = 444, c.sparse_heads = 1,
-  c.full_lists = false;
+  c.label = "sparse_mask_lists_only_no_mask_mod", c.seqlen_q = 333, c.seqlen_k = 444,
+  c.sparse_heads = 1, c.full_lists = false;
   add(c);
   c = {};
   c.label = "sparse_empty_col_blocks", c.batch = 2, c.seqlen_q = 530, c.seqlen_k = 530, c.heads = 2,
@@ -609,17 +629,20 @@ std::vector<FlexBwdCase> flex_cases() {
   c.score_mod = ScoreModKind::kAlibi, c.mask_mod = MaskModKind::kCausal;
   add(c);
   c = {};
-  c.label = "sparse_varlen_causal", c.batch = 3, c.seqlen_q = 400, c.seqlen_k = 300, c.heads = 2, c.varlen = true,
-  c.causal = true, c.mask_mod = MaskModKind::kPrefixLM, c.mask_scalars = {64}, c.sparse_heads = 2;
+  c.label = "sparse_varlen_causal", c.batch = 3, c.seqlen_q = 400, c.seqlen_k = 300, c.heads = 2,
+  c.varlen = true, c.causal = true, c.mask_mod = MaskModKind::kPrefixLM, c.mask_scalars = {64},
+  c.sparse_heads = 2;
   add(c);
   // other head dims: 128 x 128 blocks over 128 x 128 tiles (64) and over 64 x 64 tiles (256)
   c = {};
-  c.label = "sparse_document_alibi", c.batch = 2, c.seqlen_q = 400, c.seqlen_k = 400, c.head_dim = 64,
-  c.mask_mod = MaskModKind::kDocument, c.score_mod = ScoreModKind::kAlibi, c.sparse_heads = 1;
+  c.label = "sparse_document_alibi", c.batch = 2, c.seqlen_q = 400, c.seqlen_k = 400,
+  c.head_dim = 64, c.mask_mod = MaskModKind::kDocument, c.score_mod = ScoreModKind::kAlibi,
+  c.sparse_heads = 1;
   add(c);
   c = {};
   c.label = "sparse_sliding_window_softcap", c.seqlen_q = 333, c.seqlen_k = 300, c.head_dim = 256,
-  c.softcap = 20.f, c.mask_mod = MaskModKind::kSlidingWindow, c.mask_scalars = {90, 40}, c.sparse_heads = 2;
+  c.softcap = 20.f, c.mask_mod = MaskModKind::kSlidingWindow, c.mask_scalars = {90, 40},
+  c.sparse_heads = 2;
   add(c);
   c = {};
   c.label = "mask_causal_relative_bias", c.seqlen_q = 300, c.seqlen_k = 300, c.head_dim = 192,
@@ -627,14 +650,17 @@ std::vector<FlexBwdCase> flex_cases() {
   add(c);
   // fp16
   c = {};
-  c.label = "fp16_document_sparse", c.dtype = DType::kFloat16, c.batch = 2, c.seqlen_q = 400, c.seqlen_k = 400,
-  c.mask_mod = MaskModKind::kDocument, c.score_mod = ScoreModKind::kAlibi, c.sparse_heads = 1;
+  c.label = "fp16_document_sparse", c.dtype = DType::kFloat16, c.batch = 2, c.seqlen_q = 400,
+  c.seqlen_k = 400, c.mask_mod = MaskModKind::kDocument, c.score_mod = ScoreModKind::kAlibi,
+  c.sparse_heads = 1;
   add(c);
   return cases;
 }
 
 INSTANTIATE_TEST_SUITE_P(Mods, GpuBackwardFlex, ::testing::ValuesIn(flex_cases()),
-                         [](const ::testing::TestParamInfo<FlexBwdCase>& info) { return case_name(info.param); });
+                         [](const ::testing::TestParamInfo<FlexBwdCase>& info) {
+                           return case_name(info.param);
+                         });
 
 // A small bf16 backward call with a causal mask_mod, for the refusals below.
 struct SmallCall {
@@ -684,13 +710,16 @@ struct SmallLists {
   DeviceBuffer cnt, idx;
   SmallLists(BackwardArgs& args, int block_m, int block_n)
       : cnt(DeviceBuffer::from(std::vector<int>((256 + block_n - 1) / block_n, 0))),
-        idx(DeviceBuffer::from(std::vector<int>(((256 + block_n - 1) / block_n) * ((64 + block_m - 1) / block_m), 0))) {
-    const std::int64_t col_blocks = (256 + block_n - 1) / block_n, row_blocks = (64 + block_m - 1) / block_m;
+        idx(DeviceBuffer::from(std::vector<int>(
+            ((256 + block_n - 1) / block_n) * ((64 + block_m - 1) / block_m), 0))) {
+    const std::int64_t col_blocks = (256 + block_n - 1) / block_n,
+                       row_blocks = (64 + block_m - 1) / block_m;
     BlockSparseTensors bs;
     bs.block_m = block_m;
     bs.block_n = block_n;
     bs.q_mask_block_cnt = TensorView(cnt.data(), DType::kInt32, {1, 1, col_blocks}, kCuda);
-    bs.q_mask_block_idx = TensorView(idx.data(), DType::kInt32, {1, 1, col_blocks, row_blocks}, kCuda);
+    bs.q_mask_block_idx =
+        TensorView(idx.data(), DType::kInt32, {1, 1, col_blocks, row_blocks}, kCuda);
     args.opts.block_sparse = bs;
   }
 };
@@ -713,7 +742,8 @@ TEST(GpuBackwardFlexUnsupported, BlockNarrowerThanTileIsRefused) {
 
 TEST(GpuBackwardFlexUnsupported, BlockNotAMultipleOfTileIsRefused) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
-  // Head dim 192 runs 96-key column blocks; a 128-key BlockMask block is not a whole number of them.
+  // Head dim 192 runs 96-key column blocks; a 128-key BlockMask block is not a whole number of
+  // them.
   SmallCall call(192);
   SmallLists lists(call.args, 128, 128);
   expect_not_supported(call.args, "block_sparse");
