@@ -655,8 +655,8 @@ struct MainloopBwdSm90 {
 
     // Flex variant: raw <q, k> to the final score (scale or softcap, then score_mod) with its
     // derivative in `grad`; and mask_mod. Positions past the sequence are not given to mask_mod
-    // (the length mask hides their keys, their rows are never stored), so an aux array of the
-    // sequence's length is never read past its end.
+    // (the length mask hides their keys; their rows have lse_log2 = +inf, so P = 0), so an aux
+    // array of the sequence's length is never read past its end.
     auto flex_scores = [&](auto const& flex, auto& scores, auto& grad, int m_block) {
       float const score_scale = flex.score_scale;
       float const tanh_scale = flex.tanh_scale;
