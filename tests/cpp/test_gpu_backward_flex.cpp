@@ -1,10 +1,10 @@
 // GPU backward kernel with score_mod, mask_mod and block sparsity (the flex kernels) against the
 // CPU reference (DESIGN.md section 5): every built-in mod, with causal / window / softcap, GQA,
-// varlen, the transposed (column-block) lists broadcast over heads and per head, block sizes
-// that are several kernel blocks, and rows or column blocks that see nothing. dq / dk / dv are
-// poisoned before each run; every element is checked for NaN and compared with the accuracy
-// rule in gpu_test_util.hpp (at most twice the error of the same backward done naively in the
-// input dtype).
+// varlen (without block lists, which need dense inputs), the transposed (column-block) lists
+// broadcast over heads and per head, block sizes that are several kernel blocks, and rows or
+// column blocks that see nothing. dq / dk / dv are poisoned before each run; every element is
+// checked for NaN and compared with the accuracy rule in gpu_test_util.hpp (at most twice the
+// error of the same backward done naively in the input dtype).
 #include <gtest/gtest.h>
 
 #if CUFLASH_HAS_CUDA  // a build without the CUDA toolkit has no device kernels to test
@@ -629,9 +629,9 @@ std::vector<FlexBwdCase> flex_cases() {
   c.score_mod = ScoreModKind::kAlibi, c.mask_mod = MaskModKind::kCausal;
   add(c);
   c = {};
-  c.label = "sparse_varlen_causal", c.batch = 3, c.seqlen_q = 400, c.seqlen_k = 300, c.heads = 2,
-  c.varlen = true, c.causal = true, c.mask_mod = MaskModKind::kPrefixLM, c.mask_scalars = {64},
-  c.sparse_heads = 2;
+  c.label = "sparse_per_head_gqa_causal_prefix_lm", c.batch = 2, c.seqlen_q = 300, c.seqlen_k = 400,
+  c.heads = 4, c.heads_kv = 2, c.causal = true, c.mask_mod = MaskModKind::kPrefixLM,
+  c.mask_scalars = {64}, c.sparse_heads = 4;
   add(c);
   // other head dims: 128 x 128 blocks over 128 x 128 tiles (64) and over 64 x 64 tiles (256)
   c = {};
