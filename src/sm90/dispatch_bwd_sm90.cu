@@ -1,8 +1,8 @@
 // Runtime -> compile-time dispatch of the sm90 backward: picks the compiled instantiation for a
 // call's dtype, head dims and whether it needs the flex kernel (causal / local and softcap are
-// switched inside each), rejects what
-// the kernels do not support (kNotSupported) or what this build did not compile (kNotBuilt),
-// and lays out the workspace that backward_workspace_bytes reports.
+// switched inside each), rejects what the kernels do not support (kNotSupported) or what this
+// build did not compile (kNotBuilt), and lays out the workspace that backward_workspace_bytes
+// reports.
 #include <cstdint>
 #include <initializer_list>
 #include <string>
@@ -133,8 +133,8 @@ void check_aligned(const char* argument, const void* data, std::initializer_list
 
 // What the flex kernels cannot do, refused by name.
 void check_flex(const BwdParams& p) {
-  // The deterministic order of dQ sums assumes that a row block's column blocks are contiguous;
-  // mask_mod narrowing and block lists break that.
+  // The deterministic order of dQ sums ranks a row block's column blocks from the window alone;
+  // mask_mod narrowing and block lists change which column blocks contribute.
   if (p.deterministic) {
     not_supported("deterministic",
                   "the deterministic sm90 backward cannot be combined with score_mod, mask_mod or "
