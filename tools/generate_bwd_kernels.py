@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Writes the backward instantiations into src/instantiations/: per head-dim / dtype pair, one
 .cu file holding that pair's four plain main kernels (causal-or-local x softcap) and its
-pre/postprocess kernels, and one holding its flex kernel (score_mod, mask_mod and block
-sparsity; variants::FlexVariant, with causal / local and softcap switched at run time inside
-it), so that a plain kernel pays nothing for the flex hooks and a build selecting one pair
+pre/postprocess kernels, and one holding its two flex kernels (score_mod, mask_mod and block
+sparsity; variants::FlexVariant, with or without softcap, causal / local switched at run time
+inside them), so that a plain kernel pays nothing for the flex hooks and a build selecting one pair
 (CI: hdim128 bf16) compiles two backward files.
 
 File stems are what the build (cmake/CuflashKernels.cmake) and the dispatch

@@ -61,11 +61,10 @@ bool needs_flex(const BwdParams& p) {
   return p.score_mod.kind != 0 || p.mask_mod.kind != 0 || p.block_sparse.enabled;
 }
 
-// The tile of the kernel that runs a call; the flex kernel has the window and softcap built in.
+// The tile of the kernel that runs a call; the flex kernels have the window built in.
 bwd::BwdTile kernel_tile(const BwdParams& p) {
   KernelHeadDims const dims = kernel_head_dims(p);
-  bool const flex = needs_flex(p);
-  return bwd::bwd_tile(dims.head_dim, dims.head_dim_v, flex || p.is_causal || p.is_local, flex || p.softcap > 0.f);
+  return bwd::bwd_tile(dims.head_dim, dims.head_dim_v, needs_flex(p) || p.is_causal || p.is_local, p.softcap > 0.f);
 }
 
 std::string kernel_name(const BwdParams& p) {

@@ -242,12 +242,18 @@ void run_bwd(BwdParams const& params, cudaStream_t stream) {
   }
 }
 
-// Entry of one flex instantiation file (score_mod, mask_mod, block sparsity): one kernel, with
-// causal / local and softcap switched at run time inside it.
+// Entry of one flex instantiation file (score_mod, mask_mod, block sparsity): causal / local are
+// runtime choices inside its kernels; softcap is compiled in or not, so that the kernel without
+// it holds no per-element derivative.
 template <class Element, int kHeadDim, int kHeadDimV>
 void run_bwd_flex(BwdParams const& params, cudaStream_t stream) {
-  run_bwd_config<Element, kHeadDim, kHeadDimV, /*HasWindow=*/true, /*HasSoftcap=*/false, variants::FlexVariant>(
-      params, stream);
+  if (params.softcap > 0.f) {
+    run_bwd_config<Element, kHeadDim, kHeadDimV, /*HasWindow=*/true, /*HasSoftcap=*/true, variants::FlexVariant>(
+        params, stream);
+  } else {
+    run_bwd_config<Element, kHeadDim, kHeadDimV, /*HasWindow=*/true, /*HasSoftcap=*/false, variants::FlexVariant>(
+        params, stream);
+  }
 }
 
 }  // namespace cuflash::sm90::bwd

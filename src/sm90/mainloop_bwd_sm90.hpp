@@ -191,8 +191,7 @@ CUTE_DEVICE int n_block_first(BwdSeqlen const& s, int m_block, int window_left) 
 // ---------------------------------------------------------------------------------------------
 
 // Variant_: variants::NoVariant (plain) or variants::FlexVariant (score_mod, mask_mod, block
-// sparsity; instantiated with HasWindow, since causal / local stay runtime choices in it, and
-// without HasSoftcap, which it switches at run time).
+// sparsity; instantiated with HasWindow, since causal / local stay runtime choices in it).
 template <class Element_, int kHeadDim_, int kHeadDimV_, bool HasWindow_, bool HasSoftcap_,
           class Variant_ = variants::NoVariant>
 struct MainloopBwdSm90 {
@@ -204,10 +203,10 @@ struct MainloopBwdSm90 {
   static constexpr bool HasWindow = HasWindow_;
   static constexpr bool HasSoftcap = HasSoftcap_;
   static constexpr bool kIsFlex = Variant::kIsFlex;
-  static_assert(!kIsFlex || (HasWindow && !HasSoftcap), "the flex variant has the window and softcap built in");
-  // d score / d (softmax_scale * <q, k>) per element, applied to dS: softcap's 1 - tanh^2, and
-  // with the flex variant that times the score_mod's derivative.
-  static constexpr bool kHasScoreGrad = HasSoftcap || kIsFlex;
+  static_assert(!kIsFlex || HasWindow, "the flex variant has the window built in");
+  // d score / d (softmax_scale * <q, k>) per element, applied to dS: softcap's 1 - tanh^2 times
+  // the score_mod's derivative, unless both are 1.
+  static constexpr bool kHasScoreGrad = HasSoftcap || !Variant::kUnitScoreGrad;
 
   static constexpr BwdTile kTile = bwd_tile(kHeadDim, kHeadDimV, HasWindow, kHasScoreGrad);
   static constexpr int kBlockM = kTile.block_m;
@@ -659,8 +658,8 @@ struct MainloopBwdSm90 {
     // array of the sequence's length is never read past its end.
     auto flex_scores = [&](auto const& flex, auto& scores, auto& grad, int m_block) {
       float const score_scale = flex.score_scale;
-      float const tanh_scale = flex.tanh_scale;
-      if (tanh_scale != 0.f) {
+      if constexpr (HasSoftcap) {
+        float const tanh_scale = flex.tanh_scale;
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < size(scores); ++i) {
           float const t = cutlass::fast_tanh(scores(i) * tanh_scale);
@@ -671,7 +670,7 @@ struct MainloopBwdSm90 {
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < size(scores); ++i) {
           scores(i) *= score_scale;
-          grad(i) = 1.f;
+          if constexpr (kHasScoreGrad) { grad(i) = 1.f; }
         }
       }
       flex.score_mod.visit([&](auto const& mod) {
@@ -686,7 +685,7 @@ struct MainloopBwdSm90 {
               int const col = col_first + col_offset(ni);
               float const s = scores(mi, ni);
               scores(mi, ni) = mod.score(s, batch, head, row, col);
-              grad(mi, ni) *= mod.grad(s, batch, head, row, col);
+              if constexpr (kHasScoreGrad) { grad(mi, ni) *= mod.grad(s, batch, head, row, col); }
             }
           }
         }
@@ -746,7 +745,7 @@ struct MainloopBwdSm90 {
       Tensor scores = make_tensor(tSrS.data(), acc_rowcol_layout<SdP_swapAB>(tSrS.layout()));
       // d softcap(x)/dx = 1 - tanh^2, taken before masking so masked entries stay finite.
       Tensor dtanh = make_tensor_like(scores);
-      if constexpr (HasSoftcap) {
+      if constexpr (HasSoftcap && !kIsFlex) {
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < size(scores); ++i) {
           float const t = cutlass::fast_tanh(scores(i) * p.softcap_val);

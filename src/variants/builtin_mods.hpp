@@ -126,6 +126,10 @@ struct DocumentMaskMod {
 
 // One built-in score_mod, chosen at run time (ScoreModKind value).
 struct ScoreModSwitch {
+  // Every built-in adds a bias to s, so d score / d s = 1: without softcap the backward needs no
+  // per-element derivative.
+  static constexpr bool kUnitGrad = true;
+
   int kind = 0;
   float const* table = nullptr;  // alibi slopes or the relative-bias table
   int width = 0;                 // relative bias: 2R + 1

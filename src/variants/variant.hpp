@@ -13,12 +13,14 @@ namespace cuflash::variants {
 
 struct NoVariant {
   static constexpr bool kIsFlex = false;
+  static constexpr bool kUnitScoreGrad = true;  // d score / d s = 1 (backward)
   struct Params {};
   static Params to_params(FwdParams const&) { return {}; }
 };
 
 struct FlexVariant {
   static constexpr bool kIsFlex = true;
+  static constexpr bool kUnitScoreGrad = ScoreModSwitch::kUnitGrad;
   struct Params {
     ScoreModSwitch score_mod;
     MaskModSwitch mask_mod;
