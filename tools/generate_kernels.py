@@ -6,11 +6,7 @@ File stems are what the build (cmake/CuflashKernels.cmake) and the dispatch
 (src/sm90/dispatch_fwd_sm90.cu) match on: flash_fwd_hdim{D}[x{Dv}]_{dtype}[_{feature}]_sm90.
 """
 
-import argparse
-import pathlib
-
-HEAD_DIMS = [(64, 64), (96, 96), (128, 128), (192, 192), (192, 128), (256, 256)]
-DTYPES = {"fp16": "cutlass::half_t", "bf16": "cutlass::bfloat16_t"}
+from kernel_generator_common import write_instantiations
 # Features compiled as separate kernels (softcap, split-KV, flex), so that a kernel without them
 # pays nothing; everything else (causal, local, varlen, GQA, sink, lse) is a runtime choice.
 # flex: score_mod, mask_mod and block sparsity (variants::FlexVariant; the mod kinds and softcap
@@ -42,29 +38,12 @@ void run_{stem}(FwdParams& params, cudaStream_t stream) {{
 """
 
 
-def stem(hdim, hdim_v, dtype, feature):
-    dims = f"{hdim}" if hdim == hdim_v else f"{hdim}x{hdim_v}"
-    suffix = f"_{feature}" if feature else ""
-    return f"flash_fwd_hdim{dims}_{dtype}{suffix}_sm90"
-
-
-def main():
-    parser = argparse.ArgumentParser(description=__doc__)
-    root = pathlib.Path(__file__).resolve().parent.parent
-    parser.add_argument("--out", type=pathlib.Path, default=root / "src" / "instantiations")
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    for old in args.out.glob("flash_fwd_*_sm90.cu"):
-        old.unlink()
-    for hdim, hdim_v in HEAD_DIMS:
-        for dtype, element in DTYPES.items():
-            for feature, (softcap, split, variant, paged) in FEATURES.items():
-                name = stem(hdim, hdim_v, dtype, feature)
-                text = TEMPLATE.format(stem=name, element=element, hdim=hdim, hdim_v=hdim_v, softcap=softcap,
-                                       split=split, variant=variant,
-                                       paged=", /*kIsPaged=*/true" if paged == "true" else "")
-                (args.out / f"{name}.cu").write_text(text)
+def render(stem, element, hdim, hdim_v, feature):
+    softcap, split, variant, paged = feature
+    return TEMPLATE.format(stem=stem, element=element, hdim=hdim, hdim_v=hdim_v, softcap=softcap,
+                           split=split, variant=variant,
+                           paged=", /*kIsPaged=*/true" if paged == "true" else "")
 
 
 if __name__ == "__main__":
-    main()
+    write_instantiations(__doc__, "fwd", FEATURES, render)
