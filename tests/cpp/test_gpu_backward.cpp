@@ -23,10 +23,8 @@ namespace cuflash {
 namespace {
 
 using gpu_testing::DeviceBuffer;
-
-const Device kCpu{};
-const Device kCuda{DeviceType::kCUDA, 0};
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+using gpu_testing::expect_grad_close;
+using gpu_testing::kCpu, gpu_testing::kCuda, gpu_testing::kNegInf;
 
 struct BwdCase {
   std::string label;
@@ -45,7 +43,7 @@ struct BwdCase {
 
 std::string case_name(const BwdCase& c) {
   std::ostringstream name;
-  name << c.label << "_" << (c.dtype == DType::kBFloat16 ? "bf16" : "fp16") << "_d" << c.head_dim;
+  name << c.label << "_" << gpu_testing::dtype_name(c.dtype) << "_d" << c.head_dim;
   if (c.head_dim_v != c.head_dim) name << "x" << c.head_dim_v;
   return name.str();
 }
@@ -341,22 +339,6 @@ GpuRun run_gpu(const Problem& pb) {
   return run;
 }
 
-void expect_close(const char* what, const std::vector<double>& gpu, const std::vector<double>& naive,
-                  const std::vector<double>& ref) {
-  ASSERT_EQ(gpu.size(), ref.size()) << what;
-  ASSERT_EQ(naive.size(), ref.size()) << what;
-  gpu_testing::ErrorStats gpu_stats, naive_stats;
-  for (std::size_t i = 0; i < ref.size(); ++i) {
-    gpu_testing::accumulate_error(gpu_stats, gpu[i], ref[i]);
-    gpu_testing::accumulate_error(naive_stats, naive[i], ref[i]);
-  }
-  EXPECT_FALSE(gpu_stats.has_nan) << what << ": NaN or unwritten element";
-  EXPECT_FALSE(gpu_stats.inf_mismatch) << what << ": inf where the reference is finite, or the reverse";
-  const double slack = 1e-4;
-  EXPECT_LE(gpu_stats.max_error, 2.0 * naive_stats.max_error + slack)
-      << what << ": max error " << gpu_stats.max_error << ", naive " << naive_stats.max_error;
-}
-
 class GpuBackward : public ::testing::TestWithParam<BwdCase> {};
 
 TEST_P(GpuBackward, MatchesReference) {
@@ -372,10 +354,10 @@ TEST_P(GpuBackward, MatchesReference) {
   }
   const Grads ref = run_reference(pb);
   const Grads naive = naive_low_precision(pb);
-  expect_close("dq", gpu.grads.dq, naive.dq, ref.dq);
-  expect_close("dk", gpu.grads.dk, naive.dk, ref.dk);
-  expect_close("dv", gpu.grads.dv, naive.dv, ref.dv);
-  if (c.sink) expect_close("d_sink", gpu.grads.d_sink, naive.d_sink, ref.d_sink);
+  expect_grad_close("dq", gpu.grads.dq, naive.dq, ref.dq);
+  expect_grad_close("dk", gpu.grads.dk, naive.dk, ref.dk);
+  expect_grad_close("dv", gpu.grads.dv, naive.dv, ref.dv);
+  if (c.sink) expect_grad_close("d_sink", gpu.grads.d_sink, naive.d_sink, ref.d_sink);
 
   if (c.deterministic) {
     const GpuRun again = run_gpu(pb);

@@ -25,10 +25,9 @@ namespace cuflash {
 namespace {
 
 using gpu_testing::DeviceBuffer;
-
-const Device kCpu{};
-const Device kCuda{DeviceType::kCUDA, 0};
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+using gpu_testing::expect_grad_close, gpu_testing::is_built;
+using gpu_testing::from_device_16bit, gpu_testing::to_device_16bit;
+using gpu_testing::kCpu, gpu_testing::kCuda, gpu_testing::kNegInf;
 
 struct FlexBwdCase {
   std::string label;
@@ -52,7 +51,7 @@ struct FlexBwdCase {
 
 std::string case_name(const FlexBwdCase& c) {
   std::ostringstream name;
-  name << c.label << "_" << (c.dtype == DType::kBFloat16 ? "bf16" : "fp16") << "_d" << c.head_dim;
+  name << c.label << "_" << gpu_testing::dtype_name(c.dtype) << "_d" << c.head_dim;
   return name.str();
 }
 
@@ -426,17 +425,12 @@ Grads naive_low_precision(const Problem& pb) {
 
 Grads run_gpu(const Problem& pb) {
   const FlexBwdCase& c = pb.c;
-  auto device_copy = [&](const std::vector<float>& values) {
-    std::vector<std::uint16_t> bits(values.size());
-    for (std::size_t i = 0; i < values.size(); ++i)
-      bits[i] = gpu_testing::to_bits(values[i], c.dtype);
-    return DeviceBuffer::from(bits);
-  };
   auto poisoned = [&](std::size_t n) {
     return DeviceBuffer::from(std::vector<std::uint16_t>(n, gpu_testing::kPoison16));
   };
-  DeviceBuffer q = device_copy(pb.q), k = device_copy(pb.k), v = device_copy(pb.v);
-  DeviceBuffer out = device_copy(pb.out), dout = device_copy(pb.dout);
+  DeviceBuffer q = to_device_16bit(pb.q, c.dtype), k = to_device_16bit(pb.k, c.dtype),
+               v = to_device_16bit(pb.v, c.dtype);
+  DeviceBuffer out = to_device_16bit(pb.out, c.dtype), dout = to_device_16bit(pb.dout, c.dtype);
   DeviceBuffer lse = DeviceBuffer::from(pb.lse);
   DeviceBuffer dq = poisoned(pb.q.size()), dk = poisoned(pb.k.size()), dv = poisoned(pb.v.size());
   DeviceBuffer cu_q = DeviceBuffer::from(pb.cu(pb.start_q, pb.rows_q));
@@ -465,35 +459,10 @@ Grads run_gpu(const Problem& pb) {
   gpu_testing::check_cuda(cudaDeviceSynchronize(), "backward kernels");
 
   Grads g;
-  for (std::uint16_t bits : dq.to_host<std::uint16_t>())
-    g.dq.push_back(gpu_testing::from_bits(bits, c.dtype));
-  for (std::uint16_t bits : dk.to_host<std::uint16_t>())
-    g.dk.push_back(gpu_testing::from_bits(bits, c.dtype));
-  for (std::uint16_t bits : dv.to_host<std::uint16_t>())
-    g.dv.push_back(gpu_testing::from_bits(bits, c.dtype));
+  g.dq = from_device_16bit(dq, c.dtype);
+  g.dk = from_device_16bit(dk, c.dtype);
+  g.dv = from_device_16bit(dv, c.dtype);
   return g;
-}
-
-void expect_close(const char* what, const std::vector<double>& gpu,
-                  const std::vector<double>& naive, const std::vector<double>& ref) {
-  ASSERT_EQ(gpu.size(), ref.size()) << what;
-  ASSERT_EQ(naive.size(), ref.size()) << what;
-  gpu_testing::ErrorStats gpu_stats, naive_stats;
-  for (std::size_t i = 0; i < ref.size(); ++i) {
-    gpu_testing::accumulate_error(gpu_stats, gpu[i], ref[i]);
-    gpu_testing::accumulate_error(naive_stats, naive[i], ref[i]);
-  }
-  EXPECT_FALSE(gpu_stats.has_nan) << what << ": NaN or unwritten element";
-  EXPECT_FALSE(gpu_stats.inf_mismatch)
-      << what << ": inf where the reference is finite, or the reverse";
-  const double slack = 1e-4;
-  EXPECT_LE(gpu_stats.max_error, 2.0 * naive_stats.max_error + slack)
-      << what << ": max error " << gpu_stats.max_error << ", naive " << naive_stats.max_error;
-}
-
-bool is_built(const std::string& description) {
-  const std::vector<std::string> built = built_kernels();
-  return std::find(built.begin(), built.end(), description) != built.end();
 }
 
 class GpuBackwardFlex : public ::testing::TestWithParam<FlexBwdCase> {};
@@ -511,9 +480,9 @@ TEST_P(GpuBackwardFlex, MatchesReference) {
   }
   const Grads ref = run_reference(pb);
   const Grads naive = naive_low_precision(pb);
-  expect_close("dq", gpu.dq, naive.dq, ref.dq);
-  expect_close("dk", gpu.dk, naive.dk, ref.dk);
-  expect_close("dv", gpu.dv, naive.dv, ref.dv);
+  expect_grad_close("dq", gpu.dq, naive.dq, ref.dq);
+  expect_grad_close("dk", gpu.dk, naive.dk, ref.dk);
+  expect_grad_close("dv", gpu.dv, naive.dv, ref.dv);
   if (c.label.find("empty_rows") != std::string::npos) {
     EXPECT_GT(std::count(pb.lse.begin(), pb.lse.end(), kNegInf), 0)
         << "the case was meant to have rows without keys";

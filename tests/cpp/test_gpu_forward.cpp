@@ -22,10 +22,9 @@ namespace cuflash {
 namespace {
 
 using gpu_testing::DeviceBuffer;
-
-const Device kCpu{};
-const Device kCuda{DeviceType::kCUDA, 0};
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+using gpu_testing::expect_output_close;
+using gpu_testing::from_device_16bit;
+using gpu_testing::kCpu, gpu_testing::kCuda, gpu_testing::kNegInf;
 
 struct FwdCase {
   std::string label;
@@ -47,7 +46,7 @@ struct FwdCase {
 
 std::string case_name(const FwdCase& c) {
   std::ostringstream name;
-  name << c.label << "_" << (c.dtype == DType::kBFloat16 ? "bf16" : "fp16") << "_d" << c.head_dim;
+  name << c.label << "_" << gpu_testing::dtype_name(c.dtype) << "_d" << c.head_dim;
   if (c.head_dim_v != c.head_dim) name << "x" << c.head_dim_v;
   return name.str();
 }
@@ -295,30 +294,11 @@ Result run_gpu(const Problem& pb) {
   gpu_testing::check_cuda(cudaDeviceSynchronize(), "forward kernel");
 
   Result result;
-  for (std::uint16_t bits : out.to_host<std::uint16_t>())
-    result.out.push_back(gpu_testing::from_bits(bits, c.dtype));
+  result.out = from_device_16bit(out, c.dtype);
   if (c.with_lse) {
     for (float x : lse.to_host<float>()) result.lse.push_back(x);
   }
   return result;
-}
-
-void expect_close(const char* what, const std::vector<double>& gpu,
-                  const std::vector<double>& naive, const std::vector<double>& ref) {
-  ASSERT_EQ(gpu.size(), ref.size()) << what;
-  gpu_testing::ErrorStats gpu_stats, naive_stats;
-  for (std::size_t i = 0; i < ref.size(); ++i) {
-    gpu_testing::accumulate_error(gpu_stats, gpu[i], ref[i]);
-    gpu_testing::accumulate_error(naive_stats, naive[i], ref[i]);
-  }
-  EXPECT_FALSE(gpu_stats.has_nan) << what << ": NaN or unwritten element";
-  EXPECT_FALSE(gpu_stats.inf_mismatch)
-      << what << ": -inf where the reference is finite, or the reverse";
-  EXPECT_FALSE(naive_stats.inf_mismatch)
-      << what << ": the naive check disagrees with the reference on -inf";
-  const double slack = 1e-4;
-  EXPECT_LE(gpu_stats.max_error, 2.0 * naive_stats.max_error + slack)
-      << what << ": max error " << gpu_stats.max_error << ", naive " << naive_stats.max_error;
 }
 
 class GpuForward : public ::testing::TestWithParam<FwdCase> {};
@@ -336,8 +316,8 @@ TEST_P(GpuForward, MatchesReference) {
   }
   const Result ref = run_reference(pb);
   const Result naive = naive_low_precision(pb);
-  expect_close("out", gpu.out, naive.out, ref.out);
-  if (c.with_lse) expect_close("lse", gpu.lse, naive.lse, ref.lse);
+  expect_output_close("out", gpu.out, naive.out, ref.out);
+  if (c.with_lse) expect_output_close("lse", gpu.lse, naive.lse, ref.lse);
 }
 
 std::vector<FwdCase> forward_cases() {

@@ -23,10 +23,9 @@ namespace cuflash {
 namespace {
 
 using gpu_testing::DeviceBuffer;
-
-const Device kCpu{};
-const Device kCuda{DeviceType::kCUDA, 0};
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+using gpu_testing::expect_output_close, gpu_testing::is_built;
+using gpu_testing::from_device_16bit, gpu_testing::to_device_16bit;
+using gpu_testing::kCpu, gpu_testing::kCuda, gpu_testing::kNegInf;
 
 struct FlexCase {
   std::string label;
@@ -50,7 +49,7 @@ struct FlexCase {
 
 std::string case_name(const FlexCase& c) {
   std::ostringstream name;
-  name << c.label << "_" << (c.dtype == DType::kBFloat16 ? "bf16" : "fp16") << "_d" << c.head_dim;
+  name << c.label << "_" << gpu_testing::dtype_name(c.dtype) << "_d" << c.head_dim;
   return name.str();
 }
 
@@ -358,13 +357,8 @@ Result run_reference(const Problem& pb) {
 
 Result run_gpu(const Problem& pb) {
   const FlexCase& c = pb.c;
-  auto device_copy = [&](const std::vector<float>& values) {
-    std::vector<std::uint16_t> bits(values.size());
-    for (std::size_t i = 0; i < values.size(); ++i)
-      bits[i] = gpu_testing::to_bits(values[i], c.dtype);
-    return DeviceBuffer::from(bits);
-  };
-  DeviceBuffer q = device_copy(pb.q), k = device_copy(pb.k), v = device_copy(pb.v);
+  DeviceBuffer q = to_device_16bit(pb.q, c.dtype), k = to_device_16bit(pb.k, c.dtype),
+               v = to_device_16bit(pb.v, c.dtype);
   DeviceBuffer out = DeviceBuffer::from(std::vector<std::uint16_t>(
       std::size_t(pb.rows_q) * c.heads * c.head_dim, gpu_testing::kPoison16));
   DeviceBuffer lse = DeviceBuffer::from(std::vector<float>(pb.lse_size(), std::nanf("")));
@@ -396,38 +390,14 @@ Result run_gpu(const Problem& pb) {
   gpu_testing::check_cuda(cudaDeviceSynchronize(), "forward kernel");
 
   Result result;
-  for (std::uint16_t bits : out.to_host<std::uint16_t>())
-    result.out.push_back(gpu_testing::from_bits(bits, c.dtype));
+  result.out = from_device_16bit(out, c.dtype);
   for (float x : lse.to_host<float>()) result.lse.push_back(x);
   return result;
-}
-
-void expect_close(const char* what, const std::vector<double>& gpu,
-                  const std::vector<double>& naive, const std::vector<double>& ref) {
-  ASSERT_EQ(gpu.size(), ref.size()) << what;
-  gpu_testing::ErrorStats gpu_stats, naive_stats;
-  for (std::size_t i = 0; i < ref.size(); ++i) {
-    gpu_testing::accumulate_error(gpu_stats, gpu[i], ref[i]);
-    gpu_testing::accumulate_error(naive_stats, naive[i], ref[i]);
-  }
-  EXPECT_FALSE(gpu_stats.has_nan) << what << ": NaN or unwritten element";
-  EXPECT_FALSE(gpu_stats.inf_mismatch)
-      << what << ": -inf where the reference is finite, or the reverse";
-  EXPECT_FALSE(naive_stats.inf_mismatch)
-      << what << ": the naive check disagrees with the reference on -inf";
-  const double slack = 1e-4;
-  EXPECT_LE(gpu_stats.max_error, 2.0 * naive_stats.max_error + slack)
-      << what << ": max error " << gpu_stats.max_error << ", naive " << naive_stats.max_error;
 }
 
 // Rows of lse that are -inf in the reference: the case must produce some when it says so.
 std::size_t count_empty_rows(const Result& ref) {
   return std::size_t(std::count(ref.lse.begin(), ref.lse.end(), double(kNegInf)));
-}
-
-bool is_built(const std::string& description) {
-  const std::vector<std::string> built = built_kernels();
-  return std::find(built.begin(), built.end(), description) != built.end();
 }
 
 class GpuForwardFlex : public ::testing::TestWithParam<FlexCase> {};
@@ -445,8 +415,8 @@ TEST_P(GpuForwardFlex, MatchesReference) {
   }
   const Result ref = run_reference(pb);
   const Result naive = naive_low_precision(pb);
-  expect_close("out", gpu.out, naive.out, ref.out);
-  expect_close("lse", gpu.lse, naive.lse, ref.lse);
+  expect_output_close("out", gpu.out, naive.out, ref.out);
+  expect_output_close("lse", gpu.lse, naive.lse, ref.lse);
   if (c.empty_row_blocks || c.label.find("empty") != std::string::npos)
     EXPECT_GT(count_empty_rows(ref), 0u) << "the case was meant to have rows without keys";
 }
