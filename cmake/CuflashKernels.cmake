@@ -72,12 +72,25 @@ foreach(_file ${_all_instantiations})
   if(CUFLASH_KERNEL_SET STREQUAL "ci" AND _name MATCHES "_paged_split_")
     continue()
   endif()
+  # Feature tokens between the dtype and the arch suffix (softcap, split, flex, paged): the file
+  # is built only when every one of them is in CUFLASH_FEATURES. Plain kernels have none.
+  string(REGEX REPLACE "^flash_(fwd|bwd)_hdim[0-9x]+_(fp16|bf16)_?(.*)_sm90$" "\\3" _features ${_name})
+  string(REPLACE "_" ";" _features "${_features}")
+  set(_features_built TRUE)
+  foreach(_feature ${_features})
+    if(NOT _feature IN_LIST CUFLASH_FEATURES)
+      set(_features_built FALSE)
+    endif()
+  endforeach()
+  if(NOT _features_built)
+    continue()
+  endif()
   if(_hdim IN_LIST _hdims AND _dtype IN_LIST _dtypes)
     list(APPEND CUFLASH_SELECTED_INSTANTIATIONS ${_file})
   endif()
 endforeach()
 list(LENGTH CUFLASH_SELECTED_INSTANTIATIONS _count)
-message(STATUS "cuflash: kernel set '${CUFLASH_KERNEL_SET}' (hdims ${_hdims}; dtypes ${_dtypes}): ${_count} instantiation files")
+message(STATUS "cuflash: kernel set '${CUFLASH_KERNEL_SET}' (hdims ${_hdims}; dtypes ${_dtypes}; features ${CUFLASH_FEATURES}): ${_count} instantiation files")
 
 # The list of compiled configurations, for dispatch to report what is missing.
 # cuflash_built_kernels.inc: CUFLASH_BUILT(<stem>) for every file; cuflash_built_fwd.inc /

@@ -195,7 +195,7 @@ void run_backward(BwdParams& params, StreamHandle stream) {
                 "the sm90 backward kernel 'bwd " + std::string(DType(params.dtype) == DType::kBFloat16 ? "bf16" : "fp16") +
                     " hdim" + hdim + (needs_flex(params) ? " flex" : "") + "' is not in this build (CUFLASH_KERNEL_SET=" + CUFLASH_KERNEL_SET +
                     "); reconfigure with -DCUFLASH_KERNEL_SET=all, or =custom with CUFLASH_HDIMS and "
-                    "CUFLASH_DTYPES naming it");
+                    "CUFLASH_DTYPES naming it, and CUFLASH_FEATURES holding its features");
   }
   WorkspaceLayout const layout = workspace_layout(params);
   if (params.workspace == nullptr || params.workspace_bytes < layout.total) {

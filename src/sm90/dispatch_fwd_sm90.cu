@@ -180,7 +180,7 @@ void run_forward(FwdParams& params, StreamHandle stream) {
               "the sm90 forward kernel '" + describe(name) +
                   "' is not in this build (CUFLASH_KERNEL_SET=" + CUFLASH_KERNEL_SET +
                   "); reconfigure with -DCUFLASH_KERNEL_SET=all, or =custom with CUFLASH_HDIMS and "
-                  "CUFLASH_DTYPES naming it");
+                  "CUFLASH_DTYPES naming it, and CUFLASH_FEATURES holding its features");
 }
 
 std::vector<std::string> built_kernels() {
