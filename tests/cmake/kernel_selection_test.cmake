@@ -1,0 +1,41 @@
+cmake_minimum_required(VERSION 3.24)
+# Configures cuflash with a given kernel set and feature list (no build) and checks which
+# instantiations the generated list holds: guards the selection rules of CuflashKernels.cmake.
+#   cmake -DSOURCE_DIR=... -DWORK_DIR=... -P kernel_selection_test.cmake
+function(expect_selection kernel_set features expected_count must_have must_not_have)
+  set(build_dir ${WORK_DIR}/${kernel_set}_${expected_count})
+  file(REMOVE_RECURSE ${build_dir})
+  execute_process(
+    COMMAND ${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${build_dir} -DCUFLASH_KERNEL_SET=${kernel_set}
+            "-DCUFLASH_FEATURES=${features}" -DCUFLASH_BUILD_TESTS=OFF -DCUFLASH_BUILD_EXAMPLES=OFF
+    RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "configure failed (${kernel_set}, '${features}'):\n${out}\n${err}")
+  endif()
+  file(STRINGS ${build_dir}/generated/cuflash_built_kernels.inc lines)
+  list(LENGTH lines count)
+  if(NOT count EQUAL expected_count)
+    message(FATAL_ERROR "${kernel_set}, features '${features}': expected ${expected_count} kernels, got ${count}: ${lines}")
+  endif()
+  foreach(stem ${must_have})
+    if(NOT "CUFLASH_BUILT(${stem})" IN_LIST lines)
+      message(FATAL_ERROR "${kernel_set}, features '${features}': ${stem} missing from ${lines}")
+    endif()
+  endforeach()
+  foreach(stem ${must_not_have})
+    if("CUFLASH_BUILT(${stem})" IN_LIST lines)
+      message(FATAL_ERROR "${kernel_set}, features '${features}': ${stem} should not be built")
+    endif()
+  endforeach()
+endfunction()
+
+# ci: hdim128 bf16, every feature but paged_split.
+expect_selection(ci "softcap;split;flex;paged" 8
+  "flash_fwd_hdim128_bf16_sm90;flash_fwd_hdim128_bf16_softcap_split_sm90;flash_bwd_hdim128_bf16_sm90"
+  "flash_fwd_hdim128_bf16_paged_split_sm90;flash_fwd_hdim64_bf16_sm90;flash_fwd_hdim128_fp16_sm90")
+# No features: the plain forward and backward kernels only.
+expect_selection(ci "" 2 "flash_fwd_hdim128_bf16_sm90;flash_bwd_hdim128_bf16_sm90"
+  "flash_fwd_hdim128_bf16_softcap_sm90;flash_bwd_hdim128_bf16_flex_sm90")
+# A file with two features needs both.
+expect_selection(custom "split" 3 "flash_fwd_hdim128_bf16_split_sm90"
+  "flash_fwd_hdim128_bf16_softcap_split_sm90;flash_fwd_hdim128_bf16_paged_split_sm90")
