@@ -12,8 +12,8 @@
 # RACECHECK_FILTER, BENCH_ARGS, BENCH_ENV_B (run the
 # benchmark a second time with these VAR=value settings), BENCH_BWD_ARGS (bench/bench_bwd.py),
 # BENCH_BWD_TIMEOUT (seconds, default 300: a hung backward kernel ends the step, not the call), JOBS.
-# Carry `.cutlass` (CUTLASS headers) and, where the machine has no GoogleTest, `.deps`
-# (a googletest source tree at .deps/googletest).
+# Carry `.cutlass` (CUTLASS headers) and, where the machine has no GoogleTest, `.deps` (a
+# googletest source tree at .deps/googletest); tools/prepare_device_carry.sh makes both here.
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
