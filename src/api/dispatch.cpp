@@ -39,6 +39,10 @@ FwdParams device_fwd_params(const ForwardArgs& args, const detail::AttentionShap
   FwdParams params = detail::make_fwd_params(args, shape);
   params.num_sm = sm90::device_sm_count(shape.device.index);
   params.num_splits = detail::choose_num_splits(params, args.num_splits, params.num_sm);
+  // The heuristic may only pick a split count the build can run; an explicit request that the
+  // build cannot run still fails by name in run_forward.
+  if (args.num_splits <= 0 && params.num_splits > 1 && !sm90::forward_kernel_built(params))
+    params.num_splits = 1;
   return params;
 }
 

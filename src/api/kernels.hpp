@@ -14,6 +14,8 @@ namespace cuflash::sm90 {
 // Throws cuflash::Error(kNotBuilt) naming the CMake option when the configuration
 // (dtype, head dims, features) was not compiled into this build.
 void run_forward(FwdParams& params, StreamHandle stream);
+// Whether the forward kernel that `params` (num_splits included) would launch is in this build.
+bool forward_kernel_built(const FwdParams& params);
 void run_combine(const CombineParams& params, StreamHandle stream);
 void run_backward(BwdParams& params, StreamHandle stream);
 std::size_t backward_workspace_bytes(const BwdParams& params);

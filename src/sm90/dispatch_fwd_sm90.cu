@@ -183,6 +183,13 @@ void run_forward(FwdParams& params, StreamHandle stream) {
                   "CUFLASH_DTYPES naming it, and CUFLASH_FEATURES holding its features");
 }
 
+bool forward_kernel_built(const FwdParams& params) {
+  std::string const name = fwd_kernel_name(params);
+  for (const FwdEntry* entry = kFwdEntries; entry->name != nullptr; ++entry)
+    if (name == entry->name) return true;
+  return false;
+}
+
 std::vector<std::string> built_kernels() {
   std::vector<std::string> names;
   for (const FwdEntry* entry = kFwdEntries; entry->name != nullptr; ++entry)
