@@ -120,12 +120,12 @@ foreach(_inc cuflash_built_kernels cuflash_built_fwd cuflash_built_bwd)
   configure_file(${PROJECT_BINARY_DIR}/generated/${_inc}.inc.tmp ${PROJECT_BINARY_DIR}/generated/${_inc}.inc COPYONLY)
 endforeach()
 
-# The backward tiles need WGMMA N extents such as 80 and 40, which CUTLASS declares only with
-# CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED (src/sm90/mainloop_bwd_sm90.hpp checks for it).
-set(_bwd_instantiations ${CUFLASH_SELECTED_INSTANTIATIONS})
-list(FILTER _bwd_instantiations INCLUDE REGEX "/flash_bwd_[^/]*\\.cu$")
-if(_bwd_instantiations)
-  set_source_files_properties(${_bwd_instantiations} PROPERTIES COMPILE_DEFINITIONS CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED)
+# Tiles whose N extent is not a power-of-two multiple of 32 (forward kBlockN 80, 112, 160; backward
+# 80, 40) need WGMMA shapes that CUTLASS declares only with CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED;
+# without them the selector falls back to 64x16 atoms, five to seven WGMMAs where one would do.
+# src/sm90/mainloop_bwd_sm90.hpp and mainloop_fwd_sm90.hpp check that it is set.
+if(CUFLASH_SELECTED_INSTANTIATIONS)
+  set_source_files_properties(${CUFLASH_SELECTED_INSTANTIATIONS} PROPERTIES COMPILE_DEFINITIONS CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED)
 endif()
 
 file(GLOB CUFLASH_SM90_SOURCES CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/src/sm90/*.cu)

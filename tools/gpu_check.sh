@@ -9,7 +9,7 @@
 #
 # Environment: KERNEL_SET (ci|all|custom), HDIMS / DTYPES (for custom), STEPS (comma list of
 # build,test,test_each,pytest,sanitize,sass,bench,bench_bwd), GTEST_FILTER (default *Gpu*), TEST_TIMEOUT, SANITIZE_FILTER (memcheck),
-# RACECHECK_FILTER, PER_TEST_TIMEOUT (test_each), PYTEST_ARGS, PYTEST_TIMEOUT, BENCH_ARGS, BENCH_ENV_B (run the
+# RACECHECK_FILTER, PER_TEST_TIMEOUT (test_each), PYTEST_K (a -k expression), PYTEST_ARGS, PYTEST_TIMEOUT, BENCH_ARGS, BENCH_ENV_B (run the
 # benchmark a second time with these VAR=value settings), BENCH_BWD_ARGS (bench/bench_bwd.py),
 # BENCH_BWD_TIMEOUT (seconds, default 300: a hung backward kernel ends the step, not the call), JOBS.
 # Carry `.cutlass` (CUTLASS headers) and, where the machine has no GoogleTest, `.deps` (a
@@ -72,16 +72,20 @@ if has_step test_each; then
   # kernel is reported against that test and the others still run.
   start=$(date +%s)
   : >"$OUT/tests_each.log"
-  pass=0; fail=0; hung=0
+  pass=0; skip=0; fail=0; hung=0
   for t in $("$TESTS" --gtest_filter="$GTEST_FILTER" --gtest_list_tests |
              awk '/^[^ ]/ {suite=$1} /^  / {print suite $1}'); do
-    timeout "${PER_TEST_TIMEOUT:-60}" "$TESTS" --gtest_filter="$t" --gtest_brief=1 >>"$OUT/tests_each.log" 2>&1
+    echo "== $t" >>"$OUT/tests_each.log"
+    timeout "${PER_TEST_TIMEOUT:-60}" "$TESTS" --gtest_filter="$t" --gtest_brief=1 >"$OUT/one_test.log" 2>&1
     rc=$?
-    if [[ $rc -eq 0 ]]; then pass=$((pass + 1))
+    cat "$OUT/one_test.log" >>"$OUT/tests_each.log"
+    if [[ $rc -eq 0 ]] && grep -q '^\[  SKIPPED \] 1 test' "$OUT/one_test.log"; then skip=$((skip + 1))
+    elif [[ $rc -eq 0 ]]; then pass=$((pass + 1))
     elif [[ $rc -eq 124 ]]; then hung=$((hung + 1)); note "HUNG: $t"
     else fail=$((fail + 1)); note "FAILED: $t"; fi
   done
-  note "tests_each ($GTEST_FILTER): passed=$pass failed=$fail hung=$hung in $(( $(date +%s) - start )) s"
+  rm -f "$OUT/one_test.log"
+  note "tests_each ($GTEST_FILTER): passed=$pass skipped=$skip failed=$fail hung=$hung in $(( $(date +%s) - start )) s"
   [[ $((fail + hung)) -ne 0 ]] && status=1
 fi
 
@@ -103,7 +107,7 @@ if has_step pytest; then
   start=$(date +%s)
   # shellcheck disable=SC2086
   PYTHONPATH="$pkg:$ROOT/tests/python" timeout "${PYTEST_TIMEOUT:-300}" python3 -m pytest -q -rs \
-    -p no:cacheprovider "$ROOT/tests/python" ${PYTEST_ARGS:-} >"$OUT/pytest.log" 2>&1
+    -p no:cacheprovider "$ROOT/tests/python" ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-} >"$OUT/pytest.log" 2>&1
   rc=$?
   note "pytest: rc=$rc in $(( $(date +%s) - start )) s; $(tail -1 "$OUT/pytest.log")"
   grep -E "^FAILED|^ERROR" "$OUT/pytest.log" | head -30 | tee -a "$SUMMARY"

@@ -69,6 +69,11 @@ struct MainloopFwdSm90 {
       cute::GMMA::rs_op_selector<Element, Element, ElementAccum, TileShapePV, cute::GMMA::Major::K,
                                  cute::GMMA::Major::MN>(),
       AtomLayoutMma{}));
+  // One WGMMA spans the whole n-block: N extents such as 80, 112 and 160 exist only with
+  // CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED (cmake/CuflashKernels.cmake sets it); without it the
+  // selector silently splits S = Q K^T into 64x16 or 64x32 atoms.
+  static_assert(cute::size<1>(typename TiledMmaQK::AtomShape_MNK{}) == kBlockN,
+                "S = Q K^T must be one WGMMA wide: compile with -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED");
 
   using SmemLayoutAtomQ =
       decltype(cutlass::gemm::collective::detail::ss_smem_selector<
