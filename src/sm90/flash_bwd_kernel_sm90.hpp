@@ -43,7 +43,7 @@ struct FlashBwdKernelSm90 {
     int const warp_idx = cutlass::canonical_warp_idx_sync();
     int const warp_group_idx = cutlass::canonical_warp_group_idx();
     int const warp_idx_in_wg = warp_idx % cutlass::NumWarpsPerWarpGroup;
-    int const n_block = blockIdx.x;
+    int const n_block = Mainloop::column_block(params.mainloop, blockIdx.x, gridDim.x);
     int const head = blockIdx.y;
     int const batch = blockIdx.z;
 

@@ -13,11 +13,32 @@
 
 namespace cuflash::sm90::bwd {
 
-// [m_block, m_block_max), upwards.
-struct MBlockRange {
+// [m_block_min, m_block_max) upwards from `start`, wrapping around to m_block_min when kWrap:
+// the deterministic backward without a window starts each column block at a different row block
+// (MainloopBwdSm90::dq_rank). Without kWrap, start is m_block_min and the walk holds no more than
+// the two bounds.
+template <bool kWrap>
+struct MBlockRange;
+
+template <>
+struct MBlockRange<false> {
   int m_block, m_block_max;
+  CUTE_DEVICE static MBlockRange make(int m_block_min, int m_block_max, int) { return {m_block_min, m_block_max}; }
   CUTE_DEVICE bool valid() const { return m_block < m_block_max; }
   CUTE_DEVICE void next() { ++m_block; }
+};
+
+template <>
+struct MBlockRange<true> {
+  int m_block, m_block_min, m_block_max, remaining;
+  CUTE_DEVICE static MBlockRange make(int m_block_min, int m_block_max, int start) {
+    return {start, m_block_min, m_block_max, m_block_max - m_block_min};
+  }
+  CUTE_DEVICE bool valid() const { return remaining > 0; }
+  CUTE_DEVICE void next() {
+    if (++m_block == m_block_max) { m_block = m_block_min; }
+    --remaining;
+  }
 };
 
 // Without block lists: [m_block_min, m_block_max) narrowed by the mask_mod's row_range, all with

@@ -188,6 +188,19 @@ CUTE_DEVICE int n_block_first(BwdSeqlen const& s, int m_block, int window_left) 
   }
 }
 
+// Last column block that sees row block m_block (before capping at the last block with keys):
+// the mirror of n_block_first, consistent with m_block_range.
+template <int kBlockM, int kBlockN, bool HasWindow>
+CUTE_DEVICE int n_block_last(BwdSeqlen const& s, int m_block, int window_right) {
+  int const num_n_blocks = (s.seqlen_k + kBlockN - 1) / kBlockN;
+  if constexpr (!HasWindow) {
+    return num_n_blocks - 1;
+  } else {
+    int const last_col = (m_block + 1) * kBlockM - 1 - (s.seqlen_q - s.seqlen_k) + window_right;
+    return last_col < 0 ? -1 : cute::min(num_n_blocks - 1, last_col / kBlockN);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 
 // Variant_: variants::NoVariant (plain) or variants::FlexVariant (score_mod, mask_mod, block
@@ -373,6 +386,10 @@ struct MainloopBwdSm90 {
     float softmax_scale_log2;       // with softcap: softcap * log2(e)
     float softcap_val;              // softmax_scale / softcap
     bool deterministic;
+    // Deterministic without a window: column block n starts its walk at row block n * M / N
+    // (dq_rank). The host sets it only when every column block of a head can be resident at
+    // once, since a column block then waits on ones launched after it.
+    bool dq_rotate;
     int const* cu_seqlens_q;
     int const* cu_seqlens_k;
     int const* seqused_q;
@@ -414,6 +431,18 @@ struct MainloopBwdSm90 {
     cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
   }
 
+  // Rotated walks (deterministic, no window): N column blocks with keys over M row blocks.
+  CUTE_DEVICE static bool rotated(Params const& p, BwdSeqlen const& seq, int& num_m_blocks, int& num_n_blocks) {
+    if constexpr (HasWindow || kIsFlex) {
+      return false;
+    } else {
+      num_m_blocks = (seq.seqlen_q + kBlockM - 1) / kBlockM;
+      num_n_blocks = (seq.seqlen_k + kBlockN - 1) / kBlockN;
+      // Start row blocks n * M / N are distinct only when N <= M.
+      return p.dq_rotate && num_n_blocks <= num_m_blocks;
+    }
+  }
+
   // The m-blocks that column block n_block visits; the producer, the dQ warp and the MMA
   // warpgroups each make the same walk.
   CUTE_DEVICE static auto make_walk(Params const& p, BwdSeqlen const& seq, int n_block, int head, int batch) {
@@ -422,8 +451,38 @@ struct MainloopBwdSm90 {
       return FlexColumnWalk<kBlockM, kBlockN>::make(p.flex, seq.seqlen_k, batch, head, n_block, m_block_min,
                                                      m_block_max);
     } else {
-      return MBlockRange{m_block_min, m_block_max};
+      int num_m = 0, num_n = 1;
+      int const start = m_block_min < m_block_max && rotated(p, seq, num_m, num_n) ? n_block * num_m / num_n
+                                                                                : m_block_min;
+      return MBlockRange<!HasWindow>::make(m_block_min, m_block_max, start);
     }
+  }
+
+  // Deterministic dQ: the place of column block n_block among the contributors to row block
+  // m_block's sum, which adds in that order (a semaphore per row block counts the adds). The
+  // order is the one in which the column blocks reach the row block when all of a head's column
+  // blocks run side by side, so that a CTA finds its predecessor done rather than waiting:
+  //  - causal / local: the column block that starts on the row block adds first, then the ones
+  //    to its left (descending n); the kernel launches a head's column blocks from the last down,
+  //    so the blocks waited on are always launched earlier.
+  //  - no window, rotated: block n starts at row block n * M / N; a row block's first adder is the
+  //    block that started closest below it, then the others cyclically downwards.
+  //  - otherwise (no window, not rotated): ascending n, every block starting at row block 0.
+  CUTE_DEVICE static int dq_rank(Params const& p, BwdSeqlen const& seq, int n_block, int m_block) {
+    if constexpr (HasWindow) {
+      return n_block_last<kBlockM, kBlockN, HasWindow>(seq, m_block, p.window_right) - n_block;
+    } else {
+      int num_m = 0, num_n = 0;
+      if (!rotated(p, seq, num_m, num_n)) { return n_block; }
+      // Last column block whose start row block n * M / N is <= m_block.
+      int const first = cute::min(num_n - 1, ((m_block + 1) * num_n + num_m - 1) / num_m - 1);
+      return n_block <= first ? first - n_block : first + num_n - n_block;
+    }
+  }
+
+  // Deterministic launch order: the kernel maps blockIdx.x to the column block with this.
+  CUTE_DEVICE static int column_block(Params const& p, int block_idx, int num_blocks) {
+    return HasWindow && !kIsFlex && p.deterministic ? num_blocks - 1 - block_idx : block_idx;
   }
 
   // Producer warp: K, V once, then Q + lse_log2 and dO + dPsum per row block.
@@ -507,7 +566,7 @@ struct MainloopBwdSm90 {
         int const m_block = walk.m_block;
         if (p.deterministic) {
           if (lane0) {
-            int const rank = n_block - n_block_first<kBlockM, kBlockN, HasWindow>(seq, m_block, p.window_left);
+            int const rank = dq_rank(p, seq, n_block, m_block);
             semaphore_wait_eq(semaphore + m_block, rank);
           }
           __syncwarp();
@@ -844,7 +903,7 @@ struct MainloopBwdSm90 {
       } else {
         if (p.deterministic) {
           if (thread_idx == 0) {
-            int const rank = n_block - n_block_first<kBlockM, kBlockN, HasWindow>(seq, m_block, p.window_left);
+            int const rank = dq_rank(p, seq, n_block, m_block);
             semaphore_wait_eq(dq_semaphore + m_block, rank);
           }
           cutlass::arch::NamedBarrier::sync(NumMmaThreads, uint32_t(BwdBarrier::kEpilogue));

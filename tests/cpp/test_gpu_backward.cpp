@@ -470,6 +470,21 @@ std::vector<BwdCase> backward_cases() {
       c.label = "deterministic_varlen_local", c.batch = 4, c.seqlen_q = 500, c.seqlen_k = 520, c.heads = 3,
       c.heads_kv = 1, c.varlen = true, c.window_left = 150, c.window_right = 40, c.deterministic = true;
       add(c);
+      // The deterministic orders: rotated walks per packed sequence (no window, keys no more
+      // numerous than rows), plain ascending order (more column blocks than row blocks), and the
+      // descending causal order with more queries than keys.
+      c = {};
+      c.label = "deterministic_varlen_gqa", c.batch = 3, c.seqlen_q = 640, c.seqlen_k = 560, c.heads = 4,
+      c.heads_kv = 2, c.varlen = true, c.deterministic = true;
+      add(c);
+      c = {};
+      c.label = "deterministic_wide_keys", c.batch = 2, c.seqlen_q = 100, c.seqlen_k = 900, c.heads = 2,
+      c.heads_kv = 2, c.deterministic = true;
+      add(c);
+      c = {};
+      c.label = "deterministic_causal_tall", c.batch = 2, c.seqlen_q = 900, c.seqlen_k = 300, c.heads = 3,
+      c.heads_kv = 3, c.causal = true, c.seqused = true, c.deterministic = true;
+      add(c);
     }
   }
   // Head dims that are not a kernel's own (zero-filled up to the next compiled one).
