@@ -7,7 +7,7 @@
 #   KERNEL_SET=custom HDIMS="64;128;256" DTYPES=bf16 STEPS=build,test,bench tools/gpu_check.sh
 #   STEPS=build,bench_bwd BENCH_BWD_ARGS="--hdims 128" tools/gpu_check.sh
 #
-# Environment: KERNEL_SET (ci|all|custom), HDIMS / DTYPES (for custom), STEPS (comma list of
+# Environment: KERNEL_SET (ci|all|custom), HDIMS / DTYPES (for custom), FEATURES (CUFLASH_FEATURES), STEPS (comma list of
 # build,test,test_each,pytest,sanitize,sass,bench,bench_bwd), GTEST_FILTER (default *Gpu*), TEST_TIMEOUT, SANITIZE_FILTER (memcheck),
 # RACECHECK_FILTER, PER_TEST_TIMEOUT (test_each), PYTEST_K (a -k expression), PYTEST_ARGS, PYTEST_TIMEOUT, BENCH_ARGS, BENCH_ENV_B (run the
 # benchmark a second time with these VAR=value settings), BENCH_BWD_ARGS (bench/bench_bwd.py),
@@ -22,6 +22,7 @@ mkdir -p "$OUT"
 KERNEL_SET=${KERNEL_SET:-ci}
 HDIMS=${HDIMS:-128}
 DTYPES=${DTYPES:-bf16}
+FEATURES=${FEATURES:-softcap;split;flex;paged}
 STEPS=${STEPS:-build,test,sanitize,sass,bench,bench_bwd}
 GTEST_FILTER=${GTEST_FILTER:-*Gpu*}
 SANITIZE_FILTER=${SANITIZE_FILTER:-*varlen_causal_gqa_bf16_d128*:*sink_fp16_local_bf16_d128*:GpuForwardUnsupported*:*causal_seqused_page3_bf16_d128*:*causal_seqused_page128_bf16_d128*}
@@ -57,7 +58,7 @@ if has_step build; then
   fi
   start=$(date +%s)
   cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCUFLASH_KERNEL_SET="$KERNEL_SET" \
-    -DCUFLASH_HDIMS="$HDIMS" -DCUFLASH_DTYPES="$DTYPES" -DCUFLASH_BUILD_PYTHON=ON \
+    -DCUFLASH_HDIMS="$HDIMS" -DCUFLASH_DTYPES="$DTYPES" -DCUFLASH_FEATURES="$FEATURES" -DCUFLASH_BUILD_PYTHON=ON \
     -DPython_EXECUTABLE="$(command -v python3)" "${gtest_args[@]}" >>"$OUT/build.log" 2>&1 &&
     cmake --build "$BUILD" -j "$JOBS" >>"$OUT/build.log" 2>&1
   rc=$?
