@@ -151,6 +151,28 @@ def _maybe_contiguous(framework: Framework, x: Optional[Tensor]) -> Optional[Ten
     return x
 
 
+def _check_distinct_elements(framework: Framework, x: Tensor, argument: str) -> None:
+    """An output the caller hands in: no two of its elements may share memory, the rule of the
+    C++ validation. Checked here too because a NumPy broadcast view, the usual way to get such
+    an array, is read-only and would otherwise fail at the DLPack boundary without naming out."""
+    shape, strides = _shape(x), framework.strides(x)
+    if 0 in shape:
+        return
+    layout = f"got shape {shape} with strides {strides}"
+    dims = sorted((d for d in reversed(range(len(shape))) if shape[d] > 1), key=lambda d: abs(strides[d]))
+    for i, d in enumerate(dims):
+        if strides[d] == 0:
+            _fail(ValueError, argument, f"expected a non-zero stride on every dimension of size > 1 (an output's "
+                                        f"elements must not share memory), {layout}: dimension {d} has size "
+                                        f"{shape[d]} and stride 0")
+        inner = dims[i - 1] if i else None
+        if inner is not None and abs(strides[d]) < shape[inner] * abs(strides[inner]):
+            _fail(ValueError, argument, f"expected strides under which distinct elements do not overlap (an "
+                                        f"output's elements must not share memory), {layout}: dimension {d} "
+                                        f"(stride {strides[d]}) starts inside the span of dimension {inner} "
+                                        f"(size {shape[inner]} x stride {strides[inner]})")
+
+
 def _index_tensor(framework: Framework, x: Optional[Tensor], argument: str, expected: Tuple[int, ...],
                   device: Tuple[str, int], what: str) -> Optional[Tensor]:
     """cu_seqlens / seqused: int32, 1-D contiguous, on q's device."""
@@ -903,6 +925,7 @@ def flash_attn_combine(
         _check_shape(out, "out", out_shape, "(out_partial.shape[1:])")
         _check_dtype(framework, out, "out", ("float16", "bfloat16", "float32"))
         _check_device(framework, out, "out", device)
+        _check_distinct_elements(framework, out, "out")
     lse = framework.empty(_shape(lse_partial)[1:], "float32", like=out_partial) if return_lse else None
 
     stream = framework.stream(out_partial)

@@ -408,6 +408,18 @@ def test_combine_into_out_without_lse(rng):
     assert_close(out, ref.combine(out_partial, lse_partial)[0], what="out")
 
 
+def test_combine_into_padded_and_permuted_out(rng):
+    out_partial = rng.standard_normal((2, 1, 8, 2, 32)).astype(np.float32)
+    lse_partial = rng.standard_normal((2, 1, 8, 2)).astype(np.float32)
+    expected = ref.combine(out_partial, lse_partial)[0]
+    padded = np.zeros((1, 8, 2, 48), np.float32)[..., :32]
+    permuted = np.zeros((1, 2, 8, 32), np.float32).transpose(0, 2, 1, 3)
+    for out in (padded, permuted):
+        result, _ = cuflash.flash_attn_combine(out_partial, lse_partial, out=out)
+        assert result is out
+        assert_close(out, expected, what="out")
+
+
 def test_combine_matches_split_attention(rng):
     # Two halves of the keys attended separately, then combined, equal attention over all keys.
     q, k, v = qkv(rng, 1, 16, 64, 2, 2, 32)
