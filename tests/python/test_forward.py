@@ -92,6 +92,20 @@ def test_num_splits_and_pack_gqa(rng, num_splits, pack_gqa):
     check_dense(q, k, v, ref.Options(causal=True), causal=True, num_splits=num_splits, pack_gqa=pack_gqa)
 
 
+def test_func_and_varlen_func_share_options(rng):
+    # Every option both functions take, on the dense layout: the two give the reference, bitwise alike.
+    q, k, v = qkv(rng, 2, 40, 48, 4, 2, 32)
+    q *= 4  # large scores, so that softcap matters
+    sink = randn(rng, (4,), "float32")
+    options = dict(softmax_scale=0.3, causal=True, window_size=(12, None), learnable_sink=sink, softcap=5.0,
+                   num_splits=3, pack_gqa=True, deterministic=True)
+    out, lse = check_dense(q, k, v, ref.Options(scale=0.3, causal=True, window=(12, None), sink=sink, softcap=5.0),
+                           **options)
+    varlen_out, varlen_lse = cuflash.flash_attn_varlen_func(q, k, v, **options)
+    np.testing.assert_array_equal(varlen_out, out)
+    np.testing.assert_array_equal(varlen_lse, lse)
+
+
 def test_strided_inputs(rng):
     # q, k, v slices of a packed qkv tensor: strided batch / sequence / head dims, no copies.
     qkv_packed = randn(rng, (2, 30, 3, 4, 64))
