@@ -85,6 +85,9 @@ struct SequenceLayout {
   std::optional<TensorView> page_table;
 };
 
+// Outputs (out, lse, dq, dk, dv and combine's out, lse) may be padded or permuted, but no two
+// of their elements may share memory: a zero stride on a dimension of size > 1, or strides
+// under which dimensions overlap, are refused.
 struct ForwardArgs {
   TensorView q, k, v;
   TensorView out;                          // preallocated, q's dtype, (..., H, Dv)

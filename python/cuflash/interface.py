@@ -151,6 +151,28 @@ def _maybe_contiguous(framework: Framework, x: Optional[Tensor]) -> Optional[Ten
     return x
 
 
+def _check_distinct_elements(framework: Framework, x: Tensor, argument: str) -> None:
+    """An output the caller hands in: no two of its elements may share memory, the rule of the
+    C++ validation. Checked here too because a NumPy broadcast view, the usual way to get such
+    an array, is read-only and would otherwise fail at the DLPack boundary without naming out."""
+    shape, strides = _shape(x), framework.strides(x)
+    if 0 in shape:
+        return
+    layout = f"got shape {shape} with strides {strides}"
+    dims = sorted((d for d in reversed(range(len(shape))) if shape[d] > 1), key=lambda d: abs(strides[d]))
+    for i, d in enumerate(dims):
+        if strides[d] == 0:
+            _fail(ValueError, argument, f"expected a non-zero stride on every dimension of size > 1 (an output's "
+                                        f"elements must not share memory), {layout}: dimension {d} has size "
+                                        f"{shape[d]} and stride 0")
+        inner = dims[i - 1] if i else None
+        if inner is not None and abs(strides[d]) < shape[inner] * abs(strides[inner]):
+            _fail(ValueError, argument, f"expected strides under which distinct elements do not overlap (an "
+                                        f"output's elements must not share memory), {layout}: dimension {d} "
+                                        f"(stride {strides[d]}) starts inside the span of dimension {inner} "
+                                        f"(size {shape[inner]} x stride {strides[inner]})")
+
+
 def _index_tensor(framework: Framework, x: Optional[Tensor], argument: str, expected: Tuple[int, ...],
                   device: Tuple[str, int], what: str) -> Optional[Tensor]:
     """cu_seqlens / seqused: int32, 1-D contiguous, on q's device."""
@@ -653,6 +675,19 @@ def _attention(call: _Call) -> Tuple[Tensor, Tensor]:
     return _run_forward(call)
 
 
+def _forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: Optional[float], causal: bool,
+             window_size: Tuple[Optional[int], Optional[int]], learnable_sink: Optional[Tensor], softcap: float,
+             num_splits: int, pack_gqa: Optional[bool], deterministic: bool, **specific: Any) -> Tuple[Tensor, Tensor]:
+    """The forward of flash_attn_func and flash_attn_varlen_func. The options both take come
+    positionally, in the order both signatures (the seed's) give them, so that each is named
+    once per function (test_signature.py checks the order); what only one of them takes
+    (sequence layout, score_mod, mask_mod, block sparsity) comes by name."""
+    call = _prepare(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                    learnable_sink=learnable_sink, softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa,
+                    deterministic=deterministic, **specific)
+    return _attention(call)
+
+
 # ---------------------------------------------------------------------------------------------
 # Public functions
 
@@ -711,11 +746,9 @@ def flash_attn_func(
         row with no visible key, whose out is 0). Arrays of q's framework and device; with
         torch, out is differentiable with respect to q, k, v and learnable_sink.
     """
-    call = _prepare(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                    learnable_sink=learnable_sink, softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa,
-                    deterministic=deterministic, mask_mod=mask_mod,
+    return _forward(q, k, v, softmax_scale, causal, window_size, learnable_sink, softcap, num_splits, pack_gqa,
+                    deterministic, mask_mod=mask_mod,
                     block_sparse=(mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx))
-    return _attention(call)
 
 
 def flash_attn_varlen_func(
@@ -766,12 +799,10 @@ def flash_attn_varlen_func(
         seqlen_q)) float32. With torch, out is differentiable with respect to q, k, v and
         learnable_sink.
     """
-    call = _prepare(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
+    return _forward(q, k, v, softmax_scale, causal, window_size, learnable_sink, softcap, num_splits, pack_gqa,
+                    deterministic, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
                     seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                    page_table=page_table, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                    learnable_sink=learnable_sink, softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa,
-                    deterministic=deterministic, score_mod=score_mod, aux_tensors=aux_tensors)
-    return _attention(call)
+                    page_table=page_table, score_mod=score_mod, aux_tensors=aux_tensors)
 
 
 def flash_attn_backward(
@@ -903,6 +934,7 @@ def flash_attn_combine(
         _check_shape(out, "out", out_shape, "(out_partial.shape[1:])")
         _check_dtype(framework, out, "out", ("float16", "bfloat16", "float32"))
         _check_device(framework, out, "out", device)
+        _check_distinct_elements(framework, out, "out")
     lse = framework.empty(_shape(lse_partial)[1:], "float32", like=out_partial) if return_lse else None
 
     stream = framework.stream(out_partial)

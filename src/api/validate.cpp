@@ -116,6 +116,43 @@ void check_contiguous(const TensorView& t, const std::string& name) {
   }
 }
 
+// An output whose strides map two of its elements to one address would have them written by
+// racing threads on the GPU and overwritten on the CPU, silently. Sufficient rule: ordered by
+// stride, every dimension of size > 1 starts at or past the span (size x stride) of the one
+// before it, and none has stride 0. Size-1 dimensions hold no second element and are ignored.
+void check_no_overlap(const TensorView& t, const std::string& name) {
+  if (t.numel() == 0) return;
+  std::vector<int> dims;
+  for (int d = t.ndim - 1; d >= 0; --d) {
+    if (t.shape[d] > 1) dims.push_back(d);
+  }
+  std::stable_sort(dims.begin(), dims.end(),
+                   [&](int a, int b) { return t.stride[a] < t.stride[b]; });
+  const std::string layout = "got shape " + t.shape_string() + " with strides " + stride_string(t);
+  for (std::size_t i = 0; i < dims.size(); ++i) {
+    const int d = dims[i];
+    if (t.stride[d] == 0) {
+      fail(name,
+           "expected a non-zero stride on every dimension of size > 1 (an output's elements "
+           "must not share memory), " +
+               layout + ": dimension " + std::to_string(d) + " has size " +
+               std::to_string(t.shape[d]) + " and stride 0");
+    }
+    if (i == 0) continue;
+    const int inner = dims[i - 1];
+    // stride[d] >= shape[inner] * stride[inner], in a form that cannot overflow.
+    if (t.stride[d] / t.shape[inner] < t.stride[inner]) {
+      fail(name,
+           "expected strides under which distinct elements do not overlap (an output's "
+           "elements must not share memory), " +
+               layout + ": dimension " + std::to_string(d) + " (stride " +
+               std::to_string(t.stride[d]) + ") starts inside the span of dimension " +
+               std::to_string(inner) + " (size " + std::to_string(t.shape[inner]) + " x stride " +
+               std::to_string(t.stride[inner]) + ")");
+    }
+  }
+}
+
 // An int32 vector of a given length, such as cu_seqlens or seqused.
 void check_int_vector(const TensorView& t, const std::string& name, std::int64_t length,
                       const std::string& dims) {
@@ -765,7 +802,11 @@ AttentionShape check_forward(const ForwardArgs& args) {
 
   AttentionShape s = check_qkv(args.q, args.k, args.v, args.seq);
   check_like_out(args.out, "out", s);
-  if (args.lse) check_lse(*args.lse, "lse", s);
+  check_no_overlap(args.out, "out");
+  if (args.lse) {
+    check_lse(*args.lse, "lse", s);
+    check_no_overlap(*args.lse, "lse");
+  }
   if (args.learnable_sink) check_sink(*args.learnable_sink, s);
   if (args.num_splits > kMaxSplits) {
     fail("num_splits", "expected at most " + std::to_string(kMaxSplits) +
@@ -808,6 +849,7 @@ AttentionShape check_backward(const BackwardArgs& args) {
     check_shape(grad, grad_names[i], expected,
                 std::string("(the shape of ") + input_names[i] + ")");
     check_last_dim_contiguous(grad, grad_names[i]);
+    check_no_overlap(grad, grad_names[i]);
   }
 
   if (args.learnable_sink) {
@@ -885,10 +927,12 @@ CombineShape check_combine(const CombineArgs& args) {
   check_shape(args.out, "out", Shape(partial_shape.begin() + 1, partial_shape.end()),
               c.varlen ? "(total, num_heads, head_dim)" : "(batch, seqlen, num_heads, head_dim)");
   check_last_dim_contiguous(args.out, "out");
+  check_no_overlap(args.out, "out");
   if (args.lse) {
     check_dtype(*args.lse, "lse", DType::kFloat32);
     check_shape(*args.lse, "lse", Shape(partial_shape.begin() + 1, partial_shape.end() - 1),
                 c.varlen ? "(total, num_heads)" : "(batch, seqlen, num_heads)");
+    check_no_overlap(*args.lse, "lse");
   }
 
   if (c.varlen) {

@@ -359,6 +359,95 @@ TEST_F(ForwardValidation, RequiresContiguousLastDim) {
   EXPECT_INVALID(validate(args), "lse", "expected the last dimension to be contiguous");
 }
 
+// --- Output layouts -----------------------------------------------------------------------
+
+TensorView strided(DType dtype, std::initializer_list<std::int64_t> shape,
+                   std::initializer_list<std::int64_t> stride, Device device = kCpu) {
+  return TensorView(dummy_data(), dtype, shape, stride, device);
+}
+
+TEST_F(ForwardValidation, RejectsOutputsWhoseElementsShareMemory) {
+  // out (2, 128, 8, 64) broadcast over seqlen_q: 128 rows would be written to one address.
+  ForwardArgs args = dense_forward();
+  args.out = strided(DType::kFloat32, {2, 128, 8, 64}, {8 * 64, 0, 64, 1});
+  EXPECT_INVALID(validate(args), "out",
+                 "expected a non-zero stride on every dimension of size > 1 (an output's "
+                 "elements must not share memory), got shape (2, 128, 8, 64) with strides (512, "
+                 "0, 64, 1): dimension 1 has size 128 and stride 0");
+
+  args = dense_forward();
+  args.out = strided(DType::kFloat32, {2, 128, 8, 64}, {0, 8 * 64, 64, 1});
+  EXPECT_INVALID(validate(args), "out", "dimension 0 has size 2 and stride 0");
+
+  // Heads 32 elements apart with head_dim 64: head h's second half is head h + 1's first.
+  args = dense_forward();
+  args.out = strided(DType::kFloat32, {2, 128, 8, 64}, {128 * 8 * 32, 8 * 32, 32, 1});
+  EXPECT_INVALID(validate(args), "out",
+                 "expected strides under which distinct elements do not overlap",
+                 "got shape (2, 128, 8, 64) with strides (32768, 256, 32, 1): dimension 2 "
+                 "(stride 32) starts inside the span of dimension 3 (size 64 x stride 1)");
+
+  // Two dimensions with one stride.
+  args = dense_forward();
+  args.out = strided(DType::kFloat32, {2, 128, 8, 64}, {128 * 64, 64, 64, 1});
+  EXPECT_INVALID(validate(args), "out", "starts inside the span of dimension");
+
+  // Batches 2^62 apart over rows 2^60 apart: 128 rows span 2^67, which wraps to 0 in 64 bits.
+  args = dense_forward();
+  args.out = strided(DType::kFloat32, {2, 128, 8, 64},
+                     {std::int64_t{1} << 62, std::int64_t{1} << 60, 64, 1});
+  EXPECT_INVALID(validate(args), "out",
+                 "dimension 0 (stride 4611686018427387904) starts inside the span of dimension 1 "
+                 "(size 128 x stride 1152921504606846976)");
+
+  args = dense_forward();
+  args.lse = strided(DType::kFloat32, {2, 8, 128}, {128, 0, 1});
+  EXPECT_INVALID(validate(args), "lse", "dimension 1 has size 8 and stride 0");
+
+  args = dense_forward();
+  args.lse = strided(DType::kFloat32, {2, 8, 128}, {8 * 64, 64, 1});
+  EXPECT_INVALID(validate(args), "lse",
+                 "dimension 1 (stride 64) starts inside the span of dimension 2 (size 128 x "
+                 "stride 1)");
+
+  ForwardArgs packed = varlen_forward();
+  packed.out = strided(DType::kFloat32, {50, 4, 64}, {64, 64, 1});
+  EXPECT_INVALID(validate(packed), "out", "starts inside the span of dimension");
+}
+
+TEST_F(ForwardValidation, AcceptsPaddedAndPermutedOutputs) {
+  // Rows padded to 128 elements and heads padded to 2 * 8 rows.
+  ForwardArgs args = dense_forward();
+  args.out = strided(DType::kFloat32, {2, 128, 8, 64}, {128 * 16 * 128, 16 * 128, 128, 1});
+  args.lse = strided(DType::kFloat32, {2, 8, 128}, {8 * 130, 130, 1});
+  EXPECT_NO_THROW(validate(args));
+
+  // out in (batch, num_heads, seqlen_q, head_dim) memory; lse in (num_heads, batch, seqlen_q).
+  args = dense_forward();
+  args.out = strided(DType::kFloat32, {2, 128, 8, 64}, {8 * 128 * 64, 64, 128 * 64, 1});
+  args.lse = strided(DType::kFloat32, {2, 8, 128}, {128, 2 * 128, 1});
+  EXPECT_NO_THROW(validate(args));
+
+  // Dimensions of size 1 hold no second element, whatever their stride.
+  args = dense_forward();
+  for (auto* t : {&args.q, &args.k, &args.v}) *t = tensor(DType::kFloat32, {1, 128, 1, 64});
+  args.out = strided(DType::kFloat32, {1, 128, 1, 64}, {0, 64, 0, 1});
+  args.lse = strided(DType::kFloat32, {1, 1, 128}, {0, 0, 1});
+  EXPECT_NO_THROW(validate(args));
+
+  // An empty output has no element to share.
+  args = dense_forward();
+  for (auto* t : {&args.q, &args.out}) *t = strided(DType::kFloat32, {2, 0, 8, 64}, {0, 0, 0, 1});
+  args.lse = strided(DType::kFloat32, {2, 8, 0}, {0, 0, 1});
+  EXPECT_NO_THROW(validate(args));
+
+  // Inputs may share memory: k and v broadcast over the batch.
+  args = dense_forward();
+  args.k = strided(DType::kFloat32, {2, 128, 8, 64}, {0, 8 * 64, 64, 1});
+  args.v = args.k;
+  EXPECT_NO_THROW(validate(args));
+}
+
 // --- Sequence layouts ---------------------------------------------------------------------
 
 TEST_F(ForwardValidation, ChecksPackedSequences) {
@@ -794,6 +883,40 @@ TEST_F(BackwardValidation, RejectsWrongShapesAndDtypes) {
                  "expected dtype float16 or bfloat16 (CUDA tensors), got float32");
 }
 
+TEST_F(BackwardValidation, RejectsGradientsWhoseElementsShareMemory) {
+  BackwardArgs args = dense_backward();
+  args.dq = strided(DType::kFloat32, {2, 128, 8, 64}, {0, 8 * 64, 64, 1});
+  EXPECT_INVALID(validate(args), "dq", "expected a non-zero stride on every dimension of size > 1",
+                 "dimension 0 has size 2 and stride 0");
+
+  // dk (2, 96, 2, 64) with rows 64 apart: the two kv heads of a row write one place.
+  args = dense_backward();
+  args.dk = strided(DType::kFloat32, {2, 96, 2, 64}, {96 * 64, 64, 64, 1});
+  EXPECT_INVALID(validate(args), "dk",
+                 "expected strides under which distinct elements do not overlap",
+                 "with strides (6144, 64, 64, 1)");
+
+  args = dense_backward();
+  args.dv = strided(DType::kFloat32, {2, 96, 2, 32}, {96 * 2 * 32, 2 * 32, 16, 1});
+  EXPECT_INVALID(validate(args), "dv",
+                 "dimension 2 (stride 16) starts inside the span of dimension 3 (size 32 x "
+                 "stride 1)");
+}
+
+TEST_F(BackwardValidation, AcceptsPaddedGradientsAndBroadcastInputs) {
+  BackwardArgs args = dense_backward();
+  args.dq = strided(DType::kFloat32, {2, 128, 8, 64}, {128 * 8 * 128, 8 * 128, 128, 1});
+  // dk, dv as halves of one (B, Sk, 2, H_kv, D) buffer; dv's rows padded to D = 64.
+  args.dk = strided(DType::kFloat32, {2, 96, 2, 64}, {96 * 2 * 2 * 64, 2 * 2 * 64, 64, 1});
+  args.dv = strided(DType::kFloat32, {2, 96, 2, 32}, {96 * 2 * 2 * 64, 2 * 2 * 64, 64, 1});
+  EXPECT_NO_THROW(validate(args));
+
+  // dout is an input: the gradient of out.sum() is one value broadcast to every element.
+  args = dense_backward();
+  args.dout = strided(DType::kFloat32, {2, 128, 8, 32}, {0, 0, 0, 1});
+  EXPECT_NO_THROW(validate(args));
+}
+
 TEST_F(BackwardValidation, ChecksPackedSequences) {
   BackwardArgs args;
   args.q = tensor(DType::kFloat32, {50, 4, 64});
@@ -992,6 +1115,46 @@ TEST_F(CombineValidation, RejectsWrongDtypesAndDevices) {
   args.out.device = kCuda0;
   EXPECT_INVALID(validate(args), "out",
                  "expected device cpu (the device of out_partial), got cuda:0");
+}
+
+TEST_F(CombineValidation, RejectsOutputsWhoseElementsShareMemory) {
+  CombineArgs args = dense_combine();
+  args.out = strided(DType::kBFloat16, {2, 64, 8, 128}, {64 * 8 * 128, 0, 128, 1});
+  EXPECT_INVALID(validate(args), "out", "dimension 1 has size 64 and stride 0");
+
+  args = dense_combine();
+  args.out = strided(DType::kBFloat16, {2, 64, 8, 128}, {64 * 8 * 64, 8 * 64, 64, 1});
+  EXPECT_INVALID(validate(args), "out",
+                 "dimension 2 (stride 64) starts inside the span of dimension 3 (size 128 x "
+                 "stride 1)");
+
+  args = dense_combine();
+  args.lse = strided(DType::kFloat32, {2, 64, 8}, {64 * 8, 8, 0});
+  EXPECT_INVALID(validate(args), "lse", "dimension 2 has size 8 and stride 0");
+
+  // The transposed layout of AcceptsValidInputs with heads 32 apart: 64 rows overlap.
+  args = dense_combine();
+  args.lse = strided(DType::kFloat32, {2, 64, 8}, {8 * 64, 1, 32});
+  EXPECT_INVALID(validate(args), "lse",
+                 "dimension 2 (stride 32) starts inside the span of dimension 1 (size 64 x "
+                 "stride 1)");
+
+  CombineArgs packed = varlen_combine();
+  packed.out = strided(DType::kFloat32, {50, 8, 64}, {0, 64, 1});
+  EXPECT_INVALID(validate(packed), "out", "dimension 0 has size 50 and stride 0");
+}
+
+TEST_F(CombineValidation, AcceptsPaddedAndPermutedOutputs) {
+  CombineArgs args = dense_combine();
+  // out padded to 256 elements per head; lse padded to 16 heads per row.
+  args.out = strided(DType::kBFloat16, {2, 64, 8, 128}, {64 * 8 * 256, 8 * 256, 256, 1});
+  args.lse = strided(DType::kFloat32, {2, 64, 8}, {64 * 16, 16, 1});
+  EXPECT_NO_THROW(validate(args));
+
+  // out in (batch, num_heads, seqlen, head_dim) memory.
+  args = dense_combine();
+  args.out = strided(DType::kBFloat16, {2, 64, 8, 128}, {8 * 64 * 128, 128, 64 * 128, 1});
+  EXPECT_NO_THROW(validate(args));
 }
 
 TEST_F(CombineValidation, ChecksSequenceTensors) {

@@ -298,6 +298,13 @@ def test_combine(rng):
     assert "got strides" in message
     expect_error("out", f, out_partial, lse_partial, out=np.zeros((1, 8, 2, 16), np.float16), exception=ValueError)
     expect_error("out", f, out_partial, lse_partial, out=np.zeros((1, 8, 2, 32), np.int32), exception=TypeError)
+    # out is written: a broadcast view (read-only in NumPy) or overlapping strides are refused.
+    broadcast = np.broadcast_to(np.zeros((1, 1, 2, 32), np.float32), (1, 8, 2, 32))
+    message = expect_error("out", f, out_partial, lse_partial, out=broadcast, exception=ValueError)
+    assert "dimension 1 has size 8 and stride 0" in message
+    overlapping = np.lib.stride_tricks.as_strided(np.zeros(512, np.float32), (1, 8, 2, 32), (0, 64 * 4, 16 * 4, 4))
+    message = expect_error("out", f, out_partial, lse_partial, out=overlapping, exception=ValueError)
+    assert "dimension 2 (stride 16) starts inside the span of dimension 3 (size 32 x stride 1)" in message
     expect_error("out_dtype", f, out_partial, lse_partial, out_dtype=np.int32, exception=TypeError)
     expect_error("return_lse", f, out_partial, lse_partial, return_lse="yes", exception=TypeError)
     expect_error("cu_seqlens", f, out_partial, lse_partial, cu_seqlens=np.array([0, 8], np.int32),
@@ -320,3 +327,10 @@ def test_cpp_errors_are_translated(dense):
         _C.forward(q, k[:1], v, out)  # unchecked: the C++ validation catches it
     assert info.value.argument == "k"
     assert "k" in str(info.value)
+
+    # Outputs whose elements overlap are refused by the C++ validation as well.
+    overlapping = np.lib.stride_tricks.as_strided(out, (2, 16, 4, 32), (0, 128 * 2, 32 * 2, 2))
+    with pytest.raises(ValueError) as info:
+        _C.forward(q, k, v, overlapping)
+    assert info.value.argument == "out"
+    assert "dimension 0 has size 2 and stride 0" in str(info.value)

@@ -92,6 +92,20 @@ def test_num_splits_and_pack_gqa(rng, num_splits, pack_gqa):
     check_dense(q, k, v, ref.Options(causal=True), causal=True, num_splits=num_splits, pack_gqa=pack_gqa)
 
 
+def test_func_and_varlen_func_share_options(rng):
+    # Every option both functions take, on the dense layout: the two give the reference, bitwise alike.
+    q, k, v = qkv(rng, 2, 40, 48, 4, 2, 32)
+    q *= 4  # large scores, so that softcap matters
+    sink = randn(rng, (4,), "float32")
+    options = dict(softmax_scale=0.3, causal=True, window_size=(12, None), learnable_sink=sink, softcap=5.0,
+                   num_splits=3, pack_gqa=True, deterministic=True)
+    out, lse = check_dense(q, k, v, ref.Options(scale=0.3, causal=True, window=(12, None), sink=sink, softcap=5.0),
+                           **options)
+    varlen_out, varlen_lse = cuflash.flash_attn_varlen_func(q, k, v, **options)
+    np.testing.assert_array_equal(varlen_out, out)
+    np.testing.assert_array_equal(varlen_lse, lse)
+
+
 def test_strided_inputs(rng):
     # q, k, v slices of a packed qkv tensor: strided batch / sequence / head dims, no copies.
     qkv_packed = randn(rng, (2, 30, 3, 4, 64))
@@ -406,6 +420,18 @@ def test_combine_into_out_without_lse(rng):
     result, lse = cuflash.flash_attn_combine(out_partial, lse_partial, out=out, return_lse=False)
     assert result is out and lse is None
     assert_close(out, ref.combine(out_partial, lse_partial)[0], what="out")
+
+
+def test_combine_into_padded_and_permuted_out(rng):
+    out_partial = rng.standard_normal((2, 1, 8, 2, 32)).astype(np.float32)
+    lse_partial = rng.standard_normal((2, 1, 8, 2)).astype(np.float32)
+    expected = ref.combine(out_partial, lse_partial)[0]
+    padded = np.zeros((1, 8, 2, 48), np.float32)[..., :32]
+    permuted = np.zeros((1, 2, 8, 32), np.float32).transpose(0, 2, 1, 3)
+    for out in (padded, permuted):
+        result, _ = cuflash.flash_attn_combine(out_partial, lse_partial, out=out)
+        assert result is out
+        assert_close(out, expected, what="out")
 
 
 def test_combine_matches_split_attention(rng):

@@ -57,6 +57,19 @@ def test_signature_matches_seed(name):
             f"{name}({param}=...): default {default!r} != seed's {seed_default!r}")
 
 
+def test_shared_options_keep_one_order():
+    # flash_attn_func and flash_attn_varlen_func hand q, k, v and the options they share to one
+    # helper positionally: its parameters must come in the order that both signatures give them.
+    from cuflash import interface
+
+    shared = [p.name for p in inspect.signature(interface._forward).parameters.values()
+              if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    assert shared[:3] == ["q", "k", "v"]
+    for name in ("flash_attn_func", "flash_attn_varlen_func"):
+        parameters = list(inspect.signature(getattr(cuflash, name)).parameters)
+        assert [p for p in parameters if p in shared] == shared, f"{name}: shared options out of order"
+
+
 @pytest.mark.parametrize("name", PUBLIC_FUNCTIONS)
 def test_documented(name):
     function = getattr(cuflash, name)
