@@ -42,7 +42,8 @@ struct FwdConfig {
   static constexpr bool kIsSplit =
       kIsSplit_;  // split-KV: fp32 partial outputs for the combine kernel
   static constexpr bool kIsPaged = kIsPaged_;
-  static constexpr FwdTileSize kTile = fwd_tile_size(kHeadDim, kHeadDimV, Variant::kIsFlex);
+  static constexpr FwdTileSize kTile =
+      fwd_tile_size(kHeadDim, kHeadDimV, Variant::kIsFlex, kHasSoftcap);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kStages = kTile.stages;
@@ -67,15 +68,21 @@ struct FlashFwdKernelSm90 {
   static_assert(!(kIsFlex && (kIsSplit || Config::kHasSoftcap)),
                 "the flex variant has softcap built in and no split-KV");
   static_assert(!(kIsFlex && kIsPaged), "the flex variant reads dense or packed k/v");
-  static_assert(kNumMmaWarpGroups == 2, "register split below assumes two MMA warpgroups");
-  // 64K registers per SM, 168 per thread at launch: producer warpgroup 128 x 24, MMA warpgroups
-  // 256 x 240 (setmaxnreg moves registers within the launch's 384 x 168). Paged kernels may
-  // gather rows with the whole producer warpgroup (page-table reads, 64-bit addresses), which
-  // needs more: 128 x 40 + 256 x 232, except at hdim 256 whose consumers spill at 232.
+  static_assert(kNumMmaWarpGroups == 2 || kNumMmaWarpGroups == 3,
+                "register split and pingpong below: two or three MMA warpgroups");
+  // 64K registers per SM and one CTA per SM: the launch gives each thread 65536 / kNumThreads
+  // (rounded down to a multiple of 8: 168 at 384 threads, 128 at 512), and setmaxnreg moves
+  // them from the producer warpgroup to the MMA warpgroups. Two MMA warpgroups: producer 24,
+  // MMA 240. Paged kernels may gather rows with the whole producer warpgroup (page-table reads,
+  // 64-bit addresses), which needs more: 40 and 232, except at hdim 256 whose consumers spill
+  // at 232. Three: MMA 160 (168 x 384 alone would leave the producer nothing), producer 24, or
+  // 32 when gathering (32 x 128 + 160 x 384 is the whole 64K).
+  static constexpr uint32_t kLaunchRegisters = 65536 / kNumThreads / 8 * 8;
   static constexpr uint32_t kLoadRegisters = Mainloop::kLoadRegisters;
-  static constexpr uint32_t kMmaRegisters = kLoadRegisters == 24 ? 240 : 232;
+  static constexpr uint32_t kMmaRegisters =
+      kNumMmaWarpGroups == 3 ? 160 : (kLoadRegisters == 24 ? 240 : 232);
   static_assert(kLoadRegisters * cutlass::NumThreadsPerWarpGroup + kMmaRegisters * kNumMmaThreads <=
-                    168 * kNumThreads,
+                    kLaunchRegisters * kNumThreads,
                 "the register split fits the launch's allocation");
   // Each thread of a WGMMA accumulator holds two rows of its warpgroup's 64.
   static constexpr int kRowsPerThread = 2;

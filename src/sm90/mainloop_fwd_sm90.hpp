@@ -54,9 +54,11 @@ struct MainloopFwdSm90 {
   // Gathered paged loads: every thread of the producer warpgroup copies 16-byte chunks.
   static constexpr int kNumGatherThreads = cutlass::NumThreadsPerWarpGroup;
   // Registers per producer thread (the kernel gives the rest to the MMA warpgroups): the TMA
-  // producer needs few; gathering needs more, but the hdim 256 consumers cannot spare them, so
-  // there the gather works in smaller batches.
-  static constexpr int kLoadRegisters = kIsPaged && kHeadDim < 256 ? 40 : 24;
+  // producer needs few; gathering needs more, but the hdim 256 consumers cannot spare them,
+  // nor can three MMA warpgroups (kBlockM 192) spare more than 32, so there the gather works
+  // in smaller batches.
+  static constexpr int kLoadRegisters =
+      !kIsPaged ? 24 : (kHeadDim >= 256 ? 24 : (kNumMmaWarpGroups == 3 ? 32 : 40));
   static constexpr int kGatherBatch = kLoadRegisters >= 40 ? 4 : 2;
 
   using TileShapeQK = cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>, cute::Int<kHeadDim>>;
