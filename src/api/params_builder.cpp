@@ -247,7 +247,6 @@ int choose_num_splits(const FwdParams& params, int requested, int num_sm) {
   if (params.score_mod.kind != 0 || params.mask_mod.kind != 0 || params.block_sparse.enabled)
     return 1;
   constexpr int kBlockM = 128, kBlockN = 128, kMaxHeuristicSplits = 128;
-  const std::int64_t qheads_per_kvhead = params.num_heads / params.num_heads_kv;
   std::int64_t seqlen_k_loaded = params.seqlen_k;
   if (params.is_local && params.window_left >= 0 && params.window_right >= 0) {
     seqlen_k_loaded = std::min<std::int64_t>(
@@ -255,10 +254,11 @@ int choose_num_splits(const FwdParams& params, int requested, int num_sm) {
   }
   const std::int64_t num_n_blocks = (seqlen_k_loaded + kBlockN - 1) / kBlockN;
   if (num_n_blocks <= 4) return 1;  // short keys: splitting costs more than it gains
-  const std::int64_t num_m_blocks =
-      (std::int64_t{params.seqlen_q} * qheads_per_kvhead + kBlockM - 1) / kBlockM;
+  // One tile per (batch, query head, m-block): the kernel does not pack a GQA group's heads into
+  // one tile, so a decode step (seqlen_q 1) already has batch * num_heads tiles.
+  const std::int64_t num_m_blocks = (std::int64_t{params.seqlen_q} + kBlockM - 1) / kBlockM;
   const std::int64_t total_m_blocks =
-      std::max<std::int64_t>(1, std::int64_t{params.batch} * params.num_heads_kv * num_m_blocks);
+      std::max<std::int64_t>(1, std::int64_t{params.batch} * params.num_heads * num_m_blocks);
   const std::int64_t splits = std::min(
       {std::int64_t{num_sm} / total_m_blocks, std::int64_t{kMaxHeuristicSplits}, num_n_blocks});
   return static_cast<int>(std::max<std::int64_t>(1, splits));

@@ -235,6 +235,11 @@ TEST(ParamsForward, SplitHeuristicAndBuffers) {
   p.window_left = 256;
   p.window_right = 0;
   EXPECT_EQ(choose_num_splits(p, 0, 132), 1);
+  // GQA decode: the kernel runs one tile per query head (8 of them for 2 kv heads), so 16 splits
+  // as for MHA, not 66.
+  p.is_local = false;
+  p.num_heads_kv = 2;
+  EXPECT_EQ(choose_num_splits(p, 0, 132), 16);
 
   p = FwdParams{};
   p.batch = 2;
