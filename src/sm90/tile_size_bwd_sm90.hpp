@@ -35,8 +35,14 @@ constexpr BwdTile bwd_tile(int head_dim, int head_dim_v, bool window, bool softc
     // 192 x 128: three warpgroups cannot split the 128-wide dV^T, so two do all of it.
     return {64, 96, 2, 1, 1, false, true, false, 1, 2, 1};
   }
-  // 64-wide column blocks: with 80 (FlashAttention-3's choice) dK^T and dV^T alone take 160 of
-  // the 240 registers and the dQ MMA would have to be split in halves to fit.
+  // 64-wide column blocks. FlashAttention-3's 64 x 80 with atom_n_dkv 1 gives each thread 80 + 80
+  // registers of dK^T / dV^T (the warpgroups split the head dim), which leaves 240 - 160 for the
+  // 64 of dQ^T plus S / dP (20 + 20), their 16-bit copies and all addressing. ptxas (CUDA 13.0)
+  // does not fit that: 336 bytes of spills in every variant, plain included; with the dQ^T and
+  // dK^T MMAs run in halves of the head dim (dQ 32 live at a time, FlashAttention-3's sliced
+  // dQ / dK) still about 210 bytes, and it serializes every WGMMA (C7512, insufficient register
+  // resources). 64 x 80 with atom_n_dkv 2 does not build: 40-wide dK^T / dV^T per warpgroup is
+  // too narrow for the epilogue's transposing stmatrix. Here dK / dV take 64 + 64 and dQ 64.
   return {64, 64, 2, 1, 1, false, true, true, 1, 2, 1};
 }
 
