@@ -8,10 +8,11 @@
 #   STEPS=build,bench_bwd BENCH_BWD_ARGS="--hdims 128" tools/gpu_check.sh
 #
 # Environment: KERNEL_SET (ci|all|custom), HDIMS / DTYPES (for custom), FEATURES (CUFLASH_FEATURES), STEPS (comma list of
-# build,test,test_each,pytest,sanitize,sass,bench,bench_bwd), GTEST_FILTER (default *Gpu*), TEST_TIMEOUT, SANITIZE_FILTER (memcheck),
+# build,test,test_each,pytest,sanitize,sass,bench,bench_bwd,profile), GTEST_FILTER (default *Gpu*), TEST_TIMEOUT, SANITIZE_FILTER (memcheck),
 # RACECHECK_FILTER, PER_TEST_TIMEOUT (test_each), PYTEST_K (a -k expression), PYTEST_ARGS, PYTEST_TIMEOUT, BENCH_ARGS, BENCH_ENV_B (run the
 # benchmark a second time with these VAR=value settings), BENCH_BWD_ARGS (bench/bench_bwd.py),
-# BENCH_BWD_TIMEOUT (seconds, default 300: a hung backward kernel ends the step, not the call), JOBS.
+# BENCH_BWD_TIMEOUT (seconds, default 300: a hung backward kernel ends the step, not the call), PROFILE
+# (ncu targets for the profile step, see there), JOBS.
 # Carry `.cutlass` (CUTLASS headers) and, where the machine has no GoogleTest, `.deps` (a
 # googletest source tree at .deps/googletest); tools/prepare_device_carry.sh makes both here.
 set -uo pipefail
@@ -167,6 +168,20 @@ if has_step bench_bwd; then
   [[ $rc -eq 124 ]] && note "bench_bwd: timed out after $BENCH_BWD_TIMEOUT s (what it measured is in bwd_sm90.json)"
   skipped=$(grep -c '"skipped": "' "$OUT/bwd_sm90.json" 2>/dev/null || true)
   note "bench_bwd: rc=$rc in $(( $(date +%s) - start )) s; skipped records: ${skipped:-no bwd_sm90.json}"
+fi
+
+if has_step profile; then
+  # Nsight Compute on single launches: PROFILE is a list of kind:hdim:seqlen:causal (kind fwd or
+  # bwd), e.g. "bwd:256:4096:0 fwd:128:2048:0"; one text report per entry.
+  make_pkg
+  for spec in ${PROFILE:-bwd:256:4096:0 bwd:128:4096:0}; do
+    IFS=: read -r kind hdim seqlen causal <<<"$spec"
+    if [[ $kind == fwd ]]; then kernel=regex:flash_fwd_kernel; extra=--no-backward; else kernel=regex:flash_bwd_kernel_sm90; extra=; fi
+    start=$(date +%s)
+    PYTHONPATH="$pkg" timeout "${PROFILE_TIMEOUT:-120}" ncu --set full -k "$kernel" -c 1 python3 "$ROOT/bench/profile_kernel.py" \
+      --hdim "$hdim" --seqlen "$seqlen" --causal "$causal" $extra >"$OUT/ncu_${kind}_d${hdim}_s${seqlen}_c${causal}.txt" 2>&1
+    note "profile $spec: rc=$? in $(( $(date +%s) - start )) s"
+  done
 fi
 
 note "gpu_check done: status=$status"
