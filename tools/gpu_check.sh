@@ -178,7 +178,7 @@ if has_step profile; then
     IFS=: read -r kind hdim seqlen causal <<<"$spec"
     if [[ $kind == fwd ]]; then kernel=regex:flash_fwd_kernel; extra=--no-backward; else kernel=regex:flash_bwd_kernel_sm90; extra=; fi
     start=$(date +%s)
-    PYTHONPATH="$pkg" timeout "${PROFILE_TIMEOUT:-120}" ncu --set full -k "$kernel" -c 1 python3 "$ROOT/bench/profile_kernel.py" \
+    PYTHONPATH="$pkg" timeout "${PROFILE_TIMEOUT:-120}" ncu --set full -k "$kernel" -s 1 -c 1 python3 "$ROOT/bench/profile_kernel.py" \
       --hdim "$hdim" --seqlen "$seqlen" --causal "$causal" $extra >"$OUT/ncu_${kind}_d${hdim}_s${seqlen}_c${causal}.txt" 2>&1
     note "profile $spec: rc=$? in $(( $(date +%s) - start )) s"
   done
