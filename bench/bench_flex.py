@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""Masked attention on one GPU: cuflash's flex kernels (built-in mask_mods) next to PyTorch
+FlexAttention (torch.compile'd Triton with a BlockMask), forward, in one process, same inputs.
+
+Masks (top-left aligned, seqlen_q == seqlen_k):
+  causal     kv <= q                     cuflash.masks.causal()
+  window     q - W <= kv <= q            cuflash.masks.sliding_window(W)
+  document   doc[q] == doc[kv]           cuflash.masks.document(doc_ids); 4 to 8 random documents
+                                          per sequence, different per batch row
+For causal and window the plain cuflash kernel (causal=True / window_size=(W, 0)) runs as a
+third column: what the flex kernel costs over it.
+
+Shapes as bench_fwd.py (bf16, batch * seqlen = 16k tokens, heads * head_dim = 2048). TFLOP/s
+count only the visible (q, kv) pairs: 4 * B * H * D * visible / time, the same count for every
+column of a mask, so ratios are time ratios. Timing: bench_common.time_ms. Outputs are checked
+against FlexAttention's (max abs difference relative to its max) before timing.
+
+Writes flex_sm90.json (records {impl, mask, dtype, hdim, seqlen, batch, nheads, fwd_tflops,
+max_err, gpu, date}) and prints a table with the ratio of cuflash flex to FlexAttention.
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common as common  # noqa: E402
+
+MASKS = ("causal", "window", "document")
+
+
+def document_ids(batch, seqlen, gen):
+    """(batch, seqlen) int32 document ids: 4 to 8 documents of random lengths per row."""
+    import torch
+
+    rows = []
+    for _ in range(batch):
+        docs = int(torch.randint(4, 9, (1,), generator=gen))
+        cuts = torch.sort(torch.randperm(seqlen - 1, generator=gen)[: docs - 1] + 1).values
+        ids = torch.zeros(seqlen, dtype=torch.int32)
+        for cut in cuts.tolist():
+            ids[cut:] += 1
+        rows.append(ids)
+    return torch.stack(rows).cuda()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_grid_args(parser, out_default=os.environ.get("OUT", "."))
+    parser.set_defaults(hdims="128", seqlens="2048,8192")
+    parser.add_argument("--masks", default=",".join(MASKS))
+    parser.add_argument("--window", type=int, default=1024)
+    args = parser.parse_args()
+
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    import cuflash
+
+    flex = torch.compile(flex_attention, dynamic=False)
+    gpu = torch.cuda.get_device_name()
+    date = common.utc_now()
+    records = []
+    json_path = common.out_path(args, "flex_sm90", "json")
+    print(f"masked forward, bf16, {gpu}, {date}")
+    for hdim, seqlen, batch, nheads in common.grid(args):
+        gen = torch.Generator().manual_seed(seqlen * 7 + hdim)
+        q, k, v = (torch.randn(batch, seqlen, nheads, hdim, generator=gen).to("cuda", torch.bfloat16)
+                   for _ in range(3))
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # FlexAttention takes (B, H, S, D)
+        for mask in args.masks.split(","):
+            W = args.window
+            if mask == "causal":
+                def mask_mod(b, h, qi, ki):
+                    return ki <= qi
+                columns = {"cuflash_flex": lambda: cuflash.flash_attn_func(q, k, v, mask_mod=cuflash.masks.causal()),
+                           "cuflash_plain": lambda: cuflash.flash_attn_func(q, k, v, causal=True)}
+            elif mask == "window":
+                def mask_mod(b, h, qi, ki):
+                    return (ki <= qi) & (qi - ki <= W)
+                columns = {"cuflash_flex": lambda: cuflash.flash_attn_func(
+                               q, k, v, mask_mod=cuflash.masks.sliding_window(W)),
+                           "cuflash_plain": lambda: cuflash.flash_attn_func(q, k, v, window_size=(W, 0))}
+            elif mask == "document":
+                doc = document_ids(batch, seqlen, gen)
+
+                def mask_mod(b, h, qi, ki):
+                    return doc[b, qi] == doc[b, ki]
+                columns = {"cuflash_flex": lambda: cuflash.flash_attn_func(
+                    q, k, v, mask_mod=cuflash.masks.document(doc))}
+            else:
+                raise SystemExit(f"--masks: unknown mask {mask!r}; choose from {', '.join(MASKS)}")
+            block_mask = create_block_mask(mask_mod, batch, None, seqlen, seqlen, device="cuda")
+            columns["flexattention"] = lambda: flex(qt, kt, vt, block_mask=block_mask)
+            # Visible pairs, for the FLOP count.
+            qi = torch.arange(seqlen, device="cuda")
+            visible = 0
+            for b in range(batch):
+                visible += int(mask_mod(b, 0, qi[:, None], qi[None, :]).sum())
+            flops = 4 * nheads * hdim * visible
+            expected = columns["flexattention"]().transpose(1, 2).float()
+            scale = float(expected.abs().max())
+            for name, fn in columns.items():
+                out = fn()
+                out = (out[0] if isinstance(out, tuple) else out.transpose(1, 2)).float()
+                err = float((out - expected).abs().max()) / scale
+                ms = common.time_ms(fn, args.warmup, args.repeats)
+                tflops = flops / ms / 1e9
+                records.append(dict(impl=name, mask=mask, dtype="bf16", hdim=hdim, seqlen=seqlen, batch=batch,
+                                    nheads=nheads, fwd_tflops=tflops, max_err=err, gpu=gpu, date=date))
+                print(f"{mask:>9} hdim={hdim} seqlen={seqlen} {name:>14}: {tflops:7.1f} TFLOP/s  err {err:.1e}",
+                      flush=True)
+            common.write_json(records, json_path)
+    print(f"\n{'mask':>9} {'hdim':>4} {'seqlen':>6} {'flex/FlexAttention':>19} {'flex/plain':>11}")
+    for hdim, seqlen, _, _ in common.grid(args):
+        for mask in args.masks.split(","):
+            get = {r["impl"]: r["fwd_tflops"] for r in records
+                   if r["mask"] == mask and r["hdim"] == hdim and r["seqlen"] == seqlen}
+            if not get:
+                continue
+            plain = get.get("cuflash_plain")
+            ratio_plain = f"{get['cuflash_flex'] / plain:11.3f}" if plain else f"{'':>11}"
+            print(f"{mask:>9} {hdim:>4} {seqlen:>6} {get['cuflash_flex'] / get['flexattention']:19.3f} {ratio_plain}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
