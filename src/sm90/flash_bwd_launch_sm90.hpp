@@ -153,16 +153,11 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
     ml.softcap_val = HasSoftcap ? params.softmax_scale / params.softcap : 0.f;
   }
   ml.deterministic = params.deterministic;
-  if (params.deterministic && !HasWindow && !Mainloop::kIsFlex) {
-    // Rotated walks make a column block wait on ones launched after it: only safe when all of a
-    // head's column blocks fit on the GPU at once (one CTA per SM at least).
-    int device = 0, num_sm = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&num_sm, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-      throw Error(Error::Kind::kCuda, "", "cuflash backward: cannot read the SM count of the current device");
-    }
-    ml.dq_rotate = num_n_blocks <= num_sm;
-  }
+  // Rotated walks make a column block wait on ones launched after it: only safe when all of a
+  // head's column blocks fit on the GPU at once (one CTA per SM at least). Dispatch sets num_sm;
+  // without it the walks keep the ascending order, which never waits on a later launch.
+  ml.dq_rotate = params.deterministic && !HasWindow && !Mainloop::kIsFlex && params.num_sm > 0 &&
+                 num_n_blocks <= params.num_sm;
   ml.cu_seqlens_q = params.cu_seqlens_q;
   ml.cu_seqlens_k = params.cu_seqlens_k;
   ml.seqused_q = params.seqused_q;
