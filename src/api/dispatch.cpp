@@ -80,7 +80,7 @@ std::size_t forward_workspace_size(const ForwardArgs& args) {
 #if CUFLASH_HAS_CUDA
   require_device();
   detail::DeviceGuard guard(shape.device.index);
-  return detail::split_kv_workspace_bytes(device_fwd_params(args, shape));
+  return detail::forward_workspace_bytes(device_fwd_params(args, shape), detail::fwd_scheduler());
 #else
   throw_not_built();
 #endif
@@ -110,8 +110,10 @@ void forward(const ForwardArgs& args, StreamHandle stream, Workspace workspace) 
   detail::DeviceGuard guard(shape.device.index);
   FwdParams params = device_fwd_params(args, shape);
   if (args.out.numel() == 0) return;  // no query rows: nothing to write
-  detail::DeviceWorkspace buffers(workspace, detail::split_kv_workspace_bytes(params), stream);
-  detail::assign_split_kv_buffers(params, buffers.data());
+  detail::FwdScheduler const scheduler = detail::fwd_scheduler();
+  detail::DeviceWorkspace buffers(workspace, detail::forward_workspace_bytes(params, scheduler),
+                                  stream);
+  detail::assign_forward_workspace(params, buffers.data(), scheduler);
   sm90::run_forward(params, stream);
   if (params.num_splits > 1) {
     sm90::run_combine(detail::make_split_combine_params(params, args, shape), stream);

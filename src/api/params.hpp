@@ -92,7 +92,20 @@ struct FwdParams {
   ModParams mask_mod;
   BlockSparseParams block_sparse;  // forward (row-block) lists
   int device_index = 0;
+
+  // Dynamic tile scheduling: one int of device workspace that the launch zeroes on the stream
+  // before the kernel; null: no dynamic scheduling (see fwd_tiles_unequal).
+  int* tile_counter = nullptr;
 };
+
+// Whether the forward's tiles differ in cost: causal/local windows, packed or seqused sequences
+// (of different lengths), a mask_mod or block lists. Such calls are scheduled dynamically (or one
+// CTA per tile), the others statically (sm90/flash_fwd_launch_sm90.hpp).
+inline bool fwd_tiles_unequal(const FwdParams& p) {
+  return p.window_left >= 0 || p.window_right >= 0 || p.cu_seqlens_q != nullptr ||
+         p.cu_seqlens_k != nullptr || p.seqused_q != nullptr || p.seqused_k != nullptr ||
+         p.mask_mod.kind != 0 || p.block_sparse.enabled;
+}
 
 struct BwdParams {
   const void* q = nullptr;

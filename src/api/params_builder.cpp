@@ -3,6 +3,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "cuflash/error.hpp"
 
 namespace cuflash::detail {
 namespace {
@@ -286,6 +291,45 @@ void assign_split_kv_buffers(FwdParams& params, void* workspace) {
   char* base = static_cast<char*>(workspace);
   params.out_partial = reinterpret_cast<float*>(base);
   params.lse_partial = reinterpret_cast<float*>(base + align_up(out_partial_bytes(params)));
+}
+
+FwdScheduler parse_fwd_scheduler(const char* value) {
+  if (value == nullptr || *value == '\0' || std::strcmp(value, "dynamic") == 0)
+    return FwdScheduler::kDynamic;
+  if (std::strcmp(value, "one_per_tile") == 0) return FwdScheduler::kOnePerTile;
+  throw Error(Error::Kind::kInvalidArgument, "CUFLASH_FWD_SCHEDULER",
+              std::string("CUFLASH_FWD_SCHEDULER: expected 'dynamic' or 'one_per_tile', got '") +
+                  value + "'");
+}
+
+FwdScheduler fwd_scheduler() {
+  // CUFLASH_FWD_SCHEDULER picks how the sm90 forward runs tiles of unequal cost (causal/local,
+  // varlen, seqused, mask_mod, block lists), so that both can be timed in one binary:
+  //   dynamic (default): a CTA per SM, each next tile claimed from a global counter;
+  //   one_per_tile: a CTA per tile, balanced by the hardware.
+  // Read once per process; equal tiles always run static persistent.
+  static const FwdScheduler scheduler = parse_fwd_scheduler(std::getenv("CUFLASH_FWD_SCHEDULER"));
+  return scheduler;
+}
+
+namespace {
+bool uses_tile_counter(const FwdParams& params, FwdScheduler scheduler) {
+  return scheduler == FwdScheduler::kDynamic && fwd_tiles_unequal(params);
+}
+}  // namespace
+
+std::size_t forward_workspace_bytes(const FwdParams& params, FwdScheduler scheduler) {
+  return align_up(split_kv_workspace_bytes(params)) +
+         (uses_tile_counter(params, scheduler) ? kBufferAlignment : 0);
+}
+
+void assign_forward_workspace(FwdParams& params, void* workspace, FwdScheduler scheduler) {
+  assign_split_kv_buffers(params, workspace);
+  params.tile_counter =
+      uses_tile_counter(params, scheduler)
+          ? reinterpret_cast<int*>(static_cast<char*>(workspace) +
+                                   align_up(split_kv_workspace_bytes(params)))
+          : nullptr;
 }
 
 CombineParams make_split_combine_params(const FwdParams& params, const ForwardArgs& args,

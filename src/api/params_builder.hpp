@@ -35,6 +35,19 @@ int choose_num_splits(const FwdParams& params, int requested, int num_sm);
 std::size_t split_kv_workspace_bytes(const FwdParams& params);
 void assign_split_kv_buffers(FwdParams& params, void* workspace);
 
+// How the sm90 forward schedules tiles of unequal cost (fwd_tiles_unequal): dynamically, with
+// a tile counter in the workspace, or with one CTA per tile.
+enum class FwdScheduler { kDynamic, kOnePerTile };
+// "dynamic" or "one_per_tile"; null or empty: kDynamic. Throws kInvalidArgument otherwise.
+FwdScheduler parse_fwd_scheduler(const char* value);
+// The process's choice, from CUFLASH_FWD_SCHEDULER, read once.
+FwdScheduler fwd_scheduler();
+
+// The forward's whole workspace: the split-KV buffers, then (tiles of unequal cost, dynamic
+// scheduling) the tile counter in a 256-byte slot of its own.
+std::size_t forward_workspace_bytes(const FwdParams& params, FwdScheduler scheduler);
+void assign_forward_workspace(FwdParams& params, void* workspace, FwdScheduler scheduler);
+
 // Merge of a split forward's partial buffers into its out / lse.
 CombineParams make_split_combine_params(const FwdParams& params, const ForwardArgs& args,
                                         const AttentionShape& shape);

@@ -84,6 +84,10 @@ struct FlashFwdKernelSm90 {
   static_assert(kLoadRegisters * cutlass::NumThreadsPerWarpGroup + kMmaRegisters * kNumMmaThreads <=
                     kLaunchRegisters * kNumThreads,
                 "the register split fits the launch's allocation");
+  // Dynamic tile scheduling (tile_scheduler_sm90.hpp) in all but the paged kernels: their
+  // producer warpgroup, which may gather K/V with every thread, is at its register limit, and
+  // the handoff's state spills there; they run tiles of unequal cost one CTA per tile.
+  static constexpr bool kDynamicScheduling = !kIsPaged;
   // Each thread of a WGMMA accumulator holds two rows of its warpgroup's 64.
   static constexpr int kRowsPerThread = 2;
 
@@ -107,6 +111,7 @@ struct FlashFwdKernelSm90 {
     alignas(16) typename Mainloop::QBarriers barrier_q;
     alignas(16) typename Mainloop::PipelineK::SharedStorage pipeline_k;
     alignas(16) typename Mainloop::PipelineV::SharedStorage pipeline_v;
+    alignas(16) TileHandoff tile_handoff;  // dynamic scheduling (tile_scheduler_sm90.hpp)
   };
   static constexpr int kSharedStorageBytes = int(sizeof(SharedStorage));
 
@@ -139,7 +144,8 @@ struct FlashFwdKernelSm90 {
                           (long long)p.seqlen_k * (p.head_dim + p.head_dim_v) *
                               (long long)sizeof(Element),
                           p.num_heads / p.num_heads_kv,
-                          p.num_heads * p.batch * (kIsSplit ? p.num_splits : 1))},
+                          p.num_heads * p.batch * (kIsSplit ? p.num_splits : 1)),
+                      /*tile_counter=*/nullptr},  // set by the launch when it schedules dynamically
             Variant::to_params(p)};
   }
 
@@ -231,10 +237,17 @@ struct FlashFwdKernelSm90 {
     int const warp_group_idx = cutlass::canonical_warp_group_idx();
     int const warp_idx = cutlass::canonical_warp_idx_sync();
     bool const lane_predicate = cute::elect_one_sync();
+    // Gathered paged loads: no TMA transaction; each producer thread arrives once its cp.async
+    // copies of the stage have landed.
+    bool gathers = false;
+    if constexpr (kIsPaged) gathers = !params.mainloop.paged.use_tma;
     if (warp_idx == 0 && lane_predicate) {
       Mainloop::prefetch_descriptors(params.mainloop);
       storage.barrier_q.full.init(/*arrive_count=*/1);
       storage.barrier_q.empty.init(/*arrive_count=*/kNumMmaThreads);
+      // Readers of the tile handoff: every thread that walks the tiles but the writer (the
+      // producer's leader).
+      storage.tile_handoff.init(kNumMmaThreads + (gathers ? Mainloop::kNumGatherThreads - 1 : 0));
     }
     typename PipelineK::Params pipeline_params_k;
     pipeline_params_k.transaction_bytes = Mainloop::kTmaBytesK;
@@ -242,10 +255,6 @@ struct FlashFwdKernelSm90 {
                                                  : PipelineK::ThreadCategory::Consumer;
     pipeline_params_k.is_leader = threadIdx.x % cutlass::NumThreadsPerWarpGroup == 0;
     pipeline_params_k.num_consumers = kNumMmaThreads;
-    // Gathered paged loads: no TMA transaction; each producer thread arrives once its cp.async
-    // copies of the stage have landed.
-    bool gathers = false;
-    if constexpr (kIsPaged) gathers = !params.mainloop.paged.use_tma;
     if (gathers) {
       pipeline_params_k.is_leader = false;
       pipeline_params_k.num_producers = Mainloop::kNumGatherThreads;
@@ -262,8 +271,13 @@ struct FlashFwdKernelSm90 {
       if (leader || gathers) {
         PipelineState smem_pipe_write = cutlass::make_producer_start_state<PipelineK>();
         int q_loads = 0;
-        for (int tile_index = int(blockIdx.x); tile_index < num_tiles;
-             tile_index += int(gridDim.x)) {
+        int claimed = 0;  // dynamic scheduling: the leader's claim of the next tile
+        for (int tile_index = int(blockIdx.x), handoff = 0; tile_index < num_tiles;
+             tile_index = scheduler.next_tile<kDynamicScheduling>(
+                 storage.tile_handoff, handoff++, tile_index, claimed, leader)) {
+          if constexpr (kDynamicScheduling) {
+            if (leader) claimed = scheduler.claim();
+          }
           FwdTile const tile = scheduler.tile(tile_index);
           TileWork const work = tile_work(params, tile);
           if (!work.has_rows || !work.has_keys()) continue;
@@ -295,7 +309,9 @@ struct FlashFwdKernelSm90 {
       PipelineState smem_pipe_read;
       int q_loads = 0;
       Mainloop::mma_init(thread_idx / cutlass::NumThreadsPerWarpGroup);
-      for (int tile_index = int(blockIdx.x); tile_index < num_tiles; tile_index += int(gridDim.x)) {
+      for (int tile_index = int(blockIdx.x), handoff = 0; tile_index < num_tiles;
+           tile_index = scheduler.next_tile<kDynamicScheduling>(
+               storage.tile_handoff, handoff++, tile_index, /*claimed=*/0, /*writer=*/false)) {
         FwdTile const tile = scheduler.tile(tile_index);
         TileWork const work = tile_work(params, tile);
         if (!work.has_rows) continue;

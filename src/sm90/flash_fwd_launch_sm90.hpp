@@ -23,7 +23,7 @@ template <class Element, int kHeadDim, int kHeadDimV, bool kHasSoftcap, bool kIs
 void run_flash_fwd_sm90(FwdParams& params, cudaStream_t stream) {
   using Kernel = FlashFwdKernelSm90<
       FwdConfig<Element, kHeadDim, kHeadDimV, kHasSoftcap, kIsSplit, Variant, kIsPaged>>;
-  typename Kernel::Params const kernel_params = Kernel::to_params(params);
+  typename Kernel::Params kernel_params = Kernel::to_params(params);
   if (kernel_params.scheduler.num_tiles() == 0) return;
   int num_sm = params.num_sm;
   if (num_sm <= 0) {
@@ -32,17 +32,24 @@ void run_flash_fwd_sm90(FwdParams& params, cudaStream_t stream) {
     check_launch(cudaDeviceGetAttribute(&num_sm, cudaDevAttrMultiProcessorCount, device),
                  "cuflash forward: cannot read the SM count");
   }
-  // Tiles of unequal cost (causal/local windows, packed sequences of different lengths) balance
-  // better when the hardware hands out one tile per CTA as SMs free up than with a static
-  // round-robin; equal tiles gain from the persistent loop (next loads under the epilogue).
-  // A mask_mod or block lists make tiles unequal too.
-  bool const unequal_tiles =
-      kernel_params.scheduler.longest_first || params.cu_seqlens_q != nullptr ||
-      params.cu_seqlens_k != nullptr || params.seqused_q != nullptr ||
-      params.seqused_k != nullptr ||
-      (Variant::kIsFlex && (params.mask_mod.kind != 0 || params.block_sparse.enabled));
-  int const max_ctas = unequal_tiles ? kernel_params.scheduler.num_tiles() : num_sm;
+  // Equal tiles: static persistent (a CTA per SM, the next tile's loads under the epilogue).
+  // Tiles of unequal cost (causal/local windows, packed or seqused sequences of different
+  // lengths, a mask_mod or block lists) leave a static round-robin unbalanced: they get the
+  // dynamic persistent scheduler when dispatch gave a tile counter (CUFLASH_FWD_SCHEDULER,
+  // params_builder.cpp) where the kernel has it (not paged), else one CTA per tile, which the
+  // hardware balances as SMs free up.
+  // With no more tiles than SMs every CTA runs one tile either way: no counter needed.
+  int const num_tiles = kernel_params.scheduler.num_tiles();
+  bool const unequal_tiles = fwd_tiles_unequal(params);
+  bool const dynamic = Kernel::kDynamicScheduling && unequal_tiles &&
+                       params.tile_counter != nullptr && num_tiles > num_sm;
+  int const max_ctas = unequal_tiles && !dynamic ? num_tiles : num_sm;
   dim3 const grid = Kernel::grid_shape(kernel_params, max_ctas);
+  if (dynamic) {
+    kernel_params.scheduler.tile_counter = params.tile_counter;
+    check_launch(cudaMemsetAsync(params.tile_counter, 0, sizeof(int), stream),
+                 "cuflash forward: cannot zero the tile counter");
+  }
   auto kernel = &flash_fwd_kernel_sm90<Kernel>;
   check_launch(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     Kernel::kSharedStorageBytes),

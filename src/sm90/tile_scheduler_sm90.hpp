@@ -1,7 +1,12 @@
-// Tile scheduler for the forward kernel: each CTA walks the tile list with a stride of the grid
-// size. With a grid of one CTA per SM it is persistent (the next tile's loads overlap the
-// current tile's epilogue); with one CTA per tile the hardware balances tiles of unequal cost
-// (the launch chooses, flash_fwd_launch_sm90.hpp).
+// Tile scheduler for the forward kernel, three ways (the launch chooses,
+// flash_fwd_launch_sm90.hpp):
+// - static persistent: one CTA per SM, each walks the tile list with a stride of the grid size;
+//   the next tile's loads overlap the current tile's epilogue. For tiles of equal cost.
+// - dynamic persistent: one CTA per SM; a CTA's first tile is blockIdx.x, every later one is
+//   claimed from a global counter, so CTAs that drew short tiles take more of them. For tiles
+//   of unequal cost; keeps the overlap of the persistent loop.
+// - one CTA per tile (the stride walk with grid = tiles): the hardware hands out tiles as SMs
+//   free up; no overlap between tiles. Kept for comparison (CUFLASH_FWD_SCHEDULER).
 // Tiles are (m_block, head, batch, split); split-KV splits count as more (batch, head) pairs.
 // Tile order: (batch, head) pairs in sections whose K/V fit in L2 together. Without causal/local
 // masking, m-block fastest within a section; with it, the m-blocks that see the most keys (the
@@ -10,6 +15,7 @@
 #pragma once
 
 #include <cuda_runtime.h>
+#include <cutlass/arch/barrier.h>
 #include <cutlass/cutlass.h>
 
 #include <algorithm>
@@ -21,12 +27,67 @@ struct FwdTile {
   int split;  // split-KV: which part of the key range (0 without split-KV)
 };
 
+// Dynamic scheduling: one thread of the producer (the writer) claims each next tile from the
+// global counter and hands its index to every other thread that walks the tiles (the readers:
+// the MMA threads, and the other producer threads when they gather paged K/V) through a
+// two-slot ring in shared memory.
+// Handoff h (h = 0, 1, ...: the index of this CTA's tile h + 1) uses slot h % 2 and phase h / 2
+// of that slot's barriers:
+//   writer: waits for phase h / 2 - 1 of empty[slot] to complete (every reader has taken handoff
+//           h - 2 from the slot; for h < 2 that wait is on the phase before a fresh barrier's
+//           first, which passes at once), stores the index, arrives on full[slot] (arrival
+//           count 1), completing its phase h / 2;
+//   reader: waits for phase h / 2 of full[slot], loads the index, arrives on empty[slot]
+//           (arrival count: the number of readers).
+// Only parities are waited on, so h modulo 4 is all either side needs. mbarrier arrive releases
+// and its wait acquires (CTA scope): the store is visible to the readers, and their loads are
+// done before the slot is written again. Every role takes every handoff, including the last,
+// whose index (>= num_tiles) ends every role's loop alike, so all see the same tiles and the
+// same end. The writer waits only for readers to take handoff h - 2, which needs nothing from
+// it beyond what it did before handoff h - 1 (the loads of tiles up to h - 1): no cycle, hence
+// no deadlock; the writer runs at most two tiles ahead of the slowest reader.
+struct TileHandoff {
+  cutlass::arch::ClusterBarrier full[2];
+  cutlass::arch::ClusterBarrier empty[2];
+  int tile_index[2];
+
+  CUTLASS_DEVICE void init(int num_readers) {
+    for (int slot = 0; slot < 2; ++slot) {
+      full[slot].init(1);
+      empty[slot].init(uint32_t(num_readers));
+    }
+  }
+
+  CUTLASS_DEVICE void publish(int handoff, int index) {
+    int const slot = handoff & 1;
+    empty[slot].wait(uint32_t(((handoff >> 1) & 1) ^ 1));
+    // The barrier asm has no memory clobber: keep the compiler from moving the store across it.
+    asm volatile("" ::: "memory");
+    *reinterpret_cast<int volatile*>(&tile_index[slot]) = index;
+    asm volatile("" ::: "memory");
+    full[slot].arrive();
+  }
+
+  CUTLASS_DEVICE int take(int handoff) {
+    int const slot = handoff & 1;
+    full[slot].wait(uint32_t((handoff >> 1) & 1));
+    asm volatile("" ::: "memory");
+    int const index = *reinterpret_cast<int volatile*>(&tile_index[slot]);
+    asm volatile("" ::: "memory");
+    empty[slot].arrive();
+    return index;
+  }
+};
+
 struct PersistentTileSchedulerSm90 {
   int num_m_blocks, num_heads, batch, num_splits;
   bool longest_first;
   // (batch, head) pairs are walked in sections of this many, so that the K/V being read at
   // any time stay within L2 (host side: a fraction of L2 over one head's K/V bytes).
   int section_size;
+  // Dynamic scheduling: a device int that is 0 at launch (the launch zeroes it); every claim
+  // adds 1. Null: the stride walk (static persistent or one CTA per tile).
+  int* tile_counter;
 
   CUTLASS_HOST_DEVICE int num_heads_batches() const { return num_heads * batch * num_splits; }
   CUTLASS_HOST_DEVICE int num_tiles() const { return num_m_blocks * num_heads_batches(); }
@@ -41,6 +102,30 @@ struct PersistentTileSchedulerSm90 {
                                     << 20;  // of the H200's 50 MB, leaving room for Q/O streams
     long long const kv_heads = std::max(1ll, kL2Budget / std::max(1ll, kv_bytes_per_head));
     return int(std::max(1ll, std::min<long long>(kv_heads * heads_per_kv_head, num_heads_batches)));
+  }
+
+  CUTLASS_DEVICE bool is_dynamic() const { return tile_counter != nullptr; }
+
+  // Dynamic: the writer claims the tile after the current one, once per tile (also for tiles
+  // it skips). The first gridDim.x tiles are the CTAs' first ones, so claim c of the whole grid
+  // gets tile gridDim.x + c; each CTA's last claim is past num_tiles (num_tiles claims in all).
+  CUTLASS_DEVICE int claim() const {
+    return is_dynamic() ? atomicAdd(tile_counter, 1) + int(gridDim.x) : 0;
+  }
+
+  // The tile after `index`, this CTA's handoff-th (any number congruent modulo 4): the stride
+  // walk, or (dynamic) the writer's claim, made at the start of the tile so that the atomic's
+  // latency hides under the tile's loads, handed to the readers through `ring`.
+  // kMayBeDynamic false: kernels built without dynamic scheduling (no handoff code at all).
+  template <bool kMayBeDynamic>
+  CUTLASS_DEVICE int next_tile(TileHandoff& ring, int handoff, int index, int claimed,
+                               bool writer) const {
+    if (!kMayBeDynamic || !is_dynamic()) return index + int(gridDim.x);
+    if (writer) {
+      ring.publish(handoff, claimed);
+      return claimed;
+    }
+    return ring.take(handoff);
   }
 
   CUTLASS_DEVICE FwdTile tile(int index) const {

@@ -259,6 +259,69 @@ TEST(ParamsForward, SplitHeuristicAndBuffers) {
   EXPECT_EQ(reinterpret_cast<char*>(p.lse_partial), workspace.data() + out_bytes);
 }
 
+TEST(ParamsForward, SchedulerChoiceAndTileCounter) {
+  EXPECT_EQ(parse_fwd_scheduler(nullptr), FwdScheduler::kDynamic);
+  EXPECT_EQ(parse_fwd_scheduler(""), FwdScheduler::kDynamic);
+  EXPECT_EQ(parse_fwd_scheduler("dynamic"), FwdScheduler::kDynamic);
+  EXPECT_EQ(parse_fwd_scheduler("one_per_tile"), FwdScheduler::kOnePerTile);
+  try {
+    parse_fwd_scheduler("static");
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), Error::Kind::kInvalidArgument);
+    EXPECT_EQ(e.argument(), "CUFLASH_FWD_SCHEDULER");
+  }
+
+  FwdParams p;
+  p.batch = 2;
+  p.seqlen_q = 3;
+  p.num_heads = 4;
+  p.head_dim_v = 64;
+  // Equal tiles: no counter, no workspace.
+  EXPECT_FALSE(fwd_tiles_unequal(p));
+  EXPECT_EQ(forward_workspace_bytes(p, FwdScheduler::kDynamic), 0u);
+  std::vector<char> none(1);
+  assign_forward_workspace(p, none.data(), FwdScheduler::kDynamic);
+  EXPECT_EQ(p.tile_counter, nullptr);
+
+  // Each of these makes tiles unequal.
+  auto unequal = [](void (*set)(FwdParams&)) {
+    FwdParams q;
+    set(q);
+    return fwd_tiles_unequal(q);
+  };
+  static const int lengths[2] = {0, 0};
+  EXPECT_TRUE(unequal([](FwdParams& q) { q.window_right = 0; }));  // causal
+  EXPECT_TRUE(unequal([](FwdParams& q) { q.window_left = 16; }));
+  EXPECT_TRUE(unequal([](FwdParams& q) { q.cu_seqlens_q = lengths; }));
+  EXPECT_TRUE(unequal([](FwdParams& q) { q.cu_seqlens_k = lengths; }));
+  EXPECT_TRUE(unequal([](FwdParams& q) { q.seqused_q = lengths; }));
+  EXPECT_TRUE(unequal([](FwdParams& q) { q.seqused_k = lengths; }));
+  EXPECT_TRUE(unequal([](FwdParams& q) { q.mask_mod.kind = 1; }));
+  EXPECT_TRUE(unequal([](FwdParams& q) { q.block_sparse.enabled = true; }));
+  EXPECT_FALSE(unequal([](FwdParams& q) { q.score_mod.kind = 1; }));
+
+  // Causal: the counter takes a 256-byte slot, after the split-KV buffers when there are any;
+  // one CTA per tile needs none.
+  p.window_right = 0;
+  EXPECT_EQ(forward_workspace_bytes(p, FwdScheduler::kOnePerTile), 0u);
+  EXPECT_EQ(forward_workspace_bytes(p, FwdScheduler::kDynamic), 256u);
+  std::vector<char> workspace(forward_workspace_bytes(p, FwdScheduler::kDynamic));
+  assign_forward_workspace(p, workspace.data(), FwdScheduler::kDynamic);
+  EXPECT_EQ(static_cast<void*>(p.tile_counter), workspace.data());
+  assign_forward_workspace(p, workspace.data(), FwdScheduler::kOnePerTile);
+  EXPECT_EQ(p.tile_counter, nullptr);
+
+  p.num_splits = 5;
+  const std::size_t split_bytes = split_kv_workspace_bytes(p);  // 30720 + 512, 256-aligned
+  EXPECT_EQ(forward_workspace_bytes(p, FwdScheduler::kOnePerTile), split_bytes);
+  EXPECT_EQ(forward_workspace_bytes(p, FwdScheduler::kDynamic), split_bytes + 256);
+  workspace.assign(forward_workspace_bytes(p, FwdScheduler::kDynamic), 0);
+  assign_forward_workspace(p, workspace.data(), FwdScheduler::kDynamic);
+  EXPECT_EQ(static_cast<void*>(p.out_partial), workspace.data());
+  EXPECT_EQ(reinterpret_cast<char*>(p.tile_counter), workspace.data() + split_bytes);
+}
+
 TEST(ParamsForward, SplitCombineWritesIntoOutAndLse) {
   ForwardArgs args;
   args.q = tensor(DType::kBFloat16, {2, 10, 4, 64});
