@@ -117,6 +117,7 @@ struct FlashFwdKernelSm90 {
     float softcap_scale;  // softmax_scale / softcap
     Scheduler scheduler;
     typename Variant::Params variant;
+    typename Epilogue::Params epilogue;
   };
 
   static Params to_params(FwdParams const& p) {
@@ -140,7 +141,8 @@ struct FlashFwdKernelSm90 {
                               (long long)sizeof(Element),
                           p.num_heads / p.num_heads_kv,
                           p.num_heads * p.batch * (kIsSplit ? p.num_splits : 1))},
-            Variant::to_params(p)};
+            Variant::to_params(p),
+            Epilogue::to_params(p)};
   }
 
   static dim3 grid_shape(Params const& params, int num_sm) {
@@ -233,6 +235,7 @@ struct FlashFwdKernelSm90 {
     bool const lane_predicate = cute::elect_one_sync();
     if (warp_idx == 0 && lane_predicate) {
       Mainloop::prefetch_descriptors(params.mainloop);
+      Epilogue::prefetch_descriptors(params.epilogue);
       storage.barrier_q.full.init(/*arrive_count=*/1);
       storage.barrier_q.empty.init(/*arrive_count=*/kNumMmaThreads);
     }
@@ -339,11 +342,13 @@ struct FlashFwdKernelSm90 {
                                   tile.head, tile.batch, tile.split);
           if (smem_release != nullptr) smem_release->arrive();
         } else {
-          Epilogue::store(p, smem_o, tOrO, lse, tiled_mma_pv, thread_idx, work.seqlen, tile.m_block,
-                          tile.head, tile.batch, smem_release);
+          Epilogue::template store<kSeparateO>(params.epilogue, p, smem_o, tOrO, lse, tiled_mma_pv,
+                                               thread_idx, work.seqlen, tile.m_block, tile.head,
+                                               tile.batch, smem_release);
         }
         if (work.has_keys()) ++q_loads;
       }
+      Epilogue::store_tail(thread_idx);
     }
   }
 };
