@@ -1,13 +1,22 @@
-// Forward epilogue: the normalised O goes registers -> shared memory (stmatrix, reusing Q's
-// buffer) -> global memory in 16-byte vectors, predicated on the rows this sequence owns,
-// which covers packed (varlen) tails without a separate path. LSE goes straight from registers.
+// Forward epilogue: the normalised O goes registers -> shared memory (stmatrix, into its own
+// buffer or Q's, see the kernel's kSeparateO) -> global memory, by one of two paths:
+// - TMA store (dense O with its own buffer and 16-byte aligned base and strides): one thread
+//   issues a bulk tensor store of the tile and the consumers go on to the next tile while it
+//   drains. The descriptor's bounds are the output's (seqlen_q, head_dim_v), so rows past
+//   seqlen_q in the last m-block and columns past the real head dim are clipped by TMA.
+// - 16-byte vector stores by every consumer thread, predicated on the rows this sequence owns,
+//   which covers packed (varlen) tails, whose next rows belong to the next sequence, and O in
+//   Q's buffer, whose next Q load must not wait for a store to drain.
+// LSE goes straight from registers.
 #pragma once
 
 #include <cutlass/arch/barrier.h>
 #include <cutlass/cutlass.h>
 
+#include <cstdint>
 #include <cute/tensor.hpp>
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
+#include <type_traits>
 
 #include "api/params.hpp"
 #include "sm90/mainloop_fwd_sm90.hpp"
@@ -42,14 +51,96 @@ struct EpilogueFwdSm90 {
       cute::Copy_Atom<cute::AutoVectorizingCopyWithAssumedAlignment<128>, Element>{},
       GmemLayoutAtom{}, cute::Layout<cute::Shape<cute::_1, cute::Int<kElemsPerVector>>>{}));
 
+  // TMA store of O over (seqlen_q, head_dim_v, heads, batch); split-KV kernels write fp32
+  // partials from registers instead and have no descriptor.
+  static constexpr bool kHasTmaStore = !Config::kIsSplit;
+  using ShapeO = cute::Shape<int32_t, int32_t, int32_t, int32_t>;
+  using StrideO = cute::Stride<int64_t, cute::_1, int64_t, int64_t>;
+  using TMA_O = decltype(cute::make_tma_copy(
+      cute::SM90_TMA_STORE{},
+      cute::make_tensor(cute::make_gmem_ptr(static_cast<Element*>(nullptr)), ShapeO{}, StrideO{}),
+      SmemLayoutO{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDimV>>{}, cute::_1{}));
+  struct TmaStoreParams {
+    TMA_O tma_store_o;
+    ShapeO shape_o;
+    bool use_tma_store;  // dense O with 16-byte aligned base and strides
+  };
+  struct NoTmaStoreParams {};
+  using Params = std::conditional_t<kHasTmaStore, TmaStoreParams, NoTmaStoreParams>;
+
+  // The thread that issues the TMA store and waits for it: lane 0 of the last consumer warp,
+  // whose warpgroup is the last to need the tensor cores on the next tile (pingpong order).
+  static constexpr int kTmaStoreThread = kNumMmaThreads - cutlass::NumThreadsPerWarp;
+
+  static Params to_params(FwdParams const& p) {
+    using namespace cute;
+    if constexpr (kHasTmaStore) {
+      using Mainloop = MainloopFwdSm90<Config>;
+      // Extents are at least 1 so that the descriptor encodes even when no tile is stored.
+      int const rows = max(p.seqlen_q, 1);
+      ShapeO const shape_o{rows, p.head_dim_v, p.num_heads, p.batch};
+      StrideO const stride_o{Mainloop::tma_stride(p.o_row_stride, rows), _1{},
+                             Mainloop::tma_stride(p.o_head_stride, p.num_heads),
+                             Mainloop::tma_stride(p.o_batch_stride, p.batch)};
+      // Packed O (cu_seqlens_q) takes the vector path: a tile's rows past its sequence belong to
+      // the next one, and the descriptor's bounds are the whole output's.
+      bool const aligned = reinterpret_cast<std::uintptr_t>(p.out) % 16 == 0 &&
+                           (get<0>(stride_o) * int64_t(sizeof(Element))) % 16 == 0 &&
+                           (get<2>(stride_o) * int64_t(sizeof(Element))) % 16 == 0 &&
+                           (get<3>(stride_o) * int64_t(sizeof(Element))) % 16 == 0;
+      bool const use_tma_store = p.cu_seqlens_q == nullptr && aligned;
+      // An unaligned output (which dispatch refuses before any launch) gets a never-used
+      // descriptor over one aligned row so that encoding does not fail.
+      Element* const base =
+          reinterpret_cast<Element*>(reinterpret_cast<std::uintptr_t>(p.out) & ~std::uintptr_t(15));
+      int64_t const unit = Mainloop::tma_stride(0, 1);
+      Tensor mO =
+          aligned ? make_tensor(make_gmem_ptr(base), make_layout(shape_o, stride_o))
+                  : make_tensor(make_gmem_ptr(base), make_layout(ShapeO{1, p.head_dim_v, 1, 1},
+                                                                 StrideO{unit, _1{}, unit, unit}));
+      return {make_tma_copy(SM90_TMA_STORE{}, mO, SmemLayoutO{},
+                            Shape<Int<kBlockM>, Int<kHeadDimV>>{}, _1{}),
+              shape_o, use_tma_store};
+    } else {
+      return {};
+    }
+  }
+
+  CUTLASS_DEVICE static void prefetch_descriptors(Params const& params) {
+    if constexpr (kHasTmaStore) {
+      if (params.use_tma_store)
+        cute::prefetch_tma_descriptor(params.tma_store_o.get_tma_descriptor());
+    }
+  }
+
+  // Before the CTA exits, the last TMA store must have read O's shared memory.
+  CUTLASS_DEVICE static void store_tail(int thread_idx) {
+    if constexpr (kHasTmaStore) {
+      if (thread_idx == kTmaStoreThread) cute::tma_store_wait<0>();
+    }
+  }
+
   // tOrO: normalised fp32 output of this thread; lse: per thread row (natural log).
-  // smem_release: arrived on once this thread has read O back from shared memory, when O's
-  // buffer is Q's (null otherwise).
-  template <class TensorO, class TiledMmaPV, int kRows>
-  CUTLASS_DEVICE static void store(FwdParams const& p, Element* smem_o, TensorO const& tOrO,
-                                   float const (&lse)[kRows], TiledMmaPV const& tiled_mma_pv,
-                                   int thread_idx, SeqlenInfo const& seqlen, int m_block, int head,
-                                   int batch, cutlass::arch::ClusterBarrier* smem_release) {
+  // kSeparateO: O has its own shared-memory buffer (the TMA path needs it); otherwise smem_o is
+  // Q's buffer and smem_release is arrived on once this thread has read O back from it (null
+  // when the tile loaded no Q).
+  //
+  // Shared-memory protocol of the TMA path (O's own buffer, one tile after another):
+  //   1. kTmaStoreThread waits (cp.async.bulk.wait_group.read 0) until the previous tile's
+  //      store has read sO; the named barrier then holds every consumer until it has.
+  //   2. Every consumer writes its part of O (stmatrix) and fences its writes to the async
+  //      proxy (fence.proxy.async.shared::cta); a second named barrier makes all of them
+  //      visible before the store is issued.
+  //   3. kTmaStoreThread issues the store and commits it; nobody waits for it here: the
+  //      consumers start the next tile while it drains, and step 1 of the next epilogue (or
+  //      store_tail at exit) is where it must have read sO.
+  // Q's buffer is untouched, so the producer's next Q load does not depend on the store.
+  template <bool kSeparateO, class TensorO, class TiledMmaPV, int kRows>
+  CUTLASS_DEVICE static void store(Params const& params, FwdParams const& p, Element* smem_o,
+                                   TensorO const& tOrO, float const (&lse)[kRows],
+                                   TiledMmaPV const& tiled_mma_pv, int thread_idx,
+                                   SeqlenInfo const& seqlen, int m_block, int head, int batch,
+                                   cutlass::arch::ClusterBarrier* smem_release) {
     using namespace cute;
     Tensor sO = make_tensor(make_smem_ptr(smem_o), SmemLayoutO{});
 
@@ -76,6 +167,27 @@ struct EpilogueFwdSm90 {
     auto smem_thr_copy_O = smem_tiled_copy_O.get_thread_slice(thread_idx);
     Tensor taccOrO = smem_thr_copy_O.retile_S(tOrO_out);
     Tensor taccOsO = smem_thr_copy_O.partition_D(sO);
+
+    if constexpr (kSeparateO && kHasTmaStore) {
+      if (params.use_tma_store) {
+        // The previous tile's store has read sO (step 1 above).
+        if (thread_idx == kTmaStoreThread) tma_store_wait<0>();
+        cutlass::arch::NamedBarrier::sync(kNumMmaThreads, int(FwdNamedBarrier::kEpilogue));
+        copy(smem_tiled_copy_O, taccOrO, taccOsO);
+        tma_store_fence();  // this thread's stmatrix writes, seen by the TMA unit
+        cutlass::arch::NamedBarrier::sync(kNumMmaThreads, int(FwdNamedBarrier::kEpilogue));
+        if (thread_idx == kTmaStoreThread) {
+          Tensor mO = params.tma_store_o.get_tma_tensor(params.shape_o)(_, _, head, batch);
+          Tensor gO =
+              local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDimV>>{}, make_coord(m_block, _0{}));
+          auto block_tma_o = params.tma_store_o.get_slice(_0{});
+          copy(params.tma_store_o, block_tma_o.partition_S(sO), block_tma_o.partition_D(gO));
+          tma_store_arrive();
+        }
+        return;
+      }
+    }
+
     // Every warpgroup must be done with the buffer (its last Q K^T when O reuses Q's buffer,
     // its reads of the previous tile's O otherwise) before any thread overwrites it.
     cutlass::arch::NamedBarrier::sync(kNumMmaThreads, int(FwdNamedBarrier::kEpilogue));

@@ -122,6 +122,7 @@ struct FlashFwdKernelSm90 {
     float softcap_scale;  // softmax_scale / softcap
     Scheduler scheduler;
     typename Variant::Params variant;
+    typename Epilogue::Params epilogue;
   };
 
   static Params to_params(FwdParams const& p) {
@@ -146,7 +147,8 @@ struct FlashFwdKernelSm90 {
                           p.num_heads / p.num_heads_kv,
                           p.num_heads * p.batch * (kIsSplit ? p.num_splits : 1)),
                       /*tile_counter=*/nullptr},  // set by the launch when it schedules dynamically
-            Variant::to_params(p)};
+            Variant::to_params(p),
+            Epilogue::to_params(p)};
   }
 
   static dim3 grid_shape(Params const& params, int num_sm) {
@@ -243,6 +245,7 @@ struct FlashFwdKernelSm90 {
     if constexpr (kIsPaged) gathers = !params.mainloop.paged.use_tma;
     if (warp_idx == 0 && lane_predicate) {
       Mainloop::prefetch_descriptors(params.mainloop);
+      Epilogue::prefetch_descriptors(params.epilogue);
       storage.barrier_q.full.init(/*arrive_count=*/1);
       storage.barrier_q.empty.init(/*arrive_count=*/kNumMmaThreads);
       // Readers of the tile handoff: every thread that walks the tiles but the writer (the
@@ -355,11 +358,13 @@ struct FlashFwdKernelSm90 {
                                   tile.head, tile.batch, tile.split);
           if (smem_release != nullptr) smem_release->arrive();
         } else {
-          Epilogue::store(p, smem_o, tOrO, lse, tiled_mma_pv, thread_idx, work.seqlen, tile.m_block,
-                          tile.head, tile.batch, smem_release);
+          Epilogue::template store<kSeparateO>(params.epilogue, p, smem_o, tOrO, lse, tiled_mma_pv,
+                                               thread_idx, work.seqlen, tile.m_block, tile.head,
+                                               tile.batch, smem_release);
         }
         if (work.has_keys()) ++q_loads;
       }
+      Epilogue::store_tail(thread_idx);
     }
   }
 };
