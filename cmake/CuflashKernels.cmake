@@ -68,8 +68,10 @@ foreach(_file ${_all_instantiations})
   endif()
   set(_hdim ${CMAKE_MATCH_1})
   set(_dtype ${CMAKE_MATCH_2})
-  # CI compiles one paged kernel (paged, not paged_split) to keep the 2-core build short.
-  if(CUFLASH_KERNEL_SET STREQUAL "ci" AND _name MATCHES "_paged_split_")
+  # CI compiles one paged kernel (paged, not paged_split) and one packed-GQA kernel (the plain
+  # one) to keep the 2-core build short.
+  if(CUFLASH_KERNEL_SET STREQUAL "ci" AND (_name MATCHES "_paged_split_" OR
+     (_name MATCHES "_packgqa_" AND NOT _name MATCHES "_(fp16|bf16)_packgqa_")))
     continue()
   endif()
   # Feature tokens between the dtype and the arch suffix (softcap, split, flex, paged): the file

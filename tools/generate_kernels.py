@@ -13,14 +13,22 @@ from kernel_generator_common import write_instantiations
 # are runtime choices inside it, so one kernel per head dim and dtype).
 # paged: k/v read through a page table (TMA or gathered loads, picked at run time from the page
 # size); with split-KV too, for decoding from a paged cache. Softcap and flex are not paged.
+# packgqa: packed GQA tiles (sm90/pack_gqa_sm90.hpp), a GQA group's query heads in one tile;
+# separate kernels because their per-row Q gathering, stores and masking would cost the others
+# registers (the hdim 256 consumers spill). Not with flex, nor with softcap and split together.
 FEATURES = {
-    "": ("false", "false", "variants::NoVariant", "false"),
-    "softcap": ("true", "false", "variants::NoVariant", "false"),
-    "split": ("false", "true", "variants::NoVariant", "false"),
-    "softcap_split": ("true", "true", "variants::NoVariant", "false"),
-    "flex": ("false", "false", "variants::FlexVariant", "false"),
-    "paged": ("false", "false", "variants::NoVariant", "true"),
-    "paged_split": ("false", "true", "variants::NoVariant", "true"),
+    "": ("false", "false", "variants::NoVariant", "false", "false"),
+    "softcap": ("true", "false", "variants::NoVariant", "false", "false"),
+    "split": ("false", "true", "variants::NoVariant", "false", "false"),
+    "softcap_split": ("true", "true", "variants::NoVariant", "false", "false"),
+    "flex": ("false", "false", "variants::FlexVariant", "false", "false"),
+    "paged": ("false", "false", "variants::NoVariant", "true", "false"),
+    "paged_split": ("false", "true", "variants::NoVariant", "true", "false"),
+    "packgqa": ("false", "false", "variants::NoVariant", "false", "true"),
+    "softcap_packgqa": ("true", "false", "variants::NoVariant", "false", "true"),
+    "split_packgqa": ("false", "true", "variants::NoVariant", "false", "true"),
+    "paged_packgqa": ("false", "false", "variants::NoVariant", "true", "true"),
+    "paged_split_packgqa": ("false", "true", "variants::NoVariant", "true", "true"),
 }
 
 TEMPLATE = """\
@@ -39,10 +47,14 @@ void run_{stem}(FwdParams& params, cudaStream_t stream) {{
 
 
 def render(stem, element, hdim, hdim_v, feature):
-    softcap, split, variant, paged = feature
+    softcap, split, variant, paged, pack_gqa = feature
+    tail = ""
+    if pack_gqa == "true":
+        tail = f", /*kIsPaged=*/{paged}, /*kPackGqa=*/true"
+    elif paged == "true":
+        tail = ", /*kIsPaged=*/true"
     return TEMPLATE.format(stem=stem, element=element, hdim=hdim, hdim_v=hdim_v, softcap=softcap,
-                           split=split, variant=variant,
-                           paged=", /*kIsPaged=*/true" if paged == "true" else "")
+                           split=split, variant=variant, paged=tail)
 
 
 if __name__ == "__main__":

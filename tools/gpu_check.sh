@@ -8,11 +8,11 @@
 #   STEPS=build,bench_bwd BENCH_BWD_ARGS="--hdims 128" tools/gpu_check.sh
 #
 # Environment: KERNEL_SET (ci|all|custom), HDIMS / DTYPES (for custom), FEATURES (CUFLASH_FEATURES), STEPS (comma list of
-# build,test,test_each,pytest,sanitize,sass,bench,bench_bwd,bench_flex,profile), GTEST_FILTER (default *Gpu*), TEST_TIMEOUT, SANITIZE_FILTER (memcheck),
+# build,test,test_each,pytest,sanitize,sass,bench,bench_bwd,bench_gqa,bench_flex,profile), GTEST_FILTER (default *Gpu*), TEST_TIMEOUT, SANITIZE_FILTER (memcheck),
 # RACECHECK_FILTER, PER_TEST_TIMEOUT (test_each), PYTEST_K (a -k expression), PYTEST_ARGS, PYTEST_TIMEOUT, BENCH_ARGS, BENCH_ENV_B (run the
 # benchmark a second time with these VAR=value settings), BENCH_BWD_ARGS (bench/bench_bwd.py),
 # BENCH_BWD_TIMEOUT (seconds, default 300: a hung backward kernel ends the step, not the call), PROFILE
-# (ncu targets for the profile step, see there), BENCH_FLEX_ARGS, BENCH_FLEX_TIMEOUT, JOBS.
+# (ncu targets for the profile step, see there), BENCH_FLEX_ARGS, BENCH_FLEX_TIMEOUT, BENCH_GQA_ARGS, BENCH_GQA_TIMEOUT, JOBS.
 # Carry `.cutlass` (CUTLASS headers) and, where the machine has no GoogleTest, `.deps` (a
 # googletest source tree at .deps/googletest); tools/prepare_device_carry.sh makes both here.
 set -uo pipefail
@@ -23,7 +23,7 @@ mkdir -p "$OUT"
 KERNEL_SET=${KERNEL_SET:-ci}
 HDIMS=${HDIMS:-128}
 DTYPES=${DTYPES:-bf16}
-FEATURES=${FEATURES:-softcap;split;flex;paged}
+FEATURES=${FEATURES:-softcap;split;flex;paged;packgqa}
 STEPS=${STEPS:-build,test,sanitize,sass,bench,bench_bwd}
 GTEST_FILTER=${GTEST_FILTER:-*Gpu*}
 SANITIZE_FILTER=${SANITIZE_FILTER:-*varlen_causal_gqa_bf16_d128*:*sink_fp16_local_bf16_d128*:GpuForwardUnsupported*:*causal_seqused_page3_bf16_d128*:*causal_seqused_page128_bf16_d128*}
@@ -168,6 +168,15 @@ if has_step bench_bwd; then
   [[ $rc -eq 124 ]] && note "bench_bwd: timed out after $BENCH_BWD_TIMEOUT s (what it measured is in bwd_sm90.json)"
   skipped=$(grep -c '"skipped": "' "$OUT/bwd_sm90.json" 2>/dev/null || true)
   note "bench_bwd: rc=$rc in $(( $(date +%s) - start )) s; skipped records: ${skipped:-no bwd_sm90.json}"
+fi
+
+if has_step bench_gqa; then
+  make_pkg
+  start=$(date +%s)
+  # shellcheck disable=SC2086
+  PYTHONUNBUFFERED=1 PYTHONPATH="$pkg" timeout "${BENCH_GQA_TIMEOUT:-180}" python3 "$ROOT/bench/bench_gqa.py" --out "$OUT" \
+    ${BENCH_GQA_ARGS:-} 2>&1 | tee "$OUT/bench_gqa.log"
+  note "bench_gqa: rc=${PIPESTATUS[0]} in $(( $(date +%s) - start )) s"
 fi
 
 if has_step bench_flex; then

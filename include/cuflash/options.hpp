@@ -96,7 +96,7 @@ struct ForwardArgs {
   SequenceLayout seq;
   AttentionOptions opts;
   int num_splits = 1;                      // <= 0: heuristic
-  std::optional<bool> pack_gqa;            // default: H != H_kv
+  std::optional<bool> pack_gqa;            // default: when it fills the tiles better (short seqlen_q)
 };
 
 struct BackwardArgs {

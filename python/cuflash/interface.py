@@ -728,7 +728,9 @@ def flash_attn_func(
             (float32, bfloat16 or float16). Differentiable.
         softcap: if > 0, scores become softcap * tanh(score / softcap).
         num_splits: split-KV count (flash decoding); <= 0 picks one by heuristic.
-        pack_gqa: process the query heads sharing a kv head in one tile; None: when GQA.
+        pack_gqa: put the query heads that share a kv head into the same row tiles (GQA/MQA);
+            None: when that fills the tiles better (short seqlen_q, e.g. decode). Not with
+            score_mod / mask_mod / block sparsity on the GPU.
         deterministic: bitwise reproducible backward.
         mask_mod: a built-in mask from cuflash.masks (document, prefix_lm, causal,
             sliding_window); it intersects with causal / window_size. Python callables are

@@ -43,6 +43,10 @@ FwdParams device_fwd_params(const ForwardArgs& args, const detail::AttentionShap
   // build cannot run still fails by name in run_forward.
   if (args.num_splits <= 0 && params.num_splits > 1 && !sm90::forward_kernel_built(params))
     params.num_splits = 1;
+  // Likewise packed GQA left to the heuristic: unpacked where this build has no packed kernel
+  // for the call (CUFLASH_FEATURES without packgqa, or softcap with split-KV).
+  if (params.pack_gqa && !params.pack_gqa_requested && !sm90::forward_kernel_built(params))
+    params.pack_gqa = false;
   return params;
 }
 

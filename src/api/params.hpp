@@ -84,7 +84,11 @@ struct FwdParams {
   float* out_partial = nullptr;
   float* lse_partial = nullptr;
 
+  // Packed GQA (sm90/pack_gqa_sm90.hpp): a GQA group's query heads share the forward's tiles.
+  // pack_gqa_requested: the caller asked (pack_gqa=True/False) rather than leaving it to
+  // choose_pack_gqa.
   bool pack_gqa = false;
+  bool pack_gqa_requested = false;
   int num_sm = 0;
   int dtype = 0;  // cuflash::DType value of q/k/v/out
 

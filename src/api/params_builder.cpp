@@ -180,7 +180,9 @@ FwdParams make_fwd_params(const ForwardArgs& args, const AttentionShape& shape) 
     p.lse_head_stride = lse.head;
   }
   p.num_splits = 1;
-  p.pack_gqa = args.pack_gqa.value_or(shape.num_heads != shape.num_heads_kv);
+  p.pack_gqa_requested = args.pack_gqa.has_value();
+  p.pack_gqa = shape.num_heads != shape.num_heads_kv &&
+               (p.pack_gqa_requested ? *args.pack_gqa : choose_pack_gqa(p));
   return p;
 }
 
@@ -246,6 +248,20 @@ CombineParams make_combine_params(const CombineArgs& args, const CombineShape& s
   return p;
 }
 
+bool choose_pack_gqa(const FwdParams& params) {
+  // The flex kernels' mods see one head per tile; they do not pack.
+  if (params.score_mod.kind != 0 || params.mask_mod.kind != 0 || params.block_sparse.enabled)
+    return false;
+  // Pack when it fills the row tiles markedly better (decode, short prompts): the rows a
+  // tile holds over the rows it computes, unpacked against packed (the longest sequence's).
+  constexpr std::int64_t kBlockM = 128;
+  const std::int64_t group = params.num_heads / params.num_heads_kv;
+  auto fill = [&](std::int64_t rows) {
+    return rows <= 0 ? 1.0 : double(rows) / double((rows + kBlockM - 1) / kBlockM * kBlockM);
+  };
+  return fill(params.seqlen_q) < 0.9 * fill(params.seqlen_q * group);
+}
+
 int choose_num_splits(const FwdParams& params, int requested, int num_sm) {
   if (requested > 0) return std::min(requested, kMaxSplits);
   // The flex kernels (score_mod, mask_mod, block sparsity) have no split-KV.
@@ -259,11 +275,14 @@ int choose_num_splits(const FwdParams& params, int requested, int num_sm) {
   }
   const std::int64_t num_n_blocks = (seqlen_k_loaded + kBlockN - 1) / kBlockN;
   if (num_n_blocks <= 4) return 1;  // short keys: splitting costs more than it gains
-  // One tile per (batch, query head, m-block): the kernel does not pack a GQA group's heads into
-  // one tile, so a decode step (seqlen_q 1) already has batch * num_heads tiles.
-  const std::int64_t num_m_blocks = (std::int64_t{params.seqlen_q} + kBlockM - 1) / kBlockM;
+  // One tile per (batch, query head, m-block), or per (batch, kv head, m-block of the group's
+  // rows) with packed GQA.
+  const std::int64_t group = params.pack_gqa ? params.num_heads / params.num_heads_kv : 1;
+  const std::int64_t tile_heads = params.num_heads / group;
+  const std::int64_t num_m_blocks =
+      (std::int64_t{params.seqlen_q} * group + kBlockM - 1) / kBlockM;
   const std::int64_t total_m_blocks =
-      std::max<std::int64_t>(1, std::int64_t{params.batch} * params.num_heads * num_m_blocks);
+      std::max<std::int64_t>(1, std::int64_t{params.batch} * tile_heads * num_m_blocks);
   const std::int64_t splits = std::min(
       {std::int64_t{num_sm} / total_m_blocks, std::int64_t{kMaxHeuristicSplits}, num_n_blocks});
   return static_cast<int>(std::max<std::int64_t>(1, splits));

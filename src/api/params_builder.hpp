@@ -27,6 +27,11 @@ FwdParams make_fwd_params(const ForwardArgs& args, const AttentionShape& shape);
 BwdParams make_bwd_params(const BackwardArgs& args, const AttentionShape& shape);
 CombineParams make_combine_params(const CombineArgs& args, const CombineShape& shape);
 
+// pack_gqa=None: pack a GQA group's query heads into the forward's tiles when that fills the
+// 128-row tiles at least 10% better than one head per tile (short query lengths); never for
+// score_mod / mask_mod / block sparsity.
+bool choose_pack_gqa(const FwdParams& params);
+
 // num_splits <= 0 picks the split-KV heuristic of the seed (one split for short keys, else as
 // many as fill the SMs, at most 128); the result is in [1, kMaxSplits].
 int choose_num_splits(const FwdParams& params, int requested, int num_sm);

@@ -71,11 +71,18 @@ std::string fwd_kernel_name(const FwdParams& p) {
   if (p.softcap > 0.f) name += "_softcap";
   if (p.page_table != nullptr) name += "_paged";
   if (p.num_splits > 1) name += "_split";
+  if (p.pack_gqa) name += "_packgqa";
   return name + "_sm90";
 }
 
 // What the flex kernels cannot do, refused by name before any launch.
 void check_flex(const FwdParams& p) {
+  if (p.pack_gqa) {
+    not_supported("pack_gqa",
+                  "pack_gqa=True cannot be combined with score_mod, mask_mod or block sparsity in "
+                  "the sm90 forward kernel (their mods see one query head per tile); leave "
+                  "pack_gqa unset or False");
+  }
   if (p.num_splits > 1) {
     not_supported("num_splits",
                   "split-KV (num_splits = " + std::to_string(p.num_splits) +
@@ -160,6 +167,11 @@ void run_forward(FwdParams& params, StreamHandle stream) {
   }
   if (params.page_table != nullptr) check_paged(params);
   if (needs_flex(params)) check_flex(params);
+  if (params.pack_gqa && params.softcap > 0.f && params.num_splits > 1) {
+    not_supported("pack_gqa",
+                  "the sm90 forward kernel has no packed-GQA tiles with softcap and split-KV "
+                  "together; leave pack_gqa unset or False, or use num_splits = 1");
+  }
   check_tma_operand("q", params.q,
                     {params.q_row_stride, params.q_head_stride, params.q_batch_stride});
   check_tma_operand("k", params.k,

@@ -7,7 +7,8 @@
 // - 16-byte vector stores by every consumer thread, predicated on the rows this sequence owns,
 //   which covers packed (varlen) tails, whose next rows belong to the next sequence, and O in
 //   Q's buffer, whose next Q load must not wait for a store to drain.
-// LSE goes straight from registers.
+// LSE goes straight from registers. Packed GQA tiles (pack_gqa_sm90.hpp) take the vector path
+// with an address per row: their rows are (query row, head) pairs.
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -20,6 +21,7 @@
 
 #include "api/params.hpp"
 #include "sm90/mainloop_fwd_sm90.hpp"
+#include "sm90/pack_gqa_sm90.hpp"
 #include "sm90/seqlen_info.hpp"
 #include "sm90/utils_sm90.hpp"
 
@@ -31,6 +33,18 @@ struct EpilogueFwdSm90 {
   static constexpr int kBlockM = Config::kBlockM;
   static constexpr int kHeadDimV = Config::kHeadDimV;
   static constexpr int kNumMmaThreads = Config::kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
+  static constexpr bool kPackGqa = Config::kPackGqa;
+
+  // (query row, head) of tile row `row` of a tile of head `tile_head` (the kv head when packed).
+  CUTLASS_DEVICE static void place_row(PackGqa const& packing, int row, int tile_head,
+                                       int& query_row, int& head) {
+    if constexpr (kPackGqa) {
+      packing.split(row, tile_head, query_row, head);
+    } else {
+      query_row = row;
+      head = tile_head;
+    }
+  }
 
   using SmemLayoutAtomO =
       decltype(cutlass::gemm::collective::detail::ss_smem_selector<
@@ -139,10 +153,12 @@ struct EpilogueFwdSm90 {
   CUTLASS_DEVICE static void store(Params const& params, FwdParams const& p, Element* smem_o,
                                    TensorO const& tOrO, float const (&lse)[kRows],
                                    TiledMmaPV const& tiled_mma_pv, int thread_idx,
-                                   SeqlenInfo const& seqlen, int m_block, int head, int batch,
+                                   SeqlenInfo const& seqlen, int m_block,
+                                   PackGqa const& packing, int head, int batch,
                                    cutlass::arch::ClusterBarrier* smem_release) {
     using namespace cute;
     Tensor sO = make_tensor(make_smem_ptr(smem_o), SmemLayoutO{});
+    constexpr bool packed = kPackGqa;
 
     // LSE: one thread of each quad writes the quad's rows.
     auto thr_mma_pv = tiled_mma_pv.get_thread_slice(thread_idx);
@@ -150,14 +166,15 @@ struct EpilogueFwdSm90 {
         thr_mma_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
     Tensor tOcO_rowcol = make_tensor(tOcO.data(), acc_rowcol_layout(tOcO.layout()));
     if (p.lse != nullptr && thread_idx % 4 == 0) {
-      float* lse_ptr =
-          p.cu_seqlens_q != nullptr
-              ? p.lse + int64_t(head) * p.lse_head_stride + seqlen.offset_q
-              : p.lse + int64_t(batch) * p.lse_batch_stride + int64_t(head) * p.lse_head_stride;
+      float* lse_ptr = p.cu_seqlens_q != nullptr ? p.lse + seqlen.offset_q
+                                                 : p.lse + int64_t(batch) * p.lse_batch_stride;
       CUTLASS_PRAGMA_UNROLL
       for (int m = 0; m < kRows; ++m) {
         int const row = m_block * kBlockM + get<0>(tOcO_rowcol(m, 0));
-        if (row < seqlen.seqlen_q_range) lse_ptr[row] = lse[m];
+        int query_row, row_head;
+        place_row(packing, row, head, query_row, row_head);
+        if (row < seqlen.seqlen_q_range)
+          lse_ptr[int64_t(row_head) * p.lse_head_stride + query_row] = lse[m];
       }
     }
 
@@ -169,7 +186,7 @@ struct EpilogueFwdSm90 {
     Tensor taccOsO = smem_thr_copy_O.partition_D(sO);
 
     if constexpr (kSeparateO && kHasTmaStore) {
-      if (params.use_tma_store) {
+      if (params.use_tma_store && !packed) {
         // The previous tile's store has read sO (step 1 above).
         if (thread_idx == kTmaStoreThread) tma_store_wait<0>();
         cutlass::arch::NamedBarrier::sync(kNumMmaThreads, int(FwdNamedBarrier::kEpilogue));
@@ -194,9 +211,14 @@ struct EpilogueFwdSm90 {
     copy(smem_tiled_copy_O, taccOrO, taccOsO);
     cutlass::arch::NamedBarrier::sync(kNumMmaThreads, int(FwdNamedBarrier::kEpilogue));
 
-    Element* out_ptr = static_cast<Element*>(p.out) + int64_t(head) * p.o_head_stride +
+    Element* out_ptr = static_cast<Element*>(p.out) +
                        (p.cu_seqlens_q != nullptr ? int64_t(seqlen.offset_q) * p.o_row_stride
                                                   : int64_t(batch) * p.o_batch_stride);
+    if constexpr (packed) {
+      store_packed_rows(p, sO, out_ptr, thread_idx, seqlen, m_block, packing, head, smem_release);
+      return;
+    }
+    out_ptr += int64_t(head) * p.o_head_stride;
     Tensor mO = make_tensor(make_gmem_ptr(out_ptr),
                             make_layout(make_shape(seqlen.seqlen_q_range, Int<kHeadDimV>{}),
                                         make_stride(p.o_row_stride, _1{})));
@@ -224,6 +246,42 @@ struct EpilogueFwdSm90 {
     }
   }
 
+  // Packed GQA: O from shared memory to each row's own (query row, head) in global memory.
+  template <class SmemTensorO>
+  CUTLASS_DEVICE static void store_packed_rows(FwdParams const& p, SmemTensorO const& sO,
+                                               Element* out_ptr, int thread_idx,
+                                               SeqlenInfo const& seqlen, int m_block,
+                                               PackGqa const& packing, int head_kv,
+                                               cutlass::arch::ClusterBarrier* smem_release) {
+    using namespace cute;
+    GmemTiledCopyO gmem_tiled_copy_O;
+    auto gmem_thr_copy_O = gmem_tiled_copy_O.get_thread_slice(thread_idx);
+    Tensor tOsO = gmem_thr_copy_O.partition_S(sO);  // (CPY, CPY_M, CPY_K)
+    Tensor tOcO_gmem =
+        gmem_thr_copy_O.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
+    Tensor tOrO_gmem = make_fragment_like(tOsO);
+    copy(gmem_tiled_copy_O, tOsO, tOrO_gmem);
+    if (smem_release != nullptr) smem_release->arrive();
+    CUTLASS_PRAGMA_UNROLL
+    for (int m = 0; m < size<1>(tOrO_gmem); ++m) {
+      int const row = m_block * kBlockM + get<0>(tOcO_gmem(0, m, 0));
+      if (row >= seqlen.seqlen_q_range) continue;
+      int query_row, head;
+      packing.split(row, head_kv, query_row, head);
+      Element* row_ptr =
+          out_ptr + int64_t(query_row) * p.o_row_stride + int64_t(head) * p.o_head_stride;
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < size<2>(tOrO_gmem); ++k) {
+        int const col = get<1>(tOcO_gmem(0, m, k));
+        if (col < p.head_dim_v) {
+          Tensor dst = make_tensor(make_gmem_ptr(row_ptr + col),
+                                   make_layout(Int<kElemsPerVector>{}));
+          copy(AutoVectorizingCopyWithAssumedAlignment<128>{}, tOrO_gmem(_, m, k), dst);
+        }
+      }
+    }
+  }
+
   // Split-KV: this split's normalised output and lse in fp32, straight from registers, into
   // out_partial (splits, rows, H, Dv) and lse_partial (splits, rows, H), rows = B * Sq or total_q
   // (the layout src/api allocates and the combine kernel reads).
@@ -231,8 +289,9 @@ struct EpilogueFwdSm90 {
   CUTLASS_DEVICE static void store_partial(FwdParams const& p, TensorO const& tOrO,
                                            float const (&lse)[kRows],
                                            TiledMmaPV const& tiled_mma_pv, int thread_idx,
-                                           SeqlenInfo const& seqlen, int m_block, int head,
-                                           int batch, int split) {
+                                           SeqlenInfo const& seqlen, int m_block,
+                                           PackGqa const& packing, int tile_head, int batch,
+                                           int split) {
     using namespace cute;
     auto thr_mma_pv = tiled_mma_pv.get_thread_slice(thread_idx);
     Tensor tOcO =
@@ -245,8 +304,10 @@ struct EpilogueFwdSm90 {
                               (packed ? int64_t(seqlen.offset_q) : int64_t(batch) * p.seqlen_q);
     CUTLASS_PRAGMA_UNROLL
     for (int m = 0; m < kRows; ++m) {
-      int const row = m_block * kBlockM + get<0>(coords(m, 0));
-      if (row >= seqlen.seqlen_q_range) continue;
+      int const tile_row = m_block * kBlockM + get<0>(coords(m, 0));
+      if (tile_row >= seqlen.seqlen_q_range) continue;
+      int row, head;
+      place_row(packing, tile_row, tile_head, row, head);
       int64_t const row_head = (first_row + row) * p.num_heads + head;
       if (thread_idx % 4 == 0) p.lse_partial[row_head] = lse[m];
       float* out_row = p.out_partial + row_head * p.head_dim_v;

@@ -20,6 +20,7 @@
 #include "sm90/flex_sm90.hpp"
 #include "sm90/mainloop_fwd_sm90.hpp"
 #include "sm90/mask.hpp"
+#include "sm90/pack_gqa_sm90.hpp"
 #include "sm90/seqlen_info.hpp"
 #include "sm90/softmax.hpp"
 #include "sm90/tile_scheduler_sm90.hpp"
@@ -32,7 +33,7 @@ namespace cuflash::sm90 {
 // sparsity; softcap is then a runtime choice inside it). kIsPaged_: k/v are pages read through
 // a page table (mainloop_fwd_sm90.hpp, load_paged).
 template <class Element_, int kHeadDim_, int kHeadDimV_, bool kHasSoftcap_, bool kIsSplit_,
-          class Variant_ = variants::NoVariant, bool kIsPaged_ = false>
+          class Variant_ = variants::NoVariant, bool kIsPaged_ = false, bool kPackGqa_ = false>
 struct FwdConfig {
   using Element = Element_;
   using Variant = Variant_;
@@ -42,6 +43,8 @@ struct FwdConfig {
   static constexpr bool kIsSplit =
       kIsSplit_;  // split-KV: fp32 partial outputs for the combine kernel
   static constexpr bool kIsPaged = kIsPaged_;
+  static constexpr bool kPackGqa = kPackGqa_;  // packed GQA tiles (pack_gqa_sm90.hpp)
+  static_assert(!(kPackGqa && Variant::kIsFlex), "the flex variant's mods see one head per tile");
   static constexpr FwdTileSize kTile =
       fwd_tile_size(kHeadDim, kHeadDimV, Variant::kIsFlex, kHasSoftcap);
   static constexpr int kBlockM = kTile.block_m;
@@ -65,6 +68,7 @@ struct FlashFwdKernelSm90 {
   using Variant = typename Config::Variant;
   static constexpr bool kIsFlex = Variant::kIsFlex;
   static constexpr bool kIsPaged = Config::kIsPaged;
+  static constexpr bool kPackGqa = Config::kPackGqa;
   static_assert(!(kIsFlex && (kIsSplit || Config::kHasSoftcap)),
                 "the flex variant has softcap built in and no split-KV");
   static_assert(!(kIsFlex && kIsPaged), "the flex variant reads dense or packed k/v");
@@ -120,6 +124,7 @@ struct FlashFwdKernelSm90 {
     FwdParams fwd;
     float scale_log2;     // multiplies the (soft-capped) score inside exp2
     float softcap_scale;  // softmax_scale / softcap
+    PackGqa packing;  // pack_gqa_sm90.hpp; group 1 when not packed
     Scheduler scheduler;
     typename Variant::Params variant;
     typename Epilogue::Params epilogue;
@@ -135,17 +140,20 @@ struct FlashFwdKernelSm90 {
     bool const longest_first = p.window_right >= 0 || p.window_left >= 0 ||
                                (kIsFlex && p.mask_mod.kind >= int(MaskModKind::kCausal) &&
                                 p.mask_mod.kind <= int(MaskModKind::kPrefixLM));
+    int const pack_group = kPackGqa ? p.num_heads / p.num_heads_kv : 1;
+    int const tile_heads = pack_group > 1 ? p.num_heads_kv : p.num_heads;
     return {Mainloop::to_params(p),
             p,
             float(M_LOG2E) * exp_scale,
             has_softcap ? p.softmax_scale / p.softcap : 0.f,
-            Scheduler{cute::ceil_div(p.seqlen_q, kBlockM), p.num_heads, p.batch,
+            PackGqa{pack_group, cutlass::FastDivmod(pack_group)},
+            Scheduler{cute::ceil_div(p.seqlen_q * pack_group, kBlockM), tile_heads, p.batch,
                       kIsSplit ? p.num_splits : 1, longest_first,
                       Scheduler::choose_section_size(
                           (long long)p.seqlen_k * (p.head_dim + p.head_dim_v) *
                               (long long)sizeof(Element),
-                          p.num_heads / p.num_heads_kv,
-                          p.num_heads * p.batch * (kIsSplit ? p.num_splits : 1)),
+                          tile_heads / p.num_heads_kv,
+                          tile_heads * p.batch * (kIsSplit ? p.num_splits : 1)),
                       /*tile_counter=*/nullptr},  // set by the launch when it schedules dynamically
             Variant::to_params(p),
             Epilogue::to_params(p)};
@@ -157,9 +165,8 @@ struct FlashFwdKernelSm90 {
 
   // The sink joins one denominator: with split-KV, that of split 0 (the combine's log-sum-exp
   // then counts it once).
-  CUTLASS_DEVICE static float load_sink_log2(FwdParams const& p, FwdTile const& tile) {
+  CUTLASS_DEVICE static float load_sink_log2(FwdParams const& p, FwdTile const& tile, int head) {
     if (p.learnable_sink == nullptr || (kIsSplit && tile.split != 0)) return -INFINITY;
-    int const head = tile.head;
     float sink;
     switch (DType(p.sink_dtype)) {
       case DType::kFloat32:
@@ -199,10 +206,15 @@ struct FlashFwdKernelSm90 {
 
   CUTLASS_DEVICE static TileWork tile_work(Params const& params, FwdTile const& tile) {
     FwdParams const& p = params.fwd;
-    SeqlenInfo const seqlen(tile.batch, p.seqlen_q, p.seqlen_k, p.cu_seqlens_q, p.cu_seqlens_k,
-                            p.seqused_q, p.seqused_k);
+    SeqlenInfo seqlen(tile.batch, p.seqlen_q, p.seqlen_k, p.cu_seqlens_q, p.cu_seqlens_k,
+                      p.seqused_q, p.seqused_k);
     FwdMask<kBlockM, kBlockN> const mask{seqlen.seqlen_q, seqlen.seqlen_k, p.window_left,
-                                         p.window_right};
+                                         p.window_right, kPackGqa ? params.packing.group : 1};
+    // From here on rows are tile rows: packed, pack_group per query row.
+    if constexpr (kPackGqa) {
+      seqlen.seqlen_q *= params.packing.group;
+      seqlen.seqlen_q_range *= params.packing.group;
+    }
     bool const has_rows = tile.m_block * kBlockM < seqlen.seqlen_q_range;
     int n_block_min = 0, n_block_max = 0;
     if (has_rows) mask.n_block_range(tile.m_block, n_block_min, n_block_max);
@@ -284,16 +296,18 @@ struct FlashFwdKernelSm90 {
           FwdTile const tile = scheduler.tile(tile_index);
           TileWork const work = tile_work(params, tile);
           if (!work.has_rows || !work.has_keys()) continue;
-          int const head_kv = tile.head / (p.num_heads / p.num_heads_kv);
+          // Packed tiles are per kv head, and their Q is loaded by the MMA warpgroups.
+          constexpr bool packed = kPackGqa;
+          int const head_kv = packed ? tile.head : tile.head / (p.num_heads / p.num_heads_kv);
           if constexpr (kIsPaged) {
             Mainloop::load_paged(params.mainloop, storage.tensors, storage.barrier_q, q_loads,
-                                 pipeline_k, pipeline_v, smem_pipe_write, work.seqlen, tile.m_block,
-                                 tile.head, head_kv, tile.batch, work.walk, int(threadIdx.x),
-                                 leader);
+                                 !packed, pipeline_k, pipeline_v, smem_pipe_write, work.seqlen,
+                                 tile.m_block, tile.head, head_kv, tile.batch, work.walk,
+                                 int(threadIdx.x), leader);
           } else {
-            Mainloop::load(params.mainloop, storage.tensors, storage.barrier_q, q_loads, pipeline_k,
-                           pipeline_v, smem_pipe_write, work.seqlen, tile.m_block, tile.head,
-                           head_kv, tile.batch, work.walk);
+            Mainloop::load(params.mainloop, storage.tensors, storage.barrier_q, q_loads, !packed,
+                           pipeline_k, pipeline_v, smem_pipe_write, work.seqlen, tile.m_block,
+                           tile.head, head_kv, tile.batch, work.walk);
           }
           ++q_loads;
         }
@@ -322,11 +336,20 @@ struct FlashFwdKernelSm90 {
             partition_fragment_C(tiled_mma_pv, select<0, 1>(typename Mainloop::TileShapePV{}));
         OnlineSoftmax<kRowsPerThread> softmax(params.scale_log2);
         float out_scale[kRowsPerThread], lse[kRowsPerThread];
+        constexpr bool packed = kPackGqa;
         if (work.has_keys()) {
-          Mainloop::mma(storage.tensors, storage.barrier_q, q_loads, /*release_q=*/kSeparateO,
-                        pipeline_k, pipeline_v, smem_pipe_read, tOrO, softmax, work.mask,
-                        params.softcap_scale, thread_idx, tile.m_block, work.walk,
-                        tile_mods(params, tile, work.seqlen));
+          if constexpr (packed) {
+            // O in Q's buffer: every consumer has read the previous tile's O back first.
+            if constexpr (!kSeparateO) {
+              cutlass::arch::NamedBarrier::sync(kNumMmaThreads, int(FwdNamedBarrier::kEpilogue));
+            }
+            Mainloop::load_q_packed(p, storage.tensors, work.seqlen, tile.m_block, tile.head,
+                                    tile.batch, params.packing, thread_idx);
+          }
+          Mainloop::mma(storage.tensors, storage.barrier_q, q_loads, /*q_by_tma=*/!packed,
+                        /*release_q=*/kSeparateO && !packed, pipeline_k, pipeline_v,
+                        smem_pipe_read, tOrO, softmax, work.mask, params.softcap_scale,
+                        thread_idx, tile.m_block, work.walk, tile_mods(params, tile, work.seqlen));
         } else {
           clear(tOrO);
           CUTLASS_PRAGMA_UNROLL
@@ -335,12 +358,24 @@ struct FlashFwdKernelSm90 {
             softmax.row_sum[m] = 0.f;
           }
         }
-        softmax.finalize(load_sink_log2(p, tile), out_scale, lse);
-        // Normalise; rows past seqused_q (and any row without a visible key) give 0 and lse -inf.
         auto thr_mma_pv = tiled_mma_pv.get_thread_slice(thread_idx);
         Tensor tOcO = thr_mma_pv.partition_C(
             make_identity_tensor(select<0, 1>(typename Mainloop::TileShapePV{})));
         Tensor coords = make_tensor(tOcO.data(), acc_rowcol_layout(tOcO.layout()));
+        float sink_log2[kRowsPerThread];
+        CUTLASS_PRAGMA_UNROLL
+        for (int m = 0; m < kRowsPerThread; ++m) {
+          if constexpr (packed) {  // each row its own head
+            int query_row, head;
+            params.packing.split(tile.m_block * kBlockM + get<0>(coords(m, 0)), tile.head,
+                                 query_row, head);
+            sink_log2[m] = load_sink_log2(p, tile, head);
+          } else {
+            sink_log2[m] = m == 0 ? load_sink_log2(p, tile, tile.head) : sink_log2[0];
+          }
+        }
+        softmax.finalize(sink_log2, out_scale, lse);
+        // Normalise; rows past seqused_q (and any row without a visible key) give 0 and lse -inf.
         Tensor out = make_tensor(tOrO.data(), acc_rowcol_layout(tOrO.layout()));
         CUTLASS_PRAGMA_UNROLL
         for (int m = 0; m < kRowsPerThread; ++m) {
@@ -352,15 +387,16 @@ struct FlashFwdKernelSm90 {
             out(m, n) = row_valid ? out(m, n) * out_scale[m] : 0.f;
         }
         cutlass::arch::ClusterBarrier* smem_release =
-            !kSeparateO && work.has_keys() ? &storage.barrier_q.empty : nullptr;
+            !kSeparateO && work.has_keys() && !packed ? &storage.barrier_q.empty : nullptr;
         if constexpr (kIsSplit) {
           Epilogue::store_partial(p, tOrO, lse, tiled_mma_pv, thread_idx, work.seqlen, tile.m_block,
-                                  tile.head, tile.batch, tile.split);
+                                  params.packing, tile.head, tile.batch, tile.split);
           if (smem_release != nullptr) smem_release->arrive();
         } else {
           Epilogue::template store<kSeparateO>(params.epilogue, p, smem_o, tOrO, lse, tiled_mma_pv,
-                                               thread_idx, work.seqlen, tile.m_block, tile.head,
-                                               tile.batch, smem_release);
+                                               thread_idx, work.seqlen, tile.m_block,
+                                               params.packing, tile.head, tile.batch,
+                                               smem_release);
         }
         if (work.has_keys()) ++q_loads;
       }

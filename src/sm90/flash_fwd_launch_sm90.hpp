@@ -19,10 +19,10 @@ inline void check_launch(cudaError_t status, const char* what) {
 }
 
 template <class Element, int kHeadDim, int kHeadDimV, bool kHasSoftcap, bool kIsSplit,
-          class Variant = variants::NoVariant, bool kIsPaged = false>
+          class Variant = variants::NoVariant, bool kIsPaged = false, bool kPackGqa = false>
 void run_flash_fwd_sm90(FwdParams& params, cudaStream_t stream) {
   using Kernel = FlashFwdKernelSm90<
-      FwdConfig<Element, kHeadDim, kHeadDimV, kHasSoftcap, kIsSplit, Variant, kIsPaged>>;
+      FwdConfig<Element, kHeadDim, kHeadDimV, kHasSoftcap, kIsSplit, Variant, kIsPaged, kPackGqa>>;
   typename Kernel::Params kernel_params = Kernel::to_params(params);
   if (kernel_params.scheduler.num_tiles() == 0) return;
   int num_sm = params.num_sm;

@@ -12,6 +12,8 @@
 // a descriptor over the pages; otherwise the whole producer warpgroup gathers the rows with
 // 16-byte cp.async into the same swizzled stages, each thread arriving on the stage's barrier
 // when its copies land (load_paged).
+// Packed GQA tiles (pack_gqa_sm90.hpp) have no Q TMA: each MMA warpgroup gathers its own rows
+// (load_q_packed) at the start of the tile.
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -25,6 +27,7 @@
 
 #include "api/params.hpp"
 #include "sm90/mask.hpp"
+#include "sm90/pack_gqa_sm90.hpp"
 #include "sm90/seqlen_info.hpp"
 #include "sm90/softmax.hpp"
 #include "sm90/utils_sm90.hpp"
@@ -35,6 +38,7 @@ namespace cuflash::sm90 {
 enum class FwdNamedBarrier : int {
   kEpilogue = 0,
   kWarpSchedulerWG0 = 1,  // one per MMA warpgroup, up to 3
+  kPackedQWG0 = 4,        // packed GQA Q loads, one per MMA warpgroup, up to 3
 };
 
 template <class Config>
@@ -251,7 +255,8 @@ struct MainloopFwdSm90 {
   // `walk` (NBlockRange, FlexBlockWalk) gives the n-blocks in the order the consumers use them.
   template <class Walk>
   CUTLASS_DEVICE static void load(Params const& params, TensorStorage& storage,
-                                  QBarriers& barrier_q, int q_loads, PipelineK& pipeline_k,
+                                  QBarriers& barrier_q, int q_loads, bool load_q,
+                                  PipelineK& pipeline_k,
                                   PipelineV& pipeline_v, PipelineState& smem_pipe_write,
                                   SeqlenInfo const& seqlen, int m_block, int head, int head_kv,
                                   int batch, Walk walk) {
@@ -293,11 +298,14 @@ struct MainloopFwdSm90 {
            tVgV(_, n_block), tVsV(_, smem_pipe_write.index()));
     };
     // The first K goes out before waiting for Q's buffer: it overlaps the previous tile's tail.
+    // Packed GQA tiles (load_q false) have their Q gathered by the MMA warpgroups.
     int n_block = walk.first();
     load_k(n_block);
-    if (q_loads > 0) barrier_q.empty.wait((q_loads - 1) & 1);
-    barrier_q.full.arrive_and_expect_tx(kTmaBytesQ);
-    copy(params.tma_load_q.with(reinterpret_cast<BarrierType&>(barrier_q.full), 0), tQgQ, tQsQ);
+    if (load_q) {
+      if (q_loads > 0) barrier_q.empty.wait((q_loads - 1) & 1);
+      barrier_q.full.arrive_and_expect_tx(kTmaBytesQ);
+      copy(params.tma_load_q.with(reinterpret_cast<BarrierType&>(barrier_q.full), 0), tQgQ, tQsQ);
+    }
     load_v(n_block);
     ++smem_pipe_write;
     while (walk.next(n_block)) {
@@ -360,7 +368,8 @@ struct MainloopFwdSm90 {
   // `leader` alone issues Q's TMA. The pipelines' producer arrival counts match (kernel).
   template <class Walk>
   CUTLASS_DEVICE static void load_paged(Params const& params, TensorStorage& storage,
-                                        QBarriers& barrier_q, int q_loads, PipelineK& pipeline_k,
+                                        QBarriers& barrier_q, int q_loads, bool load_q,
+                                        PipelineK& pipeline_k,
                                         PipelineV& pipeline_v, PipelineState& smem_pipe_write,
                                         SeqlenInfo const& seqlen, int m_block, int head,
                                         int head_kv, int batch, Walk walk, int thread_idx,
@@ -425,10 +434,13 @@ struct MainloopFwdSm90 {
     // Same order as load: the first K before waiting for Q's buffer.
     int n_block = walk.first();
     load_k(n_block);
-    if (q_loads > 0) barrier_q.empty.wait((q_loads - 1) & 1);
-    if (leader) {
-      barrier_q.full.arrive_and_expect_tx(kTmaBytesQ);
-      copy(params.tma_load_q.with(reinterpret_cast<BarrierType&>(barrier_q.full), 0), tQgQ, tQsQ);
+    if (load_q) {
+      if (q_loads > 0) barrier_q.empty.wait((q_loads - 1) & 1);
+      if (leader) {
+        barrier_q.full.arrive_and_expect_tx(kTmaBytesQ);
+        copy(params.tma_load_q.with(reinterpret_cast<BarrierType&>(barrier_q.full), 0), tQgQ,
+             tQsQ);
+      }
     }
     load_v(n_block);
     ++smem_pipe_write;
@@ -437,6 +449,47 @@ struct MainloopFwdSm90 {
       load_v(n_block);
       ++smem_pipe_write;
     }
+  }
+
+  // Packed GQA (pack_gqa_sm90.hpp): each MMA warpgroup gathers the 64 Q rows it multiplies,
+  // 16 bytes per cp.async, tile row r from query row r / group of head head_kv * group +
+  // r % group; rows past the sequence and columns past the real head dim are zero-filled, as
+  // TMA does for the unpacked tiles. The warpgroup waits for its own copies only.
+  CUTLASS_DEVICE static void load_q_packed(FwdParams const& p, TensorStorage& storage,
+                                           SeqlenInfo const& seqlen, int m_block, int head_kv,
+                                           int batch, PackGqa const& packing, int thread_idx) {
+    using namespace cute;
+    Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
+    constexpr int kElemsPerChunk = 16 / int(sizeof(Element));
+    constexpr int kChunksPerRow = kHeadDim / kElemsPerChunk;
+    constexpr int kWarpGroupRows = 64;
+    constexpr int kThreads = cutlass::NumThreadsPerWarpGroup;
+    static_assert((kWarpGroupRows * kChunksPerRow) % kThreads == 0, "whole passes over Q");
+    int const warp_group = thread_idx / kThreads;
+    int const lane = thread_idx % kThreads;
+    Element const* q = static_cast<Element const*>(p.q) +
+                       (p.cu_seqlens_q != nullptr ? int64_t(seqlen.offset_q) * p.q_row_stride
+                                                  : int64_t(batch) * p.q_batch_stride);
+    int const first_row = m_block * kBlockM + warp_group * kWarpGroupRows;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = lane; i < kWarpGroupRows * kChunksPerRow; i += kThreads) {
+      int const row = i / kChunksPerRow;
+      int const col = (i % kChunksPerRow) * kElemsPerChunk;
+      int query_row, head;
+      packing.split(first_row + row, head_kv, query_row, head);
+      bool const valid = first_row + row < seqlen.seqlen_q_range && col < p.head_dim;
+      Element const* src =
+          valid ? q + int64_t(query_row) * p.q_row_stride + int64_t(head) * p.q_head_stride + col
+                : q;
+      SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>::copy(
+          *reinterpret_cast<uint128_t const*>(src),
+          *reinterpret_cast<uint128_t*>(&sQ(warp_group * kWarpGroupRows + row, col)), valid);
+    }
+    cp_async_fence();
+    cp_async_wait<0>();
+    // The copies were generic-proxy writes; WGMMA reads shared memory through the async proxy.
+    cutlass::arch::fence_view_async_shared();
+    cutlass::arch::NamedBarrier::sync(kThreads, int(FwdNamedBarrier::kPackedQWG0) + warp_group);
   }
 
   CUTLASS_DEVICE static void warp_scheduler_barrier_sync(int warp_group) {
@@ -471,7 +524,8 @@ struct MainloopFwdSm90 {
   // (FlexTileMods: final scores, mask_mod on the blocks the walk marks); NoTileMods elsewhere.
   template <class TensorO, class Softmax, class Walk, class TileMods>
   CUTLASS_DEVICE static void mma(TensorStorage& storage, QBarriers& barrier_q, int q_loads,
-                                 bool release_q, PipelineK& pipeline_k, PipelineV& pipeline_v,
+                                 bool q_by_tma, bool release_q, PipelineK& pipeline_k,
+                                 PipelineV& pipeline_v,
                                  PipelineState& smem_pipe_read, TensorO& tOrO, Softmax& softmax,
                                  FwdMask<kBlockM, kBlockN> const& mask, float softcap_scale,
                                  int thread_idx, int m_block, Walk walk, TileMods const& mods) {
@@ -505,7 +559,7 @@ struct MainloopFwdSm90 {
     float scores_scale[Softmax::kNumRows];
 
     pipeline_k.consumer_wait(smem_pipe_read);
-    barrier_q.full.wait(q_loads & 1);
+    if (q_by_tma) barrier_q.full.wait(q_loads & 1);
     warp_scheduler_barrier_sync(warp_group);
     gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_qk, tSrQ,
                                            tSrK(_, _, _, smem_pipe_read.index()), tSrS);

@@ -73,10 +73,12 @@ struct OnlineSoftmax {
   // Final normalisation. sink_log2: the sink logit times log2(e), or -inf without a sink.
   // Gives the factor for each output row and its log-sum-exp (natural log); a row that saw
   // no key and no sink gets factor 0 and lse -inf.
-  CUTLASS_DEVICE void finalize(float sink_log2, float (&out_scale)[kRows],
+  // sink_log2: per row, since packed GQA tiles hold rows of several heads.
+  CUTLASS_DEVICE void finalize(float const (&sink_log2_rows)[kRows], float (&out_scale)[kRows],
                                float (&lse)[kRows]) const {
     CUTLASS_PRAGMA_UNROLL
     for (int m = 0; m < kRows; ++m) {
+      float const sink_log2 = sink_log2_rows[m];
       float sum = quad_allreduce_sum(row_sum[m]);
       float const max_scaled = row_max[m] == -INFINITY ? -INFINITY : row_max[m] * scale_log2;
       // The sink joins the denominator; taking the larger of the two maxima keeps exp2 finite.

@@ -396,6 +396,34 @@ std::vector<FwdCase> forward_cases() {
       c.label = "gqa5_unpacked_no_lse", c.batch = 1, c.seqlen_q = 70, c.seqlen_k = 90, c.heads = 5,
       c.heads_kv = 1, c.pack_gqa = false, c.with_lse = false;
       add(c);
+      // Packed GQA (the group's heads share the tiles), asked for explicitly: groups that do
+      // not divide the 128-row tile, windows, sinks, seqused, split-KV and softcap.
+      c = {};
+      c.label = "packed_gqa3_local_sink", c.batch = 2, c.seqlen_q = 77, c.seqlen_k = 300,
+      c.heads = 6, c.heads_kv = 2, c.window_left = 40, c.window_right = 10,
+      c.sink = DType::kFloat32, c.pack_gqa = true;
+      add(c);
+      c = {};
+      c.label = "packed_gqa2_causal_strided", c.batch = 2, c.seqlen_q = 300, c.seqlen_k = 260,
+      c.heads = 4, c.heads_kv = 2, c.causal = true, c.strided = true, c.pack_gqa = true;
+      add(c);
+      c = {};
+      c.label = "packed_gqa5_varlen_seqused", c.batch = 3, c.seqlen_q = 40, c.seqlen_k = 150,
+      c.heads = 5, c.heads_kv = 1, c.causal = true, c.varlen = true, c.seqused = true,
+      c.pack_gqa = true;
+      add(c);
+      c = {};
+      c.label = "packed_gqa4_split3_sink", c.batch = 2, c.seqlen_q = 5, c.seqlen_k = 1000,
+      c.heads = 8, c.heads_kv = 2, c.sink = DType::kBFloat16, c.num_splits = 3, c.pack_gqa = true;
+      add(c);
+      c = {};
+      c.label = "packed_gqa4_softcap", c.batch = 1, c.seqlen_q = 33, c.seqlen_k = 200, c.heads = 4,
+      c.heads_kv = 1, c.softcap = 20.f, c.pack_gqa = true;
+      add(c);
+      c = {};
+      c.label = "unpacked_decode_gqa4", c.batch = 2, c.seqlen_q = 2, c.seqlen_k = 300, c.heads = 8,
+      c.heads_kv = 2, c.causal = true, c.pack_gqa = false;
+      add(c);
       c = {};
       c.label = "single_row_and_key", c.batch = 3, c.seqlen_q = 1, c.seqlen_k = 1, c.heads = 2,
       c.heads_kv = 2;

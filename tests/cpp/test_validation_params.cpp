@@ -83,7 +83,9 @@ TEST(ParamsForward, DenseStridesAndDefaults) {
   EXPECT_FLOAT_EQ(p.softcap, 30.f);
   EXPECT_TRUE(p.is_causal);
   EXPECT_FALSE(p.is_local);
-  EXPECT_TRUE(p.pack_gqa);  // default: H != H_kv
+  // Default: 100 rows fill a 128-row tile as well as the group's 400 packed rows fill 512.
+  EXPECT_FALSE(p.pack_gqa);
+  EXPECT_FALSE(p.pack_gqa_requested);
   EXPECT_EQ(p.learnable_sink, dummy_data());
   EXPECT_EQ(p.sink_dtype, static_cast<int>(DType::kBFloat16));
   EXPECT_EQ(p.dtype, static_cast<int>(DType::kBFloat16));
@@ -97,6 +99,28 @@ TEST(ParamsForward, DenseStridesAndDefaults) {
   const FwdParams explicit_params = make_fwd_params(args, check_forward(args));
   EXPECT_FALSE(explicit_params.pack_gqa);
   EXPECT_FLOAT_EQ(explicit_params.softmax_scale, 0.5f);
+}
+
+TEST(ParamsForward, PackGqaDefaultFollowsTileFill) {
+  ForwardArgs args;
+  auto call = [&](std::int64_t seqlen_q, std::int64_t heads, std::int64_t heads_kv) {
+    args.q = tensor(DType::kBFloat16, {2, seqlen_q, heads, 64});
+    args.k = tensor(DType::kBFloat16, {2, 300, heads_kv, 64});
+    args.v = args.k;
+    args.out = args.q;
+    return make_fwd_params(args, check_forward(args));
+  };
+  EXPECT_TRUE(call(1, 8, 2).pack_gqa);     // decode: 4 of 128 rows against 1
+  EXPECT_TRUE(call(40, 32, 8).pack_gqa);   // 160 of 256 rows against 40 of 128
+  EXPECT_FALSE(call(1, 8, 8).pack_gqa);    // MHA: nothing to pack
+  EXPECT_FALSE(call(512, 8, 2).pack_gqa);  // whole tiles either way
+  args.pack_gqa = true;
+  EXPECT_TRUE(call(512, 8, 2).pack_gqa);  // asked for
+  EXPECT_TRUE(call(512, 8, 2).pack_gqa_requested);
+  EXPECT_FALSE(call(512, 8, 8).pack_gqa);  // MHA: asked for, nothing to pack
+  args.pack_gqa.reset();
+  args.opts.mask_mod.kind = MaskModKind::kCausal;  // the flex kernels do not pack
+  EXPECT_FALSE(call(1, 8, 2).pack_gqa);
 }
 
 TEST(ParamsForward, StridedInputsKeepTheirStrides) {
@@ -235,11 +259,14 @@ TEST(ParamsForward, SplitHeuristicAndBuffers) {
   p.window_left = 256;
   p.window_right = 0;
   EXPECT_EQ(choose_num_splits(p, 0, 132), 1);
-  // GQA decode: the kernel runs one tile per query head (8 of them for 2 kv heads), so 16 splits
-  // as for MHA, not 66.
+  // GQA decode unpacked: one tile per query head (8 of them for 2 kv heads), so 16 splits
+  // as for MHA; packed, one tile per kv head: 66.
   p.is_local = false;
   p.num_heads_kv = 2;
   EXPECT_EQ(choose_num_splits(p, 0, 132), 16);
+  p.pack_gqa = true;
+  EXPECT_EQ(choose_num_splits(p, 0, 132), 66);
+  p.pack_gqa = false;
 
   p = FwdParams{};
   p.batch = 2;
