@@ -1,9 +1,11 @@
 """The public attention functions: flash_attn_func, flash_attn_varlen_func, flash_attn_combine.
 
 Signatures and defaults follow the seed interface (FlashAttention 3's Hopper interface).
-Tensors may come from torch, NumPy, CuPy or JAX (by DLPack); outputs are allocated with the
+Tensors may come from torch, NumPy, CuPy (by DLPack) or JAX; outputs are allocated with the
 input's framework. CPU arrays run on the C++ reference implementation, CUDA arrays on the
-sm_90a kernels. torch tensors get autograd (dq, dk, dv and d(learnable_sink)).
+sm_90a kernels. torch tensors get autograd (dq, dk, dv and d(learnable_sink)). JAX arrays run as
+XLA custom calls (python/cuflash/_jax.py), eagerly or traced (inside jax.jit, under jax.grad /
+jax.vjp, with the same gradients), where the extension was built with jax's headers.
 
 Arguments are checked before any work starts; a bad one raises ValueError or TypeError whose
 message begins with the argument's name. A configuration that this build does not contain
@@ -56,8 +58,8 @@ def _check_tensor(x: Any, argument: str, framework: Optional[Framework] = None) 
         from . import _jax
 
         if _jax.is_tracer(x):
-            _fail(TypeError, argument, f"traced JAX values (inside jax.jit or jax.grad) need the XLA FFI handlers: "
-                                       f"{_jax.unavailable_message()}; or call cuflash eagerly")
+            _fail(TypeError, argument, f"traced JAX values (inside jax.jit or jax.grad) run as XLA custom calls, "
+                                       f"but {_jax.unavailable_message()}; or call cuflash eagerly")
     return own
 
 
@@ -766,6 +768,11 @@ def flash_attn_func(
         (batch, num_heads, seqlen_q) float32, the log-sum-exp of each row's scores (-inf for a
         row with no visible key, whose out is 0). Arrays of q's framework and device; with
         torch, out is differentiable with respect to q, k, v and learnable_sink.
+
+    JAX: works inside jax.jit and under jax.grad / jax.vjp (out differentiable with respect to
+    q, k, v and learnable_sink; a cotangent reaching lse raises NotImplementedError).
+    learnable_sink, the block lists and mask_mod tensors may be traced; the other options must
+    be Python values.
     """
     return _forward(q, k, v, softmax_scale, causal, window_size, learnable_sink, softcap, num_splits, pack_gqa,
                     deterministic, mask_mod=mask_mod,
@@ -819,6 +826,10 @@ def flash_attn_varlen_func(
         fixed-length q) in q's dtype and lse (num_heads, total_q) (or (batch, num_heads,
         seqlen_q)) float32. With torch, out is differentiable with respect to q, k, v and
         learnable_sink.
+
+    JAX: as flash_attn_func (jax.jit, jax.grad); cu_seqlens_*, seqused_*, page_table and
+    aux_tensors may be traced, max_seqlen_* must be Python ints. The backward of paged KV
+    (page_table) raises NotImplementedError.
     """
     return _forward(q, k, v, softmax_scale, causal, window_size, learnable_sink, softcap, num_splits, pack_gqa,
                     deterministic, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
@@ -857,7 +868,8 @@ def flash_attn_backward(
     q_mask_block_cnt: Optional[Tensor] = None,
     q_mask_block_idx: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
-    """The backward pass without autograd (for NumPy, CuPy and JAX arrays, or explicit use).
+    """The backward pass without autograd (for NumPy, CuPy and JAX arrays, or explicit use;
+    JAX arrays may be traced, inside jax.jit).
 
     Takes the forward's inputs, options, out and lse, and the gradient dout of out. The
     block-sparse backward lists (q_* : per column block, the row blocks that see it) are the
@@ -892,7 +904,7 @@ def flash_attn_combine(
     return_lse: bool = True,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """Merges split attention results (e.g. from split-KV or from several devices) by their
-    log-sum-exp.
+    log-sum-exp. JAX arrays are taken eagerly only (not inside jax.jit).
 
     Args:
         out_partial: float32 (num_splits, batch, seqlen, num_heads, head_dim), or
