@@ -37,10 +37,9 @@ namespace {
 // keeps the same order).
 constexpr int kNumOptionalOperands = 14;
 constexpr const char* kOperandNames[kNumOptionalOperands] = {
-    "learnable_sink",   "cu_seqlens_q",     "cu_seqlens_k",     "seqused_q",
-    "seqused_k",        "page_table",       "mask_block_cnt",   "mask_block_idx",
-    "full_block_cnt",   "full_block_idx",   "q_mask_block_cnt", "q_mask_block_idx",
-    "q_full_block_cnt", "q_full_block_idx"};
+    "learnable_sink",   "cu_seqlens_q",     "cu_seqlens_k",     "seqused_q",       "seqused_k",
+    "page_table",       "mask_block_cnt",   "mask_block_idx",   "full_block_cnt",  "full_block_idx",
+    "q_mask_block_cnt", "q_mask_block_idx", "q_full_block_cnt", "q_full_block_idx"};
 enum OptionalOperand : int {
   kLearnableSink = 0,
   kCuSeqlensQ,
@@ -57,26 +56,34 @@ struct HandlerError {
   std::string message;
 };
 
-[[noreturn]] void fail(const std::string& message) { throw HandlerError{ffi::ErrorCode::kInvalidArgument, message}; }
+[[noreturn]] void fail(const std::string& message) {
+  throw HandlerError{ffi::ErrorCode::kInvalidArgument, message};
+}
 
 cuflash::DType to_dtype(ffi::DataType dtype, const std::string& argument) {
   switch (dtype) {
-    case ffi::DataType::F16: return cuflash::DType::kFloat16;
-    case ffi::DataType::BF16: return cuflash::DType::kBFloat16;
-    case ffi::DataType::F32: return cuflash::DType::kFloat32;
-    case ffi::DataType::S32: return cuflash::DType::kInt32;
-    default: fail(argument + ": unsupported dtype (XLA type " + std::to_string(static_cast<int>(dtype)) +
-                  "); expected float16, bfloat16, float32 or int32");
+    case ffi::DataType::F16:
+      return cuflash::DType::kFloat16;
+    case ffi::DataType::BF16:
+      return cuflash::DType::kBFloat16;
+    case ffi::DataType::F32:
+      return cuflash::DType::kFloat32;
+    case ffi::DataType::S32:
+      return cuflash::DType::kInt32;
+    default:
+      fail(argument + ": unsupported dtype (XLA type " + std::to_string(static_cast<int>(dtype)) +
+           "); expected float16, bfloat16, float32 or int32");
   }
 }
 
 // XLA buffers are dense and row-major (the default layout that ffi_call asks for).
-cuflash::TensorView to_view(const ffi::AnyBuffer& buffer, cuflash::Device device, const std::string& argument) {
+cuflash::TensorView to_view(const ffi::AnyBuffer& buffer, cuflash::Device device,
+                            const std::string& argument) {
   const auto dims = buffer.dimensions();
   const int ndim = static_cast<int>(dims.size());
   if (ndim > cuflash::kMaxDims) {
-    fail(argument + ": at most " + std::to_string(cuflash::kMaxDims) + " dimensions are supported, got " +
-         std::to_string(ndim));
+    fail(argument + ": at most " + std::to_string(cuflash::kMaxDims) +
+         " dimensions are supported, got " + std::to_string(ndim));
   }
   cuflash::TensorView view;
   view.data = buffer.untyped_data();
@@ -118,7 +125,8 @@ class Operands {
 
   void expect_end() const {
     if (index_ != args_.size()) {
-      fail("operands: expected " + std::to_string(index_) + ", got " + std::to_string(args_.size()));
+      fail("operands: expected " + std::to_string(index_) + ", got " +
+           std::to_string(args_.size()));
     }
   }
 
@@ -156,8 +164,8 @@ struct Optional {
 };
 
 // The optional operands and the attributes that forward and backward share.
-Optional read_optional(Operands& operands, const ffi::Dictionary& attrs, cuflash::SequenceLayout& seq,
-                       cuflash::AttentionOptions& opts) {
+Optional read_optional(Operands& operands, const ffi::Dictionary& attrs,
+                       cuflash::SequenceLayout& seq, cuflash::AttentionOptions& opts) {
   const auto present = attribute<std::int64_t>(attrs, "operands");
   Optional optional;
   for (int i = 0; i < kNumOptionalOperands; ++i) {
@@ -173,14 +181,17 @@ Optional read_optional(Operands& operands, const ffi::Dictionary& attrs, cuflash
   if (max_seqlen_q >= 0) seq.max_seqlen_q = max_seqlen_q;
   if (max_seqlen_k >= 0) seq.max_seqlen_k = max_seqlen_k;
 
-  if (attribute<bool>(attrs, "has_softmax_scale")) opts.softmax_scale = attribute<float>(attrs, "softmax_scale");
+  if (attribute<bool>(attrs, "has_softmax_scale"))
+    opts.softmax_scale = attribute<float>(attrs, "softmax_scale");
   opts.causal = attribute<bool>(attrs, "causal");
   opts.window_left = static_cast<int>(attribute<std::int64_t>(attrs, "window_left"));
   opts.window_right = static_cast<int>(attribute<std::int64_t>(attrs, "window_right"));
   opts.softcap = attribute<float>(attrs, "softcap");
-  opts.score_mod.kind = static_cast<cuflash::ScoreModKind>(attribute<std::int64_t>(attrs, "score_mod_kind"));
+  opts.score_mod.kind =
+      static_cast<cuflash::ScoreModKind>(attribute<std::int64_t>(attrs, "score_mod_kind"));
   opts.score_mod.scalars = scalars(attrs, "score_mod_scalars");
-  opts.mask_mod.kind = static_cast<cuflash::MaskModKind>(attribute<std::int64_t>(attrs, "mask_mod_kind"));
+  opts.mask_mod.kind =
+      static_cast<cuflash::MaskModKind>(attribute<std::int64_t>(attrs, "mask_mod_kind"));
   opts.mask_mod.scalars = scalars(attrs, "mask_mod_scalars");
   const auto num_score_aux = attribute<std::int64_t>(attrs, "score_mod_num_aux");
   const auto num_mask_aux = attribute<std::int64_t>(attrs, "mask_mod_num_aux");
@@ -193,7 +204,8 @@ Optional read_optional(Operands& operands, const ffi::Dictionary& attrs, cuflash
   operands.expect_end();
 
   bool any_block_list = false;
-  for (int i = kBlockSparseFirst; i < kNumOptionalOperands; ++i) any_block_list |= optional.views[i].has_value();
+  for (int i = kBlockSparseFirst; i < kNumOptionalOperands; ++i)
+    any_block_list |= optional.views[i].has_value();
   if (any_block_list) {
     cuflash::BlockSparseTensors tensors;
     tensors.mask_block_cnt = optional.views[kBlockSparseFirst + 0];
@@ -254,10 +266,13 @@ cuflash::BackwardArgs backward_args(const ffi::RemainingArgs& args, const ffi::R
 
 ffi::ErrorCode error_code(cuflash::Error::Kind kind) {
   switch (kind) {
-    case cuflash::Error::Kind::kInvalidArgument: return ffi::ErrorCode::kInvalidArgument;
+    case cuflash::Error::Kind::kInvalidArgument:
+      return ffi::ErrorCode::kInvalidArgument;
     case cuflash::Error::Kind::kNotBuilt:
-    case cuflash::Error::Kind::kNotSupported: return ffi::ErrorCode::kUnimplemented;
-    case cuflash::Error::Kind::kCuda: return ffi::ErrorCode::kInternal;
+    case cuflash::Error::Kind::kNotSupported:
+      return ffi::ErrorCode::kUnimplemented;
+    case cuflash::Error::Kind::kCuda:
+      return ffi::ErrorCode::kInternal;
   }
   return ffi::ErrorCode::kInternal;
 }
@@ -303,8 +318,10 @@ cuflash::Workspace scratch_workspace(ffi::ScratchAllocator& scratch, std::size_t
 ffi::Error forward_cuda(cudaStream_t stream, ffi::ScratchAllocator scratch, std::int32_t device,
                         ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary attrs) {
   return guarded([&] {
-    const cuflash::ForwardArgs forward = forward_args(args, rets, attrs, {cuflash::DeviceType::kCUDA, device});
-    const cuflash::Workspace workspace = scratch_workspace(scratch, cuflash::forward_workspace_size(forward));
+    const cuflash::ForwardArgs forward =
+        forward_args(args, rets, attrs, {cuflash::DeviceType::kCUDA, device});
+    const cuflash::Workspace workspace =
+        scratch_workspace(scratch, cuflash::forward_workspace_size(forward));
     cuflash::forward(forward, stream, workspace);
   });
 }
@@ -312,8 +329,10 @@ ffi::Error forward_cuda(cudaStream_t stream, ffi::ScratchAllocator scratch, std:
 ffi::Error backward_cuda(cudaStream_t stream, ffi::ScratchAllocator scratch, std::int32_t device,
                          ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary attrs) {
   return guarded([&] {
-    const cuflash::BackwardArgs backward = backward_args(args, rets, attrs, {cuflash::DeviceType::kCUDA, device});
-    const cuflash::Workspace workspace = scratch_workspace(scratch, cuflash::backward_workspace_size(backward));
+    const cuflash::BackwardArgs backward =
+        backward_args(args, rets, attrs, {cuflash::DeviceType::kCUDA, device});
+    const cuflash::Workspace workspace =
+        scratch_workspace(scratch, cuflash::backward_workspace_size(backward));
     cuflash::backward(backward, stream, workspace);
   });
 }
