@@ -3,9 +3,10 @@
     >>> import cuflash
     >>> out, lse = cuflash.flash_attn_func(q, k, v, causal=True)
 
-Tensors of torch, NumPy, CuPy or JAX cross by DLPack; CPU arrays run on the reference
+Tensors of torch, NumPy and CuPy cross by DLPack; CPU arrays run on the reference
 implementation, CUDA arrays on the Hopper kernels. torch is optional: with it, outputs are
-differentiable through torch.autograd.
+differentiable through torch.autograd. JAX arrays run as XLA custom calls, also inside jax.jit
+and under jax.grad (when the build found jax; else eagerly, by DLPack).
 """
 
 from . import _C, block_sparse, masks, scores

@@ -15,6 +15,10 @@ import numpy as np
 
 Device = Tuple[str, int]
 
+# The device of a traced JAX value (inside jax.jit or jax.grad): XLA places it, so it matches
+# every device.
+TRACED: Device = ("traced", 0)
+
 _NUMPY_NAMES = {"float16", "float32", "float64", "int32", "int64", "uint16", "bool"}
 
 
@@ -219,10 +223,13 @@ class CupyFramework(Framework):
 
 
 class JaxFramework(Framework):
-    """Eager JAX arrays. JAX arrays are immutable, so outputs are first allocated as buffers
-    that cuflash owns (NumPy on the CPU, a CUDA allocation on the GPU), filled, and then
-    handed to JAX (a copy on the CPU, zero-copy by DLPack on the GPU). The call is synchronous
-    on the GPU, as JAX exposes no stream to join. Traced values (inside jax.jit) are refused."""
+    """JAX arrays. Where the extension has the XLA FFI handlers, attention runs as XLA custom
+    calls (python/cuflash/_jax.py), for eager and traced (jax.jit, jax.grad) values alike, and
+    only the checks below are used. Otherwise, and for flash_attn_combine, eager arrays cross
+    by DLPack: JAX arrays are immutable, so outputs are first allocated as buffers that cuflash
+    owns (NumPy on the CPU, a CUDA allocation on the GPU), filled, and then handed to JAX (a
+    copy on the CPU, zero-copy by DLPack on the GPU); that call is synchronous on the GPU, as
+    JAX exposes no stream to join."""
 
     name = "jax"
 
@@ -237,9 +244,15 @@ class JaxFramework(Framework):
     def _is_jax(self, x):
         return isinstance(x, self.jax.Array)
 
+    def _is_tracer(self, x):
+        tracer = getattr(getattr(self.jax, "core", None), "Tracer", None)
+        return tracer is not None and isinstance(x, tracer)
+
     def device(self, x):
         if not self._is_jax(x):  # a buffer of our own, before it becomes a JAX array
             return ("cpu", 0) if isinstance(x, np.ndarray) else ("cuda", int(x.__dlpack_device__()[1]))
+        if self._is_tracer(x):
+            return TRACED
         devices = list(x.devices())
         if len(devices) != 1:
             raise ValueError("cuflash takes JAX arrays on a single device")
@@ -285,6 +298,8 @@ class JaxFramework(Framework):
         return np.asarray(x)
 
     def from_numpy(self, array, like):
+        if self._is_tracer(like):
+            return self.jax.numpy.asarray(array)
         return self.jax.device_put(array, list(like.devices())[0])
 
     def export(self, x):

@@ -1,9 +1,11 @@
 """The public attention functions: flash_attn_func, flash_attn_varlen_func, flash_attn_combine.
 
 Signatures and defaults follow the seed interface (FlashAttention 3's Hopper interface).
-Tensors may come from torch, NumPy, CuPy or JAX (by DLPack); outputs are allocated with the
+Tensors may come from torch, NumPy, CuPy (by DLPack) or JAX; outputs are allocated with the
 input's framework. CPU arrays run on the C++ reference implementation, CUDA arrays on the
-sm_90a kernels. torch tensors get autograd (dq, dk, dv and d(learnable_sink)).
+sm_90a kernels. torch tensors get autograd (dq, dk, dv and d(learnable_sink)). JAX arrays run as
+XLA custom calls (python/cuflash/_jax.py), eagerly or traced (inside jax.jit, under jax.grad /
+jax.vjp, with the same gradients), where the extension was built with jax's headers.
 
 Arguments are checked before any work starts; a bad one raises ValueError or TypeError whose
 message begins with the argument's name. A configuration that this build does not contain
@@ -21,7 +23,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _C
-from ._tensors import Framework, _dtype_name, framework_of
+from ._tensors import TRACED, Framework, _dtype_name, framework_of
 from ._variants import MaskMod, ScoreMod
 from .block_sparse import BLOCK_M, BLOCK_N, transpose_block_lists
 
@@ -52,12 +54,24 @@ def _check_tensor(x: Any, argument: str, framework: Optional[Framework] = None) 
         _fail(TypeError, argument, f"expected a tensor or array (torch, numpy, cupy or jax), got {type(x).__name__}")
     if framework is not None and own is not framework:
         _fail(TypeError, argument, f"expected a {framework.name} array like q, got a {own.name} array")
-    if own.name == "jax":
-        core = getattr(sys.modules["jax"], "core", None)
-        tracer = getattr(core, "Tracer", None)
-        if tracer is not None and isinstance(x, tracer):
-            _fail(TypeError, argument, "traced JAX values (inside jax.jit) are not supported; call cuflash eagerly")
+    if own.name == "jax" and not _jax_ffi_available():
+        from . import _jax
+
+        if _jax.is_tracer(x):
+            _fail(TypeError, argument, f"traced JAX values (inside jax.jit or jax.grad) run as XLA custom calls, "
+                                       f"but {_jax.unavailable_message()}; or call cuflash eagerly")
     return own
+
+
+def _jax_ffi_available() -> bool:
+    from . import _jax
+
+    return _jax.available()
+
+
+def _uses_jax_ffi(framework: Framework) -> bool:
+    """JAX arrays, traced or not, run as XLA custom calls when the extension has the handlers."""
+    return framework.name == "jax" and _jax_ffi_available()
 
 
 def _check_bool(value: Any, argument: str, optional: bool = False) -> Optional[bool]:
@@ -132,9 +146,14 @@ def _check_dtype(framework: Framework, x: Tensor, argument: str, allowed: Sequen
     return dtype
 
 
+def _same_device(a: Tuple[str, int], b: Tuple[str, int]) -> bool:
+    """Traced JAX values have no device of their own (XLA places them): they match any."""
+    return a == b or TRACED in (a, b)
+
+
 def _check_device(framework: Framework, x: Tensor, argument: str, device: Tuple[str, int]) -> None:
     own = framework.device(x)
-    if own != device:
+    if not _same_device(own, device):
         _fail(ValueError, argument, f"expected a tensor on {_device_str(device)} like q, got {_device_str(own)}")
 
 
@@ -309,7 +328,7 @@ def _resolve_variant(mod: Any, argument: str, cls: type, aux_tensors: Optional[L
         own = framework_of(tensor)
         if own is None:
             _fail(TypeError, name, f"expected a tensor or array, got {type(tensor).__name__}")
-        if own is not framework or own.device(tensor) != call.device:
+        if own is not framework or not _same_device(own.device(tensor), call.device):
             if own.name != "numpy":
                 _fail(ValueError, name, f"expected a tensor on {_device_str(call.device)} like q, "
                                         f"got a {own.name} array on {_device_str(own.device(tensor))}")
@@ -463,7 +482,7 @@ def _prepare(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, s
         if framework.dtype(tensor) != dtype:
             _fail(TypeError, name, f"expected the dtype of q ({dtype}), got {framework.dtype(tensor)}")
     device = framework.device(q)
-    if device[0] not in ("cpu", "cuda"):
+    if device[0] not in ("cpu", "cuda") and device != TRACED:
         _fail(ValueError, "q", f"expected a CPU or CUDA tensor, got {_device_str(device)}")
     _check_device(framework, k, "k", device)
     _check_device(framework, v, "v", device)
@@ -672,6 +691,10 @@ def _attention(call: _Call) -> Tuple[Tensor, Tensor]:
         if ops is not None:
             return ops.attention(call)
         return _torch_function().apply(call.q, call.k, call.v, call.learnable_sink, call)
+    if _uses_jax_ffi(call.framework):
+        from . import _jax
+
+        return _jax.attention(call)
     return _run_forward(call)
 
 
@@ -747,6 +770,11 @@ def flash_attn_func(
         (batch, num_heads, seqlen_q) float32, the log-sum-exp of each row's scores (-inf for a
         row with no visible key, whose out is 0). Arrays of q's framework and device; with
         torch, out is differentiable with respect to q, k, v and learnable_sink.
+
+    JAX: works inside jax.jit and under jax.grad / jax.vjp (out differentiable with respect to
+    q, k, v and learnable_sink; a cotangent reaching lse raises NotImplementedError).
+    learnable_sink, the block lists and mask_mod tensors may be traced; the other options must
+    be Python values.
     """
     return _forward(q, k, v, softmax_scale, causal, window_size, learnable_sink, softcap, num_splits, pack_gqa,
                     deterministic, mask_mod=mask_mod,
@@ -800,6 +828,10 @@ def flash_attn_varlen_func(
         fixed-length q) in q's dtype and lse (num_heads, total_q) (or (batch, num_heads,
         seqlen_q)) float32. With torch, out is differentiable with respect to q, k, v and
         learnable_sink.
+
+    JAX: as flash_attn_func (jax.jit, jax.grad); cu_seqlens_*, seqused_*, page_table and
+    aux_tensors may be traced, max_seqlen_* must be Python ints. The backward of paged KV
+    (page_table) raises NotImplementedError.
     """
     return _forward(q, k, v, softmax_scale, causal, window_size, learnable_sink, softcap, num_splits, pack_gqa,
                     deterministic, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
@@ -838,7 +870,8 @@ def flash_attn_backward(
     q_mask_block_cnt: Optional[Tensor] = None,
     q_mask_block_idx: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
-    """The backward pass without autograd (for NumPy, CuPy and JAX arrays, or explicit use).
+    """The backward pass without autograd (for NumPy, CuPy and JAX arrays, or explicit use;
+    JAX arrays may be traced, inside jax.jit).
 
     Takes the forward's inputs, options, out and lse, and the gradient dout of out. The
     block-sparse backward lists (q_* : per column block, the row blocks that see it) are the
@@ -856,6 +889,10 @@ def flash_attn_backward(
                     block_sparse=(mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx),
                     q_block_sparse=(q_mask_block_cnt, q_mask_block_idx, q_full_block_cnt, q_full_block_idx))
     out, dout, lse = _check_backward_inputs(call, out, dout, lse)
+    if _uses_jax_ffi(call.framework):
+        from . import _jax
+
+        return _jax.backward(call, out, dout, lse)
     return _run_backward(call, out, dout, lse)
 
 
@@ -869,7 +906,7 @@ def flash_attn_combine(
     return_lse: bool = True,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """Merges split attention results (e.g. from split-KV or from several devices) by their
-    log-sum-exp.
+    log-sum-exp. JAX arrays are taken eagerly only (not inside jax.jit).
 
     Args:
         out_partial: float32 (num_splits, batch, seqlen, num_heads, head_dim), or
@@ -889,6 +926,10 @@ def flash_attn_combine(
     """
     framework = _check_tensor(out_partial, "out_partial")
     _check_tensor(lse_partial, "lse_partial", framework)
+    for tensor, name in ((out_partial, "out_partial"), (lse_partial, "lse_partial")):
+        if framework.device(tensor) == TRACED:
+            _fail(TypeError, name, "flash_attn_combine takes no traced JAX values (inside jax.jit or jax.grad); "
+                                   "call it eagerly")
     if len(out_partial.shape) not in (4, 5):
         _fail(ValueError, "out_partial", f"must have 4 or 5 dimensions, got shape {_shape(out_partial)}")
     if len(lse_partial.shape) not in (3, 4):

@@ -26,6 +26,10 @@
 
 namespace nb = nanobind;
 
+#if CUFLASH_PYTHON_HAS_JAX_FFI
+nb::dict jax_ffi_handlers();  // python/src/jax_ffi.cpp
+#endif
+
 namespace {
 
 // Inputs may be read-only (e.g. NumPy views); outputs must be writable.
@@ -454,4 +458,8 @@ NB_MODULE(_C, m) {
   m.def("cuda_available", &cuflash::cuda_available, "Whether a usable CUDA device is present.");
   m.def("version", &cuflash::version, "Version of the C++ library.");
   m.attr("built_with_cuda") = bool(CUFLASH_PYTHON_HAS_CUDA);
+#if CUFLASH_PYTHON_HAS_JAX_FFI
+  m.def("jax_ffi_handlers", &jax_ffi_handlers,
+        "XLA FFI handlers of forward and backward, name -> capsule (for jax.ffi.register_ffi_target).");
+#endif
 }

@@ -128,3 +128,95 @@ def test_jax(rng):
     expected_out, expected_lse = ref.forward_dense(q, k, v, ref.Options())
     assert_close(np.asarray(out).astype(np.float64), expected_out, "bfloat16", what="out")
     assert_lse_close(np.asarray(lse), expected_lse)
+
+
+def jax_gpu():
+    """jax with a GPU device and a cuflash build with CUDA and the XLA FFI handlers."""
+    jax = pytest.importorskip("jax", reason="jax is not installed")
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        gpus = []
+    if not gpus:
+        pytest.skip("no JAX GPU device")
+    if not cuflash.built_with_cuda:
+        pytest.skip("cuflash was built without CUDA")
+    from cuflash import _jax
+
+    if not _jax.available():
+        pytest.skip("this cuflash build has no XLA FFI handlers (jax was not found when it was configured)")
+    return jax, gpus[0]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_jax_jit_forward_grad(rng, causal):
+    # The CUDA FFI handlers, on XLA's stream, with workspace from XLA's allocator.
+    jax, gpu = jax_gpu()
+    jnp = jax.numpy
+    q, k, v = reference_inputs(rng, "bfloat16")
+    jq, jk, jv = (jax.device_put(x, gpu) for x in (q, k, v))
+    dout = rng.standard_normal(q.shape[:-1] + (v.shape[-1],)).astype(q.dtype)
+    jdout = jax.device_put(dout, gpu)
+
+    def attention(q, k, v):
+        return cuflash.flash_attn_func(q, k, v, causal=causal)
+
+    def loss(q, k, v):
+        return jnp.sum(attention(q, k, v)[0].astype(jnp.float32) * jdout.astype(jnp.float32))
+
+    with skip_if_not_built():
+        out, lse = jax.jit(attention)(jq, jk, jv)
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(jq, jk, jv)
+    assert list(out.devices())[0] == gpu and out.dtype == jq.dtype
+    opts = ref.Options(causal=causal)
+    expected_out, expected_lse = ref.forward_dense(q, k, v, opts)
+    assert_close(np.asarray(out).astype(np.float64), expected_out, "bfloat16", what="out")
+    assert_lse_close(np.asarray(lse), expected_lse)
+    expected = ref.backward_dense(dout, q, k, v, np.asarray(out), opts)
+    for name, grad, e in zip(("dq", "dk", "dv"), grads, expected[:3]):
+        assert grad.dtype == jq.dtype
+        assert_close(np.asarray(grad).astype(np.float64), e, "bfloat16", scale=max(1.0, np.abs(e).max()), what=name)
+
+
+def test_jax_jit_varlen_sink_grad(rng):
+    jax, gpu = jax_gpu()
+    jnp = jax.numpy
+    import ml_dtypes
+
+    heads, heads_kv, dim = 8, 2, 128
+    lengths_q, lengths_k = [70, 0, 200], [90, 33, 160]
+    cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
+    q = rng.standard_normal((int(cu_q[-1]), heads, dim)).astype(ml_dtypes.bfloat16)
+    k = rng.standard_normal((int(cu_k[-1]), heads_kv, dim)).astype(ml_dtypes.bfloat16)
+    v = rng.standard_normal((int(cu_k[-1]), heads_kv, dim)).astype(ml_dtypes.bfloat16)
+    sink = rng.standard_normal(heads).astype(np.float32)
+    dout = rng.standard_normal(q.shape).astype(ml_dtypes.bfloat16)
+    args = [jax.device_put(x, gpu) for x in (q, k, v, sink, cu_q, cu_k)]
+    jdout = jax.device_put(dout, gpu)
+
+    def attention(q, k, v, sink, cu_q, cu_k):
+        return cuflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=True,
+                                              learnable_sink=sink)
+
+    def loss(*a):
+        return jnp.sum(attention(*a)[0].astype(jnp.float32) * jdout.astype(jnp.float32))
+
+    with skip_if_not_built():
+        out, lse = jax.jit(attention)(*args)
+        dq, dk, dv, d_sink = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*args)
+    opts = ref.Options(causal=True, sink=sink)
+    out_np = np.asarray(out)
+    expected = [np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape), np.zeros(heads)]
+    for b, ((q0, sq), (k0, sk)) in enumerate(zip(ref.sequences(cu_q), ref.sequences(cu_k))):
+        rows, keys = slice(q0, q0 + sq), slice(k0, k0 + sk)
+        expected_out, expected_lse = ref.forward_one(q[rows], k[keys], v[keys], b, opts)
+        assert_close(out_np[rows].astype(np.float64), expected_out, "bfloat16", what="out")
+        assert_lse_close(np.asarray(lse)[:, rows], expected_lse)
+        grads = ref.backward_one(dout[rows], q[rows], k[keys], v[keys], out_np[rows], b, opts)
+        expected[0][rows], expected[1][keys], expected[2][keys] = grads[:3]
+        expected[3] += grads[3]
+    for name, grad, e in zip(("dq", "dk", "dv"), (dq, dk, dv), expected[:3]):
+        assert_close(np.asarray(grad).astype(np.float64), e, "bfloat16", scale=max(1.0, np.abs(e).max()), what=name)
+    np.testing.assert_allclose(np.asarray(d_sink), expected[3], atol=2e-2 * max(1.0, np.abs(expected[3]).max()),
+                               rtol=2e-2, err_msg="d_sink")

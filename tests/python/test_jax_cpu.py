@@ -1,4 +1,6 @@
-"""JAX arrays on the CPU: inputs by DLPack, outputs returned as JAX arrays."""
+"""Eager JAX arrays on the CPU, outputs returned as JAX arrays: through the XLA FFI handlers
+where the build has them, else by DLPack (both paths run here when the handlers are built).
+jax.jit and jax.grad: test_jax_jit.py."""
 
 from __future__ import annotations
 
@@ -18,8 +20,20 @@ def on_cpu(*arrays):
     return [jax.device_put(a, CPU) for a in arrays]
 
 
+@pytest.fixture(params=["ffi", "dlpack"])
+def path(request, monkeypatch):
+    """Which way eager JAX arrays take: XLA custom calls, or DLPack (the handlers hidden)."""
+    from cuflash import _jax
+
+    if request.param == "ffi" and not _jax.available():
+        pytest.skip("this build has no XLA FFI handlers (jax was not found when it was configured)")
+    if request.param == "dlpack":
+        monkeypatch.setattr(_jax, "available", lambda: False)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_forward_backward(rng, dtype):
+def test_forward_backward(rng, dtype, path):
     q, k, v = randn(rng, (2, 20, 4, 32), dtype), randn(rng, (2, 28, 2, 32), dtype), randn(rng, (2, 28, 2, 32), dtype)
     jq, jk, jv = on_cpu(q, k, v)
     out, lse = cuflash.flash_attn_func(jq, jk, jv, causal=True)
@@ -47,7 +61,7 @@ def test_inputs_are_not_modified(rng):
     assert np.array_equal(np.asarray(out1), np.asarray(out2))
 
 
-def test_varlen_with_score_mod(rng):
+def test_varlen_with_score_mod(rng, path):
     q, k, v = (randn(rng, (30, 4, 32)) for _ in range(3))
     cu = np.array([0, 12, 30], np.int32)
     slopes = cuflash.scores.alibi_slopes(4)
@@ -72,12 +86,15 @@ def test_combine(rng):
         cuflash.flash_attn_combine(*on_cpu(out_partial, lse_partial), out=jax.numpy.zeros((10, 2, 32)))
 
 
-def test_traced_values_are_refused(rng):
+def test_traced_values_need_the_handlers(rng, monkeypatch):
+    from cuflash import _jax
+
+    monkeypatch.setattr(_jax, "available", lambda: False)
     q = jax.device_put(randn(rng, (1, 8, 2, 32)), CPU)
 
     @jax.jit
     def attention(x):
         return cuflash.flash_attn_func(x, x, x)[0]
 
-    with pytest.raises(TypeError, match="^q"):
+    with pytest.raises(TypeError, match="^q: .*jax"):
         attention(q)

@@ -1,0 +1,286 @@
+"""JAX: cuflash as XLA custom calls (jax.ffi), so that it runs inside jax.jit and under jax.grad.
+
+The extension's XLA FFI handlers (python/src/jax_ffi.cpp) run the CPU reference on the CPU
+backend and the sm_90a kernels on the GPU backend, on the stream that XLA gives. They are
+registered with JAX on first use. ``jax.custom_vjp`` gives the gradients of q, k, v and
+learnable_sink; lse is an output without a gradient (a cotangent that reaches it raises
+NotImplementedError naming lse).
+
+Imported only when JAX arrays reach cuflash (jax is already imported then). Eager JAX arrays
+take the same path as traced ones; the extension built without the handlers (no jax at
+configure time) keeps the DLPack path for eager arrays and refuses traced ones.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from . import _C
+from .block_sparse import BLOCK_M, BLOCK_N
+
+FORWARD_TARGET = "cuflash_forward"
+BACKWARD_TARGET = "cuflash_backward"
+
+# The optional operands after q, k, v (forward) or q, k, v, out, dout, lse (backward): bit i of
+# the `operands` attribute says that OPTIONAL_OPERANDS[i] is passed (python/src/jax_ffi.cpp).
+OPTIONAL_OPERANDS = ("learnable_sink", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "page_table",
+                     "mask_block_cnt", "mask_block_idx", "full_block_cnt", "full_block_idx",
+                     "q_mask_block_cnt", "q_mask_block_idx", "q_full_block_cnt", "q_full_block_idx")
+_FIRST_BLOCK_LIST = OPTIONAL_OPERANDS.index("mask_block_cnt")
+_FIRST_BACKWARD_LIST = OPTIONAL_OPERANDS.index("q_mask_block_cnt")
+
+_registered = False
+
+
+def available() -> bool:
+    """Whether this build has the XLA FFI handlers (jaxlib's headers were found when it was
+    configured)."""
+    return hasattr(_C, "jax_ffi_handlers")
+
+
+def unavailable_message() -> str:
+    return ("this cuflash build has no XLA FFI handlers for jax (jaxlib's headers were not found when it was "
+            "configured): install jax, then rebuild cuflash (pip install . finds them through jax.ffi.include_dir())")
+
+
+def _jax():
+    return sys.modules["jax"]
+
+
+def is_tracer(x: Any) -> bool:
+    core = getattr(_jax(), "core", None)
+    tracer = getattr(core, "Tracer", None)
+    return tracer is not None and isinstance(x, tracer)
+
+
+def _register() -> None:
+    """Registers the handlers with XLA (once): the CPU ones, and the CUDA ones in a CUDA build."""
+    global _registered
+    if _registered:
+        return
+    if not available():
+        raise NotImplementedError(f"jax: {unavailable_message()}")
+    jax = _jax()
+    handlers = _C.jax_ffi_handlers()
+    for kind, target in (("forward", FORWARD_TARGET), ("backward", BACKWARD_TARGET)):
+        jax.ffi.register_ffi_target(target, handlers[f"{kind}_cpu"], platform="cpu")
+        if f"{kind}_cuda" in handlers:
+            jax.ffi.register_ffi_target(target, handlers[f"{kind}_cuda"], platform="CUDA")
+    _registered = True
+
+
+# ---------------------------------------------------------------------------------------------
+# The static part of a call (the custom calls' attributes and the result shapes)
+
+
+@dataclass(frozen=True)
+class _Static:
+    dtype: str
+    out_shape: Tuple[int, ...]
+    lse_shape: Tuple[int, ...]
+    num_heads: int
+    seqlen_k: int
+    softmax_scale: Optional[float]
+    causal: bool
+    window_left: int
+    window_right: int
+    softcap: float
+    score_mod_kind: int
+    score_mod_scalars: Tuple[float, ...]
+    num_score_aux: int
+    mask_mod_kind: int
+    mask_mod_scalars: Tuple[float, ...]
+    num_mask_aux: int
+    max_seqlen_q: Optional[int]
+    max_seqlen_k: Optional[int]
+    num_splits: int
+    pack_gqa: Optional[bool]
+    deterministic: bool
+
+    def attributes(self, operand_bits: int, forward: bool) -> dict:
+        attrs = dict(
+            operands=np.int64(operand_bits),
+            max_seqlen_q=np.int64(-1 if self.max_seqlen_q is None else self.max_seqlen_q),
+            max_seqlen_k=np.int64(-1 if self.max_seqlen_k is None else self.max_seqlen_k),
+            has_softmax_scale=np.bool_(self.softmax_scale is not None),
+            softmax_scale=np.float32(0.0 if self.softmax_scale is None else self.softmax_scale),
+            causal=np.bool_(self.causal),
+            window_left=np.int64(self.window_left),
+            window_right=np.int64(self.window_right),
+            softcap=np.float32(self.softcap),
+            score_mod_kind=np.int64(self.score_mod_kind),
+            score_mod_scalars=np.asarray(self.score_mod_scalars, dtype=np.float64).reshape(-1),
+            score_mod_num_aux=np.int64(self.num_score_aux),
+            mask_mod_kind=np.int64(self.mask_mod_kind),
+            mask_mod_scalars=np.asarray(self.mask_mod_scalars, dtype=np.float64).reshape(-1),
+            mask_mod_num_aux=np.int64(self.num_mask_aux),
+            block_m=np.int64(BLOCK_M),
+            block_n=np.int64(BLOCK_N),
+        )
+        if forward:
+            attrs.update(num_splits=np.int64(self.num_splits),
+                         pack_gqa=np.int64(-1 if self.pack_gqa is None else int(self.pack_gqa)))
+        else:
+            attrs.update(deterministic=np.bool_(self.deterministic))
+        return attrs
+
+
+def _static(call) -> _Static:
+    score_kind, score_scalars, score_aux = call.score_mod
+    mask_kind, mask_scalars, mask_aux = call.mask_mod
+    return _Static(
+        dtype=call.dtype, out_shape=tuple(call.out_shape), lse_shape=tuple(call.lse_shape), num_heads=call.num_heads,
+        seqlen_k=call.seqlen_k, softmax_scale=call.softmax_scale, causal=call.causal, window_left=call.window_left,
+        window_right=call.window_right, softcap=float(call.softcap), score_mod_kind=int(score_kind),
+        score_mod_scalars=tuple(float(s) for s in score_scalars), num_score_aux=len(score_aux),
+        mask_mod_kind=int(mask_kind), mask_mod_scalars=tuple(float(s) for s in mask_scalars),
+        num_mask_aux=len(mask_aux), max_seqlen_q=call.max_seqlen_q, max_seqlen_k=call.max_seqlen_k,
+        num_splits=call.num_splits, pack_gqa=call.pack_gqa, deterministic=call.deterministic)
+
+
+def _extras(call) -> Tuple[Optional[Any], ...]:
+    """The optional operands other than learnable_sink, in OPTIONAL_OPERANDS order."""
+    lists = list(call.block_sparse) if call.block_sparse else [None] * 8
+    return (call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_q, call.seqused_k, call.page_table, *lists)
+
+
+def _aux(call) -> Tuple[Any, ...]:
+    return tuple(call.score_mod[2]) + tuple(call.mask_mod[2])
+
+
+def _operands(sink, extras, aux, forward: bool) -> Tuple[List[Any], int]:
+    """The optional operands passed and their bits (the q_ block lists go to the backward only)."""
+    operands, bits = [], 0
+    for i, tensor in enumerate((sink,) + tuple(extras)):
+        if tensor is None or (forward and i >= _FIRST_BACKWARD_LIST):
+            continue
+        operands.append(tensor)
+        bits |= 1 << i
+    return operands + list(aux), bits
+
+
+# ---------------------------------------------------------------------------------------------
+# The custom calls
+
+
+def _forward_call(static: _Static, q, k, v, sink, extras, aux):
+    jax = _jax()
+    _register()
+    operands, bits = _operands(sink, extras, aux, forward=True)
+    results = (jax.ShapeDtypeStruct(static.out_shape, q.dtype),
+               jax.ShapeDtypeStruct(static.lse_shape, np.float32))
+    call = jax.ffi.ffi_call(FORWARD_TARGET, results, vmap_method="sequential")
+    out, lse = call(q, k, v, *operands, **static.attributes(bits, forward=True))
+    return out, lse
+
+
+def _backward_block_lists(static: _Static, extras):
+    """The backward's column-block lists: the transposed forward lists when none were given."""
+    lists = list(extras[_FIRST_BLOCK_LIST - 1:])
+    if all(t is None for t in lists[:4]) or any(t is not None for t in lists[4:]):
+        return tuple(extras)
+    col_blocks = -(-static.seqlen_k // BLOCK_N)
+    for i in (0, 2):
+        if lists[i] is not None:
+            lists[4 + i], lists[5 + i] = transpose_block_lists(lists[i], lists[i + 1], col_blocks)
+    return tuple(extras[:_FIRST_BLOCK_LIST - 1]) + tuple(lists)
+
+
+def transpose_block_lists(cnt, idx, num_col_blocks: int):
+    """block_sparse.transpose_block_lists in jax.numpy (works on traced lists): row-block lists
+    (cnt (B, H_b, M), idx (B, H_b, M, N)) -> column-block lists (q_cnt (B, H_b, N),
+    q_idx (B, H_b, N, M)), row blocks in ascending order."""
+    jnp = _jax().numpy
+    rows = cnt.shape[2]
+    slots = jnp.arange(idx.shape[3], dtype=np.int32)
+    valid = slots[None, None, None, :] < cnt[..., None]  # (B, H_b, M, N_slots)
+    columns = jnp.arange(num_col_blocks, dtype=np.int32)
+    hits = valid[..., None] & (idx[..., None] == columns)  # (B, H_b, M, N_slots, N)
+    by_col = jnp.swapaxes(jnp.any(hits, axis=3), 2, 3)  # (B, H_b, N, M)
+    q_cnt = jnp.sum(by_col, axis=-1, dtype=np.int32)
+    q_idx = jnp.argsort(~by_col, axis=-1, stable=True).astype(np.int32)
+    q_idx = jnp.where(jnp.arange(rows)[None, None, None, :] < q_cnt[..., None], q_idx, 0).astype(np.int32)
+    return q_cnt, q_idx
+
+
+def _backward_call(static: _Static, q, k, v, sink, extras, aux, out, dout, lse):
+    jax = _jax()
+    _register()
+    if extras[OPTIONAL_OPERANDS.index("page_table") - 1] is not None:
+        raise NotImplementedError("page_table: the backward pass does not take paged KV")
+    extras = _backward_block_lists(static, extras)
+    operands, bits = _operands(sink, extras, aux, forward=False)
+    results = [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in (q, k, v)]
+    if sink is not None:
+        results.append(jax.ShapeDtypeStruct((static.num_heads,), np.float32))
+    call = jax.ffi.ffi_call(BACKWARD_TARGET, tuple(results), vmap_method="sequential")
+    grads = call(q, k, v, out, dout, lse, *operands, **static.attributes(bits, forward=False))
+    dq, dk, dv = grads[:3]
+    return dq, dk, dv, (grads[3] if sink is not None else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Differentiation: jax.custom_vjp over q, k, v and learnable_sink
+
+
+@functools.lru_cache(maxsize=None)
+def _attention_fn():
+    """The custom_vjp function, made on first use so that importing cuflash needs no jax."""
+    jax = _jax()
+    from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+    def attention(static, q, k, v, sink, extras, aux):
+        return _forward_call(static, q, k, v, sink, extras, aux)
+
+    def forward(static, q, k, v, sink, extras, aux):
+        q, k, v, sink, extras, aux = custom_vjp_primal_tree_values((q, k, v, sink, extras, aux))
+        out, lse = _forward_call(static, q, k, v, sink, extras, aux)
+        return (out, lse), (q, k, v, sink, extras, aux, out, lse)
+
+    def backward(static, residuals, cotangents):
+        q, k, v, sink, extras, aux, out, lse = residuals
+        dout, dlse = cotangents
+        if not isinstance(dlse, SymbolicZero):
+            raise NotImplementedError(
+                "lse: gradients through lse are not supported (cuflash differentiates out with respect to q, k, v "
+                "and learnable_sink); apply jax.lax.stop_gradient to lse where it feeds the loss")
+        if isinstance(dout, SymbolicZero):
+            dout = jax.numpy.zeros(out.shape, out.dtype)
+        dq, dk, dv, d_sink = _backward_call(static, q, k, v, sink, extras, aux, out, dout, lse)
+        if d_sink is not None:
+            d_sink = d_sink.astype(sink.dtype)
+        return dq, dk, dv, d_sink, None, None
+
+    attention.defvjp(forward, backward, symbolic_zeros=True)
+    return attention
+
+
+def _check_platform(call) -> None:
+    """Eager arrays: the device must be one that this build has handlers for."""
+    if is_tracer(call.q):
+        return
+    platform = list(call.q.devices())[0].platform
+    if platform == "gpu" and not _C.built_with_cuda:
+        raise NotImplementedError("device: JAX arrays on a GPU were passed, but cuflash was built without CUDA "
+                                  "(nvcc not found or CUFLASH_ENABLE_CUDA=OFF)")
+    if platform not in ("cpu", "gpu"):
+        raise ValueError(f"q: expected a JAX array on the CPU or a CUDA GPU, got platform {platform}")
+
+
+def attention(call) -> Tuple[Any, Any]:
+    """(out, lse) of a checked call whose tensors are JAX arrays (traced or not)."""
+    _check_platform(call)
+    return _attention_fn()(_static(call), call.q, call.k, call.v, call.learnable_sink, _extras(call), _aux(call))
+
+
+def backward(call, out, dout, lse) -> Tuple[Any, Any, Any, Optional[Any]]:
+    """(dq, dk, dv, d_sink) of a checked call (flash_attn_backward); d_sink is float32."""
+    _check_platform(call)
+    return _backward_call(_static(call), call.q, call.k, call.v, call.learnable_sink, _extras(call), _aux(call),
+                          out, dout, lse)

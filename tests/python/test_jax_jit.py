@@ -1,0 +1,294 @@
+"""JAX inside jax.jit and under jax.grad on the CPU backend: cuflash as XLA custom calls (the
+extension's FFI handlers on the C++ reference), against the NumPy float64 reference. The GPU
+backend's counterparts are in test_gpu.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax", reason="jax is not installed")
+jnp = jax.numpy
+
+import cuflash  # noqa: E402
+from cuflash import _jax as cuflash_jax  # noqa: E402
+import attention_reference as ref  # noqa: E402
+from conftest import assert_close, assert_lse_close, randn  # noqa: E402
+from test_backward import check_grads  # noqa: E402
+from test_forward import document_ids, packed, random_block_lists, split_full_and_mask, varlen_reference  # noqa: E402
+
+if not cuflash_jax.available():
+    pytest.skip("this cuflash build has no XLA FFI handlers (jax was not found when it was configured)",
+                allow_module_level=True)
+
+CPU = jax.devices("cpu")[0]
+
+
+def on_cpu(*arrays):
+    return [None if a is None else jax.device_put(a, CPU) for a in arrays]
+
+
+def f64(x) -> np.ndarray:
+    return np.asarray(x).astype(np.float64)
+
+
+def loss_grads(fn, argnums, *args, dout):
+    """Gradients of sum(out * dout) (out = fn(*args)[0]) through jax.jit(jax.grad(...))."""
+    dout = jax.device_put(dout, CPU)
+
+    def loss(*a):
+        out = fn(*a)[0]
+        return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32))
+
+    return jax.jit(jax.grad(loss, argnums=argnums))(*args)
+
+
+SHAPES = [
+    (2, 20, 28, 4, 2, 32, 32),   # GQA
+    (1, 33, 17, 4, 4, 64, 32),   # Sq > Sk, head_dim != head_dim_v
+    (2, 16, 16, 4, 1, 32, 32),   # MQA
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_dense_forward_and_grad(rng, shape, dtype, causal):
+    batch, seqlen_q, seqlen_k, heads, heads_kv, dim, dim_v = shape
+    q = randn(rng, (batch, seqlen_q, heads, dim), dtype)
+    k = randn(rng, (batch, seqlen_k, heads_kv, dim), dtype)
+    v = randn(rng, (batch, seqlen_k, heads_kv, dim_v), dtype)
+    jq, jk, jv = on_cpu(q, k, v)
+
+    def attention(q, k, v):
+        return cuflash.flash_attn_func(q, k, v, causal=causal)
+
+    out, lse = jax.jit(attention)(jq, jk, jv)
+    assert isinstance(out, jax.Array) and out.dtype == jq.dtype and out.shape == (batch, seqlen_q, heads, dim_v)
+    assert lse.dtype == np.float32 and lse.shape == (batch, heads, seqlen_q)
+    opts = ref.Options(causal=causal)
+    expected_out, expected_lse = ref.forward_dense(q, k, v, opts)
+    assert_close(f64(out), expected_out, dtype, what="out")
+    assert_lse_close(np.asarray(lse), expected_lse)
+
+    dout = randn(rng, out.shape, dtype)
+    grads = loss_grads(attention, (0, 1, 2), jq, jk, jv, dout=dout)
+    for g, x in zip(grads, (jq, jk, jv)):
+        assert g.dtype == x.dtype and g.shape == x.shape
+    expected = ref.backward_dense(dout, q, k, v, np.asarray(out), opts)
+    check_grads([f64(g) for g in grads] + [None], expected, dtype)
+
+
+@pytest.mark.parametrize("softcap,window,scale", [(5.0, (None, None), None), (0.0, (6, 2), 0.3),
+                                                  (3.0, (4, None), 0.2)])
+def test_options_forward_and_grad(rng, softcap, window, scale):
+    q, k, v = randn(rng, (2, 24, 4, 32)), randn(rng, (2, 30, 2, 32)), randn(rng, (2, 30, 2, 32))
+    jq, jk, jv = on_cpu(q, k, v)
+
+    def attention(q, k, v):
+        return cuflash.flash_attn_func(q, k, v, softmax_scale=scale, window_size=window, softcap=softcap)
+
+    out, lse = jax.jit(attention)(jq, jk, jv)
+    opts = ref.Options(scale=scale, window=window, softcap=softcap)
+    expected_out, expected_lse = ref.forward_dense(q, k, v, opts)
+    assert_close(f64(out), expected_out, what="out")
+    assert_lse_close(np.asarray(lse), expected_lse)
+    dout = randn(rng, out.shape)
+    grads = loss_grads(attention, (0, 1, 2), jq, jk, jv, dout=dout)
+    check_grads([f64(g) for g in grads] + [None], ref.backward_dense(dout, q, k, v, np.asarray(out), opts))
+
+
+@pytest.mark.parametrize("sink_dtype", ["float32", "bfloat16"])
+def test_learnable_sink_grad(rng, sink_dtype):
+    q, k, v = randn(rng, (2, 30, 4, 32)), randn(rng, (2, 20, 2, 32)), randn(rng, (2, 20, 2, 32))
+    sink = randn(rng, (4,), sink_dtype)
+    jq, jk, jv, jsink = on_cpu(q, k, v, sink)
+
+    def attention(q, k, v, sink):
+        return cuflash.flash_attn_func(q, k, v, causal=True, learnable_sink=sink)
+
+    out, lse = jax.jit(attention)(jq, jk, jv, jsink)
+    opts = ref.Options(causal=True, sink=sink)
+    expected_out, expected_lse = ref.forward_dense(q, k, v, opts)
+    assert_close(f64(out), expected_out, what="out")
+    assert_lse_close(np.asarray(lse), expected_lse)
+    dout = randn(rng, out.shape)
+    dq, dk, dv, d_sink = loss_grads(attention, (0, 1, 2, 3), jq, jk, jv, jsink, dout=dout)
+    assert d_sink.dtype == jsink.dtype and d_sink.shape == (4,)
+    expected = ref.backward_dense(dout, q, k, v, np.asarray(out), opts)
+    check_grads([f64(dq), f64(dk), f64(dv), np.asarray(d_sink, np.float32)], expected)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_forward_and_grad(rng, causal):
+    lengths_q, lengths_k = [5, 0, 21, 9], [9, 4, 21, 1]
+    q, cu_q = packed(rng, lengths_q, 4, 32)
+    k, cu_k = packed(rng, lengths_k, 2, 32)
+    v = randn(rng, k.shape)
+    jq, jk, jv, jcu_q, jcu_k = on_cpu(q, k, v, cu_q, cu_k)
+
+    def attention(q, k, v, cu_q, cu_k):  # cu_seqlens are traced operands
+        return cuflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal)
+
+    out, lse = jax.jit(attention)(jq, jk, jv, jcu_q, jcu_k)
+    assert out.shape == q.shape and lse.shape == (4, q.shape[0])
+    opts = ref.Options(causal=causal)
+    expected_out, expected_lse, _ = varlen_reference(q, k, v, cu_q, cu_k, opts)
+    assert_close(f64(out), expected_out, what="out")
+    assert_lse_close(np.asarray(lse), expected_lse)
+
+    dout = randn(rng, out.shape)
+    grads = loss_grads(attention, (0, 1, 2), jq, jk, jv, jcu_q, jcu_k, dout=dout)
+    expected = [np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape), None]
+    for b, ((q0, sq), (k0, sk)) in enumerate(zip(ref.sequences(cu_q), ref.sequences(cu_k))):
+        rows, keys = slice(q0, q0 + sq), slice(k0, k0 + sk)
+        dq, dk, dv, _ = ref.backward_one(dout[rows], q[rows], k[keys], v[keys], np.asarray(out)[rows], b, opts)
+        expected[0][rows], expected[1][keys], expected[2][keys] = dq, dk, dv
+    check_grads([f64(g) for g in grads] + [None], expected)
+
+
+def test_varlen_seqused_with_constant_index_arrays(rng):
+    # Index arrays captured by the traced function (constants of the computation), NumPy aux.
+    lengths = [7, 12, 3]
+    q, cu = packed(rng, lengths, 4, 32)
+    k, v = randn(rng, q.shape), randn(rng, q.shape)
+    seqused = np.array([5, 12, 0], np.int32)
+    jcu, jseqused = on_cpu(cu, seqused)
+    slopes = cuflash.scores.alibi_slopes(4)
+
+    @jax.jit
+    def attention(q, k, v):
+        return cuflash.flash_attn_varlen_func(q, k, v, jcu, jcu, seqused_q=jseqused, seqused_k=jseqused,
+                                              score_mod=cuflash.scores.alibi(slopes))
+
+    out, lse = attention(*on_cpu(q, k, v))
+    opts = ref.Options(score_bias=lambda b, h, i, j: slopes[h] * (j - i))
+    expected_out, expected_lse, valid = varlen_reference(q, k, v, cu, cu, opts, seqused, seqused)
+    assert_close(f64(out)[valid], expected_out[valid], what="out")
+    assert_lse_close(np.asarray(lse)[:, valid], expected_lse[:, valid])
+
+
+def test_document_mask_grad(rng):
+    batch, seqlen = 2, 40
+    q, k, v = (randn(rng, (batch, seqlen, 2, 32)) for _ in range(3))
+    doc = document_ids(rng, batch, seqlen)
+    jq, jk, jv, jdoc = on_cpu(q, k, v, doc)
+
+    def attention(q, k, v, doc):  # the aux tensor is a traced operand
+        return cuflash.flash_attn_func(q, k, v, mask_mod=cuflash.masks.document(doc))
+
+    out, _ = jax.jit(attention)(jq, jk, jv, jdoc)
+    opts = ref.Options(mask=lambda b, i, j: doc[b][i] == doc[b][j])
+    assert_close(f64(out), ref.forward_dense(q, k, v, opts)[0], what="out")
+    dout = randn(rng, out.shape)
+    grads = loss_grads(attention, (0, 1, 2), jq, jk, jv, jdoc, dout=dout)
+    check_grads([f64(g) for g in grads] + [None], ref.backward_dense(dout, q, k, v, np.asarray(out), opts))
+
+
+@pytest.mark.parametrize("traced_lists", [False, True])
+def test_block_sparse_grad(rng, traced_lists):
+    # The backward's column-block lists are the forward lists transposed in jax.numpy.
+    batch, seqlen = 1, 260
+    q, k, v = (randn(rng, (batch, seqlen, 2, 32)) for _ in range(3))
+    cnt, idx = random_block_lists(rng, batch, 1, 3, 3, density=0.7)
+    full_cnt, full_idx, mask_cnt, mask_idx = split_full_and_mask(rng, cnt, idx)
+    lists = on_cpu(full_cnt, full_idx, mask_cnt, mask_idx)
+    mask_mod = cuflash.masks.sliding_window(1000, 50)
+
+    def attention(q, k, v, *lists):
+        return cuflash.flash_attn_func(q, k, v, mask_mod=mask_mod, full_block_cnt=lists[0], full_block_idx=lists[1],
+                                       mask_block_cnt=lists[2], mask_block_idx=lists[3])
+
+    fn = attention if traced_lists else (lambda q, k, v: attention(q, k, v, *lists))
+    args = on_cpu(q, k, v) + (lists if traced_lists else [])
+    out, _ = jax.jit(fn)(*args)
+    opts = ref.Options(mask=lambda b, i, j: j <= i + 50,
+                       blocks=ref.block_masks((full_cnt, full_idx), (mask_cnt, mask_idx), seqlen, seqlen))
+    assert_close(f64(out), ref.forward_dense(q, k, v, opts)[0], what="out")
+    dout = randn(rng, out.shape)
+    grads = loss_grads(fn, (0, 1, 2), *args, dout=dout)
+    check_grads([f64(g) for g in grads] + [None], ref.backward_dense(dout, q, k, v, np.asarray(out), opts))
+
+
+def test_transpose_block_lists_matches_numpy(rng):
+    cnt, idx = random_block_lists(rng, 2, 3, 4, 5)
+    expected = cuflash.block_sparse.transpose_block_lists(cnt, idx)
+    actual = jax.jit(lambda c, i: cuflash_jax.transpose_block_lists(c, i, 5))(*on_cpu(cnt, idx))
+    for a, e in zip(actual, expected):
+        np.testing.assert_array_equal(np.asarray(a), e)
+
+
+def test_paged_kv_forward(rng):
+    batch, page_size, max_pages, heads_kv = 2, 8, 3, 2
+    num_pages = batch * max_pages + 1
+    q = randn(rng, (batch, 5, 4, 32))
+    k_cache, v_cache = (randn(rng, (num_pages, page_size, heads_kv, 32)) for _ in range(2))
+    page_table = rng.permutation(num_pages)[: batch * max_pages].reshape(batch, max_pages).astype(np.int32)
+    seqused_k = np.array([20, 11], np.int32)
+    args = on_cpu(q, k_cache, v_cache, page_table, seqused_k)
+
+    def attention(q, k, v, page_table, seqused_k):
+        return cuflash.flash_attn_varlen_func(q, k, v, seqused_k=seqused_k, page_table=page_table, causal=True)
+
+    out, _ = jax.jit(attention)(*args)
+    opts = ref.Options(causal=True)
+    for b in range(batch):
+        keys = k_cache[page_table[b]].reshape(-1, heads_kv, 32)[: seqused_k[b]]
+        values = v_cache[page_table[b]].reshape(-1, heads_kv, 32)[: seqused_k[b]]
+        expected_out, _ = ref.forward_one(q[b], keys, values, b, opts)
+        assert_close(f64(out)[b], expected_out, what="out")
+    with pytest.raises(NotImplementedError, match="^page_table"):
+        jax.grad(lambda q: attention(q, *args[1:])[0].astype(jnp.float32).sum())(args[0])
+
+
+def test_explicit_backward_inside_jit(rng):
+    q, k, v = randn(rng, (1, 20, 2, 32)), randn(rng, (1, 24, 2, 32)), randn(rng, (1, 24, 2, 32))
+    dout = randn(rng, (1, 20, 2, 32))
+
+    @jax.jit
+    def forward_backward(q, k, v, dout):
+        out, lse = cuflash.flash_attn_func(q, k, v, causal=True)
+        return (out,) + cuflash.flash_attn_backward(dout, q, k, v, out, lse, causal=True)[:3]
+
+    out, dq, dk, dv = forward_backward(*on_cpu(q, k, v, dout))
+    expected = ref.backward_dense(dout, q, k, v, np.asarray(out), ref.Options(causal=True))
+    check_grads([f64(dq), f64(dk), f64(dv), None], expected)
+
+
+def test_vjp_vmap_and_eager_grad(rng):
+    q, k, v = (randn(rng, (3, 1, 12, 2, 32)) for _ in range(3))
+    jq, jk, jv = on_cpu(q, k, v)
+    # vmap over a leading axis (the custom call runs once per entry).
+    out, lse = jax.jit(jax.vmap(lambda q, k, v: cuflash.flash_attn_func(q, k, v)))(jq, jk, jv)
+    for i in range(3):
+        expected_out, expected_lse = ref.forward_dense(q[i], k[i], v[i], ref.Options())
+        assert_close(f64(out[i]), expected_out, what="out")
+        assert_lse_close(np.asarray(lse[i]), expected_lse)
+    # jax.vjp and jax.grad without jit.
+    (out0, _), vjp = jax.vjp(lambda q, k, v: cuflash.flash_attn_func(q, k, v), jq[0], jk[0], jv[0])
+    dout = randn(rng, out0.shape)
+    with pytest.raises(NotImplementedError, match="^lse"):
+        vjp((jax.device_put(dout, CPU), jnp.ones((1, 2, 12), jnp.float32)))
+    eager = jax.grad(lambda q: jnp.sum(cuflash.flash_attn_func(q, jk[0], jv[0])[0].astype(jnp.float32)))(jq[0])
+    expected = ref.backward_dense(np.ones(out0.shape), q[0], k[0], v[0], np.asarray(out0), ref.Options())
+    assert_close(f64(eager), expected[0], scale=max(1.0, np.abs(expected[0]).max()), what="dq")
+
+
+def test_errors_name_the_argument(rng):
+    q, k = on_cpu(randn(rng, (1, 8, 4, 32)), randn(rng, (1, 8, 3, 32)))
+
+    with pytest.raises(ValueError, match="^k"):
+        jax.jit(lambda q, k: cuflash.flash_attn_func(q, k, k))(q, k)  # 4 heads over 3 kv heads
+    with pytest.raises(TypeError, match="^k"):
+        jax.jit(lambda q: cuflash.flash_attn_func(q, q.astype(jnp.float32), q))(q)
+    with pytest.raises(ValueError, match="^cu_seqlens_q"):
+        jax.jit(lambda q, cu: cuflash.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu))(q, jnp.zeros((2, 2), jnp.int32))
+    with pytest.raises(TypeError, match="^cu_seqlens_k"):
+        jax.jit(lambda q, cu: cuflash.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu.astype(jnp.float32)))(
+            q, jnp.array([0, 8], jnp.int32))
+    with pytest.raises(TypeError, match="^causal"):
+        jax.jit(lambda q: cuflash.flash_attn_func(q, q, q, causal=1))(q)
+    with pytest.raises(TypeError, match="^out_partial"):
+        jax.jit(lambda o, l: cuflash.flash_attn_combine(o, l))(jnp.zeros((2, 8, 4, 32)), jnp.zeros((2, 8, 4)))
+    with pytest.raises(NotImplementedError, match="^lse"):
+        jax.jit(jax.grad(lambda q: cuflash.flash_attn_func(q, q, q)[1].sum()))(q)
