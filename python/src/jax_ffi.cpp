@@ -303,26 +303,52 @@ ffi::Error backward_host(ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::
 }
 
 #if CUFLASH_PYTHON_HAS_CUDA
-// The workspace, from XLA's allocator: stream-ordered on XLA's stream and released when the
-// handler returns, after the work queued on that stream.
-cuflash::Workspace scratch_workspace(ffi::ScratchAllocator& scratch, std::size_t bytes) {
-  if (bytes == 0) return {};
-  std::optional<void*> data = scratch.Allocate(bytes, 256);
-  if (!data.has_value()) {
-    throw HandlerError{ffi::ErrorCode::kResourceExhausted,
-                       "workspace: XLA could not allocate " + std::to_string(bytes) + " bytes"};
+// The workspace: from XLA's scratch allocator (stream-ordered on XLA's stream, released when the
+// handler returns, after the work queued on that stream) when it has one to give; jitted calls
+// on the GPU may find it without memory (its pool is the compiled program's, sized before this
+// call asked), and then the workspace comes from CUDA's stream-ordered pool on the same stream
+// and goes back to it, ordered after the call's kernels: no host synchronisation either way.
+class CallWorkspace {
+ public:
+  CallWorkspace(ffi::ScratchAllocator& scratch, cudaStream_t stream, std::size_t bytes)
+      : stream_(stream) {
+    if (bytes == 0) return;
+    std::optional<void*> data = scratch.Allocate(bytes, 256);
+    if (data.has_value()) {
+      workspace_ = {*data, bytes};
+      return;
+    }
+    void* pooled = nullptr;
+    const cudaError_t status = cudaMallocAsync(&pooled, bytes, stream);
+    if (status != cudaSuccess) {
+      cudaGetLastError();
+      throw HandlerError{ffi::ErrorCode::kResourceExhausted,
+                         "workspace: neither XLA nor the CUDA memory pool could give " +
+                             std::to_string(bytes) + " bytes: " + cudaGetErrorString(status)};
+    }
+    pooled_ = pooled;
+    workspace_ = {pooled, bytes};
   }
-  return {*data, bytes};
-}
+  ~CallWorkspace() {
+    if (pooled_ != nullptr) cudaFreeAsync(pooled_, stream_);
+  }
+  CallWorkspace(const CallWorkspace&) = delete;
+  CallWorkspace& operator=(const CallWorkspace&) = delete;
+  const cuflash::Workspace& get() const { return workspace_; }
+
+ private:
+  cudaStream_t stream_;
+  void* pooled_ = nullptr;
+  cuflash::Workspace workspace_{};
+};
 
 ffi::Error forward_cuda(cudaStream_t stream, ffi::ScratchAllocator scratch, std::int32_t device,
                         ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Dictionary attrs) {
   return guarded([&] {
     const cuflash::ForwardArgs forward =
         forward_args(args, rets, attrs, {cuflash::DeviceType::kCUDA, device});
-    const cuflash::Workspace workspace =
-        scratch_workspace(scratch, cuflash::forward_workspace_size(forward));
-    cuflash::forward(forward, stream, workspace);
+    const CallWorkspace workspace(scratch, stream, cuflash::forward_workspace_size(forward));
+    cuflash::forward(forward, stream, workspace.get());
   });
 }
 
@@ -331,9 +357,8 @@ ffi::Error backward_cuda(cudaStream_t stream, ffi::ScratchAllocator scratch, std
   return guarded([&] {
     const cuflash::BackwardArgs backward =
         backward_args(args, rets, attrs, {cuflash::DeviceType::kCUDA, device});
-    const cuflash::Workspace workspace =
-        scratch_workspace(scratch, cuflash::backward_workspace_size(backward));
-    cuflash::backward(backward, stream, workspace);
+    const CallWorkspace workspace(scratch, stream, cuflash::backward_workspace_size(backward));
+    cuflash::backward(backward, stream, workspace.get());
   });
 }
 #endif
