@@ -31,6 +31,7 @@ def main():
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
 
     import cuflash
 
@@ -65,8 +66,7 @@ def main():
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                     # bottom-right causal, as cuflash's: q's rows are the last of the keys
                     return F.scaled_dot_product_attention(
-                        qt, ke, ve, attn_mask=torch.nn.attention.bias.causal_lower_right(
-                            seqlen_q, args.seqlen_k))
+                        qt, ke, ve, attn_mask=causal_lower_right(seqlen_q, args.seqlen_k))
 
             try:
                 times["cudnn"] = 1e3 * common.time_ms(cudnn, args.warmup, args.repeats)
