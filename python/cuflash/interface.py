@@ -978,6 +978,10 @@ def flash_attn_combine(
         _check_dtype(framework, out, "out", ("float16", "bfloat16", "float32"))
         _check_device(framework, out, "out", device)
         _check_distinct_elements(framework, out, "out")
+        if framework.name == "numpy" and not out.flags.writeable:
+            _fail(ValueError, "out", "expected a writable array, got a read-only NumPy array (flags.writeable "
+                                     "is False, e.g. a view of a read-only buffer); pass a writable one or "
+                                     "leave out=None")
     lse = framework.empty(_shape(lse_partial)[1:], "float32", like=out_partial) if return_lse else None
 
     stream = framework.stream(out_partial)

@@ -471,7 +471,9 @@ struct MainloopFwdSm90 {
                        (p.cu_seqlens_q != nullptr ? int64_t(seqlen.offset_q) * p.q_row_stride
                                                   : int64_t(batch) * p.q_batch_stride);
     int const first_row = m_block * kBlockM + warp_group * kWarpGroupRows;
-    CUTLASS_PRAGMA_UNROLL
+    // Not unrolled: unrolled, the per-copy rows and columns (functions of the thread alone) are
+    // hoisted out of the tile loop and held through the mainloop, where they spill at hdim 256.
+#pragma unroll 1
     for (int i = lane; i < kWarpGroupRows * kChunksPerRow; i += kThreads) {
       int const row = i / kChunksPerRow;
       int const col = (i % kChunksPerRow) * kElemsPerChunk;

@@ -302,6 +302,10 @@ def test_combine(rng):
     broadcast = np.broadcast_to(np.zeros((1, 1, 2, 32), np.float32), (1, 8, 2, 32))
     message = expect_error("out", f, out_partial, lse_partial, out=broadcast, exception=ValueError)
     assert "dimension 1 has size 8 and stride 0" in message
+    read_only = np.zeros((1, 8, 2, 32), np.float32)
+    read_only.setflags(write=False)
+    message = expect_error("out", f, out_partial, lse_partial, out=read_only, exception=ValueError)
+    assert "read-only" in message
     overlapping = np.lib.stride_tricks.as_strided(np.zeros(512, np.float32), (1, 8, 2, 32), (0, 64 * 4, 16 * 4, 4))
     message = expect_error("out", f, out_partial, lse_partial, out=overlapping, exception=ValueError)
     assert "dimension 2 (stride 16) starts inside the span of dimension 3 (size 32 x stride 1)" in message
