@@ -49,8 +49,15 @@ struct EpilogueFwdSm90 {
   using SmemLayoutAtomO =
       decltype(cutlass::gemm::collective::detail::ss_smem_selector<
                cute::GMMA::Major::K, Element, cute::Int<kBlockM>, cute::Int<kHeadDimV>>());
+  // Head-dim tiles before row tiles, so that each warpgroup's 64 rows are one contiguous
+  // SmemLayoutOWarpGroup block (its own TMA store source).
+  static constexpr int kWarpGroupRows = 64;
   using SmemLayoutO = decltype(cute::tile_to_shape(
-      SmemLayoutAtomO{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDimV>>{}));
+      SmemLayoutAtomO{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDimV>>{},
+      cute::Step<cute::_2, cute::_1>{}));
+  using SmemLayoutOWarpGroup = decltype(cute::tile_to_shape(
+      SmemLayoutAtomO{}, cute::Shape<cute::Int<kWarpGroupRows>, cute::Int<kHeadDimV>>{},
+      cute::Step<cute::_2, cute::_1>{}));
   using SmemCopyAtomO = cute::Copy_Atom<cute::SM90_U32x4_STSM_N, Element>;
 
   // Global stores: 16 bytes per thread, a power-of-two number of threads per row.
@@ -70,10 +77,11 @@ struct EpilogueFwdSm90 {
   static constexpr bool kHasTmaStore = !Config::kIsSplit;
   using ShapeO = cute::Shape<int32_t, int32_t, int32_t, int32_t>;
   using StrideO = cute::Stride<int64_t, cute::_1, int64_t, int64_t>;
+  using TileShapeOWarpGroup = cute::Shape<cute::Int<kWarpGroupRows>, cute::Int<kHeadDimV>>;
   using TMA_O = decltype(cute::make_tma_copy(
       cute::SM90_TMA_STORE{},
       cute::make_tensor(cute::make_gmem_ptr(static_cast<Element*>(nullptr)), ShapeO{}, StrideO{}),
-      SmemLayoutO{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDimV>>{}, cute::_1{}));
+      SmemLayoutOWarpGroup{}, TileShapeOWarpGroup{}, cute::_1{}));
   struct TmaStoreParams {
     TMA_O tma_store_o;
     ShapeO shape_o;
@@ -82,9 +90,9 @@ struct EpilogueFwdSm90 {
   struct NoTmaStoreParams {};
   using Params = std::conditional_t<kHasTmaStore, TmaStoreParams, NoTmaStoreParams>;
 
-  // The thread that issues the TMA store and waits for it: lane 0 of the last consumer warp,
-  // whose warpgroup is the last to need the tensor cores on the next tile (pingpong order).
-  static constexpr int kTmaStoreThread = kNumMmaThreads - cutlass::NumThreadsPerWarp;
+  // Per warpgroup, the thread that issues the TMA store of its rows and waits for it: lane 0
+  // of its last warp.
+  static constexpr int kTmaStoreLane = cutlass::NumThreadsPerWarpGroup - cutlass::NumThreadsPerWarp;
 
   static Params to_params(FwdParams const& p) {
     using namespace cute;
@@ -112,8 +120,8 @@ struct EpilogueFwdSm90 {
           aligned ? make_tensor(make_gmem_ptr(base), make_layout(shape_o, stride_o))
                   : make_tensor(make_gmem_ptr(base), make_layout(ShapeO{1, p.head_dim_v, 1, 1},
                                                                  StrideO{unit, _1{}, unit, unit}));
-      return {make_tma_copy(SM90_TMA_STORE{}, mO, SmemLayoutO{},
-                            Shape<Int<kBlockM>, Int<kHeadDimV>>{}, _1{}),
+      return {make_tma_copy(SM90_TMA_STORE{}, mO, SmemLayoutOWarpGroup{}, TileShapeOWarpGroup{},
+                            _1{}),
               shape_o, use_tma_store};
     } else {
       return {};
@@ -130,7 +138,7 @@ struct EpilogueFwdSm90 {
   // Before the CTA exits, the last TMA store must have read O's shared memory.
   CUTLASS_DEVICE static void store_tail(int thread_idx) {
     if constexpr (kHasTmaStore) {
-      if (thread_idx == kTmaStoreThread) cute::tma_store_wait<0>();
+      if (thread_idx % cutlass::NumThreadsPerWarpGroup == kTmaStoreLane) cute::tma_store_wait<0>();
     }
   }
 
@@ -139,15 +147,18 @@ struct EpilogueFwdSm90 {
   // Q's buffer and smem_release is arrived on once this thread has read O back from it (null
   // when the tile loaded no Q).
   //
-  // Shared-memory protocol of the TMA path (O's own buffer, one tile after another):
-  //   1. kTmaStoreThread waits (cp.async.bulk.wait_group.read 0) until the previous tile's
-  //      store has read sO; the named barrier then holds every consumer until it has.
-  //   2. Every consumer writes its part of O (stmatrix) and fences its writes to the async
-  //      proxy (fence.proxy.async.shared::cta); a second named barrier makes all of them
-  //      visible before the store is issued.
-  //   3. kTmaStoreThread issues the store and commits it; nobody waits for it here: the
-  //      consumers start the next tile while it drains, and step 1 of the next epilogue (or
-  //      store_tail at exit) is where it must have read sO.
+  // Shared-memory protocol of the TMA path (O's own buffer, one tile after another), per MMA
+  // warpgroup: each writes, and stores by TMA, only its own 64 rows, so nothing here makes the
+  // warpgroups wait for each other and the pingpong offset between them carries over the tile
+  // boundary (one's epilogue runs under the other's last P V and first Q K^T of the next tile).
+  //   1. The warpgroup's store thread (kTmaStoreLane) waits (cp.async.bulk.wait_group.read 0)
+  //      until its previous store has read its rows of sO; the warpgroup's named barrier then
+  //      holds the warpgroup until it has.
+  //   2. Every thread writes its part of O (stmatrix) and fences its writes to the async proxy
+  //      (fence.proxy.async.shared::cta); the named barrier again makes them all visible.
+  //   3. The store thread issues the store of the 64 rows and commits it; nobody waits for it
+  //      here: the warpgroup starts the next tile while it drains, and step 1 of the next
+  //      epilogue (or store_tail at exit) is where it must have read sO.
   // Q's buffer is untouched, so the producer's next Q load does not depend on the store.
   template <bool kSeparateO, class TensorO, class TiledMmaPV, int kRows>
   CUTLASS_DEVICE static void store(Params const& params, FwdParams const& p, Element* smem_o,
@@ -187,18 +198,25 @@ struct EpilogueFwdSm90 {
 
     if constexpr (kSeparateO && kHasTmaStore) {
       if (params.use_tma_store && !packed) {
-        // The previous tile's store has read sO (step 1 above).
-        if (thread_idx == kTmaStoreThread) tma_store_wait<0>();
-        cutlass::arch::NamedBarrier::sync(kNumMmaThreads, int(FwdNamedBarrier::kEpilogue));
+        int const warp_group = thread_idx / cutlass::NumThreadsPerWarpGroup;
+        bool const store_thread = thread_idx % cutlass::NumThreadsPerWarpGroup == kTmaStoreLane;
+        int const barrier = int(FwdNamedBarrier::kWarpGroupLocalWG0) + warp_group;
+        // This warpgroup's previous store has read its rows of sO (step 1 above).
+        if (store_thread) tma_store_wait<0>();
+        cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, barrier);
         copy(smem_tiled_copy_O, taccOrO, taccOsO);
         tma_store_fence();  // this thread's stmatrix writes, seen by the TMA unit
-        cutlass::arch::NamedBarrier::sync(kNumMmaThreads, int(FwdNamedBarrier::kEpilogue));
-        if (thread_idx == kTmaStoreThread) {
+        cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, barrier);
+        if (store_thread) {
+          constexpr int kWarpGroups = kBlockM / kWarpGroupRows;
+          Tensor sO_rows = make_tensor(
+              make_smem_ptr(smem_o + warp_group * cute::cosize_v<SmemLayoutOWarpGroup>),
+              SmemLayoutOWarpGroup{});
           Tensor mO = params.tma_store_o.get_tma_tensor(params.shape_o)(_, _, head, batch);
-          Tensor gO =
-              local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDimV>>{}, make_coord(m_block, _0{}));
+          Tensor gO = local_tile(mO, TileShapeOWarpGroup{},
+                                 make_coord(m_block * kWarpGroups + warp_group, _0{}));
           auto block_tma_o = params.tma_store_o.get_slice(_0{});
-          copy(params.tma_store_o, block_tma_o.partition_S(sO), block_tma_o.partition_D(gO));
+          copy(params.tma_store_o, block_tma_o.partition_S(sO_rows), block_tma_o.partition_D(gO));
           tma_store_arrive();
         }
         return;

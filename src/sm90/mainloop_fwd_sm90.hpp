@@ -38,7 +38,9 @@ namespace cuflash::sm90 {
 enum class FwdNamedBarrier : int {
   kEpilogue = 0,
   kWarpSchedulerWG0 = 1,  // one per MMA warpgroup, up to 3
-  kPackedQWG0 = 4,        // packed GQA Q loads, one per MMA warpgroup, up to 3
+  // One per MMA warpgroup (up to 3), for work a warpgroup does alone: the packed GQA Q gather
+  // and the epilogue's TMA store of its rows.
+  kWarpGroupLocalWG0 = 4,
 };
 
 template <class Config>
@@ -491,7 +493,7 @@ struct MainloopFwdSm90 {
     cp_async_wait<0>();
     // The copies were generic-proxy writes; WGMMA reads shared memory through the async proxy.
     cutlass::arch::fence_view_async_shared();
-    cutlass::arch::NamedBarrier::sync(kThreads, int(FwdNamedBarrier::kPackedQWG0) + warp_group);
+    cutlass::arch::NamedBarrier::sync(kThreads, int(FwdNamedBarrier::kWarpGroupLocalWG0) + warp_group);
   }
 
   CUTLASS_DEVICE static void warp_scheduler_barrier_sync(int warp_group) {
