@@ -672,7 +672,8 @@ def _trace(fn: Callable, role: str, argument: str, aux_tensors: Optional[Sequenc
     except Exception as error:  # noqa: BLE001 (any failure of the user's code is reported by name)
         raise TraceError(f"{argument}: tracing {name} failed: {type(error).__name__}: {error}. Callables are "
                          f"traced once with symbolic values: use arithmetic, comparisons, & | ~, "
-                         f"cuflash.mods functions and tensor indexing") from error
+                         f"cuflash.mods functions and indexing of tensors that the function closes over "
+                         f"directly (not inside a list, dict or object) or receives from aux_tensors") from error
 
     if isinstance(value, np.ndarray) and value.ndim == 0:
         value = value.item()
