@@ -806,9 +806,11 @@ def flash_attn_func(
             None: when that fills the tiles better (short seqlen_q, e.g. decode). Not with
             score_mod / mask_mod / block sparsity on the GPU.
         deterministic: bitwise reproducible backward.
-        mask_mod: a built-in mask from cuflash.masks (document, prefix_lm, causal,
-            sliding_window); it intersects with causal / window_size. Python callables are
-            not supported yet (TypeError).
+        mask_mod: mask_mod(b, h, q_idx, kv_idx) -> bool, a Python callable (traced once into
+            an expression program, see cuflash.mods; tensors it reads are closed over), or a
+            built-in from cuflash.masks (document, prefix_lm, causal, sliding_window). It
+            intersects with causal / window_size. Callables run on the CPU reference for now
+            (CUDA tensors: NotImplementedError).
         full_block_cnt, full_block_idx, mask_block_cnt, mask_block_idx: FlexAttention
             BlockMask lists for 128 x 128 blocks (see cuflash.block_sparse): int32
             (batch, 1 or num_heads, ceil(seqlen_q/128)) counts and
@@ -869,10 +871,14 @@ def flash_attn_varlen_func(
             cu_seqlens_k).
         softmax_scale, causal, window_size, learnable_sink, softcap, num_splits, pack_gqa,
         deterministic: as in flash_attn_func.
-        score_mod: a built-in from cuflash.scores (alibi, relative_bias); not with softcap.
-            Python callables are not supported yet (TypeError).
-        aux_tensors: the tensors a score_mod reads, when it was made without them (e.g.
-            cuflash.scores.alibi() with aux_tensors=[slopes]).
+        score_mod: score_mod(score, b, h, q_idx, kv_idx[, *aux_tensors]) -> new score, a
+            Python callable (traced once into an expression program with its derivative, see
+            cuflash.mods), or a built-in from cuflash.scores (alibi, relative_bias); not with
+            softcap. Callables run on the CPU reference for now (CUDA tensors:
+            NotImplementedError).
+        aux_tensors: tensors a score_mod reads: extra trailing arguments of a callable, or the
+            tensors of a built-in made without them (e.g. cuflash.scores.alibi() with
+            aux_tensors=[slopes]).
 
     Returns:
         (out, lse): out (total_q, num_heads, head_dim_v) (or (batch, seqlen_q, ...) for
