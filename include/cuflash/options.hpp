@@ -5,6 +5,7 @@
 #include <optional>
 #include <vector>
 
+#include "cuflash/expression.hpp"
 #include "cuflash/tensor.hpp"
 
 namespace cuflash {
@@ -17,6 +18,9 @@ enum class ScoreModKind : int {
   kAlibi = 1,
   // s + table[h, clamp(kv_idx - q_idx, -R, R) + R]. aux[0]: table, fp32, shape (H, 2R+1).
   kRelativeBias = 2,
+  // A program (cuflash/expression.hpp): `program` with its derivative register, float
+  // constants in `scalars`, the tensors it reads in `aux`.
+  kExpression = 100,
 };
 
 // Built-in mask modifications (FlexAttention mask_mod semantics: true keeps (q_idx, kv_idx)).
@@ -32,18 +36,23 @@ enum class MaskModKind : int {
   // doc[b, q_idx] == doc[b, kv_idx]. aux[0]: int32 document ids, shape (B, L) with
   // L >= max(seqlen_q, seqlen_k).
   kDocument = 4,
+  // A program returning a bool (cuflash/expression.hpp): `program`, float constants in
+  // `scalars`, the tensors it reads in `aux`. No block-level narrowing: every block is visited.
+  kExpression = 100,
 };
 
 struct ScoreMod {
   ScoreModKind kind = ScoreModKind::kNone;
   std::vector<double> scalars;
   std::vector<TensorView> aux;
+  ExprProgram program;  // kExpression only
 };
 
 struct MaskMod {
   MaskModKind kind = MaskModKind::kNone;
   std::vector<double> scalars;
   std::vector<TensorView> aux;
+  ExprProgram program;  // kExpression only
 };
 
 // FlexAttention BlockMask tensors (int32). H_b is 1 (broadcast over heads) or H.

@@ -9,7 +9,7 @@ differentiable through torch.autograd. JAX arrays run as XLA custom calls, also 
 and under jax.grad (when the build found jax; else eagerly, by DLPack).
 """
 
-from . import _C, block_sparse, masks, scores
+from . import _C, block_sparse, masks, mods, scores
 from .interface import flash_attn_backward, flash_attn_combine, flash_attn_func, flash_attn_varlen_func
 
 __version__ = _C.version()
@@ -21,6 +21,7 @@ __all__ = [
     "flash_attn_backward",
     "masks",
     "scores",
+    "mods",
     "block_sparse",
     "built_kernels",
     "cuda_available",

@@ -23,8 +23,9 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _C
+from . import mods as _mods
 from ._tensors import TRACED, Framework, _dtype_name, framework_of
-from ._variants import MaskMod, ScoreMod
+from ._variants import BuiltinVariant, MaskMod, ScoreMod
 from .block_sparse import BLOCK_M, BLOCK_N, transpose_block_lists
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_combine", "flash_attn_backward"]
@@ -241,6 +242,9 @@ class _Call:
     softcap: float = 0.0
     score_mod: Tuple[int, List[float], List[Tensor]] = (0, [], [])
     mask_mod: Tuple[int, List[float], List[Tensor]] = (0, [], [])
+    # Traced callables (cuflash.mods): [result, grad, code...] of the expression program, else [].
+    score_program: List[int] = field(default_factory=list)
+    mask_program: List[int] = field(default_factory=list)
     # mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx, then the q_ (backward) lists.
     block_sparse: List[Optional[Tensor]] = field(default_factory=list)
     num_splits: int = 1
@@ -290,13 +294,21 @@ class _Call:
             block_sparse=[ex(t) for t in self.block_sparse],
             block_m=BLOCK_M,
             block_n=BLOCK_N,
+            score_mod_program=list(self.score_program),
+            mask_mod_program=list(self.mask_program),
         )
+
+    @property
+    def has_expression(self) -> bool:
+        """Whether a score_mod or mask_mod is a traced Python callable."""
+        return bool(self.score_program or self.mask_program)
 
 
 def _resolve_variant(mod: Any, argument: str, cls: type, aux_tensors: Optional[List[Tensor]],
                      call: _Call) -> Tuple[Tuple[int, List[float], List[Tensor]], bool]:
     """A cuflash.scores / cuflash.masks object -> (kind, scalars, aux); also whether it took
-    its tensors from aux_tensors."""
+    its tensors from aux_tensors. A Python callable is traced (cuflash.mods): its program goes to
+    call.score_program / call.mask_program."""
     if mod is None:
         return (0, [], []), False
     module = "cuflash.scores" if cls is ScoreMod else "cuflash.masks"
@@ -304,12 +316,9 @@ def _resolve_variant(mod: Any, argument: str, cls: type, aux_tensors: Optional[L
         other = MaskMod if cls is ScoreMod else ScoreMod
         if isinstance(mod, other):
             _fail(TypeError, argument, f"{mod!r} is a {other.role}_mod, not a {cls.role}_mod")
-        if callable(mod):
-            _fail(TypeError, argument,
-                  f"arbitrary Python callables are not supported yet (runtime compilation is future work); "
-                  f"use a built-in from {module}, e.g. "
-                  + ("cuflash.scores.alibi(slopes)" if cls is ScoreMod else "cuflash.masks.document(doc_ids)"))
-        _fail(TypeError, argument, f"expected a {module} object or None, got {type(mod).__name__}")
+        if callable(mod) or isinstance(mod, _mods.TracedMod):
+            return _resolve_callable(mod, argument, cls, aux_tensors, call)
+        _fail(TypeError, argument, f"expected a callable, a {module} object or None, got {type(mod).__name__}")
 
     framework = call.framework
     aux = list(mod.aux)
@@ -354,6 +363,43 @@ def _resolve_variant(mod: Any, argument: str, cls: type, aux_tensors: Optional[L
             _fail(ValueError, f"{argument} doc_ids",
                   f"expected shape (batch={batch}, L) with L >= max(seqlen_q, seqlen_k) = {longest}, got {shape}")
     return (mod.kind, list(mod.scalars), aux), from_aux_tensors
+
+
+def _resolve_callable(mod: Any, argument: str, cls: type, aux_tensors: Optional[List[Tensor]],
+                      call: _Call) -> Tuple[Tuple[int, List[float], List[Tensor]], bool]:
+    """Traces a score_mod / mask_mod callable into an expression program; its tensors move to
+    q's framework and device as float32 (float tensors) or int32 (integer and bool tensors)."""
+    role = "score" if cls is ScoreMod else "mask"
+    if isinstance(mod, _mods.TracedMod):
+        if mod.role != role:
+            _fail(TypeError, argument, f"{mod!r} is a traced {mod.role}_mod, not a {role}_mod")
+        traced = mod
+    else:
+        traced = _mods._trace(mod, role, argument, aux_tensors)
+    framework = call.framework
+    if call.device[0] == "cuda":
+        _fail(NotImplementedError, argument,
+              "Python callables run on the CPU reference for now (pass CPU tensors); on the GPU use a "
+              "built-in from cuflash.scores / cuflash.masks")
+    if _uses_jax_ffi(framework):
+        _fail(NotImplementedError, argument, "Python callables are not supported with JAX arrays yet; use a "
+                                             "built-in from cuflash.scores / cuflash.masks")
+    aux = []
+    for i, (tensor, kind) in enumerate(zip(traced.aux, traced.aux_kinds)):
+        own = framework_of(tensor)
+        if own is not framework or not _same_device(own.device(tensor), call.device):
+            # A tensor of another framework or device (e.g. a NumPy table): copied to q's.
+            tensor = framework.from_numpy(np.ascontiguousarray(own.to_numpy(tensor)), like=call.q)
+        wanted = "float32" if kind == "float" else "int32"
+        if framework.dtype(tensor) != wanted:
+            tensor = framework.astype(tensor, wanted)
+        aux.append(framework.contiguous(tensor))
+    program = [traced.result, traced.grad] + list(traced.code)
+    if role == "score":
+        call.score_program = program
+    else:
+        call.mask_program = program
+    return (100, [float(c) for c in traced.constants], aux), traced.uses_aux_tensors
 
 
 def _aux_dtype(framework: Framework, x: Tensor, name: str, dtype: str) -> Tensor:
@@ -542,10 +588,13 @@ def _prepare(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, s
         deterministic=deterministic)
 
     call.score_mod, score_used_aux = _resolve_variant(score_mod, "score_mod", ScoreMod, aux_tensors, call)
+    # A built-in mask_mod takes aux_tensors only when the score_mod did not; callables share them.
+    mask_is_builtin = isinstance(mask_mod, BuiltinVariant)
     call.mask_mod, mask_used_aux = _resolve_variant(
-        mask_mod, "mask_mod", MaskMod, None if score_used_aux else aux_tensors, call)
+        mask_mod, "mask_mod", MaskMod, None if score_used_aux and mask_is_builtin else aux_tensors, call)
     if aux_tensors is not None and not (score_used_aux or mask_used_aux):
-        _fail(ValueError, "aux_tensors", "the given score_mod / mask_mod already holds its tensors")
+        _fail(ValueError, "aux_tensors", "no score_mod / mask_mod reads them: the built-ins were given their "
+                                         "tensors, and callables take them as extra trailing parameters")
 
     if any(t is not None for t in block_sparse) or any(t is not None for t in q_block_sparse):
         forward_lists = _check_block_sparse(
@@ -687,7 +736,9 @@ def _torch_custom_ops():
 
 def _attention(call: _Call) -> Tuple[Tensor, Tensor]:
     if call.framework.name == "torch":
-        ops = _torch_custom_ops()
+        # Traced callables go through the autograd.Function: the custom ops' schema holds only
+        # the built-in variants.
+        ops = None if call.has_expression else _torch_custom_ops()
         if ops is not None:
             return ops.attention(call)
         return _torch_function().apply(call.q, call.k, call.v, call.learnable_sink, call)
@@ -755,9 +806,11 @@ def flash_attn_func(
             None: when that fills the tiles better (short seqlen_q, e.g. decode). Not with
             score_mod / mask_mod / block sparsity on the GPU.
         deterministic: bitwise reproducible backward.
-        mask_mod: a built-in mask from cuflash.masks (document, prefix_lm, causal,
-            sliding_window); it intersects with causal / window_size. Python callables are
-            not supported yet (TypeError).
+        mask_mod: mask_mod(b, h, q_idx, kv_idx) -> bool, a Python callable (traced once into
+            an expression program, see cuflash.mods; tensors it reads are closed over), or a
+            built-in from cuflash.masks (document, prefix_lm, causal, sliding_window). It
+            intersects with causal / window_size. Callables run on the CPU reference for now
+            (CUDA tensors: NotImplementedError).
         full_block_cnt, full_block_idx, mask_block_cnt, mask_block_idx: FlexAttention
             BlockMask lists for 128 x 128 blocks (see cuflash.block_sparse): int32
             (batch, 1 or num_heads, ceil(seqlen_q/128)) counts and
@@ -818,10 +871,14 @@ def flash_attn_varlen_func(
             cu_seqlens_k).
         softmax_scale, causal, window_size, learnable_sink, softcap, num_splits, pack_gqa,
         deterministic: as in flash_attn_func.
-        score_mod: a built-in from cuflash.scores (alibi, relative_bias); not with softcap.
-            Python callables are not supported yet (TypeError).
-        aux_tensors: the tensors a score_mod reads, when it was made without them (e.g.
-            cuflash.scores.alibi() with aux_tensors=[slopes]).
+        score_mod: score_mod(score, b, h, q_idx, kv_idx[, *aux_tensors]) -> new score, a
+            Python callable (traced once into an expression program with its derivative, see
+            cuflash.mods), or a built-in from cuflash.scores (alibi, relative_bias); not with
+            softcap. Callables run on the CPU reference for now (CUDA tensors:
+            NotImplementedError).
+        aux_tensors: tensors a score_mod reads: extra trailing arguments of a callable, or the
+            tensors of a built-in made without them (e.g. cuflash.scores.alibi() with
+            aux_tensors=[slopes]).
 
     Returns:
         (out, lse): out (total_q, num_heads, head_dim_v) (or (batch, seqlen_q, ...) for

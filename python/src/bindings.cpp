@@ -120,6 +120,17 @@ struct CommonArgs {
   cuflash::AttentionOptions opts;
 };
 
+// An expression program as the Python side sends it: [result, grad, code...] (empty: none).
+cuflash::ExprProgram to_program(const std::vector<std::int32_t>& packed, const char* name) {
+  cuflash::ExprProgram program;
+  if (packed.empty()) return program;
+  if (packed.size() < 2) throw nb::value_error((std::string(name) + ": expected [result, grad, code...]").c_str());
+  program.result = packed[0];
+  program.grad = packed[1];
+  program.code.assign(packed.begin() + 2, packed.end());
+  return program;
+}
+
 CommonArgs make_common(const OptIn& cu_seqlens_q, const OptIn& cu_seqlens_k, const OptIn& seqused_q,
                        const OptIn& seqused_k, std::optional<std::int64_t> max_seqlen_q,
                        std::optional<std::int64_t> max_seqlen_k, const OptIn& page_table,
@@ -127,7 +138,9 @@ CommonArgs make_common(const OptIn& cu_seqlens_q, const OptIn& cu_seqlens_k, con
                        double softcap, int score_mod_kind, const std::vector<double>& score_mod_scalars,
                        const std::vector<InArray>& score_mod_aux, int mask_mod_kind,
                        const std::vector<double>& mask_mod_scalars, const std::vector<InArray>& mask_mod_aux,
-                       const std::vector<OptIn>& block_sparse, int block_m, int block_n) {
+                       const std::vector<OptIn>& block_sparse, int block_m, int block_n,
+                       const std::vector<std::int32_t>& score_mod_program,
+                       const std::vector<std::int32_t>& mask_mod_program) {
   CommonArgs common;
   common.seq.cu_seqlens_q = to_view(cu_seqlens_q, "cu_seqlens_q");
   common.seq.cu_seqlens_k = to_view(cu_seqlens_k, "cu_seqlens_k");
@@ -149,6 +162,8 @@ CommonArgs make_common(const OptIn& cu_seqlens_q, const OptIn& cu_seqlens_k, con
   opts.mask_mod.kind = static_cast<cuflash::MaskModKind>(mask_mod_kind);
   opts.mask_mod.scalars = mask_mod_scalars;
   opts.mask_mod.aux = to_views(mask_mod_aux, "mask_mod aux");
+  opts.score_mod.program = to_program(score_mod_program, "score_mod_program");
+  opts.mask_mod.program = to_program(mask_mod_program, "mask_mod_program");
 
   // Order: mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx, then the q_ lists.
   static const char* const kBlockSparseNames[] = {
@@ -189,7 +204,9 @@ void forward(const InArray& q, const InArray& k, const InArray& v, const OutArra
              const std::vector<InArray>& score_mod_aux, int mask_mod_kind,
              const std::vector<double>& mask_mod_scalars, const std::vector<InArray>& mask_mod_aux,
              const std::vector<OptIn>& block_sparse, int block_m, int block_n, int num_splits,
-             std::optional<bool> pack_gqa, std::uintptr_t stream) {
+             std::optional<bool> pack_gqa, std::uintptr_t stream,
+             const std::vector<std::int32_t>& score_mod_program,
+             const std::vector<std::int32_t>& mask_mod_program) {
   cuflash::ForwardArgs args;
   args.q = to_view(q, "q");
   args.k = to_view(k, "k");
@@ -200,7 +217,8 @@ void forward(const InArray& q, const InArray& k, const InArray& v, const OutArra
   CommonArgs common = make_common(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
                                   page_table, softmax_scale, causal, window_left, window_right, softcap,
                                   score_mod_kind, score_mod_scalars, score_mod_aux, mask_mod_kind,
-                                  mask_mod_scalars, mask_mod_aux, block_sparse, block_m, block_n);
+                                  mask_mod_scalars, mask_mod_aux, block_sparse, block_m, block_n,
+                                  score_mod_program, mask_mod_program);
   args.seq = std::move(common.seq);
   args.opts = std::move(common.opts);
   args.num_splits = num_splits;
@@ -219,7 +237,8 @@ void backward(const InArray& q, const InArray& k, const InArray& v, const InArra
               const std::vector<InArray>& score_mod_aux, int mask_mod_kind,
               const std::vector<double>& mask_mod_scalars, const std::vector<InArray>& mask_mod_aux,
               const std::vector<OptIn>& block_sparse, int block_m, int block_n, bool deterministic,
-              std::uintptr_t stream) {
+              std::uintptr_t stream, const std::vector<std::int32_t>& score_mod_program,
+              const std::vector<std::int32_t>& mask_mod_program) {
   cuflash::BackwardArgs args;
   args.q = to_view(q, "q");
   args.k = to_view(k, "k");
@@ -235,7 +254,8 @@ void backward(const InArray& q, const InArray& k, const InArray& v, const InArra
   CommonArgs common = make_common(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
                                   page_table, softmax_scale, causal, window_left, window_right, softcap,
                                   score_mod_kind, score_mod_scalars, score_mod_aux, mask_mod_kind,
-                                  mask_mod_scalars, mask_mod_aux, block_sparse, block_m, block_n);
+                                  mask_mod_scalars, mask_mod_aux, block_sparse, block_m, block_n,
+                                  score_mod_program, mask_mod_program);
   args.seq = std::move(common.seq);
   args.opts = std::move(common.opts);
   args.deterministic = deterministic;
@@ -427,6 +447,7 @@ NB_MODULE(_C, m) {
         "mask_mod_scalars"_a = std::vector<double>{}, "mask_mod_aux"_a = std::vector<InArray>{},
         "block_sparse"_a = std::vector<OptIn>{}, "block_m"_a = 128, "block_n"_a = 128, "num_splits"_a = 1,
         "pack_gqa"_a.none() = nb::none(), "stream"_a = 0,
+        "score_mod_program"_a = std::vector<std::int32_t>{}, "mask_mod_program"_a = std::vector<std::int32_t>{},
         "Runs cuflash::forward, writing out (and lse when given). Arguments are unchecked views.");
   m.def("backward", &backward, "q"_a, "k"_a, "v"_a, "out"_a, "dout"_a, "lse"_a, "dq"_a, "dk"_a, "dv"_a,
         "learnable_sink"_a.none() = nb::none(), "d_sink"_a.none() = nb::none(),
@@ -439,6 +460,7 @@ NB_MODULE(_C, m) {
         "mask_mod_kind"_a = 0, "mask_mod_scalars"_a = std::vector<double>{},
         "mask_mod_aux"_a = std::vector<InArray>{}, "block_sparse"_a = std::vector<OptIn>{}, "block_m"_a = 128,
         "block_n"_a = 128, "deterministic"_a = false, "stream"_a = 0,
+        "score_mod_program"_a = std::vector<std::int32_t>{}, "mask_mod_program"_a = std::vector<std::int32_t>{},
         "Runs cuflash::backward, writing dq, dk, dv (and d_sink when given).");
   m.def("combine", &combine, "out_partial"_a, "lse_partial"_a, "out"_a, "lse"_a.none() = nb::none(),
         "cu_seqlens"_a.none() = nb::none(), "seqused"_a.none() = nb::none(), "stream"_a = 0,

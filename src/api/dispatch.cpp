@@ -34,8 +34,24 @@ void require_device() {
   }
 }
 
+// Expression programs (score_mod / mask_mod callables) run on the CPU reference; the compiled
+// sm90 kernels hold only the built-in mods.
+void refuse_expression_mods(const AttentionOptions& opts) {
+  if (opts.score_mod.kind == ScoreModKind::kExpression) {
+    throw Error(Error::Kind::kNotSupported, "score_mod",
+                "score_mod: expression programs (Python callables) run on the CPU reference only "
+                "for now; the sm90 kernels take the built-in score_mods");
+  }
+  if (opts.mask_mod.kind == MaskModKind::kExpression) {
+    throw Error(Error::Kind::kNotSupported, "mask_mod",
+                "mask_mod: expression programs (Python callables) run on the CPU reference only "
+                "for now; the sm90 kernels take the built-in mask_mods");
+  }
+}
+
 // Forward parameters with the device facts: SM count and split count.
 FwdParams device_fwd_params(const ForwardArgs& args, const detail::AttentionShape& shape) {
+  refuse_expression_mods(args.opts);
   FwdParams params = detail::make_fwd_params(args, shape);
   params.num_sm = sm90::device_sm_count(shape.device.index);
   params.num_splits = detail::choose_num_splits(params, args.num_splits, params.num_sm);
@@ -60,6 +76,7 @@ void refuse_paged_backward(const detail::AttentionShape& shape) {
 }
 
 BwdParams device_bwd_params(const BackwardArgs& args, const detail::AttentionShape& shape) {
+  refuse_expression_mods(args.opts);
   BwdParams params = detail::make_bwd_params(args, shape);
   params.num_sm = sm90::device_sm_count(shape.device.index);
   return params;

@@ -7,17 +7,23 @@
 
 namespace cuflash {
 
-// A built-in score_mod or mask_mod (ScoreModKind / MaskModKind value) with its scalars and aux
-// arrays. Aux arrays are contiguous; aux_rows x aux_cols is their shape (aux_rows 1 for 1-D).
+// A score_mod or mask_mod (ScoreModKind / MaskModKind value) with its scalars and aux arrays.
+// Aux arrays are contiguous; aux_rows x aux_cols is their shape (aux_rows 1 for 1-D), aux_shape
+// their sizes (1 past aux_ndim). An expression (kind 100) has its program compiled into the
+// kernel (sm90/expression_mods.hpp); its float constants are `scalars`, its tensors `aux`.
 struct ModParams {
+  static constexpr int kMaxScalars = 16;
+  static constexpr int kMaxAux = 4;
   int kind = 0;  // 0: none
   int num_scalars = 0;
-  float scalars[4] = {};
+  float scalars[kMaxScalars] = {};
   int num_aux = 0;
-  const void* aux[2] = {};
-  int aux_dtype[2] = {};  // cuflash::DType value
-  std::int64_t aux_rows[2] = {};
-  std::int64_t aux_cols[2] = {};
+  const void* aux[kMaxAux] = {};
+  int aux_dtype[kMaxAux] = {};  // cuflash::DType value
+  std::int64_t aux_rows[kMaxAux] = {};
+  std::int64_t aux_cols[kMaxAux] = {};
+  int aux_ndim[kMaxAux] = {};
+  int aux_shape[kMaxAux][3] = {};
 };
 
 // FlexAttention BlockMask lists (int32, contiguous), see BlockSparseTensors in options.hpp.

@@ -45,9 +45,10 @@ ModParams make_mod_params(int kind, const std::vector<double>& scalars,
                           const std::vector<TensorView>& aux) {
   ModParams mod;
   mod.kind = kind;
-  mod.num_scalars = static_cast<int>(std::min<std::size_t>(scalars.size(), 4));
+  mod.num_scalars = static_cast<int>(
+      std::min<std::size_t>(scalars.size(), ModParams::kMaxScalars));
   for (int i = 0; i < mod.num_scalars; ++i) mod.scalars[i] = static_cast<float>(scalars[i]);
-  mod.num_aux = static_cast<int>(std::min<std::size_t>(aux.size(), 2));
+  mod.num_aux = static_cast<int>(std::min<std::size_t>(aux.size(), ModParams::kMaxAux));
   for (int i = 0; i < mod.num_aux; ++i) {
     mod.aux[i] = aux[i].data;
     mod.aux_dtype[i] = static_cast<int>(aux[i].dtype);
@@ -56,6 +57,10 @@ ModParams make_mod_params(int kind, const std::vector<double>& scalars,
     for (int d = 0; d + 1 < aux[i].ndim; ++d) rows *= aux[i].shape[d];
     mod.aux_rows[i] = rows;
     mod.aux_cols[i] = aux[i].size(-1);
+    mod.aux_ndim[i] = aux[i].ndim;
+    for (int d = 0; d < 3; ++d) {
+      mod.aux_shape[i][d] = d < aux[i].ndim ? static_cast<int>(aux[i].shape[d]) : 1;
+    }
   }
   return mod;
 }

@@ -520,8 +520,207 @@ void check_aux_tensor(const TensorView& t, const std::string& name, const Device
   check_contiguous(t, name);
 }
 
+// An expression program (cuflash/expression.hpp): well formed, within the limits, well typed,
+// its result of type `result_type` (and for a score_mod its derivative a float register).
+enum class ExprType { kBool, kInt, kFloat };
+
+const char* expr_type_name(ExprType t) {
+  return t == ExprType::kBool ? "bool" : t == ExprType::kInt ? "int" : "float";
+}
+
+void check_expression(const ExprProgram& program, const std::vector<double>& scalars,
+                      const std::vector<TensorView>& aux, const std::string& mod,
+                      ExprType result_type, bool needs_grad, const Device& device) {
+  const std::string code_name = mod + ".program";
+  if (program.code.empty() || program.code.size() % 4 != 0) {
+    fail(code_name, "expected 4 int32 per instruction (at least one), got " +
+                        std::to_string(program.code.size()) + " values");
+  }
+  const int num_ops = program.num_ops();
+  if (num_ops > kMaxExprOps) {
+    fail(code_name, "expected at most " + std::to_string(kMaxExprOps) + " instructions, got " +
+                        std::to_string(num_ops));
+  }
+  if (scalars.size() > static_cast<std::size_t>(kMaxExprConstants)) {
+    fail(mod + ".scalars", "expected at most " + std::to_string(kMaxExprConstants) +
+                               " constants for an expression, got " +
+                               std::to_string(scalars.size()));
+  }
+  if (aux.size() > static_cast<std::size_t>(kMaxExprAux)) {
+    fail(mod + ".aux", "expected at most " + std::to_string(kMaxExprAux) +
+                           " aux tensors for an expression, got " + std::to_string(aux.size()));
+  }
+  for (std::size_t slot = 0; slot < aux.size(); ++slot) {
+    const std::string name = mod + ".aux[" + std::to_string(slot) + "]";
+    check_aux_tensor(aux[slot], name, device);
+    if (aux[slot].ndim > kMaxExprAuxDims) {
+      fail(name, "expected 1 to " + std::to_string(kMaxExprAuxDims) + " dimensions, got shape " +
+                     aux[slot].shape_string());
+    }
+    if (aux[slot].dtype != DType::kFloat32 && aux[slot].dtype != DType::kInt32) {
+      fail(name, std::string("expected dtype float32 or int32 (read by the expression), got ") +
+                     dtype_name(aux[slot].dtype));
+    }
+  }
+  std::vector<ExprType> types(num_ops);
+  for (int i = 0; i < num_ops; ++i) {
+    const std::int32_t* ins = program.code.data() + 4 * i;
+    const std::string at = code_name + "[" + std::to_string(i) + "]";
+    const ExprOp op = expr_opcode(ins[0]);
+    auto reg = [&](int k) -> ExprType {
+      const int r = ins[1 + k];
+      if (r < 0 || r >= i) {
+        fail(at, "operand " + std::to_string(k) + " must name an earlier register, got " +
+                     std::to_string(r));
+      }
+      return types[r];
+    };
+    auto numeric = [&](ExprType t) {
+      if (t == ExprType::kBool) fail(at, "expected numeric operands, got bool");
+      return t;
+    };
+    auto same = [&](ExprType a, ExprType b) {
+      if (a != b) {
+        fail(at, std::string("expected operands of one type, got ") + expr_type_name(a) + " and " +
+                     expr_type_name(b));
+      }
+      return a;
+    };
+    auto expect = [&](ExprType t, ExprType wanted) {
+      if (t != wanted) {
+        fail(at, std::string("expected a ") + expr_type_name(wanted) + " operand, got " +
+                     expr_type_name(t));
+      }
+      return t;
+    };
+    if (op != ExprOp::kLoad && (ins[0] >> 8) != 0) fail(at, "unknown opcode " + std::to_string(ins[0]));
+    ExprType t = ExprType::kFloat;
+    switch (op) {
+      case ExprOp::kScore:
+        if (!needs_grad) fail(at, "a mask_mod has no score");
+        t = ExprType::kFloat;
+        break;
+      case ExprOp::kBatch:
+      case ExprOp::kHead:
+      case ExprOp::kQIdx:
+      case ExprOp::kKvIdx:
+      case ExprOp::kInt:
+        t = ExprType::kInt;
+        break;
+      case ExprOp::kBool:
+        if (ins[1] != 0 && ins[1] != 1) fail(at, "a bool constant must be 0 or 1");
+        t = ExprType::kBool;
+        break;
+      case ExprOp::kFloat:
+        if (ins[1] < 0 || static_cast<std::size_t>(ins[1]) >= scalars.size()) {
+          fail(at, "constant index " + std::to_string(ins[1]) + " is out of range for " +
+                       std::to_string(scalars.size()) + " scalars");
+        }
+        t = ExprType::kFloat;
+        break;
+      case ExprOp::kLoad: {
+        const int slot = expr_load_slot(ins[0]);
+        if ((ins[0] >> 16) != 0 || static_cast<std::size_t>(slot) >= aux.size()) {
+          fail(at, "load from aux slot " + std::to_string(slot) + ", but " +
+                       std::to_string(aux.size()) + " aux tensor(s) are given");
+        }
+        const int ndim = aux[slot].ndim;
+        for (int k = 0; k < 3; ++k) {
+          if (k < ndim) {
+            expect(reg(k), ExprType::kInt);
+          } else if (ins[1 + k] != -1) {
+            fail(at, "a load from a " + std::to_string(ndim) + "-D tensor takes " +
+                         std::to_string(ndim) + " index register(s), the others -1");
+          }
+        }
+        t = aux[slot].dtype == DType::kFloat32 ? ExprType::kFloat : ExprType::kInt;
+        break;
+      }
+      case ExprOp::kAdd:
+      case ExprOp::kSub:
+      case ExprOp::kMul:
+      case ExprOp::kMin:
+      case ExprOp::kMax:
+        t = same(numeric(reg(0)), numeric(reg(1)));
+        break;
+      case ExprOp::kDiv:
+        expect(reg(0), ExprType::kFloat);
+        t = expect(reg(1), ExprType::kFloat);
+        break;
+      case ExprOp::kFloorDiv:
+      case ExprOp::kMod:
+        expect(reg(0), ExprType::kInt);
+        t = expect(reg(1), ExprType::kInt);
+        break;
+      case ExprOp::kNeg:
+      case ExprOp::kAbs:
+        t = numeric(reg(0));
+        break;
+      case ExprOp::kExp:
+      case ExprOp::kExp2:
+      case ExprOp::kLog:
+      case ExprOp::kTanh:
+      case ExprOp::kSigmoid:
+      case ExprOp::kSqrt:
+        t = expect(reg(0), ExprType::kFloat);
+        break;
+      case ExprOp::kToFloat:
+        if (reg(0) == ExprType::kFloat) fail(at, "to_float takes an int or bool operand");
+        t = ExprType::kFloat;
+        break;
+      case ExprOp::kToInt:
+        expect(reg(0), ExprType::kBool);
+        t = ExprType::kInt;
+        break;
+      case ExprOp::kLt:
+      case ExprOp::kLe:
+      case ExprOp::kGt:
+      case ExprOp::kGe:
+      case ExprOp::kEq:
+      case ExprOp::kNe:
+        same(numeric(reg(0)), numeric(reg(1)));
+        t = ExprType::kBool;
+        break;
+      case ExprOp::kAnd:
+      case ExprOp::kOr:
+        expect(reg(0), ExprType::kBool);
+        t = expect(reg(1), ExprType::kBool);
+        break;
+      case ExprOp::kNot:
+        t = expect(reg(0), ExprType::kBool);
+        break;
+      case ExprOp::kWhere:
+        expect(reg(0), ExprType::kBool);
+        t = same(reg(1), reg(2));
+        break;
+      default:
+        fail(at, "unknown opcode " + std::to_string(ins[0]));
+    }
+    types[i] = t;
+  }
+  auto check_register = [&](int r, const std::string& name, ExprType wanted) {
+    if (r < 0 || r >= num_ops) {
+      fail(mod + "." + name, "expected a register in [0, " + std::to_string(num_ops) + "), got " +
+                                 std::to_string(r));
+    }
+    if (types[r] != wanted) {
+      fail(mod + "." + name, std::string("expected a ") + expr_type_name(wanted) +
+                                 " register, got a " + expr_type_name(types[r]) + " one");
+    }
+  };
+  check_register(program.result, "program.result", result_type);
+  if (needs_grad) check_register(program.grad, "program.grad", ExprType::kFloat);
+}
+
 void check_score_mod(const ScoreMod& mod, const AttentionShape& s) {
+  if (mod.kind != ScoreModKind::kExpression && !mod.program.empty()) {
+    fail("score_mod.program", "is only taken by the expression kind");
+  }
   switch (mod.kind) {
+    case ScoreModKind::kExpression:
+      check_expression(mod.program, mod.scalars, mod.aux, "score_mod", ExprType::kFloat,
+                       /*needs_grad=*/true, s.device);
+      return;
     case ScoreModKind::kNone:
       check_scalar_count(mod.scalars, "score_mod.scalars", 0, "score_mod kind none");
       check_aux_count(mod.aux, "score_mod.aux", 0, "score_mod kind none");
@@ -551,7 +750,7 @@ void check_score_mod(const ScoreMod& mod, const AttentionShape& s) {
     }
   }
   fail("score_mod.kind",
-       "expected none, alibi or relative_bias, got " + std::to_string(static_cast<int>(mod.kind)));
+       "expected none, alibi, relative_bias or expression, got " + std::to_string(static_cast<int>(mod.kind)));
 }
 
 void check_mask_mod(const MaskMod& mod, const AttentionShape& s, const KnownLengths& known) {
@@ -565,7 +764,14 @@ void check_mask_mod(const MaskMod& mod, const AttentionShape& s, const KnownLeng
       }
     }
   };
+  if (mod.kind != MaskModKind::kExpression && !mod.program.empty()) {
+    fail("mask_mod.program", "is only taken by the expression kind");
+  }
   switch (mod.kind) {
+    case MaskModKind::kExpression:
+      check_expression(mod.program, mod.scalars, mod.aux, "mask_mod", ExprType::kBool,
+                       /*needs_grad=*/false, s.device);
+      return;
     case MaskModKind::kNone:
       check_scalar_count(mod.scalars, "mask_mod.scalars", 0, "mask_mod kind none");
       check_aux_count(mod.aux, "mask_mod.aux", 0, "mask_mod kind none");
@@ -603,7 +809,7 @@ void check_mask_mod(const MaskMod& mod, const AttentionShape& s, const KnownLeng
       return;
     }
   }
-  fail("mask_mod.kind", "expected none, causal, sliding_window, prefix_lm or document, got " +
+  fail("mask_mod.kind", "expected none, causal, sliding_window, prefix_lm, document or expression, got " +
                             std::to_string(static_cast<int>(mod.kind)));
 }
 

@@ -66,7 +66,7 @@ class AttentionProblem {
       const double* k_row = keys.data() + j * head_dim;
       const double dot = dot_product(q_row, k_row, head_dim);
       double slope = 0.0;
-      scores[j] = score(score.scale() * dot, h, i, j, &slope);
+      scores[j] = score(score.scale() * dot, head_mask.batch(), h, i, j, &slope);
       if (slopes) (*slopes)[j] = slope;
     }
   }

@@ -64,6 +64,10 @@ Mask::Mask(const AttentionOptions& opts, const Sequences& seqs, bool backward)
                   std::to_string(needed) + ", got " + documents_.shape_string());
       break;
     }
+    case MaskModKind::kExpression:
+      expression_ = ExpressionEvaluator(opts.mask_mod.program, opts.mask_mod.scalars,
+                                        opts.mask_mod.aux, "mask_mod");
+      break;
   }
 
   if (!opts.block_sparse) return;
@@ -98,6 +102,7 @@ HeadMask Mask::head(int b, int h) const {
   HeadMask result;
   result.mask_ = this;
   result.batch_ = b;
+  result.head_ = h;
   result.seqlen_q = seqs_.q.length[b];
   result.seqlen_k = seqs_.k.length[b];
   if (!block_sparse_) return result;
@@ -123,7 +128,7 @@ HeadMask Mask::head(int b, int h) const {
   return result;
 }
 
-bool Mask::mask_mod_keeps(int b, std::int64_t i, std::int64_t j) const {
+bool Mask::mask_mod_keeps(int b, int h, std::int64_t i, std::int64_t j) const {
   switch (mask_mod_) {
     case MaskModKind::kNone:
       return true;
@@ -140,6 +145,8 @@ bool Mask::mask_mod_keeps(int b, std::int64_t i, std::int64_t j) const {
     case MaskModKind::kDocument:
       return load_int(documents_, offset_of(documents_, {b, i})) ==
              load_int(documents_, offset_of(documents_, {b, j}));
+    case MaskModKind::kExpression:
+      return expression_(0.0, b, h, i, j) != 0.0;
   }
   return true;
 }
@@ -158,7 +165,7 @@ bool HeadMask::visible(std::int64_t i, std::int64_t j) const {
     if (state == BlockState::kSkip) return false;
     apply_mask_mod = state == BlockState::kMasked;
   }
-  return !apply_mask_mod || mask_->mask_mod_keeps(batch_, i, j);
+  return !apply_mask_mod || mask_->mask_mod_keeps(batch_, head_, i, j);
 }
 
 }  // namespace cuflash::reference

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "cuflash/options.hpp"
+#include "reference/expression.hpp"
 #include "reference/sequence.hpp"
 
 namespace cuflash::reference {
@@ -19,6 +20,7 @@ class Mask;
 class HeadMask {
  public:
   bool visible(std::int64_t i, std::int64_t j) const;
+  int batch() const { return batch_; }
 
   std::int64_t seqlen_q = 0;  // used lengths of this batch entry
   std::int64_t seqlen_k = 0;
@@ -27,6 +29,7 @@ class HeadMask {
   friend class Mask;
   const Mask* mask_ = nullptr;
   int batch_ = 0;
+  int head_ = 0;
   // Block sparsity: state of (row block, column block), row-major; empty when off.
   std::vector<BlockState> blocks_;
   std::int64_t row_blocks_ = 0, col_blocks_ = 0;
@@ -42,13 +45,14 @@ class Mask {
 
  private:
   friend class HeadMask;
-  bool mask_mod_keeps(int b, std::int64_t i, std::int64_t j) const;
+  bool mask_mod_keeps(int b, int h, std::int64_t i, std::int64_t j) const;
 
   const Sequences& seqs_;
   std::optional<std::int64_t> window_left_, window_right_;
   MaskModKind mask_mod_;
   std::vector<double> scalars_;
   TensorView documents_;
+  ExpressionEvaluator expression_;  // kExpression
   // Block lists in use; `transposed`: lists are per column block (the backward q_* lists).
   bool block_sparse_ = false;
   bool transposed_ = false;

@@ -10,6 +10,7 @@
 
 #include "cuflash/error.hpp"
 #include "cuflash/options.hpp"
+#include "reference/expression.hpp"
 #include "reference/numeric.hpp"
 
 namespace cuflash::reference {
@@ -22,6 +23,11 @@ class ScoreFunction {
         softcap_(opts.softcap),
         kind_(opts.score_mod.kind) {
     if (kind_ == ScoreModKind::kNone) return;
+    if (kind_ == ScoreModKind::kExpression) {
+      expression_ = ExpressionEvaluator(opts.score_mod.program, opts.score_mod.scalars,
+                                        opts.score_mod.aux, "score_mod");
+      return;
+    }
     const std::vector<TensorView>& aux = opts.score_mod.aux;
     if (aux.empty()) {
       throw Error(Error::Kind::kInvalidArgument, "score_mod.aux",
@@ -48,8 +54,10 @@ class ScoreFunction {
   double scale() const { return scale_; }
 
   // Score of query i and key j (positions within their sequence, top-left aligned as in
-  // FlexAttention) of head h, from raw = scale * <q_i, k_j>. *slope receives d score / d raw.
-  double operator()(double raw, int h, std::int64_t i, std::int64_t j, double* slope) const {
+  // FlexAttention) of batch entry b and head h, from raw = scale * <q_i, k_j>. *slope receives
+  // d score / d raw.
+  double operator()(double raw, int b, int h, std::int64_t i, std::int64_t j,
+                    double* slope) const {
     double score = raw;
     double derivative = 1.0;
     if (softcap_ > 0.0) {
@@ -57,7 +65,8 @@ class ScoreFunction {
       score = softcap_ * t;
       derivative = 1.0 - t * t;
     }
-    // Both built-ins add a bias, so their derivative with respect to the score is 1.
+    // Both built-ins add a bias, so their derivative with respect to the score is 1; an
+    // expression gives its own.
     switch (kind_) {
       case ScoreModKind::kNone:
         break;
@@ -67,6 +76,13 @@ class ScoreFunction {
       case ScoreModKind::kRelativeBias: {
         const std::int64_t distance = std::clamp<std::int64_t>(j - i, -radius_, radius_);
         score += values_[h * width_ + distance + radius_];
+        break;
+      }
+      case ScoreModKind::kExpression: {
+        // The chain rule through softcap: d score / d raw = d mod / d s * d s / d raw.
+        double mod_grad = 1.0;
+        score = expression_(score, b, h, i, j, &mod_grad);
+        derivative *= mod_grad;
         break;
       }
     }
@@ -81,6 +97,7 @@ class ScoreFunction {
   std::vector<double> values_;
   std::int64_t width_ = 0;
   std::int64_t radius_ = 0;
+  ExpressionEvaluator expression_;
 };
 
 }  // namespace cuflash::reference

@@ -674,7 +674,7 @@ TEST_F(ForwardValidation, ChecksScoreMods) {
 
   args.opts.score_mod = {};
   args.opts.score_mod.kind = static_cast<ScoreModKind>(9);
-  EXPECT_INVALID(validate(args), "score_mod.kind", "expected none, alibi or relative_bias, got 9");
+  EXPECT_INVALID(validate(args), "score_mod.kind", "expected none, alibi, relative_bias or expression, got 9");
 }
 
 TEST_F(ForwardValidation, ChecksMaskMods) {

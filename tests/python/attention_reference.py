@@ -28,6 +28,13 @@ class Options:
     mask: Optional[Callable] = None
     # (b, h) -> (full, partial) bool (Sq, Sk) block-sparse masks; None: no block sparsity.
     blocks: Optional[Callable] = None
+    # FlexAttention callables, called with NumPy arrays that broadcast to (H, Sq, Sk):
+    # score_mod(score, b, h, q_idx, kv_idx, *aux) -> score; mask_mod(b, h, q_idx, kv_idx, *aux)
+    # -> keep. b is a Python int (one sequence at a time). The backward's d score_mod / d score
+    # comes from central differences.
+    score_mod: Optional[Callable] = None
+    mask_mod: Optional[Callable] = None
+    aux: Tuple = ()
 
 
 def _f64(x) -> np.ndarray:
@@ -51,6 +58,16 @@ def _scores(q, k, b: int, opts: Options):
     h = np.arange(heads)[:, None, None]
     if opts.score_bias is not None:
         s = s + opts.score_bias(b, h, i[None], j[None])
+    mod_grad = None
+    if opts.score_mod is not None:
+        def apply(x):
+            with np.errstate(all="ignore"):
+                return np.broadcast_to(np.asarray(opts.score_mod(x, b, h, i[None], j[None], *opts.aux),
+                                                  dtype=np.float64), x.shape)
+        step = 1e-6 * np.maximum(1.0, np.abs(s))
+        with np.errstate(all="ignore"):
+            mod_grad = (apply(s + step) - apply(s - step)) / (2 * step)
+        s = apply(s)
     visible = np.ones((heads, sq, sk), dtype=bool)
     shift = sk - sq
     left, right = opts.window
@@ -61,12 +78,18 @@ def _scores(q, k, b: int, opts: Options):
     if left is not None and left >= 0:
         visible &= (j >= i + shift - left)[None]
     mask = np.ones((sq, sk), dtype=bool) if opts.mask is None else np.broadcast_to(opts.mask(b, i, j), (sq, sk))
+    if opts.mask_mod is not None:
+        mask = mask[None] & np.broadcast_to(np.asarray(opts.mask_mod(b, h, i[None], j[None], *opts.aux), dtype=bool),
+                                            (heads, sq, sk))
+    mask = np.broadcast_to(mask, (heads, sq, sk))
     if opts.blocks is None:
-        visible &= mask[None]
+        visible &= mask
     else:
         for head in range(heads):
             full, partial = opts.blocks(b, head)
-            visible[head] &= full[:sq, :sk] | (partial[:sq, :sk] & mask)
+            visible[head] &= full[:sq, :sk] | (partial[:sq, :sk] & mask[head])
+    if mod_grad is not None:
+        tanh = (tanh, mod_grad)
     return raw, tanh, s, visible
 
 
@@ -100,12 +123,17 @@ def backward_one(dout, q, k, v, out, b: int, opts: Options):
     vv = np.repeat(v, group, axis=1)
     _, lse = forward_one(q, k, v, b, opts)
     _, tanh, s, visible = _scores(q, k, b, opts)
+    mod_grad = None
+    if isinstance(tanh, tuple):
+        tanh, mod_grad = tanh
     s = np.where(visible, s, -np.inf)
     finite = np.isfinite(lse)
     p = np.where(finite[..., None], np.exp(s - np.where(finite, lse, 0.0)[..., None]), 0.0)
     dp = np.einsum("ihd,jhd->hij", dout, vv)
     delta = np.einsum("ihd,ihd->hi", dout, out)
     ds = p * (dp - delta[..., None])
+    if mod_grad is not None:
+        ds = np.where(p > 0, ds * mod_grad, 0.0)
     if opts.softcap:
         ds = ds * (1.0 - tanh**2)
     scale = opts.scale if opts.scale is not None else 1.0 / np.sqrt(q.shape[2])

@@ -1,0 +1,394 @@
+"""score_mod / mask_mod as Python callables (cuflash.mods), on the CPU reference: forward and
+gradients against the NumPy reference (which calls the same callables with NumPy arrays), equality
+with the built-ins they spell out, and the errors for what cannot be traced."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import cuflash
+import attention_reference as ref
+from cuflash import mods
+from conftest import assert_close, assert_lse_close, randn
+from test_backward import check_grads
+from test_forward import document_ids
+
+
+def qkv(rng, batch=2, seqlen_q=24, seqlen_k=24, heads=4, heads_kv=2, dim=32, dtype="float16"):
+    return (randn(rng, (batch, seqlen_q, heads, dim), dtype), randn(rng, (batch, seqlen_k, heads_kv, dim), dtype),
+            randn(rng, (batch, seqlen_k, heads_kv, dim), dtype))
+
+
+def run(rng, opts: ref.Options, q, k, v, function="varlen", **kwargs):
+    """Forward and backward through cuflash, checked against the NumPy reference."""
+    if function == "varlen":
+        out, lse = cuflash.flash_attn_varlen_func(q, k, v, **kwargs)
+    else:
+        out, lse = cuflash.flash_attn_func(q, k, v, **kwargs)
+    expected_out, expected_lse = ref.forward_dense(q, k, v, opts)
+    assert_close(out, expected_out, "float16", what="out")
+    assert_lse_close(lse, expected_lse)
+    dout = randn(rng, out.shape)
+    backward_kwargs = {key: value for key, value in kwargs.items() if key not in ("num_splits", "pack_gqa")}
+    grads = cuflash.flash_attn_backward(dout, q, k, v, out, lse, **backward_kwargs)
+    check_grads(grads, ref.backward_dense(dout, q, k, v, out, opts))
+    return out, lse, grads
+
+
+# --- score_mod ---------------------------------------------------------------------------------
+
+
+SCORE_MODS = {
+    "alibi_closure": lambda slopes, table: (
+        lambda score, b, h, q_idx, kv_idx: score + slopes[h] * (kv_idx - q_idx)),
+    "relative_table": lambda slopes, table: (
+        lambda score, b, h, q_idx, kv_idx: score + table[h, mods.clamp(kv_idx - q_idx, -3, 3) + 3]),
+    "softcap": lambda slopes, table: (lambda score, b, h, q_idx, kv_idx: 2.0 * mods.tanh(score / 2.0)),
+    "nonlinear": lambda slopes, table: (
+        lambda score, b, h, q_idx, kv_idx: score * mods.sigmoid(score) + 0.1 * mods.exp2(-abs(score)) - 0.5),
+    "where_branches": lambda slopes, table: (
+        lambda score, b, h, q_idx, kv_idx: mods.where(kv_idx > q_idx, score * 0.5, score + h * 0.25)),
+    "min_max_log": lambda slopes, table: (
+        lambda score, b, h, q_idx, kv_idx: mods.maximum(score, -1.0) + mods.log(1.0 + mods.minimum(score * score, 4.0))),
+    "batch_and_integer_ops": lambda slopes, table: (
+        lambda score, b, h, q_idx, kv_idx: score - ((q_idx // 4) % 3) * 0.1 + b * 0.2 - (kv_idx - q_idx) / 8),
+    "square_and_division": lambda slopes, table: (
+        lambda score, b, h, q_idx, kv_idx: score ** 2 / 4.0 - score / (1.0 + (kv_idx % 2))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCORE_MODS))
+@pytest.mark.parametrize("causal", [False, True])
+def test_score_mod_callable(rng, name, causal):
+    q, k, v = qkv(rng, seqlen_q=20, seqlen_k=28)
+    slopes = cuflash.scores.alibi_slopes(4)
+    table = rng.standard_normal((4, 7)).astype(np.float32)
+    score_mod = SCORE_MODS[name](slopes, table)
+    run(rng, ref.Options(causal=causal, score_mod=score_mod), q, k, v, causal=causal, score_mod=score_mod)
+
+
+def test_score_mod_aux_tensors_are_trailing_arguments(rng):
+    q, k, v = qkv(rng)
+    slopes = cuflash.scores.alibi_slopes(4)
+    bias = rng.standard_normal((2, 4, 24)).astype(np.float32)
+
+    def score_mod(score, b, h, q_idx, kv_idx, slopes, bias):
+        return score + slopes[h] * (kv_idx - q_idx) + bias[b, h, kv_idx]
+
+    run(rng, ref.Options(score_mod=score_mod, aux=(slopes, bias)), q, k, v, score_mod=score_mod,
+        aux_tensors=[slopes, bias])
+
+
+def test_score_mod_reads_module_globals(rng):
+    q, k, v = qkv(rng)
+    global GLOBAL_SLOPES
+    GLOBAL_SLOPES = np.linspace(0.1, 0.8, 4).astype(np.float64)  # float64: read as float32
+    try:
+        run(rng, ref.Options(score_mod=_global_alibi), q, k, v, score_mod=_global_alibi)
+    finally:
+        del GLOBAL_SLOPES
+
+
+def _global_alibi(score, b, h, q_idx, kv_idx):
+    return score + GLOBAL_SLOPES[h] * (kv_idx - q_idx)
+
+
+def test_score_mod_numpy_functions(rng):
+    q, k, v = qkv(rng)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return np.where(q_idx >= kv_idx, np.tanh(score), np.exp(score) - 1.0)
+
+    run(rng, ref.Options(score_mod=score_mod), q, k, v, score_mod=score_mod)
+
+
+def test_score_mod_masking_with_minus_inf(rng):
+    q, k, v = qkv(rng)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return mods.where(kv_idx <= q_idx, score, -math.inf)
+
+    run(rng, ref.Options(score_mod=score_mod), q, k, v, score_mod=score_mod)
+
+
+def test_score_mod_matches_builtin_alibi(rng):
+    q, k, v = qkv(rng)
+    slopes = cuflash.scores.alibi_slopes(4)
+    dout = randn(rng, (2, 24, 4, 32))
+    results = []
+    for score_mod in (cuflash.scores.alibi(slopes), lambda s, b, h, i, j: s + slopes[h] * (j - i)):
+        out, lse = cuflash.flash_attn_varlen_func(q, k, v, causal=True, score_mod=score_mod)
+        grads = cuflash.flash_attn_backward(dout, q, k, v, out, lse, causal=True, score_mod=score_mod)
+        results.append((out, lse) + tuple(grads[:3]))
+    for builtin, traced in zip(*results):
+        np.testing.assert_array_equal(np.asarray(builtin), np.asarray(traced))
+
+
+def test_score_mod_varlen(rng):
+    lengths_q, lengths_k = [5, 0, 9], [7, 3, 9]
+    cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
+    q = randn(rng, (int(cu_q[-1]), 4, 32))
+    k = randn(rng, (int(cu_k[-1]), 2, 32))
+    v = randn(rng, (int(cu_k[-1]), 2, 32))
+    slopes = cuflash.scores.alibi_slopes(4)
+    builtin = cuflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 9, score_mod=cuflash.scores.alibi(slopes))
+    traced = cuflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 9,
+                                            score_mod=lambda s, b, h, i, j: s + slopes[h] * (j - i))
+    for a, b in zip(builtin, traced):
+        np.testing.assert_array_equal(a, b)
+
+
+# --- mask_mod ----------------------------------------------------------------------------------
+
+
+def test_mask_mod_document_closure(rng):
+    q, k, v = qkv(rng, seqlen_q=40, seqlen_k=40)
+    doc = document_ids(rng, 2, 40)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (doc[b, q_idx] == doc[b, kv_idx])
+
+    run(rng, ref.Options(mask_mod=mask_mod), q, k, v, function="dense", mask_mod=mask_mod)
+
+
+def test_mask_mod_matches_builtins(rng):
+    q, k, v = qkv(rng, seqlen_q=30, seqlen_k=30)
+    doc = document_ids(rng, 2, 30).astype(np.int64)  # int64: read as int32
+    pairs = [
+        (cuflash.masks.causal(), lambda b, h, i, j: j <= i),
+        (cuflash.masks.document(doc.astype(np.int32)), lambda b, h, i, j: doc[b, i] == doc[b, j]),
+        (cuflash.masks.sliding_window(4, 1), lambda b, h, i, j: (i - j <= 4) & (j - i <= 1)),
+        (cuflash.masks.prefix_lm(5), lambda b, h, i, j: (j <= i) | (j < 5)),
+    ]
+    dout = randn(rng, (2, 30, 4, 32))
+    for builtin, traced in pairs:
+        results = []
+        for mask_mod in (builtin, traced):
+            out, lse = cuflash.flash_attn_func(q, k, v, mask_mod=mask_mod)
+            grads = cuflash.flash_attn_backward(dout, q, k, v, out, lse, mask_mod=mask_mod)
+            results.append((out, lse) + tuple(grads[:3]))
+        for a, b in zip(*results):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=repr(builtin))
+
+
+def test_mask_mod_per_head_and_bool_table(rng):
+    q, k, v = qkv(rng, seqlen_q=16, seqlen_k=20)
+    allowed = rng.random((4, 16, 20)) < 0.6  # bool: read as int32, compared with 0
+    allowed[:, :, 0] = True
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return allowed[h, q_idx, kv_idx] & ~((h == 1) & (kv_idx > q_idx + 2))
+
+    run(rng, ref.Options(mask_mod=mask_mod), q, k, v, function="dense", mask_mod=mask_mod)
+
+
+def test_mask_mod_with_causal_and_window_options(rng):
+    q, k, v = qkv(rng, seqlen_q=18, seqlen_k=26)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx + kv_idx) % 3 != 0
+
+    opts = ref.Options(causal=True, window=(6, None), mask_mod=mask_mod)
+    run(rng, opts, q, k, v, function="dense", causal=True, window_size=(6, None), mask_mod=mask_mod)
+
+
+def test_mask_mod_fully_masked_rows(rng):
+    q, k, v = qkv(rng, seqlen_q=12, seqlen_k=12)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= 4) & (kv_idx < q_idx)
+
+    out, lse, _ = run(rng, ref.Options(mask_mod=mask_mod), q, k, v, function="dense", mask_mod=mask_mod)
+    assert np.isneginf(lse[:, :, :4]).all() and (np.asarray(out[:, :4], dtype=np.float64) == 0).all()
+    assert np.isfinite(lse[:, :, 4:]).all()
+
+
+def test_mask_mod_constant_true(rng):
+    q, k, v = qkv(rng)
+    plain = cuflash.flash_attn_func(q, k, v)
+    traced = cuflash.flash_attn_func(q, k, v, mask_mod=lambda b, h, i, j: True)
+    for a, b in zip(plain, traced):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_score_and_mask_mod_together_share_aux_tensors(rng):
+    q, k, v = qkv(rng, seqlen_q=32, seqlen_k=32)
+    doc = document_ids(rng, 2, 32)
+    slopes = cuflash.scores.alibi_slopes(4)
+
+    def score_mod(score, b, h, q_idx, kv_idx, slopes, doc):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    def mask_mod(b, h, q_idx, kv_idx, slopes, doc):
+        return doc[b, q_idx] == doc[b, kv_idx]
+
+    opts = ref.Options(score_mod=score_mod, mask_mod=mask_mod, aux=(slopes, doc))
+    out, lse = cuflash.flash_attn_varlen_func(q, k, v, score_mod=score_mod, aux_tensors=[slopes, doc])
+    expected = ref.forward_dense(q, k, v, ref.Options(score_mod=score_mod, aux=(slopes, doc)))
+    assert_close(out, expected[0], what="out")
+    dout = randn(rng, out.shape)
+    out, lse = ref.forward_dense(q, k, v, opts)
+    out = out.astype(np.float16)
+    lse = lse.astype(np.float32)
+    grads = cuflash.flash_attn_backward(dout, q, k, v, out, lse, score_mod=score_mod, mask_mod=mask_mod,
+                                        aux_tensors=[slopes, doc])
+    check_grads(grads, ref.backward_dense(dout, q, k, v, out, opts))
+
+
+def test_traced_mod_object_is_accepted(rng):
+    q, k, v = qkv(rng)
+    slopes = cuflash.scores.alibi_slopes(4)
+    traced = mods.trace_score_mod(lambda s, b, h, i, j: s + slopes[h] * (j - i))
+    assert traced.num_ops <= mods.MAX_OPS and traced.role == "score"
+    a = cuflash.flash_attn_varlen_func(q, k, v, score_mod=traced)
+    b = cuflash.flash_attn_varlen_func(q, k, v, score_mod=cuflash.scores.alibi(slopes))
+    np.testing.assert_array_equal(a[0], b[0])
+
+
+# --- the tracer ---------------------------------------------------------------------------------
+
+
+def test_derivative_is_symbolic():
+    traced = mods.trace_score_mod(lambda s, b, h, i, j: s + (j - i) * 0.5)
+    # d/ds of s + bias is the constant 1: no score in the derivative's register.
+    op, a = traced.code[4 * traced.grad], traced.code[4 * traced.grad + 1]
+    assert op == mods.FLOAT and traced.constants[a] == 1.0
+
+
+def test_program_is_deduplicated():
+    traced = mods.trace_mask_mod(lambda b, h, i, j: (j <= i) & (j <= i) | (j <= i))
+    assert traced.num_ops == 5  # q_idx, kv_idx, le, and, or
+
+
+def test_structure_key_ignores_constant_values_and_tensor_contents():
+    a = mods.trace_score_mod(lambda s, b, h, i, j: s * 2.0)
+    b = mods.trace_score_mod(lambda s, b, h, i, j: s * 3.0)
+    c = mods.trace_score_mod(lambda s, b, h, i, j: s + 3.0)
+    assert a.structure_key() == b.structure_key() != c.structure_key()
+
+
+def test_numpy_evaluation_of_mods_functions():
+    x = np.array([-2.0, 0.0, 3.0])
+    np.testing.assert_allclose(mods.sigmoid(x), 1 / (1 + np.exp(-x)))
+    np.testing.assert_allclose(mods.clamp(x, -1, 1), [-1, 0, 1])
+    np.testing.assert_array_equal(mods.where(x > 0, x, 0.0), [0, 0, 3])
+
+
+# --- errors -------------------------------------------------------------------------------------
+
+
+def _qkv_small():
+    rng = np.random.default_rng(0)
+    return qkv(rng, batch=1, seqlen_q=8, seqlen_k=8, heads=2, heads_kv=2, dim=16)
+
+
+ERRORS = [
+    ("score_mod", lambda s, b, h, i, j: s if i > j else -s, TypeError, "control flow"),
+    ("score_mod", lambda s, b, h, i: s, TypeError, "expected a function of (score, b, h, q_idx, kv_idx"),
+    ("score_mod", lambda s, b, h, i, j: i > j, TypeError, "must return a float expression"),
+    ("score_mod", lambda s, b, h, i, j: "x", TypeError, "must return a float expression"),
+    ("score_mod", lambda s, b, h, i, j: math.exp(s), TypeError, "cuflash.mods"),
+    ("score_mod", lambda s, b, h, i, j: s ** 2.5, TypeError, "whole exponent"),
+    ("score_mod", lambda s, b, h, i, j: s + (i & j), TypeError, "boolean operands"),
+    ("score_mod", lambda s, b, h, i, j: s + (s // 2), TypeError, "integer operands"),
+    ("mask_mod", lambda b, h, i, j: i - j, TypeError, "must return a boolean expression"),
+    ("mask_mod", lambda b, h, i, j: (i > j) and (j > 0), TypeError, "control flow"),
+    ("mask_mod", lambda b, h, i, j, k: i > j, TypeError, "expected a function of (b, h, q_idx, kv_idx"),
+    ("mask_mod", lambda b, h, i, j: mods.where(i, True, False), TypeError, "condition must be a boolean"),
+]
+
+
+@pytest.mark.parametrize("argument, mod, error, fragment", ERRORS, ids=range(len(ERRORS)))
+def test_untraceable_callables_raise_by_name(argument, mod, error, fragment):
+    q, k, v = _qkv_small()
+    dout = np.ones((1, 8, 2, 16), np.float16)
+    out, lse = cuflash.flash_attn_func(q, k, v)
+    with pytest.raises(error, match=f"^{argument}: ") as info:
+        cuflash.flash_attn_backward(dout, q, k, v, out, lse, **{argument: mod})
+    assert fragment in str(info.value)
+
+
+def test_tensor_indexing_errors():
+    q, k, v = _qkv_small()
+    table = np.zeros((2, 8), np.float32)
+    with pytest.raises(TypeError, match="^score_mod: .*index every dimension"):
+        cuflash.flash_attn_varlen_func(q, k, v, score_mod=lambda s, b, h, i, j: s + table[h])
+    with pytest.raises(TypeError, match="^score_mod: .*slices"):
+        cuflash.flash_attn_varlen_func(q, k, v, score_mod=lambda s, b, h, i, j: s + table[h, :])
+    with pytest.raises(TypeError, match="^score_mod: .*integer expressions"):
+        cuflash.flash_attn_varlen_func(q, k, v, score_mod=lambda s, b, h, i, j: s + table[h, s])
+    # Out of range on the CPU: an error naming the tensor.
+    with pytest.raises(ValueError, match="out of range"):
+        cuflash.flash_attn_varlen_func(q, k, v, score_mod=lambda s, b, h, i, j: s + table[h, j + 1])
+
+
+def test_limits_raise_value_error():
+    q, k, v = _qkv_small()
+
+    def long(s, b, h, i, j):
+        for n in range(70):
+            s = s + (i + n)
+        return s
+
+    with pytest.raises(ValueError, match="^score_mod: .*limit of 64"):
+        cuflash.flash_attn_varlen_func(q, k, v, score_mod=long)
+
+    def many_constants(s, b, h, i, j):
+        for n in range(20):
+            s = s * (1.0 + n / 100)
+        return s
+
+    with pytest.raises(ValueError, match="^score_mod: .*16"):
+        cuflash.flash_attn_varlen_func(q, k, v, score_mod=many_constants)
+    t0, t1, t2, t3, t4 = (np.zeros(8, np.float32) for _ in range(5))
+
+    def many_tensors(s, b, h, i, j):
+        return s + t0[i] + t1[i] + t2[i] + t3[i] + t4[i]
+
+    with pytest.raises(ValueError, match="^score_mod: .*reads 5 tensors"):
+        cuflash.flash_attn_varlen_func(q, k, v, score_mod=many_tensors)
+
+
+def test_tensor_inside_a_list_is_not_traced():
+    q, k, v = _qkv_small()
+    tensors = [np.zeros(8, np.float32)]
+    with pytest.raises(TypeError, match="^score_mod: .*closes over directly"):
+        cuflash.flash_attn_varlen_func(q, k, v, score_mod=lambda s, b, h, i, j: s + tensors[0][i])
+
+
+def test_aux_tensors_without_a_reader():
+    q, k, v = _qkv_small()
+    with pytest.raises(ValueError, match="^aux_tensors: "):
+        cuflash.flash_attn_varlen_func(q, k, v, score_mod=lambda s, b, h, i, j: s, aux_tensors=[np.zeros(2)])
+
+
+def test_score_mod_with_softcap_is_refused():
+    q, k, v = _qkv_small()
+    with pytest.raises(ValueError, match="^softcap: "):
+        cuflash.flash_attn_varlen_func(q, k, v, softcap=1.0, score_mod=lambda s, b, h, i, j: s)
+
+
+def test_gpu_callables(rng):
+    """On a GPU build with a device: callables either run (compiled at run time) or raise
+    NotImplementedError naming the argument; never a silently wrong result."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    if not (torch.cuda.is_available() and cuflash.built_with_cuda):
+        pytest.skip("no CUDA device or a build without CUDA")
+    q, k, v = (torch.randn(2, 256, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    slopes = torch.tensor(cuflash.scores.alibi_slopes(4), device="cuda")
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    try:
+        out, _ = cuflash.flash_attn_varlen_func(q, k, v, score_mod=score_mod)
+    except NotImplementedError as error:
+        assert str(error).startswith("score_mod: ") and "CPU reference" in str(error)
+        return
+    expected, _ = cuflash.flash_attn_varlen_func(q, k, v, score_mod=cuflash.scores.alibi(slopes))
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)

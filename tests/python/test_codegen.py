@@ -1,0 +1,167 @@
+"""The C++ functors generated from traced callables (cuflash._codegen), for the GPU's run-time
+compilation: compiled here as host C++ (the functions are __host__ __device__ under nvcc, plain
+inline in host code) and evaluated through ctypes against the callables run on NumPy."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cuflash import _codegen, mods
+
+ROOT = Path(__file__).resolve().parents[2]
+CXX = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+
+HARNESS = r"""
+extern "C" double cf_eval(int which, const float* k, const void* const* aux, const int* shapes,
+                          float s, int b, int h, int q_idx, int kv_idx) {
+  cuflash::ModParams p;
+  for (int i = 0; i < cuflash::ModParams::kMaxScalars; ++i) p.scalars[i] = k[i];
+  for (int i = 0; i < cuflash::ModParams::kMaxAux; ++i) {
+    p.aux[i] = aux[i];
+    for (int d = 0; d < 3; ++d) p.aux_shape[i][d] = shapes[3 * i + d];
+  }
+  auto sw = GeneratedSwitch::from(p);
+  double result = 0;
+  sw.visit([&](auto const& mod) { result = EVAL; });
+  return result;
+}
+"""
+
+
+def compile_functor(tmp_path, traced):
+    source = _codegen.functor_source(traced, "Generated")
+    if traced.role == "score":
+        evaluate = "which == 0 ? mod.score(s, b, h, q_idx, kv_idx) : mod.grad(s, b, h, q_idx, kv_idx)"
+    else:
+        evaluate = "mod.visible(b, h, q_idx, kv_idx) ? 1.0 : 0.0"
+    path = tmp_path / "functor.cpp"
+    path.write_text(source + HARNESS.replace("EVAL", evaluate))
+    library = tmp_path / "functor.so"
+    result = subprocess.run([CXX, "-std=c++17", "-O1", "-shared", "-fPIC", "-Wall", "-Werror", "-Wno-unused-variable",
+                             f"-I{ROOT / 'src'}", f"-I{ROOT / 'include'}", str(path), "-o", str(library)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr + "\n" + source
+    lib = ctypes.CDLL(str(library))
+    lib.cf_eval.restype = ctypes.c_double
+    lib.cf_eval.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_void_p),
+                            ctypes.POINTER(ctypes.c_int), ctypes.c_float] + [ctypes.c_int] * 4
+
+    constants = (ctypes.c_float * 16)(*(traced.constants + [0.0] * (16 - len(traced.constants))))
+    tensors = [np.ascontiguousarray(a, dtype=np.float32 if kind == "float" else np.int32)
+               for a, kind in zip(traced.aux, traced.aux_kinds)]
+    pointers = (ctypes.c_void_p * 4)(*([t.ctypes.data for t in tensors] + [None] * (4 - len(tensors))))
+    shapes = []
+    for i in range(4):
+        shape = list(tensors[i].shape) if i < len(tensors) else []
+        shapes += shape + [1] * (3 - len(shape))
+    shapes = (ctypes.c_int * 12)(*shapes)
+
+    def evaluate(which, s, b, h, q_idx, kv_idx):
+        return lib.cf_eval(which, constants, pointers, shapes, s, b, h, q_idx, kv_idx)
+
+    evaluate.keep = (lib, tensors, constants, pointers, shapes)
+    return evaluate
+
+
+rng = np.random.default_rng(3)
+SLOPES = rng.random(4).astype(np.float32)
+TABLE = rng.standard_normal((4, 9)).astype(np.float32)
+DOC = np.sort(rng.integers(0, 3, (2, 16))).astype(np.int32)
+ALLOWED = rng.random((4, 16, 16)) < 0.5
+
+SCORE_MODS = [
+    lambda s, b, h, i, j: s + SLOPES[h] * (j - i),
+    lambda s, b, h, i, j: s + TABLE[h, mods.clamp(j - i, -4, 4) + 4],
+    lambda s, b, h, i, j: 3.0 * mods.tanh(s / 3.0),
+    lambda s, b, h, i, j: s * mods.sigmoid(s) + mods.exp2(-abs(s)) - mods.log(1.0 + s * s),
+    lambda s, b, h, i, j: mods.where((i // 3) % 2 == b, s * 0.5, mods.maximum(s, -0.25) + h),
+    lambda s, b, h, i, j: mods.sqrt(s * s + 1.0) / (1.0 + abs(j - i)) + mods.exp(mods.minimum(s, 1.0)),
+]
+
+MASK_MODS = [
+    lambda b, h, i, j: j <= i,
+    lambda b, h, i, j: (j <= i) & (DOC[b, i] == DOC[b, j]),
+    lambda b, h, i, j: ALLOWED[h, i, j] | ~((i - j) % 4 != 0),
+    lambda b, h, i, j: mods.where(h > 1, j >= i - 2, (j < 3) | (j <= i)),
+]
+
+
+@pytest.mark.skipif(CXX is None, reason="no C++ compiler")
+@pytest.mark.parametrize("index", range(len(SCORE_MODS)))
+def test_generated_score_functor(tmp_path, index):
+    fn = SCORE_MODS[index]
+    traced = mods.trace_score_mod(fn)
+    evaluate = compile_functor(tmp_path, traced)
+    for _ in range(200):
+        s = float(rng.standard_normal() * 3)
+        b, h, i, j = int(rng.integers(0, 2)), int(rng.integers(0, 4)), int(rng.integers(0, 16)), int(rng.integers(0, 16))
+        s32 = float(np.float32(s))
+        expected = float(fn(np.float64(s32), b, h, np.int64(i), np.int64(j)))
+        assert math.isclose(evaluate(0, s32, b, h, i, j), expected, rel_tol=1e-4, abs_tol=1e-4)
+        step = 1e-4 * max(1.0, abs(s32))
+        numeric = (float(fn(np.float64(s32 + step), b, h, np.int64(i), np.int64(j)))
+                   - float(fn(np.float64(s32 - step), b, h, np.int64(i), np.int64(j)))) / (2 * step)
+        assert math.isclose(evaluate(1, s32, b, h, i, j), numeric, rel_tol=1e-3, abs_tol=1e-3)
+
+
+@pytest.mark.skipif(CXX is None, reason="no C++ compiler")
+@pytest.mark.parametrize("index", range(len(MASK_MODS)))
+def test_generated_mask_functor(tmp_path, index):
+    fn = MASK_MODS[index]
+    traced = mods.trace_mask_mod(fn)
+    evaluate = compile_functor(tmp_path, traced)
+    for b in range(2):
+        for h in range(4):
+            for i in range(16):
+                for j in range(16):
+                    assert evaluate(0, 0.0, b, h, i, j) == float(bool(fn(b, h, np.int64(i), np.int64(j))))
+
+
+@pytest.mark.skipif(CXX is None, reason="no C++ compiler")
+def test_generated_loads_clamp_indices(tmp_path):
+    traced = mods.trace_score_mod(lambda s, b, h, i, j: s + SLOPES[j])  # j past 3 reads the last slope
+    evaluate = compile_functor(tmp_path, traced)
+    assert math.isclose(evaluate(0, 0.0, 0, 0, 0, 10), float(SLOPES[3]), rel_tol=1e-6)
+    assert math.isclose(evaluate(0, 0.0, 0, 0, 0, 2), float(SLOPES[2]), rel_tol=1e-6)
+
+
+def test_source_depends_on_structure_only():
+    a = _codegen.functor_source(mods.trace_score_mod(lambda s, b, h, i, j: s * 2.0), "F")
+    b = _codegen.functor_source(mods.trace_score_mod(lambda s, b, h, i, j: s * 5.0), "F")
+    assert a == b
+
+
+NVCC = shutil.which("nvcc")
+
+DEVICE_KERNEL = r"""
+__global__ void use_generated(ScoreSwitch score, MaskSwitch mask, float* out) {
+  int const i = threadIdx.x, j = blockIdx.x;
+  float value = 0.f, grad = 0.f;
+  bool visible = false;
+  score.visit([&](auto const& mod) {
+    value = mod.score(out[i], 0, 1, i, j);
+    grad = mod.grad(out[i], 0, 1, i, j);
+  });
+  mask.visit([&](auto const& mod) { visible = mod.visible(0, 1, i, j); });
+  out[i + j] = visible ? value * grad : 0.f;
+}
+"""
+
+
+@pytest.mark.skipif(NVCC is None, reason="no nvcc")
+def test_generated_functors_compile_as_sm90a_device_code(tmp_path):
+    score = mods.trace_score_mod(SCORE_MODS[3])
+    mask = mods.trace_mask_mod(MASK_MODS[1])
+    path = tmp_path / "generated.cu"
+    path.write_text(_codegen.functor_source(score, "Score") + _codegen.functor_source(mask, "Mask") + DEVICE_KERNEL)
+    result = subprocess.run([NVCC, "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr",
+                             "-Werror", "all-warnings", f"-I{ROOT / 'src'}", f"-I{ROOT / 'include'}", "-c", str(path),
+                             "-o", str(tmp_path / "generated.o")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
