@@ -250,13 +250,14 @@ void run_bwd(BwdParams const& params, cudaStream_t stream) {
 // Entry of one flex instantiation file (score_mod, mask_mod, block sparsity): causal / local are
 // runtime choices inside its kernels; softcap is compiled in or not, so that the kernel without
 // it holds no per-element derivative.
-template <class Element, int kHeadDim, int kHeadDimV>
+// Variant: the built-in mods, or functors generated from Python callables (compiled at run time).
+template <class Element, int kHeadDim, int kHeadDimV, class Variant = variants::FlexVariant>
 void run_bwd_flex(BwdParams const& params, cudaStream_t stream) {
   if (params.softcap > 0.f) {
-    run_bwd_config<Element, kHeadDim, kHeadDimV, /*HasWindow=*/true, /*HasSoftcap=*/true, variants::FlexVariant>(
+    run_bwd_config<Element, kHeadDim, kHeadDimV, /*HasWindow=*/true, /*HasSoftcap=*/true, Variant>(
         params, stream);
   } else {
-    run_bwd_config<Element, kHeadDim, kHeadDimV, /*HasWindow=*/true, /*HasSoftcap=*/false, variants::FlexVariant>(
+    run_bwd_config<Element, kHeadDim, kHeadDimV, /*HasWindow=*/true, /*HasSoftcap=*/false, Variant>(
         params, stream);
   }
 }

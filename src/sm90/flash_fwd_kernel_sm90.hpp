@@ -183,7 +183,7 @@ struct FlashFwdKernelSm90 {
   }
 
   using Walk = std::conditional_t<kIsFlex, FlexBlockWalk<kBlockM, kBlockN>, NBlockRange>;
-  using TileMods = std::conditional_t<kIsFlex, FlexTileMods<kBlockM, kBlockN>, NoTileMods>;
+  using TileMods = std::conditional_t<kIsFlex, FlexTileMods<Variant, kBlockM, kBlockN>, NoTileMods>;
 
   // What one tile needs from the sequence: its lengths and the n-blocks to visit. has_rows is
   // false past the sequence's end (nothing to write); both roles skip such tiles alike.

@@ -60,7 +60,8 @@ struct FlexColumnWalk {
   bool masked;     // whether `m_block` needs mask_mod
   bool any;        // whether the walk stands on an m-block
 
-  CUTE_DEVICE static FlexColumnWalk make(variants::FlexVariant::Params const& flex, int seqlen_k,
+  template <class FlexParams>
+  CUTE_DEVICE static FlexColumnWalk make(FlexParams const& flex, int seqlen_k,
                                          int batch, int head, int n_block, int m_block_min,
                                          int m_block_max) {
     FlexColumnWalk walk{m_block_min, m_block_max, nullptr, nullptr,     0,    0,

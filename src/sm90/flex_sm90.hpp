@@ -93,9 +93,9 @@ struct FlexBlockWalk {
 };
 
 // score_mod and mask_mod over one tile of scores, for one (batch, head) and sequence.
-template <int kBlockM, int kBlockN>
+template <class Variant, int kBlockM, int kBlockN>
 struct FlexTileMods {
-  variants::FlexVariant::Params const& params;
+  typename Variant::Params const& params;
   int batch, head;
   int seqlen_q, seqlen_k;
 

@@ -18,12 +18,17 @@ struct NoVariant {
   static Params to_params(FwdParams const&) { return {}; }
 };
 
-struct FlexVariant {
+// ScoreSwitch / MaskSwitch: what the kernels `visit` for the score_mod and the mask_mod (the
+// built-ins chosen at run time, ScoreModSwitch / MaskModSwitch, or functors generated from
+// Python callables, python/cuflash/_codegen.py), each with `from(ModParams)`; ScoreSwitch also
+// says whether d score / d s is 1 (kUnitGrad).
+template <class ScoreSwitch, class MaskSwitch>
+struct FlexVariantOf {
   static constexpr bool kIsFlex = true;
-  static constexpr bool kUnitScoreGrad = ScoreModSwitch::kUnitGrad;
+  static constexpr bool kUnitScoreGrad = ScoreSwitch::kUnitGrad;
   struct Params {
-    ScoreModSwitch score_mod;
-    MaskModSwitch mask_mod;
+    ScoreSwitch score_mod;
+    MaskSwitch mask_mod;
     // Score = score_scale * tanh(raw * tanh_scale) with softcap (score_scale = softcap), else
     // score_scale * raw; raw = <q, k>.
     float score_scale;
@@ -35,10 +40,13 @@ struct FlexVariant {
   template <class CallParams>
   static Params to_params(CallParams const& p) {
     bool const has_softcap = p.softcap > 0.f;
-    return {ScoreModSwitch::from(p.score_mod), MaskModSwitch::from(p.mask_mod),
+    return {ScoreSwitch::from(p.score_mod), MaskSwitch::from(p.mask_mod),
             has_softcap ? p.softcap : p.softmax_scale,
             has_softcap ? p.softmax_scale / p.softcap : 0.f, p.block_sparse};
   }
 };
+
+// The flex kernels built with the library: the built-in mods.
+using FlexVariant = FlexVariantOf<ScoreModSwitch, MaskModSwitch>;
 
 }  // namespace cuflash::variants
