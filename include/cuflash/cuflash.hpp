@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -31,6 +32,9 @@ void validate(const CombineArgs& args);
 // Which kernel configurations this build holds, e.g. "fwd bf16 hdim128".
 std::vector<std::string> built_kernels();
 bool cuda_available();  // a CUDA device is present and usable
+// A tag of the kernel parameter layouts: kernel modules compiled at run time for expression
+// mods (AttentionOptions::expression_*_kernel) must have been built against the same one.
+std::uint64_t kernel_params_abi();
 const char* version();
 
 }  // namespace cuflash

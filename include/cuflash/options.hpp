@@ -80,6 +80,12 @@ struct AttentionOptions {
   ScoreMod score_mod;
   MaskMod mask_mod;
   std::optional<BlockSparseTensors> block_sparse;
+  // Kernels compiled at run time for expression score_mod / mask_mod programs (Python callables,
+  // python/cuflash/_jit.py): the addresses of `void(FwdParams*, cudaStream_t)` and
+  // `void(BwdParams*, cudaStream_t)` launchers built from this version's kernel templates.
+  // 0: none (expression programs then run on the CPU reference only).
+  std::uintptr_t expression_forward_kernel = 0;
+  std::uintptr_t expression_backward_kernel = 0;
 };
 
 // Sequence layout: dense (B, S, H, D) when cu_seqlens_* are absent, packed

@@ -22,7 +22,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import _C
+from . import _C, _jit
 from . import mods as _mods
 from ._tensors import TRACED, Framework, _dtype_name, framework_of
 from ._variants import BuiltinVariant, MaskMod, ScoreMod
@@ -245,6 +245,11 @@ class _Call:
     # Traced callables (cuflash.mods): [result, grad, code...] of the expression program, else [].
     score_program: List[int] = field(default_factory=list)
     mask_program: List[int] = field(default_factory=list)
+    # On the GPU: the traced callables, and the (forward, backward) launchers compiled for them
+    # at run time (cuflash._jit); 0: the library's own kernels.
+    score_traced: Any = None
+    mask_traced: Any = None
+    expression_kernels: Tuple[int, int] = (0, 0)
     # mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx, then the q_ (backward) lists.
     block_sparse: List[Optional[Tensor]] = field(default_factory=list)
     num_splits: int = 1
@@ -378,9 +383,15 @@ def _resolve_callable(mod: Any, argument: str, cls: type, aux_tensors: Optional[
         traced = _mods._trace(mod, role, argument, aux_tensors)
     framework = call.framework
     if call.device[0] == "cuda":
-        _fail(NotImplementedError, argument,
-              "Python callables run on the CPU reference for now (pass CPU tensors); on the GPU use a "
-              "built-in from cuflash.scores / cuflash.masks")
+        if not _jit.enabled():
+            _fail(NotImplementedError, argument,
+                  "Python callables run on the CPU reference (pass CPU tensors); on the GPU they need kernels "
+                  "compiled at run time, which is experimental: set CUFLASH_JIT_CALLABLES=1, or use a "
+                  "built-in from cuflash.scores / cuflash.masks")
+        if role == "score":
+            call.score_traced = traced
+        else:
+            call.mask_traced = traced
     if _uses_jax_ffi(framework):
         _fail(NotImplementedError, argument, "Python callables are not supported with JAX arrays yet; use a "
                                              "built-in from cuflash.scores / cuflash.masks")
@@ -595,6 +606,13 @@ def _prepare(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, s
     if aux_tensors is not None and not (score_used_aux or mask_used_aux):
         _fail(ValueError, "aux_tensors", "no score_mod / mask_mod reads them: the built-ins were given their "
                                          "tensors, and callables take them as extra trailing parameters")
+    if call.score_traced is not None or call.mask_traced is not None:
+        try:
+            call.expression_kernels = _jit.expression_kernels(
+                call.score_traced, call.mask_traced, call.dtype, call.head_dim, call.head_dim_v,
+                _C.kernel_params_abi())
+        except _jit.JitError as error:
+            _fail(RuntimeError, "score_mod" if call.score_traced is not None else "mask_mod", str(error))
 
     if any(t is not None for t in block_sparse) or any(t is not None for t in q_block_sparse):
         forward_lists = _check_block_sparse(
@@ -639,7 +657,7 @@ def _run_forward(call: _Call) -> Tuple[Tensor, Tensor]:
     _C.forward(call.export(call.q), call.export(call.k), call.export(call.v), call.export(out),
                lse=call.export(lse), learnable_sink=call.export(call.learnable_sink),
                page_table=call.export(call.page_table), num_splits=call.num_splits, pack_gqa=call.pack_gqa,
-               stream=stream, **call.common_kwargs())
+               stream=stream, expression_kernel=call.expression_kernels[0], **call.common_kwargs())
     out, lse = framework.finish([out, lse], stream, like=call.q)
     return out, lse
 
@@ -659,7 +677,7 @@ def _run_backward(call: _Call, out: Tensor, dout: Tensor, lse: Tensor
                 call.export(dout), call.export(lse), call.export(dq), call.export(dk), call.export(dv),
                 learnable_sink=call.export(call.learnable_sink), d_sink=call.export(d_sink),
                 page_table=call.export(call.page_table), deterministic=call.deterministic, stream=stream,
-                **call.common_kwargs())
+                expression_kernel=call.expression_kernels[1], **call.common_kwargs())
     dq, dk, dv, d_sink = framework.finish([dq, dk, dv, d_sink], stream, like=call.q)
     return dq, dk, dv, d_sink
 

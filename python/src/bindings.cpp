@@ -206,7 +206,7 @@ void forward(const InArray& q, const InArray& k, const InArray& v, const OutArra
              const std::vector<OptIn>& block_sparse, int block_m, int block_n, int num_splits,
              std::optional<bool> pack_gqa, std::uintptr_t stream,
              const std::vector<std::int32_t>& score_mod_program,
-             const std::vector<std::int32_t>& mask_mod_program) {
+             const std::vector<std::int32_t>& mask_mod_program, std::uintptr_t expression_kernel) {
   cuflash::ForwardArgs args;
   args.q = to_view(q, "q");
   args.k = to_view(k, "k");
@@ -221,6 +221,7 @@ void forward(const InArray& q, const InArray& k, const InArray& v, const OutArra
                                   score_mod_program, mask_mod_program);
   args.seq = std::move(common.seq);
   args.opts = std::move(common.opts);
+  args.opts.expression_forward_kernel = expression_kernel;
   args.num_splits = num_splits;
   args.pack_gqa = pack_gqa;
   nb::gil_scoped_release release;
@@ -238,7 +239,7 @@ void backward(const InArray& q, const InArray& k, const InArray& v, const InArra
               const std::vector<double>& mask_mod_scalars, const std::vector<InArray>& mask_mod_aux,
               const std::vector<OptIn>& block_sparse, int block_m, int block_n, bool deterministic,
               std::uintptr_t stream, const std::vector<std::int32_t>& score_mod_program,
-              const std::vector<std::int32_t>& mask_mod_program) {
+              const std::vector<std::int32_t>& mask_mod_program, std::uintptr_t expression_kernel) {
   cuflash::BackwardArgs args;
   args.q = to_view(q, "q");
   args.k = to_view(k, "k");
@@ -258,6 +259,7 @@ void backward(const InArray& q, const InArray& k, const InArray& v, const InArra
                                   score_mod_program, mask_mod_program);
   args.seq = std::move(common.seq);
   args.opts = std::move(common.opts);
+  args.opts.expression_backward_kernel = expression_kernel;
   args.deterministic = deterministic;
   nb::gil_scoped_release release;
   cuflash::backward(args, to_stream(stream));
@@ -448,7 +450,9 @@ NB_MODULE(_C, m) {
         "block_sparse"_a = std::vector<OptIn>{}, "block_m"_a = 128, "block_n"_a = 128, "num_splits"_a = 1,
         "pack_gqa"_a.none() = nb::none(), "stream"_a = 0,
         "score_mod_program"_a = std::vector<std::int32_t>{}, "mask_mod_program"_a = std::vector<std::int32_t>{},
-        "Runs cuflash::forward, writing out (and lse when given). Arguments are unchecked views.");
+        "expression_kernel"_a = 0,
+        "Runs cuflash::forward, writing out (and lse when given). Arguments are unchecked views; "
+        "expression_kernel: a launcher compiled at run time for expression mods (cuflash._jit).");
   m.def("backward", &backward, "q"_a, "k"_a, "v"_a, "out"_a, "dout"_a, "lse"_a, "dq"_a, "dk"_a, "dv"_a,
         "learnable_sink"_a.none() = nb::none(), "d_sink"_a.none() = nb::none(),
         "cu_seqlens_q"_a.none() = nb::none(), "cu_seqlens_k"_a.none() = nb::none(),
@@ -461,7 +465,9 @@ NB_MODULE(_C, m) {
         "mask_mod_aux"_a = std::vector<InArray>{}, "block_sparse"_a = std::vector<OptIn>{}, "block_m"_a = 128,
         "block_n"_a = 128, "deterministic"_a = false, "stream"_a = 0,
         "score_mod_program"_a = std::vector<std::int32_t>{}, "mask_mod_program"_a = std::vector<std::int32_t>{},
-        "Runs cuflash::backward, writing dq, dk, dv (and d_sink when given).");
+        "expression_kernel"_a = 0,
+        "Runs cuflash::backward, writing dq, dk, dv (and d_sink when given); expression_kernel as for "
+        "forward."); 
   m.def("combine", &combine, "out_partial"_a, "lse_partial"_a, "out"_a, "lse"_a.none() = nb::none(),
         "cu_seqlens"_a.none() = nb::none(), "seqused"_a.none() = nb::none(), "stream"_a = 0,
         "Runs cuflash::combine: merges split-KV partial results by their log-sum-exp.");
@@ -477,6 +483,8 @@ NB_MODULE(_C, m) {
         return nb::make_tuple(static_cast<int>(nb::device::cuda::value), buffer.device_id());
       });
   m.def("built_kernels", &cuflash::built_kernels, "Kernel configurations this build holds.");
+  m.def("kernel_params_abi", &cuflash::kernel_params_abi,
+        "The kernel parameter layout tag that kernel modules compiled at run time must match.");
   m.def("cuda_available", &cuflash::cuda_available, "Whether a usable CUDA device is present.");
   m.def("version", &cuflash::version, "Version of the C++ library.");
   m.attr("built_with_cuda") = bool(CUFLASH_PYTHON_HAS_CUDA);

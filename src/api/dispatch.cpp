@@ -34,9 +34,11 @@ void require_device() {
   }
 }
 
-// Expression programs (score_mod / mask_mod callables) run on the CPU reference; the compiled
-// sm90 kernels hold only the built-in mods.
-void refuse_expression_mods(const AttentionOptions& opts) {
+// Expression programs (score_mod / mask_mod callables) run on the GPU only through kernels
+// compiled for them at run time (AttentionOptions::expression_*_kernel, python/cuflash/_jit.py):
+// the library's own sm90 kernels hold only the built-in mods.
+void refuse_expression_mods(const AttentionOptions& opts, std::uintptr_t expression_kernel) {
+  if (expression_kernel != 0) return;
   if (opts.score_mod.kind == ScoreModKind::kExpression) {
     throw Error(Error::Kind::kNotSupported, "score_mod",
                 "score_mod: expression programs (Python callables) run on the CPU reference only "
@@ -51,7 +53,7 @@ void refuse_expression_mods(const AttentionOptions& opts) {
 
 // Forward parameters with the device facts: SM count and split count.
 FwdParams device_fwd_params(const ForwardArgs& args, const detail::AttentionShape& shape) {
-  refuse_expression_mods(args.opts);
+  refuse_expression_mods(args.opts, args.opts.expression_forward_kernel);
   FwdParams params = detail::make_fwd_params(args, shape);
   params.num_sm = sm90::device_sm_count(shape.device.index);
   params.num_splits = detail::choose_num_splits(params, args.num_splits, params.num_sm);
@@ -76,7 +78,7 @@ void refuse_paged_backward(const detail::AttentionShape& shape) {
 }
 
 BwdParams device_bwd_params(const BackwardArgs& args, const detail::AttentionShape& shape) {
-  refuse_expression_mods(args.opts);
+  refuse_expression_mods(args.opts, args.opts.expression_backward_kernel);
   BwdParams params = detail::make_bwd_params(args, shape);
   params.num_sm = sm90::device_sm_count(shape.device.index);
   return params;
@@ -185,6 +187,8 @@ void combine(const CombineArgs& args, StreamHandle stream) {
   throw_not_built();
 #endif
 }
+
+std::uint64_t kernel_params_abi() { return params_abi_tag(); }
 
 std::vector<std::string> built_kernels() {
 #if CUFLASH_HAS_CUDA

@@ -106,6 +106,10 @@ struct FwdParams {
   // Dynamic tile scheduling: one int of device workspace that the launch zeroes on the stream
   // before the kernel; null: no dynamic scheduling (see fwd_tiles_unequal).
   int* tile_counter = nullptr;
+
+  // A launcher compiled at run time for expression mods (AttentionOptions), run instead of the
+  // built-in flex kernels; 0: none.
+  std::uintptr_t expression_kernel = 0;
 };
 
 // Whether the forward's tiles differ in cost: causal/local windows, packed or seqused sequences
@@ -156,6 +160,9 @@ struct BwdParams {
   const void* learnable_sink = nullptr;
   int sink_dtype = 0;
   bool deterministic = false;
+  // A launcher compiled at run time for expression mods (AttentionOptions), run instead of the
+  // built-in flex kernel once the workspace is carved; 0: none.
+  std::uintptr_t expression_kernel = 0;
 
   // Workspace (fp32): dPsum and lse_log2 (B, H, Sq_rounded), dq_accum (B, H, Sq_rounded, D),
   // dk_accum / dv_accum for GQA (B, H_kv, Sk_rounded, D / Dv), semaphores for determinism.
@@ -199,5 +206,12 @@ struct CombineParams {
   const int* seqused = nullptr;
   int out_dtype = 0;  // cuflash::DType value
 };
+
+// The layout tag of kernel_params_abi(): the sizes of the structures a launcher compiled at run
+// time reads (the library and such a module must agree on them).
+constexpr std::uint64_t params_abi_tag() {
+  return (std::uint64_t(sizeof(FwdParams)) << 40) ^ (std::uint64_t(sizeof(BwdParams)) << 20) ^
+         std::uint64_t(sizeof(ModParams));
+}
 
 }  // namespace cuflash

@@ -178,6 +178,7 @@ FwdParams make_fwd_params(const ForwardArgs& args, const AttentionShape& shape) 
   fill_attention_params(p, args.q, args.k, args.v, args.out, args.seq, args.opts,
                         args.learnable_sink, shape, /*backward=*/false);
   p.out = args.out.data;
+  p.expression_kernel = args.opts.expression_forward_kernel;
   if (args.lse) {
     p.lse = static_cast<float*>(args.lse->data);
     const RowStrides lse = lse_strides(*args.lse);
@@ -196,6 +197,7 @@ BwdParams make_bwd_params(const BackwardArgs& args, const AttentionShape& shape)
   fill_attention_params(p, args.q, args.k, args.v, args.out, args.seq, args.opts,
                         args.learnable_sink, shape, /*backward=*/true);
   p.out = args.out.data;
+  p.expression_kernel = args.opts.expression_backward_kernel;
   p.dout = args.dout.data;
   p.lse = static_cast<const float*>(args.lse.data);
   p.dq = args.dq.data;

@@ -187,7 +187,10 @@ void run_backward(BwdParams& params, StreamHandle stream) {
   std::string const name = kernel_name(params);
   const BwdEntry* entry = kBwdEntries;
   while (entry->name != nullptr && name != entry->name) ++entry;
-  if (entry->name == nullptr) {
+  // A kernel module compiled at run time for expression mods (python/cuflash/_jit.py) stands in
+  // for the built-in flex kernel.
+  bool const expression = params.expression_kernel != 0;
+  if (entry->name == nullptr && !expression) {
     KernelHeadDims const dims = kernel_head_dims(params);
     std::string const hdim = std::to_string(dims.head_dim) +
                              (dims.head_dim_v != dims.head_dim ? "x" + std::to_string(dims.head_dim_v) : "");
@@ -211,6 +214,11 @@ void run_backward(BwdParams& params, StreamHandle stream) {
   params.dk_accum = gqa ? reinterpret_cast<float*>(base + layout.dk_accum) : nullptr;
   params.dv_accum = gqa ? reinterpret_cast<float*>(base + layout.dv_accum) : nullptr;
   params.dq_semaphore = params.deterministic ? reinterpret_cast<int*>(base + layout.semaphore) : nullptr;
+  if (expression) {
+    reinterpret_cast<void (*)(BwdParams*, cudaStream_t)>(params.expression_kernel)(
+        &params, static_cast<cudaStream_t>(stream));
+    return;
+  }
   entry->launch(params, static_cast<cudaStream_t>(stream));
 }
 

@@ -1,0 +1,114 @@
+"""Kernels compiled at run time for score_mod / mask_mod callables (cuflash._jit): source
+generation and, where nvcc and the CUTLASS headers are present, a real build of a module whose
+launchers load and match the extension's parameter layouts. No GPU is needed; the GPU run of
+such a module is in test_gpu_callables_jit (skipped without a device)."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import _C, _jit, mods
+
+
+def _alibi_like(slopes):
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+    return score_mod
+
+
+def _prefix_causal(b, h, q_idx, kv_idx):
+    return (kv_idx <= q_idx) | (kv_idx < 16)
+
+
+def test_kernel_head_dims_follow_dispatch():
+    assert _jit.kernel_head_dims(64, 64) == (64, 64)
+    assert _jit.kernel_head_dims(80, 80) == (96, 96)
+    assert _jit.kernel_head_dims(128, 64) == (128, 128)
+    assert _jit.kernel_head_dims(160, 128) == (192, 128)
+    assert _jit.kernel_head_dims(192, 192) == (192, 192)
+    assert _jit.kernel_head_dims(200, 256) == (256, 256)
+
+
+def test_kernel_source_instantiates_the_flex_templates():
+    score = mods.trace_score_mod(_alibi_like(np.ones(4, np.float32)))
+    mask = mods.trace_mask_mod(_prefix_causal)
+    both = _jit.kernel_source(score, mask, "bfloat16", 64, 64)
+    assert "FlexVariantOf<CuflashExprScoreSwitch, CuflashExprMaskSwitch>" in both
+    assert "run_flash_fwd_sm90<cutlass::bfloat16_t, 64, 64" in both
+    assert "run_bwd_flex<cutlass::bfloat16_t, 64, 64, CuflashExprVariant>" in both
+    assert 'extern "C" void cuflash_expression_forward' in both
+    assert 'extern "C" void cuflash_expression_backward' in both
+    # One side a callable: the built-in switch serves the other.
+    score_only = _jit.kernel_source(score, None, "float16", 100, 100)
+    assert "FlexVariantOf<CuflashExprScoreSwitch, cuflash::variants::MaskModSwitch>" in score_only
+    assert "cutlass::half_t, 128, 128" in score_only
+    # The source depends on the program's structure, not its constants.
+    other = mods.trace_score_mod(_alibi_like(np.full(4, 3.0, np.float32)))
+    assert _jit.kernel_source(other, mask, "bfloat16", 64, 64) == both
+    with pytest.raises(_jit.JitError, match="float16 or bfloat16"):
+        _jit.kernel_source(score, None, "float32", 64, 64)
+
+
+def test_off_by_default(monkeypatch):
+    monkeypatch.delenv("CUFLASH_JIT_CALLABLES", raising=False)
+    assert not _jit.enabled()
+    monkeypatch.setenv("CUFLASH_JIT_CALLABLES", "1")
+    assert _jit.enabled()
+
+
+def _toolchain_or_skip():
+    try:
+        _jit._nvcc()
+        _jit._cutlass_include()
+        _jit._kernel_includes()
+    except _jit.JitError as error:
+        pytest.skip(str(error))
+
+
+def test_build_and_load_a_module(tmp_path, monkeypatch):
+    """Compiles forward and backward for one callable pair (about a minute on two cores)."""
+    _toolchain_or_skip()
+    monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path))
+    score = mods.trace_score_mod(_alibi_like(np.ones(4, np.float32)))
+    mask = mods.trace_mask_mod(_prefix_causal)
+    forward, backward = _jit.expression_kernels(score, mask, "bfloat16", 64, 64, _C.kernel_params_abi())
+    assert forward and backward and forward != backward
+    built = list((tmp_path / "kernels").glob("cuflash_expr_*.so"))
+    assert len(built) == 1
+    # Cached: the same structure reuses the module, in this process and on disk.
+    assert _jit.expression_kernels(score, mask, "bfloat16", 64, 64, _C.kernel_params_abi()) == (forward, backward)
+    # A module built against other parameter layouts is refused (a fresh copy: a loaded module
+    # keeps the result of its first check).
+    copy = built[0].with_name("cuflash_expr_copy.so")
+    shutil.copyfile(built[0], copy)
+    with pytest.raises(_jit.JitError, match="other parameter layouts"):
+        _jit.load(copy, _C.kernel_params_abi() ^ 1)
+
+
+def test_gpu_callables_jit(monkeypatch):
+    """On a GPU: callables through kernels compiled at run time match the built-ins, forward and
+    backward (CUFLASH_JIT_CALLABLES=1)."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    if not (torch.cuda.is_available() and cuflash.built_with_cuda):
+        pytest.skip("no CUDA device or a build without CUDA")
+    _toolchain_or_skip()
+    monkeypatch.setenv("CUFLASH_JIT_CALLABLES", "1")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 300, 4, 64, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+               for _ in range(3))
+    slopes = torch.tensor(cuflash.scores.alibi_slopes(4), device="cuda")
+    out, _ = cuflash.flash_attn_func(q, k, v, score_mod=_alibi_like(slopes), causal=True)
+    expected, _ = cuflash.flash_attn_func(q, k, v, score_mod=cuflash.scores.alibi(slopes), causal=True)
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    expected_grads = torch.autograd.grad(expected.float().sum(), (q, k, v))
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
+    # A mask callable alone, against the built-in causal mask.
+    out, _ = cuflash.flash_attn_func(q, k, v, mask_mod=lambda b, h, i, j: j <= i)
+    expected, _ = cuflash.flash_attn_func(q, k, v, mask_mod=cuflash.masks.causal())
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
