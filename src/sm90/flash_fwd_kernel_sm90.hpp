@@ -88,10 +88,6 @@ struct FlashFwdKernelSm90 {
   static_assert(kLoadRegisters * cutlass::NumThreadsPerWarpGroup + kMmaRegisters * kNumMmaThreads <=
                     kLaunchRegisters * kNumThreads,
                 "the register split fits the launch's allocation");
-  // Dynamic tile scheduling (tile_scheduler_sm90.hpp) in all but the paged kernels: their
-  // producer warpgroup, which may gather K/V with every thread, is at its register limit, and
-  // the handoff's state spills there; they run tiles of unequal cost one CTA per tile.
-  static constexpr bool kDynamicScheduling = !kIsPaged;
   // Each thread of a WGMMA accumulator holds two rows of its warpgroup's 64.
   static constexpr int kRowsPerThread = 2;
 
@@ -101,6 +97,15 @@ struct FlashFwdKernelSm90 {
       cute::cosize_v<typename Epilogue::SmemLayoutO> * int(sizeof(Element));
   static constexpr bool kSeparateO =
       int(sizeof(typename Mainloop::TensorStorage)) + kSmemBytesO + 1024 <= 227 * 1024;
+  // Dynamic tile scheduling (tile_scheduler_sm90.hpp) for tiles of unequal cost, where it pays:
+  // - not in the paged kernels: their producer warpgroup, which may gather K/V with every
+  //   thread, is at its register limit, and the handoff's state spills there;
+  // - not where O reuses Q's buffer (hdim 192 / 256): the next tile's Q cannot land under the
+  //   epilogue, so a persistent CTA gains nothing to pay for the counter round trip; measured at
+  //   hdim256 causal, 541-683 TFLOP/s (0.98-1.03x cuDNN) dynamic against 582-769 (1.05-1.17x)
+  //   one CTA per tile (bench/NOTES.md, Version 7).
+  // The others run such tiles one CTA per tile (flash_fwd_launch_sm90.hpp).
+  static constexpr bool kDynamicScheduling = !kIsPaged && kSeparateO;
   struct SeparateOStorage {
     cute::array_aligned<Element, cute::cosize_v<typename Epilogue::SmemLayoutO>, 1024> smem_o;
   };
