@@ -170,23 +170,17 @@ if has_step bench_bwd; then
   note "bench_bwd: rc=$rc in $(( $(date +%s) - start )) s; skipped records: ${skipped:-no bwd_sm90.json}"
 fi
 
-if has_step bench_gqa; then
+# run_bench NAME TIMEOUT ARGS: bench/bench_NAME.py under a timeout, its output in bench_NAME.log.
+run_bench() {
   make_pkg
-  start=$(date +%s)
+  local start=$(date +%s)
   # shellcheck disable=SC2086
-  PYTHONUNBUFFERED=1 PYTHONPATH="$pkg" timeout "${BENCH_GQA_TIMEOUT:-180}" python3 "$ROOT/bench/bench_gqa.py" --out "$OUT" \
-    ${BENCH_GQA_ARGS:-} 2>&1 | tee "$OUT/bench_gqa.log"
-  note "bench_gqa: rc=${PIPESTATUS[0]} in $(( $(date +%s) - start )) s"
-fi
-
-if has_step bench_flex; then
-  make_pkg
-  start=$(date +%s)
-  # shellcheck disable=SC2086
-  PYTHONUNBUFFERED=1 PYTHONPATH="$pkg" timeout "${BENCH_FLEX_TIMEOUT:-300}" python3 "$ROOT/bench/bench_flex.py" --out "$OUT" \
-    ${BENCH_FLEX_ARGS:-} 2>&1 | tee "$OUT/bench_flex.log"
-  note "bench_flex: rc=${PIPESTATUS[0]} in $(( $(date +%s) - start )) s"
-fi
+  PYTHONUNBUFFERED=1 PYTHONPATH="$pkg" timeout "$2" python3 "$ROOT/bench/bench_$1.py" --out "$OUT" $3 2>&1 |
+    tee "$OUT/bench_$1.log"
+  note "bench_$1: rc=${PIPESTATUS[0]} in $(( $(date +%s) - start )) s"
+}
+has_step bench_gqa && run_bench gqa "${BENCH_GQA_TIMEOUT:-180}" "${BENCH_GQA_ARGS:-}"
+has_step bench_flex && run_bench flex "${BENCH_FLEX_TIMEOUT:-300}" "${BENCH_FLEX_ARGS:-}"
 
 if has_step profile; then
   # Nsight Compute on single launches: PROFILE is a list of kind:hdim:seqlen:causal (kind fwd or

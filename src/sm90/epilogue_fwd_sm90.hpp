@@ -2,7 +2,8 @@
 // buffer or Q's, see the kernel's kSeparateO) -> global memory, by one of two paths:
 // - TMA store (dense O with its own buffer and 16-byte aligned base and strides): one thread of
 //   each MMA warpgroup issues a bulk tensor store of that warpgroup's 64 rows, and the warpgroup
-//   goes on to the next tile while it drains, without waiting for the other warpgroups. The descriptor's bounds are the output's (seqlen_q, head_dim_v), so rows past
+//   goes on to the next tile while it drains, without waiting for the other warpgroups. The
+//   descriptor's bounds are the output's (seqlen_q, head_dim_v), so rows past
 //   seqlen_q in the last m-block and columns past the real head dim are clipped by TMA.
 // - 16-byte vector stores by every consumer thread, predicated on the rows this sequence owns,
 //   which covers packed (varlen) tails, whose next rows belong to the next sequence, and O in

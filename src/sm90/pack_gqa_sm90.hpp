@@ -15,8 +15,6 @@ struct PackGqa {
   int group = 1;  // query heads per kv head when packed, else 1
   cutlass::FastDivmod divmod;
 
-  CUTLASS_HOST_DEVICE bool packed() const { return group > 1; }
-
   // (query row, head) of tile row `row` in a tile of head `tile_head` (the kv head when packed).
   CUTLASS_DEVICE void split(int row, int tile_head, int& query_row, int& head) const {
     if (group == 1) {

@@ -460,6 +460,31 @@ INSTANTIATE_TEST_SUITE_P(Options, GpuForward, ::testing::ValuesIn(forward_cases(
                            return case_name(info.param);
                          });
 
+// Explicit pack_gqa=True where no packed kernel exists: refused by name, not run unpacked.
+TEST(GpuForwardPackGqa, SoftcapWithSplitIsRefused) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  if (!gpu_testing::is_built("fwd bf16 hdim128 softcap split")) GTEST_SKIP() << "not built";
+  DeviceBuffer q(16 * 4 * 128 * 2), kv(512 * 1 * 128 * 2), out(16 * 4 * 128 * 2);
+  ForwardArgs args;
+  args.q = TensorView(q.data(), DType::kBFloat16, {1, 16, 4, 128}, kCuda);
+  args.k = TensorView(kv.data(), DType::kBFloat16, {1, 512, 1, 128}, kCuda);
+  args.v = args.k;
+  args.out = TensorView(out.data(), DType::kBFloat16, {1, 16, 4, 128}, kCuda);
+  args.opts.softcap = 30.f;
+  args.num_splits = 2;
+  args.pack_gqa = true;
+  try {
+    forward(args);
+    ADD_FAILURE() << "ran";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.kind(), Error::Kind::kNotSupported) << error.what();
+    EXPECT_EQ(error.argument(), "pack_gqa") << error.what();
+  }
+  args.pack_gqa.reset();  // left to the heuristic: unpacked, and it runs
+  EXPECT_NO_THROW(forward(args));
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
 }  // namespace
 }  // namespace cuflash
 

@@ -111,7 +111,8 @@ def test_cupy(rng):
     assert_lse_close(cupy.asnumpy(lse), expected_lse)
 
 
-def test_jax(rng):
+def jax_gpu_device():
+    """jax and its first GPU device, with a cuflash build with CUDA."""
     jax = pytest.importorskip("jax", reason="jax is not installed")
     try:
         gpus = jax.devices("gpu")
@@ -121,31 +122,28 @@ def test_jax(rng):
         pytest.skip("no JAX GPU device")
     if not cuflash.built_with_cuda:
         pytest.skip("cuflash was built without CUDA")
-    q, k, v = reference_inputs(rng, "bfloat16")
-    with skip_if_not_built():
-        out, lse = cuflash.flash_attn_func(*(jax.device_put(x, gpus[0]) for x in (q, k, v)))
-    assert isinstance(out, jax.Array)
-    expected_out, expected_lse = ref.forward_dense(q, k, v, ref.Options())
-    assert_close(np.asarray(out).astype(np.float64), expected_out, "bfloat16", what="out")
-    assert_lse_close(np.asarray(lse), expected_lse)
+    return jax, gpus[0]
 
 
 def jax_gpu():
-    """jax with a GPU device and a cuflash build with CUDA and the XLA FFI handlers."""
-    jax = pytest.importorskip("jax", reason="jax is not installed")
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError:
-        gpus = []
-    if not gpus:
-        pytest.skip("no JAX GPU device")
-    if not cuflash.built_with_cuda:
-        pytest.skip("cuflash was built without CUDA")
+    """jax_gpu_device, with the XLA FFI handlers in the build."""
+    jax, gpu = jax_gpu_device()
     from cuflash import _jax
 
     if not _jax.available():
         pytest.skip("this cuflash build has no XLA FFI handlers (jax was not found when it was configured)")
-    return jax, gpus[0]
+    return jax, gpu
+
+
+def test_jax(rng):
+    jax, gpu = jax_gpu_device()
+    q, k, v = reference_inputs(rng, "bfloat16")
+    with skip_if_not_built():
+        out, lse = cuflash.flash_attn_func(*(jax.device_put(x, gpu) for x in (q, k, v)))
+    assert isinstance(out, jax.Array)
+    expected_out, expected_lse = ref.forward_dense(q, k, v, ref.Options())
+    assert_close(np.asarray(out).astype(np.float64), expected_out, "bfloat16", what="out")
+    assert_lse_close(np.asarray(lse), expected_lse)
 
 
 @pytest.mark.parametrize("causal", [False, True])
