@@ -108,6 +108,9 @@ if has_step pytest; then
   make_pkg
   start=$(date +%s)
   # shellcheck disable=SC2086
+  # Callables compile at run time against the carried CUTLASS headers and this tree's kernel headers
+  # (the package copy in $pkg is not inside the checkout).
+  CUTLASS_DIR=${CUTLASS_DIR:-$ROOT/.cutlass} CUFLASH_SOURCE_DIR=$ROOT \
   PYTHONPATH="$pkg:$ROOT/tests/python" timeout "${PYTEST_TIMEOUT:-300}" python3 -m pytest -q -rs \
     -p no:cacheprovider "$ROOT/tests/python" ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-} >"$OUT/pytest.log" 2>&1
   rc=$?
