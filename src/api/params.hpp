@@ -184,6 +184,10 @@ struct BwdParams {
   BlockSparseParams block_sparse;  // backward (transposed, q_*) lists
   bool pack_gqa = false;
   int device_index = 0;
+  // Rows per step of the backward tile that dispatch laid the workspace out for (the tile
+  // depends on whether the kernel has a per-element score derivative); the launcher refuses to
+  // run a kernel whose tile differs.
+  int block_m = 0;
 };
 
 // Split-KV combine: out_partial (splits, rows, H, D) and lse_partial (splits, rows, H) in fp32,

@@ -12,6 +12,7 @@
 #include "api/kernels.hpp"
 #include "api/params.hpp"
 #include "cuflash/error.hpp"
+#include "cuflash/options.hpp"
 #include "cuflash/tensor.hpp"
 #include "sm90/tile_size_bwd_sm90.hpp"
 
@@ -61,10 +62,18 @@ bool needs_flex(const BwdParams& p) {
   return p.score_mod.kind != 0 || p.mask_mod.kind != 0 || p.block_sparse.enabled;
 }
 
+// Whether the kernel that runs a call multiplies dS by a per-element derivative
+// (MainloopBwdSm90::kHasScoreGrad): softcap, or a score_mod compiled from an expression (its
+// generated switch declares kUnitGrad = false; every built-in score_mod adds a bias).
+bool has_score_grad(const BwdParams& p) {
+  return p.softcap > 0.f || p.score_mod.kind == static_cast<int>(ScoreModKind::kExpression);
+}
+
 // The tile of the kernel that runs a call; the flex kernels have the window built in.
 bwd::BwdTile kernel_tile(const BwdParams& p) {
   KernelHeadDims const dims = kernel_head_dims(p);
-  return bwd::bwd_tile(dims.head_dim, dims.head_dim_v, needs_flex(p) || p.is_causal || p.is_local, p.softcap > 0.f);
+  return bwd::bwd_tile(dims.head_dim, dims.head_dim_v, needs_flex(p) || p.is_causal || p.is_local,
+                       has_score_grad(p));
 }
 
 std::string kernel_name(const BwdParams& p) {
@@ -214,6 +223,7 @@ void run_backward(BwdParams& params, StreamHandle stream) {
   params.dk_accum = gqa ? reinterpret_cast<float*>(base + layout.dk_accum) : nullptr;
   params.dv_accum = gqa ? reinterpret_cast<float*>(base + layout.dv_accum) : nullptr;
   params.dq_semaphore = params.deterministic ? reinterpret_cast<int*>(base + layout.semaphore) : nullptr;
+  params.block_m = kernel_tile(params).block_m;
   if (expression) {
     reinterpret_cast<void (*)(BwdParams*, cudaStream_t)>(params.expression_kernel)(
         &params, static_cast<cudaStream_t>(stream));

@@ -37,6 +37,14 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   using Kernel = FlashBwdKernelSm90<Mainloop, Epilogue>;
   constexpr int kBlockM = Mainloop::kBlockM;
   constexpr int kBlockN = Mainloop::kBlockN;
+  // The workspace rows and semaphores were counted for dispatch's tile (kernel_tile): a kernel
+  // with more rows per step would run past them.
+  if (params.block_m != kBlockM) {
+    throw Error(Error::Kind::kNotSupported, "score_mod",
+                "cuflash backward: the kernel's tile has " + std::to_string(kBlockM) +
+                    " rows per step but the workspace was laid out for " + std::to_string(params.block_m) +
+                    " (a score_mod module whose derivative flag disagrees with dispatch)");
+  }
 
   bool const varlen_q = params.cu_seqlens_q != nullptr;
   bool const varlen_k = params.cu_seqlens_k != nullptr;

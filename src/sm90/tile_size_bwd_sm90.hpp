@@ -19,15 +19,22 @@ struct BwdTile {
 };
 
 // head_dim / head_dim_v are the padded compile-time head dims of an instantiation
-// (64, 96, 128, 192, 256, or 192 with head_dim_v 128). `window` covers causal and local.
-constexpr BwdTile bwd_tile(int head_dim, int head_dim_v, bool window, bool softcap) {
+// (64, 96, 128, 192, 256, or 192 with head_dim_v 128). `window` covers causal and local;
+// `score_grad`: the kernel multiplies dS by a per-element derivative (softcap's, or a score_mod's
+// that is not 1), which keeps one more value per accumulator element live.
+constexpr BwdTile bwd_tile(int head_dim, int head_dim_v, bool window, bool score_grad) {
   // S^T tiles let dV / dK take P^T / dS^T from registers, which keeps P out of smem.
-  if (head_dim <= 64) return {128, 128, 2, 2, 2, true, false, false, 1, 2, 2};
+  if (head_dim <= 64) {
+    // 128 x 128 spills 460-950 bytes with a score derivative (ptxas, CUDA 13.0): those kernels
+    // take hdim 96's 64-row tile.
+    if (score_grad) return {64, 128, 2, 2, 2, true, false, false, 1, 2, 1};
+    return {128, 128, 2, 2, 2, true, false, false, 1, 2, 2};
+  }
   if (head_dim <= 96) return {64, 128, 2, 2, 2, true, false, false, 1, 2, 1};
   if (head_dim <= 128) {
     // 80-row tiles only fit the register budget without the mask / softcap temporaries;
     // their M extent is not a multiple of 64, so the dQ MMA runs transposed.
-    bool const wide = !window && !softcap;
+    bool const wide = !window && !score_grad;
     return {wide ? 80 : 64, 128, 2, 2, 2, true, false, wide, 1, 2, 1};
   }
   if (head_dim <= 192) {

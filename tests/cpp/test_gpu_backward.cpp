@@ -428,6 +428,13 @@ std::vector<BwdCase> backward_cases() {
       c.label = "softcap_causal_gqa", c.batch = 1, c.seqlen_q = 300, c.seqlen_k = 300, c.heads = 4, c.heads_kv = 2,
       c.causal = true, c.softcap = 15.f;
       add(c);
+      // Softcap changes the tile at some head dims (a per-element derivative): the workspace
+      // rows, the semaphores and the packed sequences must follow it.
+      c = {};
+      c.label = "softcap_deterministic_varlen_local", c.batch = 3, c.seqlen_q = 420, c.seqlen_k = 390, c.heads = 4,
+      c.heads_kv = 2, c.varlen = true, c.window_left = 90, c.window_right = 20, c.softcap = 20.f,
+      c.deterministic = true;
+      add(c);
       c = {};
       c.label = "sink_fp32_one_query", c.batch = 3, c.seqlen_q = 1, c.seqlen_k = 17, c.heads = 4, c.heads_kv = 4,
       c.sink = DType::kFloat32;
