@@ -29,6 +29,17 @@ void validate(const ForwardArgs& args);
 void validate(const BackwardArgs& args);
 void validate(const CombineArgs& args);
 
+// The head dims of the compiled sm90 kernel that runs a call with these (forward and backward):
+// the smallest of 64, 96, 128, 192, 256 that holds both, except that a head_dim in (128, 192]
+// with head_dim_v <= 128 runs the 192x128 kernel. Dispatch picks kernels by this rule, and
+// kernel modules compiled at run time must instantiate the same dims to stand in for them, so
+// it lives in one place. {0, 0} when either is over 256 (no kernel holds it).
+struct KernelHeadDims {
+  int head_dim = 0;
+  int head_dim_v = 0;
+};
+KernelHeadDims kernel_head_dims(int head_dim, int head_dim_v);
+
 // Which kernel configurations this build holds, e.g. "fwd bf16 hdim128".
 std::vector<std::string> built_kernels();
 bool cuda_available();  // a CUDA device is present and usable

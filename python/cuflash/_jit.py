@@ -29,10 +29,8 @@ import tempfile
 import threading
 from typing import Dict, List, Tuple
 
-from . import _codegen
+from . import _C, _codegen
 
-# The compiled head dims, as dispatch rounds a call's (src/sm90/dispatch_fwd_sm90.cu).
-_HEAD_DIMS = (64, 96, 128, 192, 256)
 _ELEMENTS = {"float16": "cutlass::half_t", "bfloat16": "cutlass::bfloat16_t"}
 
 _FLAGS = [
@@ -51,11 +49,14 @@ class JitError(RuntimeError):
 
 
 def kernel_head_dims(head_dim: int, head_dim_v: int) -> Tuple[int, int]:
-    """The compiled (head_dim, head_dim_v) that run a call's, as dispatch picks them."""
-    rounded = next(d for d in _HEAD_DIMS if max(head_dim, head_dim_v) <= d)
-    if 128 < head_dim <= 192 and head_dim_v <= 128:
-        return 192, 128
-    return rounded, rounded
+    """The compiled (head_dim, head_dim_v) that run a call's, as dispatch picks them.
+
+    The rule is the library's own (cuflash::kernel_head_dims): a module built here stands in for
+    the kernel dispatch would have picked, so it must instantiate the same dims."""
+    dims = tuple(_C.kernel_head_dims(head_dim, head_dim_v))
+    if dims == (0, 0):
+        raise JitError(f"no kernel holds head dims {head_dim} / {head_dim_v} (at most 256)")
+    return dims
 
 
 def kernel_source(score, mask, dtype: str, head_dim: int, head_dim_v: int) -> str:

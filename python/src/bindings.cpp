@@ -483,6 +483,14 @@ NB_MODULE(_C, m) {
         return nb::make_tuple(static_cast<int>(nb::device::cuda::value), buffer.device_id());
       });
   m.def("built_kernels", &cuflash::built_kernels, "Kernel configurations this build holds.");
+  m.def(
+      "kernel_head_dims",
+      [](int head_dim, int head_dim_v) {
+        cuflash::KernelHeadDims const dims = cuflash::kernel_head_dims(head_dim, head_dim_v);
+        return nb::make_tuple(dims.head_dim, dims.head_dim_v);
+      },
+      "head_dim"_a, "head_dim_v"_a,
+      "(head_dim, head_dim_v) of the compiled kernel that runs a call with these; (0, 0) over 256.");
   m.def("kernel_params_abi", &cuflash::kernel_params_abi,
         "The kernel parameter layout tag that kernel modules compiled at run time must match.");
   m.def("cuda_available", &cuflash::cuda_available, "Whether a usable CUDA device is present.");

@@ -11,6 +11,7 @@
 
 #include "api/kernels.hpp"
 #include "api/params.hpp"
+#include "cuflash/cuflash.hpp"
 #include "cuflash/error.hpp"
 #include "cuflash/options.hpp"
 #include "cuflash/tensor.hpp"
@@ -42,19 +43,10 @@ constexpr BwdEntry kBwdEntries[] = {
   throw Error(Error::Kind::kNotSupported, argument, message);
 }
 
-struct KernelHeadDims {
-  int head_dim = 0, head_dim_v = 0;
-};
-
-// The smallest compiled head dims that hold the call's; TMA zero-fills the extra columns and
-// the stores write only the real ones.
+// The compiled head dims that run a call's (cuflash::kernel_head_dims, shared with the forward
+// and with the kernel modules compiled at run time).
 KernelHeadDims kernel_head_dims(const BwdParams& p) {
-  if (p.head_dim > 128 && p.head_dim <= 192 && p.head_dim_v <= 128) return {192, 128};
-  int const largest = p.head_dim > p.head_dim_v ? p.head_dim : p.head_dim_v;
-  for (int d : {64, 96, 128, 192, 256}) {
-    if (largest <= d) return {d, d};
-  }
-  return {};
+  return cuflash::kernel_head_dims(p.head_dim, p.head_dim_v);
 }
 
 // score_mod, mask_mod and block sparsity run on the flex kernels (variants::FlexVariant).

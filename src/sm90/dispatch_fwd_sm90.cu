@@ -11,6 +11,7 @@
 
 #include "api/kernels.hpp"
 #include "api/params.hpp"
+#include "cuflash/cuflash.hpp"
 #include "cuflash/error.hpp"
 #include "cuflash/tensor.hpp"
 #include "sm90/tile_size_sm90.hpp"
@@ -43,25 +44,15 @@ constexpr FwdEntry kFwdEntries[] = {
   throw Error(Error::Kind::kNotSupported, argument, message);
 }
 
-// Kernel head dims: the smallest compiled tile that holds the call's; TMA zero-fills the
-// extra columns of Q/K/V and the epilogue stores only the real ones.
-int round_head_dim(int head_dim) {
-  for (int d : {64, 96, 128, 192, 256}) {
-    if (head_dim <= d) return d;
-  }
-  return 0;
-}
-
 // score_mod, mask_mod and block sparsity run on the flex kernels (variants::FlexVariant).
 bool needs_flex(const FwdParams& p) {
   return p.score_mod.kind != 0 || p.mask_mod.kind != 0 || p.block_sparse.enabled;
 }
 
-// The compiled head dims (hdim, hdim_v) that run a call's.
-std::pair<int, int> kernel_head_dims(const FwdParams& p) {
-  int const hdim = round_head_dim(std::max(p.head_dim, p.head_dim_v));
-  if (p.head_dim > 128 && p.head_dim <= 192 && p.head_dim_v <= 128) return {192, 128};
-  return {hdim, hdim};
+// The compiled head dims that run a call's (cuflash::kernel_head_dims, shared with the backward
+// and with the kernel modules compiled at run time).
+KernelHeadDims kernel_head_dims(const FwdParams& p) {
+  return cuflash::kernel_head_dims(p.head_dim, p.head_dim_v);
 }
 
 std::string fwd_kernel_name(const FwdParams& p) {

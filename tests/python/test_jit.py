@@ -31,6 +31,10 @@ def test_kernel_head_dims_follow_dispatch():
     assert _jit.kernel_head_dims(160, 128) == (192, 128)
     assert _jit.kernel_head_dims(192, 192) == (192, 192)
     assert _jit.kernel_head_dims(200, 256) == (256, 256)
+    assert _jit.kernel_head_dims(192, 136) == (192, 192)
+    assert _jit.kernel_head_dims(200, 128) == (256, 256)
+    with pytest.raises(_jit.JitError, match="head dims 264 / 64"):
+        _jit.kernel_head_dims(264, 64)
 
 
 def test_kernel_source_instantiates_the_flex_templates():
