@@ -237,10 +237,9 @@ def main():
                         help="gradients further than this from the cuDNN reference (relative to its max) "
                              "are recorded as skipped, not timed")
     parser.add_argument("--softcap", type=float, default=0.0,
-                        help="softcap of the cuflash columns (the peers have none): with a large cap such as "
-                             "30 the scores of standard-normal inputs are nearly unchanged, so the gradients "
-                             "still pass the --max-err check against cuDNN; what it measures is the cost of "
-                             "the tanh and its derivative")
+                        help="softcap of the cuflash columns (the peers have none; the cuflash gradients are "
+                             "then not checked against theirs): what it measures is the cost of the tanh and "
+                             "its derivative")
     parser.add_argument("--dry-run", action="store_true", help="print the grid and FLOP counts, touch no GPU")
     args = parser.parse_args()
     if args.dry_run:
@@ -289,9 +288,14 @@ def main():
                         reason = unavailable.get(name) or f"not run: CUDA context lost earlier ({lost})"
                         record(name, hdim, seqlen, batch, nheads, causal, float("nan"), reason)
                         continue
+                    # With --softcap the cuflash gradients are of another function than the peers':
+                    # their error is recorded, not checked (the GPU tests check softcap gradients).
+                    checked = reference
+                    if args.softcap > 0 and name.startswith("cuflash") and reference is not None:
+                        checked = None
                     try:
                         tflops, skipped, err, repeatable = measure(name, columns[name], q, k, v, dout, causal, hdim,
-                                                                   flops, args, reference)
+                                                                   flops, args, checked)
                     except ContextLost as error:
                         lost = f"{name} hdim={hdim} seqlen={seqlen} causal={int(causal)}: {error}"
                         tflops, skipped, err, repeatable = float("nan"), f"device fault: {error}", None, None

@@ -385,9 +385,9 @@ def _resolve_callable(mod: Any, argument: str, cls: type, aux_tensors: Optional[
     if call.device[0] == "cuda":
         if not _jit.enabled():
             _fail(NotImplementedError, argument,
-                  "Python callables run on the CPU reference (pass CPU tensors); on the GPU they need kernels "
-                  "compiled at run time, which is experimental: set CUFLASH_JIT_CALLABLES=1, or use a "
-                  "built-in from cuflash.scores / cuflash.masks")
+                  "Python callables on the GPU need kernels compiled at run time, which CUFLASH_JIT_CALLABLES=0 "
+                  "turns off: unset it, pass CPU tensors (the CPU reference), or use a built-in from "
+                  "cuflash.scores / cuflash.masks")
         if role == "score":
             call.score_traced = traced
         else:
@@ -827,8 +827,8 @@ def flash_attn_func(
         mask_mod: mask_mod(b, h, q_idx, kv_idx) -> bool, a Python callable (traced once into
             an expression program, see cuflash.mods; tensors it reads are closed over), or a
             built-in from cuflash.masks (document, prefix_lm, causal, sliding_window). It
-            intersects with causal / window_size. Callables run on the CPU reference for now
-            (CUDA tensors: NotImplementedError).
+            intersects with causal / window_size. Callables run on the CPU reference for CPU
+            tensors and on kernels compiled at run time for CUDA tensors (see cuflash._jit).
         full_block_cnt, full_block_idx, mask_block_cnt, mask_block_idx: FlexAttention
             BlockMask lists for 128 x 128 blocks (see cuflash.block_sparse): int32
             (batch, 1 or num_heads, ceil(seqlen_q/128)) counts and
@@ -892,8 +892,9 @@ def flash_attn_varlen_func(
         score_mod: score_mod(score, b, h, q_idx, kv_idx[, *aux_tensors]) -> new score, a
             Python callable (traced once into an expression program with its derivative, see
             cuflash.mods), or a built-in from cuflash.scores (alibi, relative_bias); not with
-            softcap. Callables run on the CPU reference for now (CUDA tensors:
-            NotImplementedError).
+            softcap. Callables run on the CPU reference for CPU tensors and on kernels
+            compiled at run time for CUDA tensors (nvcc and the CUTLASS headers needed then;
+            see cuflash._jit).
         aux_tensors: tensors a score_mod reads: extra trailing arguments of a callable, or the
             tensors of a built-in made without them (e.g. cuflash.scores.alibi() with
             aux_tensors=[slopes]).

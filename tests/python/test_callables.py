@@ -373,8 +373,9 @@ def test_score_mod_with_softcap_is_refused():
 
 
 def test_gpu_callables(rng):
-    """On a GPU build with a device: callables either run (compiled at run time) or raise
-    NotImplementedError naming the argument; never a silently wrong result."""
+    """On a GPU build with a device: callables run on kernels compiled at run time, or, where
+    the toolchain for that is missing, raise an error naming the argument; never a silently
+    wrong result."""
     torch = pytest.importorskip("torch", reason="torch is not installed")
     if not (torch.cuda.is_available() and cuflash.built_with_cuda):
         pytest.skip("no CUDA device or a build without CUDA")
@@ -387,8 +388,10 @@ def test_gpu_callables(rng):
 
     try:
         out, _ = cuflash.flash_attn_varlen_func(q, k, v, score_mod=score_mod)
-    except NotImplementedError as error:
-        assert str(error).startswith("score_mod: ") and "CPU reference" in str(error)
-        return
+    except RuntimeError as error:
+        assert str(error).startswith("score_mod: ")
+        if "not found" in str(error):  # nvcc or the CUTLASS headers
+            pytest.skip(str(error))
+        raise
     expected, _ = cuflash.flash_attn_varlen_func(q, k, v, score_mod=cuflash.scores.alibi(slopes))
     torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)

@@ -57,8 +57,10 @@ def test_kernel_source_instantiates_the_flex_templates():
         _jit.kernel_source(score, None, "float32", 64, 64)
 
 
-def test_off_by_default(monkeypatch):
+def test_on_unless_turned_off(monkeypatch):
     monkeypatch.delenv("CUFLASH_JIT_CALLABLES", raising=False)
+    assert _jit.enabled()
+    monkeypatch.setenv("CUFLASH_JIT_CALLABLES", "0")
     assert not _jit.enabled()
     monkeypatch.setenv("CUFLASH_JIT_CALLABLES", "1")
     assert _jit.enabled()
@@ -95,18 +97,29 @@ def test_build_and_load_a_module(tmp_path, monkeypatch):
 
 def test_gpu_callables_jit(monkeypatch):
     """On a GPU: callables through kernels compiled at run time match the built-ins, forward and
-    backward (CUFLASH_JIT_CALLABLES=1)."""
+    backward; with CUFLASH_JIT_CALLABLES=0 they are refused by name."""
     torch = pytest.importorskip("torch", reason="torch is not installed")
     if not (torch.cuda.is_available() and cuflash.built_with_cuda):
         pytest.skip("no CUDA device or a build without CUDA")
     _toolchain_or_skip()
-    monkeypatch.setenv("CUFLASH_JIT_CALLABLES", "1")
+    monkeypatch.delenv("CUFLASH_JIT_CALLABLES", raising=False)
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(2, 300, 4, 64, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
                for _ in range(3))
     slopes = torch.tensor(cuflash.scores.alibi_slopes(4), device="cuda")
-    out, _ = cuflash.flash_attn_func(q, k, v, score_mod=_alibi_like(slopes), causal=True)
-    expected, _ = cuflash.flash_attn_func(q, k, v, score_mod=cuflash.scores.alibi(slopes), causal=True)
+    # score_mod is an option of flash_attn_varlen_func (which takes fixed-length batches too),
+    # mask_mod one of flash_attn_func, as in the seed's signatures.
+    out, _ = cuflash.flash_attn_varlen_func(q, k, v, score_mod=_alibi_like(slopes), causal=True)
+    expected, _ = cuflash.flash_attn_varlen_func(q, k, v, score_mod=cuflash.scores.alibi(slopes), causal=True)
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    expected_grads = torch.autograd.grad(expected.float().sum(), (q, k, v))
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
+    # A score_mod with a derivative that is not 1 (the backward multiplies dS by it), against the
+    # built-in softcap: 20 * tanh(score / 20) of the scaled score is softcap = 20.
+    out, _ = cuflash.flash_attn_varlen_func(q, k, v, score_mod=lambda s, b, h, i, j: 20.0 * cuflash.mods.tanh(s / 20.0))
+    expected, _ = cuflash.flash_attn_varlen_func(q, k, v, softcap=20.0)
     torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
     grads = torch.autograd.grad(out.float().sum(), (q, k, v))
     expected_grads = torch.autograd.grad(expected.float().sum(), (q, k, v))
@@ -116,3 +129,6 @@ def test_gpu_callables_jit(monkeypatch):
     out, _ = cuflash.flash_attn_func(q, k, v, mask_mod=lambda b, h, i, j: j <= i)
     expected, _ = cuflash.flash_attn_func(q, k, v, mask_mod=cuflash.masks.causal())
     torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+    monkeypatch.setenv("CUFLASH_JIT_CALLABLES", "0")
+    with pytest.raises(NotImplementedError, match="^mask_mod: .*CUFLASH_JIT_CALLABLES=0"):
+        cuflash.flash_attn_func(q, k, v, mask_mod=lambda b, h, i, j: j <= i)
