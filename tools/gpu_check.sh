@@ -9,7 +9,7 @@
 #
 # Environment: KERNEL_SET (ci|all|custom), HDIMS / DTYPES (for custom), FEATURES (CUFLASH_FEATURES), STEPS (comma list of
 # build,test,test_each,pytest,sanitize,sass,bench,bench_bwd,bench_gqa,bench_flex,profile), GTEST_FILTER (default *Gpu*), TEST_TIMEOUT, SANITIZE_FILTER (memcheck),
-# RACECHECK_FILTER, PER_TEST_TIMEOUT (test_each), PYTEST_K (a -k expression), PYTEST_ARGS, PYTEST_TIMEOUT, BENCH_ARGS, BENCH_ENV_B (run the
+# RACECHECK_FILTER, PER_TEST_TIMEOUT (test_each), PYTEST_K (a -k expression), PYTEST_ARGS, JIT_MODULES (0: do not build the GPU tests' callable modules first), PYTEST_TIMEOUT, BENCH_ARGS, BENCH_ENV_B (run the
 # benchmark a second time with these VAR=value settings), BENCH_BWD_ARGS (bench/bench_bwd.py), BENCH_BWD_ARGS_B (a second pass, tagged _b),
 # BENCH_BWD_TIMEOUT (seconds, default 300: a hung backward kernel ends the step, not the call), PROFILE
 # (ncu targets for the profile step, see there), BENCH_FLEX_ARGS, BENCH_FLEX_TIMEOUT, BENCH_GQA_ARGS, BENCH_GQA_TIMEOUT, JOBS.
@@ -107,11 +107,21 @@ fi
 if has_step pytest; then
   make_pkg
   start=$(date +%s)
-  # shellcheck disable=SC2086
+  # The modules of the GPU tests' score_mod / mask_mod callables, built in parallel up front
+  # (about a minute each with nvcc; one after another inside the tests they would add up).
+  # JIT_MODULES=0 skips this where no such test is selected.
+  if [[ ${JIT_MODULES:-1} != 0 ]]; then
+    CUTLASS_DIR=${CUTLASS_DIR:-$ROOT/.cutlass} CUFLASH_SOURCE_DIR=$ROOT PYTHONPATH="$pkg:$ROOT/tests/python" \
+      timeout 300 python3 "$ROOT/tests/python/gpu_callables.py" >"$OUT/jit_modules.log" 2>&1
+    note "callable modules: rc=$? in $(( $(date +%s) - start )) s"
+    start=$(date +%s)
+  fi
   # Callables compile at run time against the carried CUTLASS headers and this tree's kernel headers
-  # (the package copy in $pkg is not inside the checkout).
+  # (the package copy in $pkg is not inside the checkout). -v, unbuffered: a run cut short by the
+  # timeout still shows the test it was in.
+  # shellcheck disable=SC2086
   CUTLASS_DIR=${CUTLASS_DIR:-$ROOT/.cutlass} CUFLASH_SOURCE_DIR=$ROOT \
-  PYTHONPATH="$pkg:$ROOT/tests/python" timeout "${PYTEST_TIMEOUT:-300}" python3 -m pytest -q -rs \
+  PYTHONUNBUFFERED=1 PYTHONPATH="$pkg:$ROOT/tests/python" timeout "${PYTEST_TIMEOUT:-300}" python3 -m pytest -v -rs \
     -p no:cacheprovider "$ROOT/tests/python" ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-} >"$OUT/pytest.log" 2>&1
   rc=$?
   note "pytest: rc=$rc in $(( $(date +%s) - start )) s; $(tail -1 "$OUT/pytest.log")"

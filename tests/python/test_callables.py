@@ -11,6 +11,7 @@ import pytest
 
 import cuflash
 import attention_reference as ref
+import gpu_callables
 from cuflash import mods
 from conftest import assert_close, assert_lse_close, randn
 from test_backward import check_grads
@@ -379,15 +380,11 @@ def test_gpu_callables(rng):
     torch = pytest.importorskip("torch", reason="torch is not installed")
     if not (torch.cuda.is_available() and cuflash.built_with_cuda):
         pytest.skip("no CUDA device or a build without CUDA")
-    q, k, v = (torch.randn(2, 256, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    q, k, v = (torch.randn(2, 256, 4, gpu_callables.HEAD_DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     slopes = torch.tensor(cuflash.scores.alibi_slopes(4), device="cuda")
-
-    def score_mod(score, b, h, q_idx, kv_idx):
-        return score + slopes[h] * (kv_idx - q_idx)
-
     try:
-        out, _ = cuflash.flash_attn_varlen_func(q, k, v, score_mod=score_mod)
+        out, _ = cuflash.flash_attn_varlen_func(q, k, v, score_mod=gpu_callables.alibi_like(slopes))
     except RuntimeError as error:
         assert str(error).startswith("score_mod: ")
         if "not found" in str(error):  # nvcc or the CUTLASS headers

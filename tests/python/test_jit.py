@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import cuflash
+import gpu_callables
 from cuflash import _C, _jit, mods
 
 
@@ -104,12 +105,13 @@ def test_gpu_callables_jit(monkeypatch):
     _toolchain_or_skip()
     monkeypatch.delenv("CUFLASH_JIT_CALLABLES", raising=False)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(2, 300, 4, 64, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+    q, k, v = (torch.randn(2, 300, 4, gpu_callables.HEAD_DIM, device="cuda", dtype=torch.bfloat16,
+                           generator=gen).requires_grad_()
                for _ in range(3))
     slopes = torch.tensor(cuflash.scores.alibi_slopes(4), device="cuda")
     # score_mod is an option of flash_attn_varlen_func (which takes fixed-length batches too),
     # mask_mod one of flash_attn_func, as in the seed's signatures.
-    out, _ = cuflash.flash_attn_varlen_func(q, k, v, score_mod=_alibi_like(slopes), causal=True)
+    out, _ = cuflash.flash_attn_varlen_func(q, k, v, score_mod=gpu_callables.alibi_like(slopes), causal=True)
     expected, _ = cuflash.flash_attn_varlen_func(q, k, v, score_mod=cuflash.scores.alibi(slopes), causal=True)
     torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
     grads = torch.autograd.grad(out.float().sum(), (q, k, v))
@@ -118,7 +120,7 @@ def test_gpu_callables_jit(monkeypatch):
         torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
     # A score_mod with a derivative that is not 1 (the backward multiplies dS by it), against the
     # built-in softcap: 20 * tanh(score / 20) of the scaled score is softcap = 20.
-    out, _ = cuflash.flash_attn_varlen_func(q, k, v, score_mod=lambda s, b, h, i, j: 20.0 * cuflash.mods.tanh(s / 20.0))
+    out, _ = cuflash.flash_attn_varlen_func(q, k, v, score_mod=gpu_callables.tanh_cap(20.0))
     expected, _ = cuflash.flash_attn_varlen_func(q, k, v, softcap=20.0)
     torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
     grads = torch.autograd.grad(out.float().sum(), (q, k, v))
@@ -126,9 +128,9 @@ def test_gpu_callables_jit(monkeypatch):
     for got, want in zip(grads, expected_grads):
         torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
     # A mask callable alone, against the built-in causal mask.
-    out, _ = cuflash.flash_attn_func(q, k, v, mask_mod=lambda b, h, i, j: j <= i)
+    out, _ = cuflash.flash_attn_func(q, k, v, mask_mod=gpu_callables.causal_mask)
     expected, _ = cuflash.flash_attn_func(q, k, v, mask_mod=cuflash.masks.causal())
     torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
     monkeypatch.setenv("CUFLASH_JIT_CALLABLES", "0")
     with pytest.raises(NotImplementedError, match="^mask_mod: .*CUFLASH_JIT_CALLABLES=0"):
-        cuflash.flash_attn_func(q, k, v, mask_mod=lambda b, h, i, j: j <= i)
+        cuflash.flash_attn_func(q, k, v, mask_mod=gpu_callables.causal_mask)

@@ -1,0 +1,61 @@
+"""The score_mod / mask_mod callables that the GPU tests run through kernels compiled at run time
+(cuflash._jit), in one place so that their modules can be built ahead of the tests.
+
+Each distinct structure costs one nvcc run of about a minute; built one after another inside the
+tests they add up. `python3 gpu_callables.py` builds every module the GPU tests need at once, in
+parallel, into the on-disk cache that the tests then load from (tools/gpu_check.sh runs it before
+pytest)."""
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import numpy as np
+
+import cuflash
+from cuflash import _jit, mods
+
+# The shapes the GPU tests use: q, k, v (batch, seqlen, heads, HEAD_DIM) in DTYPE.
+DTYPE = "bfloat16"
+HEAD_DIM = 64
+
+
+def alibi_like(slopes):
+    """score + slopes[h] * (kv_idx - q_idx): the built-in cuflash.scores.alibi as a callable."""
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    return score_mod
+
+
+def tanh_cap(cap: float):
+    """cap * tanh(score / cap): the built-in softcap as a callable (its derivative is not 1)."""
+    return lambda score, b, h, q_idx, kv_idx: cap * mods.tanh(score / cap)
+
+
+def causal_mask(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx
+
+
+def _modules():
+    """(score, mask) traced pairs whose modules the GPU tests build; constants do not change a
+    module (the source depends on the program's structure only)."""
+    slopes = np.asarray(cuflash.scores.alibi_slopes(4), np.float32)
+    return [
+        (mods.trace_score_mod(alibi_like(slopes)), None),
+        (mods.trace_score_mod(tanh_cap(20.0)), None),
+        (None, mods.trace_mask_mod(causal_mask)),
+    ]
+
+
+def build_all() -> None:
+    start = time.time()
+    sources = [_jit.kernel_source(score, mask, DTYPE, HEAD_DIM, HEAD_DIM) for score, mask in _modules()]
+    with concurrent.futures.ThreadPoolExecutor(len(sources)) as pool:
+        for path in pool.map(_jit.build, sources):
+            print(f"{path} ({time.time() - start:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    build_all()
