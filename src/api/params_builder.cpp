@@ -338,6 +338,22 @@ FwdScheduler fwd_scheduler() {
   return scheduler;
 }
 
+int parse_fwd_hdim64_rows(const char* value) {
+  if (value == nullptr || *value == '\0' || std::strcmp(value, "192") == 0) return 192;
+  if (std::strcmp(value, "128") == 0) return 128;
+  if (std::strcmp(value, "auto") == 0) return 0;
+  throw Error(Error::Kind::kInvalidArgument, "CUFLASH_FWD_HDIM64_ROWS",
+              std::string("CUFLASH_FWD_HDIM64_ROWS: expected '192', '128' or 'auto', got '") + value + "'");
+}
+
+int fwd_hdim64_rows() {
+  // The plain hdim64 forward has a 192-row tile (three MMA warpgroups) and a 128-row one (two)
+  // for short sequences. 192 stays the default until the cost model that "auto" uses
+  // (fwd_narrow_tile_pays) is calibrated on the GPU against it.
+  static const int rows = parse_fwd_hdim64_rows(std::getenv("CUFLASH_FWD_HDIM64_ROWS"));
+  return rows;
+}
+
 namespace {
 bool uses_tile_counter(const FwdParams& params, FwdScheduler scheduler) {
   return scheduler == FwdScheduler::kDynamic && fwd_tiles_unequal(params);

@@ -48,6 +48,12 @@ FwdScheduler parse_fwd_scheduler(const char* value);
 // The process's choice, from CUFLASH_FWD_SCHEDULER, read once.
 FwdScheduler fwd_scheduler();
 
+// Rows per tile of the plain hdim64 forward (FwdParams::tile_rows): "192" (or null / empty),
+// "128", or "auto" (0: by the sequence lengths). Throws kInvalidArgument otherwise.
+int parse_fwd_hdim64_rows(const char* value);
+// The process's choice, from CUFLASH_FWD_HDIM64_ROWS, read once.
+int fwd_hdim64_rows();
+
 // The forward's whole workspace: the split-KV buffers, then (tiles of unequal cost, dynamic
 // scheduling) the tile counter in a 256-byte slot of its own.
 std::size_t forward_workspace_bytes(const FwdParams& params, FwdScheduler scheduler);

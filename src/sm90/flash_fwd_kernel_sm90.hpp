@@ -32,8 +32,10 @@ namespace cuflash::sm90 {
 // Variant_: variants::NoVariant (plain) or variants::FlexVariant (score_mod, mask_mod, block
 // sparsity; softcap is then a runtime choice inside it). kIsPaged_: k/v are pages read through
 // a page table (mainloop_fwd_sm90.hpp, load_paged).
+// kNarrow_: the second tile of the plain hdim64 kernel (fwd_tile_size).
 template <class Element_, int kHeadDim_, int kHeadDimV_, bool kHasSoftcap_, bool kIsSplit_,
-          class Variant_ = variants::NoVariant, bool kIsPaged_ = false, bool kPackGqa_ = false>
+          class Variant_ = variants::NoVariant, bool kIsPaged_ = false, bool kPackGqa_ = false,
+          bool kNarrow_ = false>
 struct FwdConfig {
   using Element = Element_;
   using Variant = Variant_;
@@ -46,7 +48,7 @@ struct FwdConfig {
   static constexpr bool kPackGqa = kPackGqa_;  // packed GQA tiles (pack_gqa_sm90.hpp)
   static_assert(!(kPackGqa && Variant::kIsFlex), "the flex variant's mods see one head per tile");
   static constexpr FwdTileSize kTile =
-      fwd_tile_size(kHeadDim, kHeadDimV, Variant::kIsFlex, kHasSoftcap);
+      fwd_tile_size(kHeadDim, kHeadDimV, Variant::kIsFlex, kHasSoftcap, kNarrow_);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kStages = kTile.stages;

@@ -18,11 +18,9 @@ inline void check_launch(cudaError_t status, const char* what) {
   }
 }
 
-template <class Element, int kHeadDim, int kHeadDimV, bool kHasSoftcap, bool kIsSplit,
-          class Variant = variants::NoVariant, bool kIsPaged = false, bool kPackGqa = false>
-void run_flash_fwd_sm90(FwdParams& params, cudaStream_t stream) {
-  using Kernel = FlashFwdKernelSm90<
-      FwdConfig<Element, kHeadDim, kHeadDimV, kHasSoftcap, kIsSplit, Variant, kIsPaged, kPackGqa>>;
+template <class Config>
+void launch_flash_fwd_sm90(FwdParams& params, cudaStream_t stream) {
+  using Kernel = FlashFwdKernelSm90<Config>;
   typename Kernel::Params kernel_params = Kernel::to_params(params);
   if (kernel_params.scheduler.num_tiles() == 0) return;
   int num_sm = params.num_sm;
@@ -56,6 +54,26 @@ void run_flash_fwd_sm90(FwdParams& params, cudaStream_t stream) {
                "cuflash forward: cannot reserve shared memory");
   kernel<<<grid, Kernel::kNumThreads, Kernel::kSharedStorageBytes, stream>>>(kernel_params);
   check_launch(cudaGetLastError(), "cuflash forward: kernel launch failed");
+}
+
+template <class Element, int kHeadDim, int kHeadDimV, bool kHasSoftcap, bool kIsSplit,
+          class Variant = variants::NoVariant, bool kIsPaged = false, bool kPackGqa = false>
+void run_flash_fwd_sm90(FwdParams& params, cudaStream_t stream) {
+  using Config = FwdConfig<Element, kHeadDim, kHeadDimV, kHasSoftcap, kIsSplit, Variant, kIsPaged, kPackGqa>;
+  // The plain kernel of a head dim whose tile has three MMA warpgroups also holds a 128-row tile
+  // on two, for short sequences (params.tile_rows, fwd_narrow_tile_pays).
+  if constexpr (Config::kNumMmaWarpGroups == 3 && !kHasSoftcap && !kIsSplit && !Variant::kIsFlex &&
+                !kIsPaged && !kPackGqa) {
+    bool const narrow = params.tile_rows == 128 ||
+                        (params.tile_rows == 0 && fwd_narrow_tile_pays(params.seqlen_q, params.seqlen_k,
+                                                                       params.window_left, params.window_right));
+    if (narrow) {
+      launch_flash_fwd_sm90<FwdConfig<Element, kHeadDim, kHeadDimV, kHasSoftcap, kIsSplit, Variant, kIsPaged,
+                                      kPackGqa, /*kNarrow=*/true>>(params, stream);
+      return;
+    }
+  }
+  launch_flash_fwd_sm90<Config>(params, stream);
 }
 
 }  // namespace cuflash::sm90

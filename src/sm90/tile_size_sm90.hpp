@@ -29,8 +29,12 @@ constexpr FwdTileSize fwd_tile_size(int head_dim, int head_dim_v) {
 // kernel blocks: the largest of the two that is not above the plain tile's.
 // Softcap kernels keep two MMA warpgroups at head dim 64: their masking on top of tanh does not
 // fit the 160 registers of three (ptxas spills 24 bytes).
-constexpr FwdTileSize fwd_tile_size(int head_dim, int head_dim_v, bool flex, bool softcap = false) {
+// `narrow`: the plain hdim64 kernel's second tile, 128 x 128 on two MMA warpgroups, for short
+// sequences, where 192-row tiles pad the last block and (causal) compute more of the diagonal.
+constexpr FwdTileSize fwd_tile_size(int head_dim, int head_dim_v, bool flex, bool softcap = false,
+                                    bool narrow = false) {
   FwdTileSize tile = fwd_tile_size(head_dim, head_dim_v);
+  if (narrow && head_dim <= 64) tile = {128, 128, 2};
   if (softcap && head_dim <= 64) tile = {128, 192, 2};
   if (flex) {
     // 128 rows too: a BlockMask row block must hold whole kernel tiles.
@@ -38,6 +42,33 @@ constexpr FwdTileSize fwd_tile_size(int head_dim, int head_dim_v, bool flex, boo
     tile.block_n = tile.block_n >= 128 ? 128 : 64;
   }
   return tile;
+}
+
+// Whether the plain hdim64 kernel should run its 128-row tile rather than the 192-row one for a
+// problem of seqlen_q x seqlen_k rows and keys with a window (< 0: unbounded; causal is
+// window_right 0, bottom-right aligned). Cost model: the MMA area a tile computes, block_m x
+// (its 128-key n-blocks + 1 for the tile's fixed cost: first QK^T, last PV, epilogue), summed
+// over the m-blocks of one head, with two warpgroups' n-block taken as kNarrowCost of three's
+// (the three-warpgroup tile hides more of the softmax under the GEMMs). Dense lengths only; for
+// packed sequences the longest stands for all.
+inline bool fwd_narrow_tile_pays(int seqlen_q, int seqlen_k, int window_left, int window_right) {
+  constexpr double kNarrowCost = 1.05;
+  constexpr int kBlockN = 128;
+  auto area = [&](int block_m) {
+    long long total = 0;
+    long long const offset = (long long)seqlen_k - seqlen_q;  // bottom-right alignment
+    for (long long m0 = 0; m0 < seqlen_q; m0 += block_m) {
+      long long const m1 = m0 + block_m;  // one past the tile's last row
+      long long hi = window_right < 0 ? seqlen_k : m1 + offset + window_right;
+      long long lo = window_left < 0 ? 0 : m0 + offset - window_left;
+      hi = hi < seqlen_k ? hi : seqlen_k;
+      lo = lo > 0 ? lo : 0;
+      long long const blocks = hi > lo ? (hi + kBlockN - 1) / kBlockN - lo / kBlockN : 0;
+      total += (long long)block_m * (blocks + 1);
+    }
+    return double(total);
+  };
+  return area(128) * kNarrowCost < area(192);
 }
 
 }  // namespace cuflash::sm90

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "api/params_builder.hpp"
+#include "sm90/tile_size_sm90.hpp"
 #include "api/validate.hpp"
 #include "cuflash/cuflash.hpp"
 
@@ -284,6 +285,40 @@ TEST(ParamsForward, SplitHeuristicAndBuffers) {
   assign_split_kv_buffers(p, workspace.data());
   EXPECT_EQ(static_cast<void*>(p.out_partial), workspace.data());
   EXPECT_EQ(reinterpret_cast<char*>(p.lse_partial), workspace.data() + out_bytes);
+}
+
+TEST(ParamsForward, Hdim64TileRowsChoice) {
+  EXPECT_EQ(parse_fwd_hdim64_rows(nullptr), 192);
+  EXPECT_EQ(parse_fwd_hdim64_rows(""), 192);
+  EXPECT_EQ(parse_fwd_hdim64_rows("192"), 192);
+  EXPECT_EQ(parse_fwd_hdim64_rows("128"), 128);
+  EXPECT_EQ(parse_fwd_hdim64_rows("auto"), 0);
+  try {
+    parse_fwd_hdim64_rows("64");
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), Error::Kind::kInvalidArgument);
+    EXPECT_EQ(e.argument(), "CUFLASH_FWD_HDIM64_ROWS");
+  }
+}
+
+TEST(ParamsForward, NarrowTileCostModel) {
+  using sm90::fwd_narrow_tile_pays;
+  // Non-causal: 192-row tiles pad 512 and 1024 rows by an eighth; at 2k and beyond the pad is
+  // small and the three-warpgroup tile wins.
+  EXPECT_TRUE(fwd_narrow_tile_pays(512, 512, -1, -1));
+  EXPECT_TRUE(fwd_narrow_tile_pays(1024, 1024, -1, -1));
+  EXPECT_FALSE(fwd_narrow_tile_pays(2048, 2048, -1, -1));
+  EXPECT_FALSE(fwd_narrow_tile_pays(16384, 16384, -1, -1));
+  // Causal (window_right 0): the narrower tile computes less of the diagonal.
+  EXPECT_TRUE(fwd_narrow_tile_pays(1024, 1024, -1, 0));
+  EXPECT_TRUE(fwd_narrow_tile_pays(2048, 2048, -1, 0));
+  EXPECT_FALSE(fwd_narrow_tile_pays(8192, 8192, -1, 0));
+  // A narrow band, and decoding (one row): the narrow tile.
+  EXPECT_TRUE(fwd_narrow_tile_pays(4096, 4096, 256, 0));
+  EXPECT_TRUE(fwd_narrow_tile_pays(1, 8192, -1, 0));
+  // No rows or no keys: nothing to choose between.
+  EXPECT_FALSE(fwd_narrow_tile_pays(0, 4096, -1, -1));
 }
 
 TEST(ParamsForward, SchedulerChoiceAndTileCounter) {
