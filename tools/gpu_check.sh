@@ -8,7 +8,7 @@
 #   STEPS=build,bench_bwd BENCH_BWD_ARGS="--hdims 128" tools/gpu_check.sh
 #
 # Environment: KERNEL_SET (ci|all|custom), HDIMS / DTYPES (for custom), FEATURES (CUFLASH_FEATURES), STEPS (comma list of
-# build,test,test_each,pytest,sanitize,sass,bench,bench_bwd,bench_gqa,bench_flex,profile), GTEST_FILTER (default *Gpu*), TEST_TIMEOUT, SANITIZE_FILTER (memcheck),
+# build,test,test_each,pytest,sanitize,sass,bench,bench_bwd,bench_gqa,bench_flex,profile), GTEST_FILTER (default *Gpu*), TEST_TIMEOUT, TEST_ENV_B / GTEST_FILTER_B (the tests again under extra settings), SANITIZE_FILTER (memcheck),
 # RACECHECK_FILTER, PER_TEST_TIMEOUT (test_each), PYTEST_K (a -k expression), PYTEST_ARGS, JIT_MODULES (0: do not build the GPU tests' callable modules first), PYTEST_TIMEOUT, BENCH_ARGS, BENCH_ENV_B (run the
 # benchmark a second time with these VAR=value settings), BENCH_BWD_ARGS (bench/bench_bwd.py), BENCH_BWD_ARGS_B (a second pass, tagged _b),
 # BENCH_BWD_TIMEOUT (seconds, default 300: a hung backward kernel ends the step, not the call), PROFILE
@@ -102,6 +102,18 @@ if has_step test; then
   note "tests ($GTEST_FILTER): rc=$rc in $(( $(date +%s) - start )) s; $(grep -E '^\[  PASSED  \]|^\[  FAILED  \]|^\[  SKIPPED \]' "$OUT/tests.log" | tr '\n' ' ')"
   grep -E "^\[  FAILED  \]|Failure|error" "$OUT/tests.log" | head -30 | tee -a "$SUMMARY"
   [[ $rc -ne 0 ]] && status=1
+  if [[ -n ${TEST_ENV_B:-} ]]; then
+    # The tests again under extra VAR=value settings (a launch-time switch such as
+    # CUFLASH_FWD_HDIM64_ROWS=128), over GTEST_FILTER_B (default GTEST_FILTER).
+    start=$(date +%s)
+    # shellcheck disable=SC2086
+    env $TEST_ENV_B timeout "${TEST_TIMEOUT:-420}" "$TESTS" --gtest_filter="${GTEST_FILTER_B:-$GTEST_FILTER}" \
+      --gtest_brief=1 >"$OUT/tests_b.log" 2>&1
+    rc=$?
+    note "tests ($TEST_ENV_B, ${GTEST_FILTER_B:-$GTEST_FILTER}): rc=$rc in $(( $(date +%s) - start )) s; $(grep -E '^\[  PASSED  \]|^\[  FAILED  \]' "$OUT/tests_b.log" | tr '\n' ' ')"
+    grep -E "^\[  FAILED  \]" "$OUT/tests_b.log" | head -30 | tee -a "$SUMMARY"
+    [[ $rc -ne 0 ]] && status=1
+  fi
 fi
 
 if has_step pytest; then
