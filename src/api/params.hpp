@@ -114,7 +114,7 @@ struct FwdParams {
   // Rows per tile where a kernel has two compiled tiles (the plain hdim64 kernel: 192 rows on
   // three MMA warpgroups, or 128 on two for short sequences); 0: the launcher picks by
   // fwd_narrow_tile_pays (sm90/tile_size_sm90.hpp). From CUFLASH_FWD_HDIM64_ROWS.
-  int tile_rows = 0;
+  int tile_rows = 192;
 };
 
 // Whether the forward's tiles differ in cost: causal/local windows, packed or seqused sequences
