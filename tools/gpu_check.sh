@@ -110,6 +110,7 @@ if has_step test; then
     env $TEST_ENV_B timeout "${TEST_TIMEOUT:-420}" "$TESTS" --gtest_filter="${GTEST_FILTER_B:-$GTEST_FILTER}" \
       --gtest_brief=1 >"$OUT/tests_b.log" 2>&1
     rc=$?
+    [[ $rc -eq 124 ]] && note "tests ($TEST_ENV_B): timed out (hang?); last test started: $(grep -E '^\[ RUN' "$OUT/tests_b.log" | tail -1)"
     note "tests ($TEST_ENV_B, ${GTEST_FILTER_B:-$GTEST_FILTER}): rc=$rc in $(( $(date +%s) - start )) s; $(grep -E '^\[  PASSED  \]|^\[  FAILED  \]' "$OUT/tests_b.log" | tr '\n' ' ')"
     grep -E "^\[  FAILED  \]" "$OUT/tests_b.log" | head -30 | tee -a "$SUMMARY"
     [[ $rc -ne 0 ]] && status=1

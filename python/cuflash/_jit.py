@@ -201,5 +201,5 @@ def expression_kernels(score, mask, dtype: str, head_dim: int, head_dim_v: int,
 def enabled() -> bool:
     """Callables on the GPU through kernels compiled at run time: on unless CUFLASH_JIT_CALLABLES=0
     (for a deployment that must not run nvcc; such calls then raise an error that says so)."""
-    return os.environ.get("CUFLASH_JIT_CALLABLES", "1") != "0"
+    return os.environ.get("CUFLASH_JIT_CALLABLES", "1").strip().lower() not in ("0", "false", "off", "no")
 

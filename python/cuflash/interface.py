@@ -383,6 +383,9 @@ def _resolve_callable(mod: Any, argument: str, cls: type, aux_tensors: Optional[
         traced = _mods._trace(mod, role, argument, aux_tensors)
     framework = call.framework
     if call.device[0] == "cuda":
+        if not _C.built_with_cuda:
+            _fail(NotImplementedError, argument, "this cuflash was built without CUDA: Python callables run on "
+                                                 "the CPU reference (pass CPU tensors)")
         if not _jit.enabled():
             _fail(NotImplementedError, argument,
                   "Python callables on the GPU need kernels compiled at run time, which CUFLASH_JIT_CALLABLES=0 "

@@ -41,13 +41,17 @@ void refuse_expression_mods(const AttentionOptions& opts, std::uintptr_t express
   if (expression_kernel != 0) return;
   if (opts.score_mod.kind == ScoreModKind::kExpression) {
     throw Error(Error::Kind::kNotSupported, "score_mod",
-                "score_mod: expression programs (Python callables) run on the CPU reference only "
-                "for now; the sm90 kernels take the built-in score_mods");
+                "score_mod: expression programs (Python callables) run on the GPU only through a "
+                "kernel compiled for them (AttentionOptions::expression_forward_kernel / "
+                "expression_backward_kernel, as cuflash._jit builds); the library's sm90 kernels "
+                "take the built-in score_mods");
   }
   if (opts.mask_mod.kind == MaskModKind::kExpression) {
     throw Error(Error::Kind::kNotSupported, "mask_mod",
-                "mask_mod: expression programs (Python callables) run on the CPU reference only "
-                "for now; the sm90 kernels take the built-in mask_mods");
+                "mask_mod: expression programs (Python callables) run on the GPU only through a "
+                "kernel compiled for them (AttentionOptions::expression_forward_kernel / "
+                "expression_backward_kernel, as cuflash._jit builds); the library's sm90 kernels "
+                "take the built-in mask_mods");
   }
 }
 

@@ -112,7 +112,8 @@ struct FwdParams {
   std::uintptr_t expression_kernel = 0;
 
   // Rows per tile where a kernel has two compiled tiles (the plain hdim64 kernel: 192 rows on
-  // three MMA warpgroups, or 128 on two for short sequences); 0: the launcher picks by
+  // three MMA warpgroups, or 128 on two for short sequences; not its split-KV, paged or packed
+  // GQA kernels, which calls take when the heuristics pick them); 0: the launcher picks by
   // fwd_narrow_tile_pays (sm90/tile_size_sm90.hpp). From CUFLASH_FWD_HDIM64_ROWS.
   int tile_rows = 192;
 };
@@ -216,11 +217,15 @@ struct CombineParams {
   int out_dtype = 0;  // cuflash::DType value
 };
 
-// The layout tag of kernel_params_abi(): the sizes of the structures a launcher compiled at run
-// time reads (the library and such a module must agree on them).
+// Bumped with every change to the members of FwdParams, BwdParams or ModParams: a member added
+// into tail padding leaves the sizes below as they were.
+constexpr std::uint64_t kParamsLayoutVersion = 3;
+
+// The layout tag of kernel_params_abi(): the layout version and the sizes of the structures a
+// launcher compiled at run time reads (the library and such a module must agree on them).
 constexpr std::uint64_t params_abi_tag() {
-  return (std::uint64_t(sizeof(FwdParams)) << 40) ^ (std::uint64_t(sizeof(BwdParams)) << 20) ^
-         std::uint64_t(sizeof(ModParams));
+  return (kParamsLayoutVersion << 56) ^ (std::uint64_t(sizeof(FwdParams)) << 40) ^
+         (std::uint64_t(sizeof(BwdParams)) << 20) ^ std::uint64_t(sizeof(ModParams));
 }
 
 }  // namespace cuflash

@@ -40,7 +40,7 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // The workspace rows and semaphores were counted for dispatch's tile (kernel_tile): a kernel
   // with more rows per step would run past them.
   if (params.block_m != kBlockM) {
-    throw Error(Error::Kind::kNotSupported, "score_mod",
+    throw Error(Error::Kind::kNotSupported, HasSoftcap ? "softcap" : "score_mod",
                 "cuflash backward: the kernel's tile has " + std::to_string(kBlockM) +
                     " rows per step but the workspace was laid out for " + std::to_string(params.block_m) +
                     " (a score_mod module whose derivative flag disagrees with dispatch)");
