@@ -211,8 +211,6 @@ def transpose_block_lists(cnt, idx, num_col_blocks: int):
 def _backward_call(static: _Static, q, k, v, sink, extras, aux, out, dout, lse):
     jax = _jax()
     _register()
-    if extras[OPTIONAL_OPERANDS.index("page_table") - 1] is not None:
-        raise NotImplementedError("page_table: the backward pass does not take paged KV")
     extras = _backward_block_lists(static, extras)
     operands, bits = _operands(sink, extras, aux, forward=False)
     results = [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in (q, k, v)]

@@ -909,8 +909,8 @@ def flash_attn_varlen_func(
         learnable_sink.
 
     JAX: as flash_attn_func (jax.jit, jax.grad); cu_seqlens_*, seqused_*, page_table and
-    aux_tensors may be traced, max_seqlen_* must be Python ints. The backward of paged KV
-    (page_table) raises NotImplementedError.
+    aux_tensors may be traced, max_seqlen_* must be Python ints. With page_table the gradients
+    of k and v are those of the pages (a page several sequences list gets the sum).
     """
     return _forward(q, k, v, softmax_scale, causal, window_size, learnable_sink, softcap, num_splits, pack_gqa,
                     deterministic, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,

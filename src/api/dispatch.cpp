@@ -73,15 +73,6 @@ FwdParams device_fwd_params(const ForwardArgs& args, const detail::AttentionShap
   return params;
 }
 
-// The sm90 backward kernel reads k/v as dense or packed rows; it has no page table.
-void refuse_paged_backward(const detail::AttentionShape& shape) {
-  if (shape.paged) {
-    throw Error(Error::Kind::kNotSupported, "page_table",
-                "page_table: paged k/v are not supported by the sm90 backward kernel yet (the CPU "
-                "reference takes them)");
-  }
-}
-
 BwdParams device_bwd_params(const BackwardArgs& args, const detail::AttentionShape& shape) {
   refuse_expression_mods(args.opts, args.opts.expression_backward_kernel);
   BwdParams params = detail::make_bwd_params(args, shape);
@@ -119,9 +110,9 @@ std::size_t backward_workspace_size(const BackwardArgs& args) {
   if (on_cpu(shape.device)) return 0;
 #if CUFLASH_HAS_CUDA
   require_device();
-  refuse_paged_backward(shape);
   detail::DeviceGuard guard(shape.device.index);
-  return sm90::backward_workspace_bytes(device_bwd_params(args, shape));
+  const BwdParams params = device_bwd_params(args, shape);
+  return shape.paged ? sm90::paged_backward_workspace_bytes(params) : sm90::backward_workspace_bytes(params);
 #else
   throw_not_built();
 #endif
@@ -161,14 +152,19 @@ void backward(const BackwardArgs& args, StreamHandle stream, Workspace workspace
   }
 #if CUFLASH_HAS_CUDA
   require_device();
-  refuse_paged_backward(shape);
   detail::DeviceGuard guard(shape.device.index);
   BwdParams params = device_bwd_params(args, shape);
-  const std::size_t bytes = sm90::backward_workspace_bytes(params);
+  // Paged k/v: gathered into dense rows in the workspace, the gradients summed back into pages.
+  const std::size_t bytes =
+      shape.paged ? sm90::paged_backward_workspace_bytes(params) : sm90::backward_workspace_bytes(params);
   detail::DeviceWorkspace buffers(workspace, bytes, stream);
   params.workspace = buffers.data();
   params.workspace_bytes = bytes;
-  sm90::run_backward(params, stream);
+  if (shape.paged) {
+    sm90::run_paged_backward(params, stream);
+  } else {
+    sm90::run_backward(params, stream);
+  }
 #else
   (void)stream;
   (void)workspace;

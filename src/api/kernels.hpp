@@ -19,6 +19,10 @@ bool forward_kernel_built(const FwdParams& params);
 void run_combine(const CombineParams& params, StreamHandle stream);
 void run_backward(BwdParams& params, StreamHandle stream);
 std::size_t backward_workspace_bytes(const BwdParams& params);
+// The backward with paged k/v (params.page_table): the pages gathered into dense rows, the
+// backward above on them, the gradients summed back into the pages (paged_bwd_sm90.cu).
+void run_paged_backward(BwdParams& params, StreamHandle stream);
+std::size_t paged_backward_workspace_bytes(const BwdParams& params);
 std::vector<std::string> built_kernels();
 // The backward ones, e.g. "bwd bf16 hdim128" (defined with the backward dispatch).
 std::vector<std::string> built_backward_kernels();

@@ -75,6 +75,41 @@ def test_torch_forward_backward(rng, causal):
         assert_close(to_f64(tensor.grad), e, "bfloat16", scale=max(1.0, np.abs(e).max()), what=name)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_torch_paged_kv_backward(rng, deterministic):
+    """Paged KV under autograd on the GPU: the gradients of the page pools against the CPU
+    reference's, with pages in shuffled order, a page two sequences share (its gradient is the
+    sum), a page no sequence lists (zeros), a partly used last page (seqused_k) and GQA."""
+    torch = torch_cuda()
+    batch, seqlen_q, heads, heads_kv, dim, page_size, max_pages = 2, 150, 4, 2, 64, 64, 4
+    num_pages = batch * max_pages + 1
+    table = rng.permutation(num_pages)[: batch * max_pages].reshape(batch, max_pages).astype(np.int32)
+    table[1, 0] = table[0, 0]  # shared: sequence 1 reads sequence 0's first page
+    seqused_k = np.array([max_pages * page_size - 7, 3 * page_size - 40], np.int32)
+    q = rng.standard_normal((batch, seqlen_q, heads, dim)).astype(np.float32)
+    k_cache, v_cache = (rng.standard_normal((num_pages, page_size, heads_kv, dim)).astype(np.float32)
+                        for _ in range(2))
+    dout = rng.standard_normal((batch, seqlen_q, heads, dim)).astype(np.float32)
+
+    def run(device):
+        tensors = [torch.from_numpy(x).to(device).bfloat16().requires_grad_(True) for x in (q, k_cache, v_cache)]
+        out, _ = cuflash.flash_attn_varlen_func(
+            *tensors, seqused_k=torch.from_numpy(seqused_k).to(device),
+            page_table=torch.from_numpy(table).to(device), causal=True, deterministic=deterministic)
+        grads = torch.autograd.grad(out, tensors, torch.from_numpy(dout).to(device).bfloat16())
+        return [to_f64(out)] + [to_f64(g) for g in grads], [g.detach().clone() for g in grads]
+
+    expected, _ = run("cpu")
+    with skip_if_not_built():
+        actual, raw = run("cuda")
+    for name, a, e in zip(("out", "dq", "dk_cache", "dv_cache"), actual, expected):
+        assert_close(a, e, "bfloat16", scale=max(1.0, np.abs(e).max()), what=name)
+    if deterministic:
+        _, again = run("cuda")
+        for name, a, b in zip(("dq", "dk_cache", "dv_cache"), raw, again):
+            assert torch.equal(a, b), f"{name} differs between two deterministic runs"
+
+
 def test_torch_side_stream(rng):
     torch = torch_cuda()
     q, k, v = (torch.from_numpy(x.astype(np.float32)).cuda().bfloat16() for x in reference_inputs(rng, "bfloat16"))
