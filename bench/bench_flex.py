@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Masked attention on one GPU: cuflash's flex kernels (built-in mask_mods) next to PyTorch
-FlexAttention (torch.compile'd Triton with a BlockMask), forward, in one process, same inputs.
+FlexAttention (torch.compile'd Triton with a BlockMask), forward (or with --backward the
+backward alone), in one process, same inputs.
 
 Masks (top-left aligned, seqlen_q == seqlen_k):
   causal     kv <= q                     cuflash.masks.causal()
@@ -15,8 +16,13 @@ count only the visible (q, kv) pairs: 4 * B * H * D * visible / time, the same c
 column of a mask, so ratios are time ratios. Timing: bench_common.time_ms. Outputs are checked
 against FlexAttention's (max abs difference relative to its max) before timing.
 
-Writes flex_sm90.json (records {impl, mask, dtype, hdim, seqlen, batch, nheads, fwd_tflops,
-max_err, gpu, date}) and prints a table with the ratio of cuflash flex to FlexAttention.
+--backward: each column runs its forward once with autograd, then each timed call is
+torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), as bench_bwd.py; FLOPs are 2.5x the
+forward's, and max_err compares dq, dk, dv with FlexAttention's.
+
+Writes flex_sm90.json (or flex_bwd_sm90.json; records {impl, mask, dtype, hdim, seqlen, batch,
+nheads, fwd_tflops or bwd_tflops, max_err, gpu, date}) and prints a table with the ratio of
+cuflash flex to FlexAttention.
 """
 
 import argparse
@@ -50,7 +56,9 @@ def main():
     parser.set_defaults(hdims="128", seqlens="2048,8192")
     parser.add_argument("--masks", default=",".join(MASKS))
     parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--backward", action="store_true", help="time the backward alone (see above)")
     args = parser.parse_args()
+    metric = "bwd_tflops" if args.backward else "fwd_tflops"
 
     import torch
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -60,12 +68,13 @@ def main():
     gpu = torch.cuda.get_device_name()
     date = common.utc_now()
     records = []
-    json_path = common.out_path(args, "flex_sm90", "json")
-    print(f"masked forward, bf16, {gpu}, {date}")
+    json_path = common.out_path(args, "flex_bwd_sm90" if args.backward else "flex_sm90", "json")
+    print(f"masked {'backward' if args.backward else 'forward'}, bf16, {gpu}, {date}")
     for hdim, seqlen, batch, nheads in common.grid(args):
         gen = torch.Generator().manual_seed(seqlen * 7 + hdim)
         q, k, v = (torch.randn(batch, seqlen, nheads, hdim, generator=gen).to("cuda", torch.bfloat16)
-                   for _ in range(3))
+                   .requires_grad_(args.backward) for _ in range(3))
+        dout = torch.randn(batch, seqlen, nheads, hdim, generator=gen).to("cuda", torch.bfloat16)
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # FlexAttention takes (B, H, S, D)
         for mask in args.masks.split(","):
             W = args.window
@@ -96,24 +105,43 @@ def main():
             visible = 0
             for b in range(batch):
                 visible += int(mask_mod(b, 0, qi[:, None], qi[None, :]).sum())
-            flops = 4 * nheads * hdim * visible
-            expected = columns["flexattention"]().transpose(1, 2).float()
-            scale = float(expected.abs().max())
-            for name, fn in columns.items():
+            flops = 4 * nheads * hdim * visible * (2.5 if args.backward else 1)
+
+            def output(fn):
                 out = fn()
-                out = (out[0] if isinstance(out, tuple) else out.transpose(1, 2)).float()
-                err = float((out - expected).abs().max()) / scale
+                return out[0] if isinstance(out, tuple) else out.transpose(1, 2)  # (B, S, H, D)
+
+            if args.backward:
+                # The forward once; each call then runs that column's backward alone.
+                def timed(fn):
+                    out = output(fn)
+                    return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+
+                def results(fn):
+                    return [g.float() for g in fn()]
+            else:
+                def timed(fn):
+                    return fn
+
+                def results(fn):
+                    return [output(fn).float()]
+
+            fns = {name: timed(fn) for name, fn in columns.items()}
+            expected = results(fns["flexattention"])
+            for name, fn in fns.items():
+                err = max(float((a - e).abs().max()) / float(e.abs().max()) for a, e in zip(results(fn), expected))
                 ms = common.time_ms(fn, args.warmup, args.repeats)
                 tflops = flops / ms / 1e9
-                records.append(dict(impl=name, mask=mask, dtype="bf16", hdim=hdim, seqlen=seqlen, batch=batch,
-                                    nheads=nheads, fwd_tflops=tflops, max_err=err, gpu=gpu, date=date))
+                records.append({"impl": name, "mask": mask, "dtype": "bf16", "hdim": hdim, "seqlen": seqlen,
+                                "batch": batch, "nheads": nheads, metric: tflops, "max_err": err, "gpu": gpu,
+                                "date": date})
                 print(f"{mask:>9} hdim={hdim} seqlen={seqlen} {name:>14}: {tflops:7.1f} TFLOP/s  err {err:.1e}",
                       flush=True)
             common.write_json(records, json_path)
     print(f"\n{'mask':>9} {'hdim':>4} {'seqlen':>6} {'flex/FlexAttention':>19} {'flex/plain':>11}")
     for hdim, seqlen, _, _ in common.grid(args):
         for mask in args.masks.split(","):
-            get = {r["impl"]: r["fwd_tflops"] for r in records
+            get = {r["impl"]: r[metric] for r in records
                    if r["mask"] == mask and r["hdim"] == hdim and r["seqlen"] == seqlen}
             if not get:
                 continue
