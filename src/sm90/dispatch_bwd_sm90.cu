@@ -133,12 +133,13 @@ void check_aligned(const char* argument, const void* data, std::initializer_list
 
 // What the flex kernels cannot do, refused by name.
 void check_flex(const BwdParams& p) {
-  // The deterministic order of dQ sums ranks a row block's column blocks from the window alone;
-  // mask_mod narrowing and block lists change which column blocks contribute.
-  if (p.deterministic) {
+  // The deterministic order of dQ sums ranks a row block's column blocks from the window alone:
+  // deterministic flex kernels visit every row block of the window (mask_mod narrowing off), but
+  // block lists choose which column blocks contribute.
+  if (p.deterministic && p.block_sparse.enabled) {
     not_supported("deterministic",
-                  "the deterministic sm90 backward cannot be combined with score_mod, mask_mod or "
-                  "block sparsity; use deterministic = false");
+                  "the deterministic sm90 backward cannot be combined with block sparsity (block "
+                  "lists); use deterministic = false, or a mask_mod without block lists");
   }
   if (!p.block_sparse.enabled) return;
   // A kernel m-block must lie inside one BlockMask row block and a kernel column block inside

@@ -60,10 +60,12 @@ struct FlexColumnWalk {
   bool masked;     // whether `m_block` needs mask_mod
   bool any;        // whether the walk stands on an m-block
 
+  // narrow: let the mask_mod's row_range drop the row blocks it masks entirely (off in the
+  // deterministic backward, whose dQ order counts every row block of the window).
   template <class FlexParams>
   CUTE_DEVICE static FlexColumnWalk make(FlexParams const& flex, int seqlen_k,
                                          int batch, int head, int n_block, int m_block_min,
-                                         int m_block_max) {
+                                         int m_block_max, bool narrow = true) {
     FlexColumnWalk walk{m_block_min, m_block_max, nullptr, nullptr,     0,    0,
                         0,           0,           0,       m_block_min, true, false};
     // Column blocks without a row range (keys past seqused_k, fully masked) read no list.
@@ -72,17 +74,19 @@ struct FlexColumnWalk {
     }
     BlockSparseParams const& bs = flex.block_sparse;
     if (!bs.enabled) {
-      flex.mask_mod.visit([&](auto const& mod) {
-        if constexpr (!std::is_same_v<std::decay_t<decltype(mod)>, variants::NoMaskMod>) {
-          int const col_min = n_block * kBlockN;
-          int const col_max = cute::min(col_min + kBlockN, seqlen_k) - 1;
-          int row_begin = walk.m_block_min * kBlockM, row_end = walk.m_block_max * kBlockM;
-          mod.row_range(col_min, col_max, row_begin, row_end);
-          walk.m_block_min = cute::max(walk.m_block_min, cute::max(row_begin, 0) / kBlockM);
-          walk.m_block_max =
-              cute::min(walk.m_block_max, cute::ceil_div(cute::max(row_end, 0), kBlockM));
-        }
-      });
+      if (narrow) {
+        flex.mask_mod.visit([&](auto const& mod) {
+          if constexpr (!std::is_same_v<std::decay_t<decltype(mod)>, variants::NoMaskMod>) {
+            int const col_min = n_block * kBlockN;
+            int const col_max = cute::min(col_min + kBlockN, seqlen_k) - 1;
+            int row_begin = walk.m_block_min * kBlockM, row_end = walk.m_block_max * kBlockM;
+            mod.row_range(col_min, col_max, row_begin, row_end);
+            walk.m_block_min = cute::max(walk.m_block_min, cute::max(row_begin, 0) / kBlockM);
+            walk.m_block_max =
+                cute::min(walk.m_block_max, cute::ceil_div(cute::max(row_end, 0), kBlockM));
+          }
+        });
+      }
       walk.m_block = walk.m_block_min;
       walk.any = walk.m_block < walk.m_block_max;
       return walk;

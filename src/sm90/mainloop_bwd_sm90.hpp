@@ -448,8 +448,10 @@ struct MainloopBwdSm90 {
   CUTE_DEVICE static auto make_walk(Params const& p, BwdSeqlen const& seq, int n_block, int head, int batch) {
     auto [m_block_min, m_block_max] = m_block_range<kBlockM, kBlockN, HasWindow>(seq, n_block, p.window_left, p.window_right);
     if constexpr (kIsFlex) {
+      // Deterministic: every row block of the window, so that each row block's contributors are
+      // the window's column blocks that dq_rank counts (mask_mod narrowing would drop some).
       return FlexColumnWalk<kBlockM, kBlockN>::make(p.flex, seq.seqlen_k, batch, head, n_block, m_block_min,
-                                                     m_block_max);
+                                                     m_block_max, /*narrow=*/!p.deterministic);
     } else {
       int num_m = 0, num_n = 1;
       int const start = m_block_min < m_block_max && rotated(p, seq, num_m, num_n) ? n_block * num_m / num_n
@@ -480,9 +482,10 @@ struct MainloopBwdSm90 {
     }
   }
 
-  // Deterministic launch order: the kernel maps blockIdx.x to the column block with this.
+  // Deterministic launch order: the kernel maps blockIdx.x to the column block with this (the
+  // flex kernels have the window built in, so they take the windowed order).
   CUTE_DEVICE static int column_block(Params const& p, int block_idx, int num_blocks) {
-    return HasWindow && !kIsFlex && p.deterministic ? num_blocks - 1 - block_idx : block_idx;
+    return HasWindow && p.deterministic ? num_blocks - 1 - block_idx : block_idx;
   }
 
   // Producer warp: K, V once, then Q + lse_log2 and dO + dPsum per row block.

@@ -46,6 +46,8 @@ struct FlexBwdCase {
   bool full_lists = true, mask_lists = true;
   // Column blocks left with no block at all (their dk / dv are 0).
   bool empty_col_blocks = false;
+  // Run twice and compared bit for bit as well (not with block lists).
+  bool deterministic = false;
   unsigned seed = 1;
 };
 
@@ -455,6 +457,7 @@ Grads run_gpu(const Problem& pb) {
   args.dk = pb.view(dk.data(), c.dtype, false, c.heads_kv, kCuda);
   args.dv = pb.view(dv.data(), c.dtype, false, c.heads_kv, kCuda);
   pb.set_flex(args.seq, args.opts, kCuda, side);
+  args.deterministic = c.deterministic;
   backward(args);
   gpu_testing::check_cuda(cudaDeviceSynchronize(), "backward kernels");
 
@@ -483,6 +486,12 @@ TEST_P(GpuBackwardFlex, MatchesReference) {
   expect_grad_close("dq", gpu.dq, naive.dq, ref.dq);
   expect_grad_close("dk", gpu.dk, naive.dk, ref.dk);
   expect_grad_close("dv", gpu.dv, naive.dv, ref.dv);
+  if (c.deterministic) {
+    const Grads again = run_gpu(pb);  // 16-bit values widened to float: equal iff the bits are
+    EXPECT_EQ(gpu.dq, again.dq) << "dq differs between two deterministic runs";
+    EXPECT_EQ(gpu.dk, again.dk) << "dk differs between two deterministic runs";
+    EXPECT_EQ(gpu.dv, again.dv) << "dv differs between two deterministic runs";
+  }
   if (c.label.find("empty_rows") != std::string::npos) {
     EXPECT_GT(std::count(pb.lse.begin(), pb.lse.end(), kNegInf), 0)
         << "the case was meant to have rows without keys";
@@ -561,6 +570,24 @@ std::vector<FlexBwdCase> flex_cases() {
   c = {};
   c.label = "varlen_mask_causal_relative_bias", c.batch = 3, c.seqlen_q = 257, c.seqlen_k = 190,
   c.varlen = true, c.score_mod = ScoreModKind::kRelativeBias, c.mask_mod = MaskModKind::kCausal;
+  add(c);
+  // deterministic: every row block of the window is visited, the mask_mod applied in each
+  c = {};
+  c.label = "deterministic_varlen_document_causal_gqa", c.batch = 3, c.seqlen_q = 500, c.seqlen_k = 520,
+  c.heads = 4, c.heads_kv = 2, c.causal = true, c.varlen = true, c.mask_mod = MaskModKind::kDocument,
+  c.deterministic = true;
+  add(c);
+  c = {};
+  c.label = "deterministic_alibi_window", c.batch = 2, c.seqlen_q = 600, c.seqlen_k = 700,
+  c.window_left = 150, c.window_right = 30, c.score_mod = ScoreModKind::kAlibi, c.deterministic = true;
+  add(c);
+  c = {};
+  c.label = "deterministic_prefix_lm_softcap", c.seqlen_q = 700, c.seqlen_k = 700, c.softcap = 20.f,
+  c.mask_mod = MaskModKind::kPrefixLM, c.mask_scalars = {200}, c.deterministic = true;
+  add(c);
+  c = {};
+  c.label = "deterministic_document_empty_rows", c.seqlen_q = 400, c.seqlen_k = 150,
+  c.mask_mod = MaskModKind::kDocument, c.deterministic = true;
   add(c);
   // block sparsity (128 x 128 blocks are two 64-row kernel m-blocks at head dim 128)
   c = {};
@@ -693,9 +720,10 @@ struct SmallLists {
   }
 };
 
-TEST(GpuBackwardFlexUnsupported, DeterministicIsRefused) {
+TEST(GpuBackwardFlexUnsupported, DeterministicWithBlockListsIsRefused) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
   SmallCall call(128);
+  SmallLists lists(call.args, 128, 128);
   call.args.deterministic = true;
   expect_not_supported(call.args, "deterministic");
 }
