@@ -12,10 +12,11 @@ from kernel_generator_common import write_instantiations
 # flex: score_mod, mask_mod and block sparsity (variants::FlexVariant; the mod kinds and softcap
 # are runtime choices inside it, so one kernel per head dim and dtype).
 # paged: k/v read through a page table (TMA or gathered loads, picked at run time from the page
-# size); with split-KV too, for decoding from a paged cache. Softcap and flex are not paged.
+# size); with split-KV too, for decoding from a paged cache, and with softcap (decoding softcapped
+# models from a paged cache). Flex is not paged.
 # packgqa: packed GQA tiles (sm90/pack_gqa_sm90.hpp), a GQA group's query heads in one tile;
 # separate kernels because their per-row Q gathering, stores and masking would cost the others
-# registers (the hdim 256 consumers spill). Not with flex, nor with softcap and split together.
+# registers (the hdim 256 consumers spill). Not with flex, nor with softcap and split or paged.
 FEATURES = {
     "": ("false", "false", "variants::NoVariant", "false", "false"),
     "softcap": ("true", "false", "variants::NoVariant", "false", "false"),
@@ -24,6 +25,8 @@ FEATURES = {
     "flex": ("false", "false", "variants::FlexVariant", "false", "false"),
     "paged": ("false", "false", "variants::NoVariant", "true", "false"),
     "paged_split": ("false", "true", "variants::NoVariant", "true", "false"),
+    "softcap_paged": ("true", "false", "variants::NoVariant", "true", "false"),
+    "softcap_paged_split": ("true", "true", "variants::NoVariant", "true", "false"),
     "packgqa": ("false", "false", "variants::NoVariant", "false", "true"),
     "softcap_packgqa": ("true", "false", "variants::NoVariant", "false", "true"),
     "split_packgqa": ("false", "true", "variants::NoVariant", "false", "true"),

@@ -104,9 +104,6 @@ void check_paged(const FwdParams& p) {
                   "paged KV cannot be combined with score_mod, mask_mod or block sparsity in the "
                   "sm90 forward kernel");
   }
-  if (p.softcap > 0.f) {
-    not_supported("softcap", "the sm90 forward kernel has no softcap with paged KV (page_table)");
-  }
 }
 
 // "flash_fwd_hdim192x128_bf16_softcap_sm90" -> "fwd bf16 hdim192x128 softcap"
@@ -160,10 +157,10 @@ void run_forward(FwdParams& params, StreamHandle stream) {
   }
   if (params.page_table != nullptr) check_paged(params);
   if (needs_flex(params)) check_flex(params);
-  if (params.pack_gqa && params.softcap > 0.f && params.num_splits > 1) {
+  if (params.pack_gqa && params.softcap > 0.f && (params.num_splits > 1 || params.page_table != nullptr)) {
     not_supported("pack_gqa",
-                  "the sm90 forward kernel has no packed-GQA tiles with softcap and split-KV "
-                  "together; leave pack_gqa unset or False, or use num_splits = 1");
+                  "the sm90 forward kernel has no packed-GQA tiles with softcap together with "
+                  "split-KV or paged KV; leave pack_gqa unset or False");
   }
   check_tma_operand("q", params.q,
                     {params.q_row_stride, params.q_head_stride, params.q_batch_stride});

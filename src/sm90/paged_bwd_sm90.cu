@@ -173,6 +173,12 @@ PagedLayout paged_layout(BwdParams const& p, char* base) {
     throw Error(Error::Kind::kNotSupported, "page_table",
                 "the sm90 paged backward takes at most 65535 sequences, got " + std::to_string(p.batch));
   }
+  // The dense rows (and the backward's row counts) are 32-bit: batch x max_pages x page_size.
+  if (std::int64_t(p.batch) * p.seqlen_k > INT32_MAX) {
+    throw Error(Error::Kind::kNotSupported, "page_table",
+                "the sm90 paged backward gathers batch x max_pages x page_size = " +
+                    std::to_string(std::int64_t(p.batch) * p.seqlen_k) + " rows, more than 2^31 - 1");
+  }
   std::int64_t const rows = std::int64_t(p.batch) * p.seqlen_k;
   std::int64_t const k_width = std::int64_t(p.num_heads_kv) * p.head_dim;
   std::int64_t const v_width = std::int64_t(p.num_heads_kv) * p.head_dim_v;
@@ -198,7 +204,11 @@ PagedLayout paged_layout(BwdParams const& p, char* base) {
     return at;
   };
   // The dense backward's own checks (dtype, head dims, alignment, built kernels) run here,
-  // before anything is launched; its pointers are placeholders until the layout is final.
+  // before anything is launched, with 256-byte aligned placeholders for the buffers it will read
+  // and write in the workspace (the pages themselves need no alignment: gather and scatter read
+  // and write them element by element).
+  l.dense.k = l.dense.v = reinterpret_cast<void const*>(std::uintptr_t{256});
+  l.dense.dk = l.dense.dv = reinterpret_cast<void*>(std::uintptr_t{256});
   std::size_t const dense_bytes = backward_workspace_bytes(l.dense);
   l.dense_workspace = take(dense_bytes);
   l.k = take(sizeof(std::uint16_t) * rows * k_width);

@@ -487,7 +487,7 @@ TEST_P(GpuBackwardFlex, MatchesReference) {
   expect_grad_close("dk", gpu.dk, naive.dk, ref.dk);
   expect_grad_close("dv", gpu.dv, naive.dv, ref.dv);
   if (c.deterministic) {
-    const Grads again = run_gpu(pb);  // 16-bit values widened to float: equal iff the bits are
+    const Grads again = run_gpu(pb);  // 16-bit values widened to double: equal iff the bits are
     EXPECT_EQ(gpu.dq, again.dq) << "dq differs between two deterministic runs";
     EXPECT_EQ(gpu.dk, again.dk) << "dk differs between two deterministic runs";
     EXPECT_EQ(gpu.dv, again.dv) << "dv differs between two deterministic runs";

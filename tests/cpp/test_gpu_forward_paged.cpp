@@ -40,6 +40,7 @@ struct PagedCase {
   bool packed_q = false;      // q packed with cu_seqlens_q, lengths drawn up to seqlen_q
   bool shared_pages = false;  // sequence 1 starts with sequence 0's pages (a shared prefix)
   int num_splits = 1;         // split-KV; <= 0 lets cuflash choose
+  float softcap = 0.f;
   unsigned seed = 1;
 };
 
@@ -158,6 +159,8 @@ Result naive_low_precision(const Problem& pb) {
           float dot = 0.f;
           for (int d = 0; d < c.head_dim; ++d) dot += qs[d] * krow[d];
           scores[j] = gpu_testing::round_to(dot, c.dtype);
+          if (c.softcap > 0.f)
+            scores[j] = gpu_testing::round_to(c.softcap * std::tanh(scores[j] / c.softcap), c.dtype);
           row_max = std::max(row_max, scores[j]);
         }
         if (row_max == kNegInf) continue;  // nothing visible: out 0, lse -inf
@@ -207,6 +210,7 @@ ForwardArgs make_args(const Problem& pb, DType dtype, Device device, const ArgPo
   args.opts.causal = c.causal;
   args.opts.window_left = c.window_left;
   args.opts.window_right = c.window_right;
+  args.opts.softcap = c.softcap;
   return args;
 }
 
@@ -309,6 +313,17 @@ std::vector<PagedCase> paged_cases() {
     c.label = "decode_split_auto", c.batch = 2, c.seqlen_q = 1, c.heads = 4, c.heads_kv = 1,
     c.page_size = page_size, c.max_pages = pages_for(2000), c.shared_pages = true, c.num_splits = 0;
     add(c);
+    // Softcap (the softcap_paged and softcap_paged_split kernels).
+    c = {};
+    c.label = "softcap_causal_seqused_gqa", c.batch = 3, c.seqlen_q = 90, c.heads = 4, c.heads_kv = 2,
+    c.page_size = page_size, c.max_pages = pages_for(350), c.causal = true, c.seqused = true,
+    c.softcap = 20.f;
+    add(c);
+    c = {};
+    c.label = "softcap_decode_split3", c.batch = 2, c.seqlen_q = 1, c.heads = 8, c.heads_kv = 1,
+    c.page_size = page_size, c.max_pages = pages_for(1500), c.seqused = true, c.shared_pages = true,
+    c.num_splits = 3, c.softcap = 30.f;
+    add(c);
   }
   // The other head dims (and fp16), when built: a gathered and a TMA page size for each
   // (whole n-blocks: 192 rows for d64, 160 for d96, 128 for d192x128, 112 for d192, 80 for d256).
@@ -377,12 +392,16 @@ void expect_not_supported(const ForwardArgs& args, const std::string& argument) 
 }
 
 // What the paged kernels do not have is refused by name, never run on a fallback.
-TEST(GpuForwardPagedUnsupported, SoftcapIsRefused) {
+TEST(GpuForwardPagedUnsupported, PackedGqaWithSoftcapIsRefused) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
-  if (!is_built("fwd bf16 hdim128 paged")) GTEST_SKIP() << "hdim128 bf16 paged not built";
+  if (!is_built("fwd bf16 hdim128 softcap paged")) GTEST_SKIP() << "hdim128 bf16 softcap paged not built";
   SmallPagedCall call;
+  // GQA (two query heads on one kv head), or there is nothing to pack.
+  call.args.k = TensorView(call.k.data(), DType::kBFloat16, {2, 128, 1, 128}, kCuda);
+  call.args.v = TensorView(call.v.data(), DType::kBFloat16, {2, 128, 1, 128}, kCuda);
   call.args.opts.softcap = 30.f;
-  expect_not_supported(call.args, "softcap");
+  call.args.pack_gqa = true;
+  expect_not_supported(call.args, "pack_gqa");
 }
 
 TEST(GpuForwardPagedUnsupported, ScoreModIsRefused) {
