@@ -10,7 +10,8 @@ from kernel_generator_common import write_instantiations
 # Features compiled as separate kernels (softcap, split-KV, flex), so that a kernel without them
 # pays nothing; everything else (causal, local, varlen, GQA, sink, lse) is a runtime choice.
 # flex: score_mod, mask_mod and block sparsity (variants::FlexVariant; the mod kinds and softcap
-# are runtime choices inside it, so one kernel per head dim and dtype).
+# are runtime choices inside it, so one kernel per head dim and dtype); with split-KV too, for
+# decoding with a score_mod or mask_mod.
 # paged: k/v read through a page table (TMA or gathered loads, picked at run time from the page
 # size); with split-KV too, for decoding from a paged cache, and with softcap (decoding softcapped
 # models from a paged cache). Flex is not paged.
@@ -23,6 +24,7 @@ FEATURES = {
     "split": ("false", "true", "variants::NoVariant", "false", "false"),
     "softcap_split": ("true", "true", "variants::NoVariant", "false", "false"),
     "flex": ("false", "false", "variants::FlexVariant", "false", "false"),
+    "flex_split": ("false", "true", "variants::FlexVariant", "false", "false"),
     "paged": ("false", "false", "variants::NoVariant", "true", "false"),
     "paged_split": ("false", "true", "variants::NoVariant", "true", "false"),
     "softcap_paged": ("true", "false", "variants::NoVariant", "true", "false"),

@@ -271,8 +271,9 @@ bool choose_pack_gqa(const FwdParams& params) {
 
 int choose_num_splits(const FwdParams& params, int requested, int num_sm) {
   if (requested > 0) return std::min(requested, kMaxSplits);
-  // The flex kernels (score_mod, mask_mod, block sparsity) have no split-KV.
-  if (params.score_mod.kind != 0 || params.mask_mod.kind != 0 || params.block_sparse.enabled)
+  // Callables compiled at run time have no split-KV kernels.
+  if (params.score_mod.kind == int(ScoreModKind::kExpression) ||
+      params.mask_mod.kind == int(MaskModKind::kExpression))
     return 1;
   constexpr int kBlockM = 128, kBlockN = 128, kMaxHeuristicSplits = 128;
   std::int64_t seqlen_k_loaded = params.seqlen_k;

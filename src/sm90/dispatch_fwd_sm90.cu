@@ -60,7 +60,7 @@ std::string fwd_kernel_name(const FwdParams& p) {
   std::string name = "flash_fwd_hdim" + std::to_string(hdim);
   if (hdim_v != hdim) name += "x" + std::to_string(hdim_v);
   name += DType(p.dtype) == DType::kBFloat16 ? "_bf16" : "_fp16";
-  if (needs_flex(p)) return name + "_flex_sm90";  // softcap is a runtime choice in it
+  if (needs_flex(p)) return name + (p.num_splits > 1 ? "_flex_split_sm90" : "_flex_sm90");  // softcap is a runtime choice in it
   if (p.softcap > 0.f) name += "_softcap";
   if (p.page_table != nullptr) name += "_paged";
   if (p.num_splits > 1) name += "_split";
@@ -76,11 +76,11 @@ void check_flex(const FwdParams& p) {
                   "the sm90 forward kernel (their mods see one query head per tile); leave "
                   "pack_gqa unset or False");
   }
-  if (p.num_splits > 1) {
+  if (p.num_splits > 1 && p.expression_kernel != 0) {
     not_supported("num_splits",
                   "split-KV (num_splits = " + std::to_string(p.num_splits) +
-                      ") cannot be combined with score_mod, mask_mod or block sparsity in the "
-                      "sm90 forward kernel; use num_splits = 1");
+                      ") cannot be combined with score_mod / mask_mod callables compiled at run "
+                      "time; use num_splits = 1 (the built-in score_mods and mask_mods take it)");
   }
   if (!p.block_sparse.enabled) return;
   // A kernel tile must lie inside one BlockMask row block, and a BlockMask column block must

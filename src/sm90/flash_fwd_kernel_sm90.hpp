@@ -71,8 +71,7 @@ struct FlashFwdKernelSm90 {
   static constexpr bool kIsFlex = Variant::kIsFlex;
   static constexpr bool kIsPaged = Config::kIsPaged;
   static constexpr bool kPackGqa = Config::kPackGqa;
-  static_assert(!(kIsFlex && (kIsSplit || Config::kHasSoftcap)),
-                "the flex variant has softcap built in and no split-KV");
+  static_assert(!(kIsFlex && Config::kHasSoftcap), "the flex variant has softcap built in");
   static_assert(!(kIsFlex && kIsPaged), "the flex variant reads dense or packed k/v");
   static_assert(kNumMmaWarpGroups == 2 || kNumMmaWarpGroups == 3,
                 "register split and pingpong below: two or three MMA warpgroups");
@@ -230,17 +229,20 @@ struct FlashFwdKernelSm90 {
       // only without them.
       if (!params.variant.block_sparse.enabled && n_block_min < n_block_max)
         tile_mods(params, tile, seqlen).narrow(tile.m_block, n_block_min, n_block_max);
+    }
+    if constexpr (kIsSplit) {  // an equal share of this row block's n-blocks
+      int const per_split = cute::ceil_div(n_block_max - n_block_min, p.num_splits);
+      n_block_min += tile.split * per_split;
+      n_block_max = min(n_block_max, n_block_min + per_split);
+      n_block_min = min(n_block_min, n_block_max);
+    }
+    if constexpr (kIsFlex) {
+      // With block lists, the walk takes the listed blocks inside this split's share.
       return {seqlen, mask,
               Walk::make(params.variant.block_sparse, tile.batch, tile.head, tile.m_block,
                          n_block_min, n_block_max),
               has_rows};
     } else {
-      if constexpr (kIsSplit) {  // an equal share of this row block's n-blocks
-        int const per_split = cute::ceil_div(n_block_max - n_block_min, p.num_splits);
-        n_block_min += tile.split * per_split;
-        n_block_max = min(n_block_max, n_block_min + per_split);
-        n_block_min = min(n_block_min, n_block_max);
-      }
       return {seqlen, mask, Walk{n_block_min, n_block_max}, has_rows};
     }
   }

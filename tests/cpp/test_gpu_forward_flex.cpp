@@ -44,6 +44,7 @@ struct FlexCase {
   bool full_lists = true, mask_lists = true;
   // Row blocks left with no block at all (every output row 0, lse -inf).
   bool empty_row_blocks = false;
+  int num_splits = 1;  // split-KV (the flex_split kernels); <= 0 lets cuflash choose
   unsigned seed = 1;
 };
 
@@ -386,6 +387,7 @@ Result run_gpu(const Problem& pb) {
   set_flex_args(args, pb, kCuda,
                 {cu_q.data(), cu_k.data(), table.data(), docs.data(), mask_cnt.data(),
                  mask_idx.data(), full_cnt.data(), full_idx.data()});
+  args.num_splits = c.num_splits;
   forward(args);
   gpu_testing::check_cuda(cudaDeviceSynchronize(), "forward kernel");
 
@@ -533,6 +535,28 @@ std::vector<FlexCase> flex_cases() {
   c.seqlen_k = 400, c.mask_mod = MaskModKind::kDocument, c.score_mod = ScoreModKind::kAlibi,
   c.sparse_heads = 1;
   add(c);
+  // split-KV: each split walks its share of the row block's n-blocks (narrowed by the mask_mod,
+  // or the listed blocks inside the share), the combine merges them
+  c = {};
+  c.label = "split3_decode_alibi_causal_gqa", c.batch = 2, c.seqlen_q = 4, c.seqlen_k = 1500, c.heads = 8,
+  c.heads_kv = 2, c.causal = true, c.score_mod = ScoreModKind::kAlibi, c.num_splits = 3;
+  add(c);
+  c = {};
+  c.label = "split_auto_document", c.seqlen_q = 2, c.seqlen_k = 2000, c.mask_mod = MaskModKind::kDocument,
+  c.num_splits = 0;
+  add(c);
+  c = {};
+  c.label = "split2_sliding_window_softcap", c.seqlen_q = 300, c.seqlen_k = 900, c.softcap = 20.f,
+  c.mask_mod = MaskModKind::kSlidingWindow, c.mask_scalars = {200, 0}, c.num_splits = 2;
+  add(c);
+  c = {};
+  c.label = "split4_sparse_per_head_relative_bias", c.batch = 2, c.seqlen_q = 200, c.seqlen_k = 1100,
+  c.score_mod = ScoreModKind::kRelativeBias, c.sparse_heads = 2, c.num_splits = 4;
+  add(c);
+  c = {};
+  c.label = "split3_varlen_mask_causal", c.batch = 3, c.seqlen_q = 40, c.seqlen_k = 700, c.varlen = true,
+  c.mask_mod = MaskModKind::kCausal, c.num_splits = 3;
+  add(c);
   return cases;
 }
 
@@ -563,14 +587,6 @@ void expect_not_supported(ForwardArgs& args, const std::string& argument) {
     EXPECT_EQ(error.kind(), Error::Kind::kNotSupported) << error.what();
     EXPECT_EQ(error.argument(), argument) << error.what();
   }
-}
-
-TEST(GpuForwardFlexUnsupported, SplitKvIsRefused) {
-  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
-  if (!is_built("fwd bf16 hdim128 flex")) GTEST_SKIP() << "hdim128 bf16 flex not built";
-  SmallCall call;
-  call.args.num_splits = 2;
-  expect_not_supported(call.args, "num_splits");
 }
 
 TEST(GpuForwardFlexUnsupported, PackGqaIsRefused) {

@@ -136,6 +136,10 @@ def test_gpu_callables_jit(monkeypatch):
     # A mask callable alone, against the built-in causal mask.
     out, _ = cuflash.flash_attn_func(q, k, v, mask_mod=gpu_callables.causal_mask)
     torch.testing.assert_close(out, causal, atol=2e-2, rtol=2e-2)
+    # Compiled callables have no split-KV kernels: refused by name (the built-ins take it).
+    with pytest.raises(NotImplementedError) as refused:
+        cuflash.flash_attn_func(q, k, v, mask_mod=gpu_callables.causal_mask, num_splits=2)
+    assert refused.value.argument == "num_splits"
     monkeypatch.setenv("CUFLASH_JIT_CALLABLES", "0")
     with pytest.raises(NotImplementedError, match="^mask_mod: .*CUFLASH_JIT_CALLABLES=0"):
         cuflash.flash_attn_func(q, k, v, mask_mod=gpu_callables.causal_mask)
