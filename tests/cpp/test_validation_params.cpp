@@ -268,6 +268,16 @@ TEST(ParamsForward, SplitHeuristicAndBuffers) {
   p.pack_gqa = true;
   EXPECT_EQ(choose_num_splits(p, 0, 132), 66);
   p.pack_gqa = false;
+  // The built-in mods split like the plain kernel (flex_split); callables compiled at run time
+  // have no split kernels.
+  p.mask_mod.kind = int(MaskModKind::kDocument);
+  EXPECT_EQ(choose_num_splits(p, 0, 132), 16);
+  p.mask_mod.kind = int(MaskModKind::kExpression);
+  EXPECT_EQ(choose_num_splits(p, 0, 132), 1);
+  p.mask_mod.kind = 0;
+  p.score_mod.kind = int(ScoreModKind::kExpression);
+  EXPECT_EQ(choose_num_splits(p, 0, 132), 1);
+  p.score_mod.kind = 0;
 
   p = FwdParams{};
   p.batch = 2;
