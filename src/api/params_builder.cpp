@@ -281,6 +281,28 @@ int choose_num_splits(const FwdParams& params, int requested, int num_sm) {
     seqlen_k_loaded = std::min<std::int64_t>(
         seqlen_k_loaded, std::int64_t{params.window_left} + params.window_right + 1 + kBlockM);
   }
+  // The built-in mask_mods (top-left aligned) bound the keys a row block can see the same way.
+  const float* scalars = params.mask_mod.scalars;
+  switch (params.mask_mod.kind) {
+    case int(MaskModKind::kCausal):
+      seqlen_k_loaded = std::min<std::int64_t>(seqlen_k_loaded, std::int64_t{params.seqlen_q} + kBlockM);
+      break;
+    case int(MaskModKind::kSlidingWindow):
+      if (params.mask_mod.num_scalars >= 2 && scalars[0] >= 0.f && scalars[1] >= 0.f) {
+        seqlen_k_loaded = std::min<std::int64_t>(
+            seqlen_k_loaded, std::int64_t(scalars[0]) + std::int64_t(scalars[1]) + 1 + kBlockM);
+      }
+      break;
+    case int(MaskModKind::kPrefixLM):
+      if (params.mask_mod.num_scalars >= 1) {
+        seqlen_k_loaded = std::min<std::int64_t>(
+            seqlen_k_loaded,
+            std::max<std::int64_t>(std::int64_t(scalars[0]), params.seqlen_q) + kBlockM);
+      }
+      break;
+    default:
+      break;
+  }
   const std::int64_t num_n_blocks = (seqlen_k_loaded + kBlockN - 1) / kBlockN;
   if (num_n_blocks <= 4) return 1;  // short keys: splitting costs more than it gains
   // One tile per (batch, query head, m-block), or per (batch, kv head, m-block of the group's

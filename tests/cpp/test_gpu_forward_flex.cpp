@@ -554,8 +554,12 @@ std::vector<FlexCase> flex_cases() {
   c.score_mod = ScoreModKind::kRelativeBias, c.sparse_heads = 2, c.num_splits = 4;
   add(c);
   c = {};
-  c.label = "split3_varlen_mask_causal", c.batch = 3, c.seqlen_q = 40, c.seqlen_k = 700, c.varlen = true,
-  c.mask_mod = MaskModKind::kCausal, c.num_splits = 3;
+  c.label = "split3_varlen_prefix_lm", c.batch = 3, c.seqlen_q = 40, c.seqlen_k = 700, c.varlen = true,
+  c.mask_mod = MaskModKind::kPrefixLM, c.mask_scalars = {500}, c.num_splits = 3;
+  add(c);
+  c = {};  // 256-key list blocks: split boundaries fall inside list blocks
+  c.label = "split4_sparse_blocks_256_alibi", c.seqlen_q = 150, c.seqlen_k = 1100, c.heads = 2,
+  c.score_mod = ScoreModKind::kAlibi, c.sparse_heads = 1, c.block_n = 256, c.num_splits = 4;
   add(c);
   return cases;
 }

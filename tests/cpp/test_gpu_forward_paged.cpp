@@ -326,10 +326,11 @@ std::vector<PagedCase> paged_cases() {
     add(c);
   }
   // The other head dims (and fp16), when built: a gathered and a TMA page size for each
-  // (whole n-blocks: 192 rows for d64, 160 for d96, 128 for d192x128, 112 for d192, 80 for d256).
+  // (whole n-blocks: 128 rows for d64, 160 for d96, 128 for d192x128, 112 for d192, 80 for d256;
+  // the d64 softcap kernel's n-blocks are 192 rows, so its pages are gathered at both sizes).
   const struct {
     int d, dv, tma_page;
-  } dims[] = {{64, 64, 192}, {96, 96, 160}, {192, 128, 128}, {192, 192, 112}, {256, 256, 80}};
+  } dims[] = {{64, 64, 128}, {96, 96, 160}, {192, 128, 128}, {192, 192, 112}, {256, 256, 80}};
   for (auto [d, dv, tma_page] : dims) {
     for (int page_size : {16, tma_page}) {
       PagedCase c;
@@ -339,6 +340,8 @@ std::vector<PagedCase> paged_cases() {
       add(c);
       c.label = "decode_split_auto", c.seqlen_q = 3,
       c.max_pages = (1200 + page_size - 1) / page_size, c.num_splits = 0;
+      add(c);
+      c.label = "softcap_decode_split_auto", c.softcap = 25.f;
       add(c);
     }
   }

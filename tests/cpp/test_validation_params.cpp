@@ -272,6 +272,17 @@ TEST(ParamsForward, SplitHeuristicAndBuffers) {
   // have no split kernels.
   p.mask_mod.kind = int(MaskModKind::kDocument);
   EXPECT_EQ(choose_num_splits(p, 0, 132), 16);
+  // A top-left causal mask_mod on one query row: two key blocks can be visible, no split.
+  p.mask_mod.kind = int(MaskModKind::kCausal);
+  EXPECT_EQ(choose_num_splits(p, 0, 132), 1);
+  // A prefix of 4000 keys: 33 blocks, 16 splits as for the full length (8 tiles on 132 SMs).
+  p.mask_mod.kind = int(MaskModKind::kPrefixLM);
+  p.mask_mod.num_scalars = 1;
+  p.mask_mod.scalars[0] = 4000.f;
+  EXPECT_EQ(choose_num_splits(p, 0, 132), 16);
+  p.mask_mod.scalars[0] = 300.f;  // 4 blocks: no split
+  EXPECT_EQ(choose_num_splits(p, 0, 132), 1);
+  p.mask_mod.num_scalars = 0;
   p.mask_mod.kind = int(MaskModKind::kExpression);
   EXPECT_EQ(choose_num_splits(p, 0, 132), 1);
   p.mask_mod.kind = 0;
