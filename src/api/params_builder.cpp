@@ -271,37 +271,16 @@ bool choose_pack_gqa(const FwdParams& params) {
 
 int choose_num_splits(const FwdParams& params, int requested, int num_sm) {
   if (requested > 0) return std::min(requested, kMaxSplits);
-  // Callables compiled at run time have no split-KV kernels.
-  if (params.score_mod.kind == int(ScoreModKind::kExpression) ||
-      params.mask_mod.kind == int(MaskModKind::kExpression))
+  // Calls with score_mod / mask_mod / block lists split only when asked (num_splits > 1): the
+  // flex_split kernels are not yet checked on a GPU, and calls that worked unsplit keep running
+  // unsplit until they are. (Callables compiled at run time have no split kernels at all.)
+  if (params.score_mod.kind != 0 || params.mask_mod.kind != 0 || params.block_sparse.enabled)
     return 1;
   constexpr int kBlockM = 128, kBlockN = 128, kMaxHeuristicSplits = 128;
   std::int64_t seqlen_k_loaded = params.seqlen_k;
   if (params.is_local && params.window_left >= 0 && params.window_right >= 0) {
     seqlen_k_loaded = std::min<std::int64_t>(
         seqlen_k_loaded, std::int64_t{params.window_left} + params.window_right + 1 + kBlockM);
-  }
-  // The built-in mask_mods (top-left aligned) bound the keys a row block can see the same way.
-  const float* scalars = params.mask_mod.scalars;
-  switch (params.mask_mod.kind) {
-    case int(MaskModKind::kCausal):
-      seqlen_k_loaded = std::min<std::int64_t>(seqlen_k_loaded, std::int64_t{params.seqlen_q} + kBlockM);
-      break;
-    case int(MaskModKind::kSlidingWindow):
-      if (params.mask_mod.num_scalars >= 2 && scalars[0] >= 0.f && scalars[1] >= 0.f) {
-        seqlen_k_loaded = std::min<std::int64_t>(
-            seqlen_k_loaded, std::int64_t(scalars[0]) + std::int64_t(scalars[1]) + 1 + kBlockM);
-      }
-      break;
-    case int(MaskModKind::kPrefixLM):
-      if (params.mask_mod.num_scalars >= 1) {
-        seqlen_k_loaded = std::min<std::int64_t>(
-            seqlen_k_loaded,
-            std::max<std::int64_t>(std::int64_t(scalars[0]), params.seqlen_q) + kBlockM);
-      }
-      break;
-    default:
-      break;
   }
   const std::int64_t num_n_blocks = (seqlen_k_loaded + kBlockN - 1) / kBlockN;
   if (num_n_blocks <= 4) return 1;  // short keys: splitting costs more than it gains

@@ -542,8 +542,8 @@ std::vector<FlexCase> flex_cases() {
   c.heads_kv = 2, c.causal = true, c.score_mod = ScoreModKind::kAlibi, c.num_splits = 3;
   add(c);
   c = {};
-  c.label = "split_auto_document", c.seqlen_q = 2, c.seqlen_k = 2000, c.mask_mod = MaskModKind::kDocument,
-  c.num_splits = 0;
+  c.label = "split5_decode_document", c.seqlen_q = 2, c.seqlen_k = 2000, c.mask_mod = MaskModKind::kDocument,
+  c.num_splits = 5;
   add(c);
   c = {};
   c.label = "split2_sliding_window_softcap", c.seqlen_q = 300, c.seqlen_k = 900, c.softcap = 20.f,

@@ -268,21 +268,10 @@ TEST(ParamsForward, SplitHeuristicAndBuffers) {
   p.pack_gqa = true;
   EXPECT_EQ(choose_num_splits(p, 0, 132), 66);
   p.pack_gqa = false;
-  // The built-in mods split like the plain kernel (flex_split); callables compiled at run time
-  // have no split kernels.
+  // Calls with mods split only when asked (the flex_split kernels), callables not at all.
   p.mask_mod.kind = int(MaskModKind::kDocument);
-  EXPECT_EQ(choose_num_splits(p, 0, 132), 16);
-  // A top-left causal mask_mod on one query row: two key blocks can be visible, no split.
-  p.mask_mod.kind = int(MaskModKind::kCausal);
   EXPECT_EQ(choose_num_splits(p, 0, 132), 1);
-  // A prefix of 4000 keys: 33 blocks, 16 splits as for the full length (8 tiles on 132 SMs).
-  p.mask_mod.kind = int(MaskModKind::kPrefixLM);
-  p.mask_mod.num_scalars = 1;
-  p.mask_mod.scalars[0] = 4000.f;
-  EXPECT_EQ(choose_num_splits(p, 0, 132), 16);
-  p.mask_mod.scalars[0] = 300.f;  // 4 blocks: no split
-  EXPECT_EQ(choose_num_splits(p, 0, 132), 1);
-  p.mask_mod.num_scalars = 0;
+  EXPECT_EQ(choose_num_splits(p, 3, 132), 3);
   p.mask_mod.kind = int(MaskModKind::kExpression);
   EXPECT_EQ(choose_num_splits(p, 0, 132), 1);
   p.mask_mod.kind = 0;
