@@ -39,20 +39,15 @@ void require_device() {
 // the library's own sm90 kernels hold only the built-in mods.
 void refuse_expression_mods(const AttentionOptions& opts, std::uintptr_t expression_kernel) {
   if (expression_kernel != 0) return;
-  if (opts.score_mod.kind == ScoreModKind::kExpression) {
-    throw Error(Error::Kind::kNotSupported, "score_mod",
-                "score_mod: expression programs (Python callables) run on the GPU only through a "
-                "kernel compiled for them (AttentionOptions::expression_forward_kernel / "
-                "expression_backward_kernel, as cuflash._jit builds); the library's sm90 kernels "
-                "take the built-in score_mods");
-  }
-  if (opts.mask_mod.kind == MaskModKind::kExpression) {
-    throw Error(Error::Kind::kNotSupported, "mask_mod",
-                "mask_mod: expression programs (Python callables) run on the GPU only through a "
-                "kernel compiled for them (AttentionOptions::expression_forward_kernel / "
-                "expression_backward_kernel, as cuflash._jit builds); the library's sm90 kernels "
-                "take the built-in mask_mods");
-  }
+  auto refuse = [](const std::string& argument) {
+    throw Error(Error::Kind::kNotSupported, argument,
+                argument + ": expression programs (Python callables) run on the GPU only through a "
+                           "kernel compiled for them (AttentionOptions::expression_forward_kernel / "
+                           "expression_backward_kernel, as cuflash._jit builds); the library's sm90 "
+                           "kernels take the built-in " + argument + "s");
+  };
+  if (opts.score_mod.kind == ScoreModKind::kExpression) refuse("score_mod");
+  if (opts.mask_mod.kind == MaskModKind::kExpression) refuse("mask_mod");
 }
 
 // Forward parameters with the device facts: SM count and split count.

@@ -217,11 +217,18 @@ struct CombineParams {
   int out_dtype = 0;  // cuflash::DType value
 };
 
-// Bumped with every change to the members of FwdParams, BwdParams or ModParams: a member added
-// into tail padding leaves the sizes below as they were.
+// The layout version: bumped with every change to the members of FwdParams, BwdParams or
+// ModParams, since a member added into tail padding leaves the sizes below as they were.
 constexpr std::uint64_t kParamsLayoutVersion = 3;
 
-// The layout tag of kernel_params_abi(): the layout version and the sizes of the structures a
+// Whether a call needs the flex kernels (variants::FlexVariant): a score_mod, a mask_mod or block
+// lists. FwdParams and BwdParams alike.
+template <class Params>
+inline bool needs_flex(const Params& p) {
+  return p.score_mod.kind != 0 || p.mask_mod.kind != 0 || p.block_sparse.enabled;
+}
+
+// Bumped with every change: the layout version and the sizes of the structures a
 // launcher compiled at run time reads (the library and such a module must agree on them).
 constexpr std::uint64_t params_abi_tag() {
   return (kParamsLayoutVersion << 56) ^ (std::uint64_t(sizeof(FwdParams)) << 40) ^

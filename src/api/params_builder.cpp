@@ -257,8 +257,7 @@ CombineParams make_combine_params(const CombineArgs& args, const CombineShape& s
 
 bool choose_pack_gqa(const FwdParams& params) {
   // The flex kernels' mods see one head per tile; they do not pack.
-  if (params.score_mod.kind != 0 || params.mask_mod.kind != 0 || params.block_sparse.enabled)
-    return false;
+  if (needs_flex(params)) return false;
   // Pack when it fills the row tiles markedly better (decode, short prompts): the rows a
   // tile holds over the rows it computes, unpacked against packed (the longest sequence's).
   constexpr std::int64_t kBlockM = 128;
@@ -274,8 +273,7 @@ int choose_num_splits(const FwdParams& params, int requested, int num_sm) {
   // Calls with score_mod / mask_mod / block lists split only when asked (num_splits > 1): the
   // flex_split kernels are not yet checked on a GPU, and calls that worked unsplit keep running
   // unsplit until they are. (Callables compiled at run time have no split kernels at all.)
-  if (params.score_mod.kind != 0 || params.mask_mod.kind != 0 || params.block_sparse.enabled)
-    return 1;
+  if (needs_flex(params)) return 1;
   constexpr int kBlockM = 128, kBlockN = 128, kMaxHeuristicSplits = 128;
   std::int64_t seqlen_k_loaded = params.seqlen_k;
   if (params.is_local && params.window_left >= 0 && params.window_right >= 0) {

@@ -49,10 +49,6 @@ KernelHeadDims kernel_head_dims(const BwdParams& p) {
   return cuflash::kernel_head_dims(p.head_dim, p.head_dim_v);
 }
 
-// score_mod, mask_mod and block sparsity run on the flex kernels (variants::FlexVariant).
-bool needs_flex(const BwdParams& p) {
-  return p.score_mod.kind != 0 || p.mask_mod.kind != 0 || p.block_sparse.enabled;
-}
 
 // Whether the kernel that runs a call multiplies dS by a per-element derivative
 // (MainloopBwdSm90::kHasScoreGrad): softcap, or a score_mod compiled from an expression (its

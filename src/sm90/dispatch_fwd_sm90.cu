@@ -44,10 +44,6 @@ constexpr FwdEntry kFwdEntries[] = {
   throw Error(Error::Kind::kNotSupported, argument, message);
 }
 
-// score_mod, mask_mod and block sparsity run on the flex kernels (variants::FlexVariant).
-bool needs_flex(const FwdParams& p) {
-  return p.score_mod.kind != 0 || p.mask_mod.kind != 0 || p.block_sparse.enabled;
-}
 
 // The compiled head dims that run a call's (cuflash::kernel_head_dims, shared with the backward
 // and with the kernel modules compiled at run time).
