@@ -50,7 +50,11 @@ constexpr BwdTile bwd_tile(int head_dim, int head_dim_v, bool window, bool score
   // dQ / dK) still about 210 bytes, and it serializes every WGMMA (C7512, insufficient register
   // resources). 64 x 80 with atom_n_dkv 2 does not build: 40-wide dK^T / dV^T per warpgroup is
   // too narrow for the epilogue's transposing stmatrix. Here dK / dV take 64 + 64 and dQ 64.
-  return {64, 64, 2, 1, 1, false, true, true, 1, 2, 1};
+  // atom_n_dkv 1: the warpgroups split the head dim of dK^T / dV^T (128 x 64 each, m64n64 WGMMAs)
+  // instead of kBlockN (256 x 32, m64n32); dQ unswapped: 64 x 128 per warpgroup (m64n128).
+  // 52 instead of 72 WGMMAs per warpgroup and step, same accumulators. Two P / dS buffers
+  // (199 KB of smem) drop the barrier before the P store.
+  return {64, 64, 2, 1, 2, false, true, false, 1, 1, 1};
 }
 
 // Rows of one head's slice of the fp32 workspaces (lse_log2, dpsum, dq_accum): each batch
