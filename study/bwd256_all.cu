@@ -1,0 +1,4 @@
+#include "sm90/flash_bwd_launch_sm90.hpp"
+namespace cuflash::sm90 {
+void study_bwd256_all(BwdParams& params, cudaStream_t stream) { bwd::run_bwd<cutlass::bfloat16_t, 256, 256>(params, stream); }
+}
