@@ -42,19 +42,13 @@ constexpr BwdTile bwd_tile(int head_dim, int head_dim_v, bool window, bool score
     // 192 x 128: three warpgroups cannot split the 128-wide dV^T, so two do all of it.
     return {64, 96, 2, 1, 1, false, true, false, 1, 2, 1};
   }
-  // 64-wide column blocks. FlashAttention-3's 64 x 80 with atom_n_dkv 1 gives each thread 80 + 80
-  // registers of dK^T / dV^T (the warpgroups split the head dim), which leaves 240 - 160 for the
-  // 64 of dQ^T plus S / dP (20 + 20), their 16-bit copies and all addressing. ptxas (CUDA 13.0)
-  // does not fit that: 336 bytes of spills in every variant, plain included; with the dQ^T and
-  // dK^T MMAs run in halves of the head dim (dQ 32 live at a time, FlashAttention-3's sliced
-  // dQ / dK) still about 210 bytes, and it serializes every WGMMA (C7512, insufficient register
-  // resources). 64 x 80 with atom_n_dkv 2 does not build: 40-wide dK^T / dV^T per warpgroup is
-  // too narrow for the epilogue's transposing stmatrix. Here dK / dV take 64 + 64 and dQ 64.
-  // atom_n_dkv 1: the warpgroups split the head dim of dK^T / dV^T (128 x 64 each, m64n64 WGMMAs)
-  // instead of kBlockN (256 x 32, m64n32); dQ unswapped: 64 x 128 per warpgroup (m64n128).
-  // 52 instead of 72 WGMMAs per warpgroup and step, same accumulators. Two P / dS buffers
-  // (199 KB of smem) drop the barrier before the P store.
-  return {64, 64, 2, 1, 2, false, true, false, 1, 1, 1};
+  // FlashAttention-3's hdim256 tile: 64 x 80, dK^T / dV^T and dQ^T (swapped), the two warpgroups
+  // splitting the head dim of all three (atom_n_dkv 1, atom_m_dq 1), one dO / P / dS stage.
+  // dK^T / dV^T take 80 + 80 registers per thread; the mainloop runs the dV, dQ and dK MMAs in two
+  // halves of the head dim (kSliceDQKV) so that only 32 of dQ^T's 64 are live at a time, each
+  // half's dQ atomics issued while the other MMAs run. Unsliced this tile spilled 336 bytes
+  // (ptxas, CUDA 13.0).
+  return {64, 80, 2, 1, 1, false, true, true, 1, 1, 1};
 }
 
 // Rows of one head's slice of the fp32 workspaces (lse_log2, dpsum, dq_accum): each batch

@@ -1,0 +1,7 @@
+// Study TU: only the bf16 hdim256 backward kernel with HasWindow=true, HasSoftcap=true.
+#include "sm90/flash_bwd_launch_sm90.hpp"
+namespace cuflash::sm90 {
+void study_bwd256_causal_softcap(BwdParams& params, cudaStream_t stream) {
+  bwd::run_bwd_config<cutlass::bfloat16_t, 256, 256, true, true>(params, stream);
+}
+}  // namespace cuflash::sm90
