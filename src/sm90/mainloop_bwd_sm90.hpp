@@ -243,7 +243,7 @@ struct MainloopBwdSm90 {
   // the score_mod's derivative, unless both are 1.
   static constexpr bool kHasScoreGrad = HasSoftcap || !Variant::kUnitScoreGrad;
 
-  static constexpr BwdTile kTile = bwd_tile(kHeadDim, kHeadDimV, HasWindow, kHasScoreGrad);
+  static constexpr BwdTile kTile = bwd_tile(kHeadDim, kHeadDimV, HasWindow, kHasScoreGrad, kIsFlex);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int NumMmaWG = kTile.num_mma_wg;
@@ -929,6 +929,7 @@ struct MainloopBwdSm90 {
         // head dims [128 h, 128 h + 128) split between the warpgroups; the operand on the M side
         // (dO^T, Q^T, K^T) is sliced alike. dQ^T's slice h is its values [32 h, 32 h + 32).
         static_assert(decltype(size<1>(tdQrdQ))::value == 2 && decltype(size<2>(tdQrdQ))::value == 1);
+        static_assert(decltype(stride<1>(tdQrdQ))::value == decltype(size<0>(tdQrdQ))::value);
         static_assert(decltype(size<1>(tdVrdV))::value == 2 && decltype(size<1>(tdKrdK))::value == 2);
         Tensor tdVrP_all = mma_operand_fragment<!dKV_swapAB>(wg_mma_dV, sPt);
         Tensor tdVrP = tdVrP_all(_, _, _, stage_ds);
