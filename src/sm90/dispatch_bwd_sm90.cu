@@ -61,7 +61,7 @@ bool has_score_grad(const BwdParams& p) {
 bwd::BwdTile kernel_tile(const BwdParams& p) {
   KernelHeadDims const dims = kernel_head_dims(p);
   return bwd::bwd_tile(dims.head_dim, dims.head_dim_v, needs_flex(p) || p.is_causal || p.is_local,
-                       has_score_grad(p));
+                       has_score_grad(p), needs_flex(p));
 }
 
 std::string kernel_name(const BwdParams& p) {

@@ -10,6 +10,30 @@
 
 namespace cuflash::sm90::bwd {
 
+// blockIdx / threadIdx.x read anew at each use (not merged with earlier reads by the compiler).
+template <int Dim>
+CUTE_DEVICE uint32_t ctaid_volatile() {
+  uint32_t v;
+  if constexpr (Dim == 0) {
+    asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(v));
+  } else if constexpr (Dim == 1) {
+    asm volatile("mov.u32 %0, %%ctaid.y;\n" : "=r"(v));
+  } else {
+    asm volatile("mov.u32 %0, %%ctaid.z;\n" : "=r"(v));
+  }
+  return v;
+}
+CUTE_DEVICE uint32_t nctaid_x_volatile() {
+  uint32_t v;
+  asm volatile("mov.u32 %0, %%nctaid.x;\n" : "=r"(v));
+  return v;
+}
+CUTE_DEVICE uint32_t tid_x_volatile() {
+  uint32_t v;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(v));
+  return v;
+}
+
 template <class Mainloop_, class Epilogue_>
 struct FlashBwdKernelSm90 {
   using Mainloop = Mainloop_;
@@ -72,30 +96,55 @@ struct FlashBwdKernelSm90 {
     // Grids are sized for the longest sequence; this block has no key rows of this batch.
     if (n_block * Mainloop::kBlockN >= seq.capacity_k) { return; }
 
+    // The sliced hdim 256 mainloop (kSliceDQKV) takes every register of the MMA warpgroups, and ptxas
+    // then spills the values that are live from here into either role. There each role derives the
+    // block's coordinates and sequence geometry again after its register reconfiguration (volatile
+    // special-register reads and a compiler memory barrier keep them from being merged with these),
+    // and the MMA warpgroups once more for the epilogue.
+    struct Coords {
+      int n_block, head, batch, thread_idx;
+      BwdSeqlen seq;
+    };
+    auto coords = [&]() {
+      if constexpr (Mainloop::kSliceDQKV) {
+        asm volatile("" ::: "memory");
+        int const b = int(ctaid_volatile<2>());
+        return Coords{Mainloop::column_block(params.mainloop, int(ctaid_volatile<0>()), int(nctaid_x_volatile())),
+                      int(ctaid_volatile<1>()), b, int(tid_x_volatile()) - cutlass::NumThreadsPerWarpGroup,
+                      BwdSeqlen::make<Mainloop::kBlockM, Mainloop::kBlockN>(params.mainloop, b)};
+      } else {
+        return Coords{n_block, head, batch, int(threadIdx.x) - cutlass::NumThreadsPerWarpGroup, seq};
+      }
+    };
+
     if (warp_group_idx == 0) {
       cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+      Coords const c = coords();
       if (warp_idx_in_wg == 0) {
-        Mainloop::load(params.mainloop, ss.tensors, pipeline_q, pipeline_do, ss.barrier_kv, seq, n_block, head, batch);
+        Mainloop::load(params.mainloop, ss.tensors, pipeline_q, pipeline_do, ss.barrier_kv, c.seq, c.n_block, c.head,
+                       c.batch);
       } else if (warp_idx_in_wg == 1 && Mainloop::kDqViaSmem) {
         // Every MMA warpgroup starts with an empty dQ buffer.
         for (int wg = 0; wg < NumMmaWG; ++wg) {
           cutlass::arch::NamedBarrier::arrive(cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp,
                                               uint32_t(BwdBarrier::kDqEmpty) + wg);
         }
-        Mainloop::store_dq(params.mainloop, ss.tensors, seq, n_block, head, batch);
+        Mainloop::store_dq(params.mainloop, ss.tensors, c.seq, c.n_block, c.head, c.batch);
       }
     } else {
       cutlass::arch::warpgroup_reg_alloc<kMmaRegs>();
-      int const thread_idx = int(threadIdx.x) - cutlass::NumThreadsPerWarpGroup;
+      Coords const c = coords();
       Tensor tdKrdK = partition_fragment_C(typename Mainloop::TiledMmadK{}, typename Epilogue::ShapedKAcc{});
       Tensor tdVrdV = partition_fragment_C(typename Mainloop::TiledMmadV{}, typename Epilogue::ShapedVAcc{});
-      bool const any_rows = Mainloop::mma(params.mainloop, ss.tensors, pipeline_q, pipeline_do, ss.barrier_kv, seq,
-                                          tdKrdK, tdVrdV, thread_idx, n_block, head, batch);
+      bool const any_rows = Mainloop::mma(params.mainloop, ss.tensors, pipeline_q, pipeline_do, ss.barrier_kv, c.seq,
+                                          tdKrdK, tdVrdV, c.thread_idx, c.n_block, c.head, c.batch);
       if (!any_rows) {
         clear(tdKrdK);
         clear(tdVrdV);
       }
-      Epilogue::store(params.epilogue, ss.tensors, tdKrdK, tdVrdV, any_rows, thread_idx, seq, n_block, head, batch);
+      Coords const ce = coords();
+      Epilogue::store(params.epilogue, ss.tensors, tdKrdK, tdVrdV, any_rows, ce.thread_idx, ce.seq, ce.n_block, ce.head,
+                      ce.batch);
     }
   }
 };

@@ -110,6 +110,28 @@ CUTE_DEVICE void wgmma_gemm(TiledMma tiled_mma, TA const& tCrA, TB const& tCrB, 
   }
 }
 
+// Part `Slice` of `NumSlices` equal parts of mode 1 (MMA_M) of an MMA fragment (V, MMA_M, X):
+// the same rank, mode 1 narrowed, same registers / descriptors.
+template <int Slice, int NumSlices, class T>
+CUTE_DEVICE auto mma_m_slice(T&& t) {
+  constexpr int kM = decltype(size<1>(t))::value;
+  static_assert(kM % NumSlices == 0 && Slice < NumSlices);
+  Tensor d = logical_divide(static_cast<T&&>(t), make_tile(Underscore{}, Int<kM / NumSlices>{}));
+  return d(_, make_coord(_, Int<Slice>{}), _);
+}
+
+// wgmma_gemm on one slice of the MMA's M extent: the rows [Slice * M / NumSlices, ...) of each
+// warpgroup's accumulator and of the operand on the M side (B when the operands are swapped).
+template <bool ZeroInit, int WgWait, bool SwapAB, int Slice, int NumSlices, class TiledMma, class TA, class TB, class TC>
+CUTE_DEVICE void wgmma_gemm_m_slice(TiledMma tiled_mma, TA const& tCrA, TB const& tCrB, TC& tCrC) {
+  auto tCrC_s = mma_m_slice<Slice, NumSlices>(tCrC);
+  if constexpr (SwapAB) {
+    wgmma_gemm<ZeroInit, WgWait, false>(tiled_mma, mma_m_slice<Slice, NumSlices>(tCrB), tCrA, tCrC_s);
+  } else {
+    wgmma_gemm<ZeroInit, WgWait, false>(tiled_mma, mma_m_slice<Slice, NumSlices>(tCrA), tCrB, tCrC_s);
+  }
+}
+
 // Spin until *ptr == value (acquire), by one thread.
 CUTE_DEVICE void semaphore_wait_eq(int const* ptr, int value) {
   int current;
@@ -221,7 +243,7 @@ struct MainloopBwdSm90 {
   // the score_mod's derivative, unless both are 1.
   static constexpr bool kHasScoreGrad = HasSoftcap || !Variant::kUnitScoreGrad;
 
-  static constexpr BwdTile kTile = bwd_tile(kHeadDim, kHeadDimV, HasWindow, kHasScoreGrad);
+  static constexpr BwdTile kTile = bwd_tile(kHeadDim, kHeadDimV, HasWindow, kHasScoreGrad, kIsFlex);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int NumMmaWG = kTile.num_mma_wg;
@@ -349,6 +371,12 @@ struct MainloopBwdSm90 {
   static constexpr bool kDqViaSmem = sizeof(TensorStorageT<true>) <= kSmemLimit;
   using TensorStorage = TensorStorageT<kDqViaSmem>;
   static_assert(sizeof(TensorStorage) <= kSmemLimit, "tile does not fit in shared memory");
+
+  // hdim 256 (FlashAttention-3's Slice_dQKV_Mma): the dV, dQ and dK MMAs each run as two halves
+  // of the head dim (each warpgroup's MMA_M split in two), so that dQ^T is live 32 registers at a
+  // time: dV_0, dQ_0, dV_1 | dQ_0 atomics | dK_0, dQ_1 | dQ_1 atomics | dK_1.
+  static constexpr bool kSliceDQKV = kHeadDim == 256 && kHeadDimV == 256 && NumMmaWG == 2 && dQ_swapAB &&
+                                     dKV_swapAB && AtomMdQ == 1 && AtomNdKV == 1 && !Mma_dKV_is_RS && !kDqViaSmem;
 
   // --- TMA ---
   using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;  // (rows, d, head, batch)
@@ -864,46 +892,14 @@ struct MainloopBwdSm90 {
       }
       cute::copy(smem_tiled_copy_PdS, smem_thr_copy_PdS.retile_S(rdS), tdSsdS(_, _, _, stage_ds));
 
-      // dV += P^T dO
-      if constexpr (Mma_dKV_is_RS) {
-        Tensor tdVrP = make_tensor(rP.data(), acc_as_a_operand_layout(rP.layout()));
-        wgmma_gemm<false, -1, false>(tiled_mma_dV, tdVrP, tdVrdO(_, _, _, stage_do), tdVrdV);
-      } else {
-        Tensor tdVrP = mma_operand_fragment<!dKV_swapAB>(wg_mma_dV, sPt);
-        wgmma_gemm<false, -1, dKV_swapAB>(tiled_mma_dV, tdVrP(_, _, _, stage_ds), tdVrdO(_, _, _, stage_do), tdVrdV);
-      }
-
-      // dS visible to every warpgroup before dQ = dS K.
-      cutlass::arch::fence_view_async_shared();
-      cutlass::arch::NamedBarrier::sync(NumMmaThreads, uint32_t(BwdBarrier::kPdS));
       using ShapedQAcc = std::conditional_t<!dQ_swapAB, Shape<Int<kBlockM>, Int<kHeadDim>>, Shape<Int<kHeadDim>, Int<kBlockM>>>;
       Tensor tdQrdQ = partition_fragment_C(tiled_mma_dQ, ShapedQAcc{});
-      wgmma_gemm<true, 1, dQ_swapAB>(tiled_mma_dQ, tdQrdS(_, _, _, stage_ds), tdQrK, tdQrdQ);
-      pipeline_do.consumer_release(read_do);  // the dV MMA is done with dO
-
-      // dK += dS^T Q
-      if constexpr (Mma_dKV_is_RS) {
-        Tensor tdKrdS = make_tensor(rdS.data(), acc_as_a_operand_layout(rdS.layout()));
-        wgmma_gemm<false, 1, false>(tiled_mma_dK, tdKrdS, tdKrQ(_, _, _, stage_q), tdKrdK);
-      } else {
-        Tensor tdKrdS = mma_operand_fragment<!dKV_swapAB>(wg_mma_dK, sdSt);
-        wgmma_gemm<false, 1, dKV_swapAB>(tiled_mma_dK, tdKrdS(_, _, _, stage_ds), tdKrQ(_, _, _, stage_q), tdKrdK);
-      }
-
-      // dQ out, in fragment order (see the top of this file).
+      // dQ out, in fragment order (see the top of this file): values [4 * begin, 4 * end) of this
+      // thread, by atomics (when not through smem), in column-block order when deterministic.
       static_assert(decltype(size(tdQrdQ))::value % 4 == 0);
       constexpr int kDqVecs = decltype(size(tdQrdQ))::value / 4;
       auto dq_vec = [&](int i) { return make_float4(tdQrdQ(4 * i), tdQrdQ(4 * i + 1), tdQrdQ(4 * i + 2), tdQrdQ(4 * i + 3)); };
-      if constexpr (kDqViaSmem) {
-        cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp,
-                                          uint32_t(BwdBarrier::kDqEmpty) + wg_idx);
-        float4* sdq = reinterpret_cast<float4*>(smem.dq.data() + wg_idx * (kDqChunk / NumMmaWG));
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < kDqVecs; ++i) { sdq[i * cutlass::NumThreadsPerWarpGroup + thread_in_wg] = dq_vec(i); }
-        cutlass::arch::fence_view_async_shared();
-        cutlass::arch::NamedBarrier::arrive(cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp,
-                                            uint32_t(BwdBarrier::kDqFull) + wg_idx);
-      } else {
+      auto dq_atomics_wait = [&]() {
         if (p.deterministic) {
           if (thread_idx == 0) {
             int const rank = dq_rank(p, seq, n_block, m_block);
@@ -911,13 +907,93 @@ struct MainloopBwdSm90 {
           }
           cutlass::arch::NamedBarrier::sync(NumMmaThreads, uint32_t(BwdBarrier::kEpilogue));
         }
+      };
+      auto dq_atomics = [&](auto begin, auto end) {
         float4* gdq = reinterpret_cast<float4*>(dq_accum + int64_t(m_block) * kDqChunk + wg_idx * (kDqChunk / NumMmaWG));
         CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < kDqVecs; ++i) { atomicAdd(gdq + i * cutlass::NumThreadsPerWarpGroup + thread_in_wg, dq_vec(i)); }
+        for (int i = decltype(begin)::value; i < decltype(end)::value; ++i) {
+          atomicAdd(gdq + i * cutlass::NumThreadsPerWarpGroup + thread_in_wg, dq_vec(i));
+        }
+      };
+      auto dq_atomics_release = [&]() {
         if (p.deterministic) {
           __threadfence();
           cutlass::arch::NamedBarrier::sync(NumMmaThreads, uint32_t(BwdBarrier::kEpilogue));
           if (thread_idx == 0) { semaphore_increment(dq_semaphore + m_block); }
+        }
+      };
+
+      if constexpr (kSliceDQKV) {
+        // The MMAs and dQ atomics of the branch below in halves of the head dim (kSliceDQKV):
+        // slice h of each warpgroup's dV^T / dK^T / dQ^T accumulator is its MMA_M index h, i.e.
+        // head dims [128 h, 128 h + 128) split between the warpgroups; the operand on the M side
+        // (dO^T, Q^T, K^T) is sliced alike. dQ^T's slice h is its values [32 h, 32 h + 32).
+        static_assert(decltype(size<1>(tdQrdQ))::value == 2 && decltype(size<2>(tdQrdQ))::value == 1);
+        static_assert(decltype(stride<1>(tdQrdQ))::value == decltype(size<0>(tdQrdQ))::value);
+        static_assert(decltype(size<1>(tdVrdV))::value == 2 && decltype(size<1>(tdKrdK))::value == 2);
+        Tensor tdVrP_all = mma_operand_fragment<!dKV_swapAB>(wg_mma_dV, sPt);
+        Tensor tdVrP = tdVrP_all(_, _, _, stage_ds);
+        Tensor tdVrdO_cur = tdVrdO(_, _, _, stage_do);
+        Tensor tdQrdS_cur = tdQrdS(_, _, _, stage_ds);
+        Tensor tdKrdS_all = mma_operand_fragment<!dKV_swapAB>(wg_mma_dK, sdSt);
+        Tensor tdKrdS = tdKrdS_all(_, _, _, stage_ds);
+        Tensor tdKrQ_cur = tdKrQ(_, _, _, stage_q);
+        // dV_0 += P^T dO (first half)
+        wgmma_gemm_m_slice<false, -1, dKV_swapAB, 0, 2>(tiled_mma_dV, tdVrP, tdVrdO_cur, tdVrdV);
+        // dS visible to every warpgroup before dQ = dS K.
+        cutlass::arch::fence_view_async_shared();
+        cutlass::arch::NamedBarrier::sync(NumMmaThreads, uint32_t(BwdBarrier::kPdS));
+        wgmma_gemm_m_slice<true, -1, dQ_swapAB, 0, 2>(tiled_mma_dQ, tdQrdS_cur, tdQrK, tdQrdQ);
+        // dV_1; waiting for all but it completes dV_0 and dQ_0.
+        wgmma_gemm_m_slice<false, 1, dKV_swapAB, 1, 2>(tiled_mma_dV, tdVrP, tdVrdO_cur, tdVrdV);
+        dq_atomics_wait();
+        dq_atomics(Int<0>{}, Int<kDqVecs / 2>{});
+        // dK_0 += dS^T Q; waiting for all but it completes dV_1 (the dV MMA is done with dO).
+        wgmma_gemm_m_slice<false, 1, dKV_swapAB, 0, 2>(tiled_mma_dK, tdKrdS, tdKrQ_cur, tdKrdK);
+        pipeline_do.consumer_release(read_do);
+        wgmma_gemm_m_slice<true, 0, dQ_swapAB, 1, 2>(tiled_mma_dQ, tdQrdS_cur, tdQrK, tdQrdQ);
+        dq_atomics(Int<kDqVecs / 2>{}, Int<kDqVecs>{});
+        dq_atomics_release();
+        wgmma_gemm_m_slice<false, -1, dKV_swapAB, 1, 2>(tiled_mma_dK, tdKrdS, tdKrQ_cur, tdKrdK);
+      } else {
+        // dV += P^T dO
+        if constexpr (Mma_dKV_is_RS) {
+          Tensor tdVrP = make_tensor(rP.data(), acc_as_a_operand_layout(rP.layout()));
+          wgmma_gemm<false, -1, false>(tiled_mma_dV, tdVrP, tdVrdO(_, _, _, stage_do), tdVrdV);
+        } else {
+          Tensor tdVrP = mma_operand_fragment<!dKV_swapAB>(wg_mma_dV, sPt);
+          wgmma_gemm<false, -1, dKV_swapAB>(tiled_mma_dV, tdVrP(_, _, _, stage_ds), tdVrdO(_, _, _, stage_do), tdVrdV);
+        }
+
+        // dS visible to every warpgroup before dQ = dS K.
+        cutlass::arch::fence_view_async_shared();
+        cutlass::arch::NamedBarrier::sync(NumMmaThreads, uint32_t(BwdBarrier::kPdS));
+        wgmma_gemm<true, 1, dQ_swapAB>(tiled_mma_dQ, tdQrdS(_, _, _, stage_ds), tdQrK, tdQrdQ);
+        pipeline_do.consumer_release(read_do);  // the dV MMA is done with dO
+
+        // dK += dS^T Q
+        if constexpr (Mma_dKV_is_RS) {
+          Tensor tdKrdS = make_tensor(rdS.data(), acc_as_a_operand_layout(rdS.layout()));
+          wgmma_gemm<false, 1, false>(tiled_mma_dK, tdKrdS, tdKrQ(_, _, _, stage_q), tdKrdK);
+        } else {
+          Tensor tdKrdS = mma_operand_fragment<!dKV_swapAB>(wg_mma_dK, sdSt);
+          wgmma_gemm<false, 1, dKV_swapAB>(tiled_mma_dK, tdKrdS(_, _, _, stage_ds), tdKrQ(_, _, _, stage_q), tdKrdK);
+        }
+
+        // dQ out.
+        if constexpr (kDqViaSmem) {
+          cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp,
+                                            uint32_t(BwdBarrier::kDqEmpty) + wg_idx);
+          float4* sdq = reinterpret_cast<float4*>(smem.dq.data() + wg_idx * (kDqChunk / NumMmaWG));
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < kDqVecs; ++i) { sdq[i * cutlass::NumThreadsPerWarpGroup + thread_in_wg] = dq_vec(i); }
+          cutlass::arch::fence_view_async_shared();
+          cutlass::arch::NamedBarrier::arrive(cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp,
+                                              uint32_t(BwdBarrier::kDqFull) + wg_idx);
+        } else {
+          dq_atomics_wait();
+          dq_atomics(Int<0>{}, Int<kDqVecs>{});
+          dq_atomics_release();
         }
       }
 

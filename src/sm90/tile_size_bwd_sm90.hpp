@@ -21,8 +21,9 @@ struct BwdTile {
 // head_dim / head_dim_v are the padded compile-time head dims of an instantiation
 // (64, 96, 128, 192, 256, or 192 with head_dim_v 128). `window` covers causal and local;
 // `score_grad`: the kernel multiplies dS by a per-element derivative (softcap's, or a score_mod's
-// that is not 1), which keeps one more value per accumulator element live.
-constexpr BwdTile bwd_tile(int head_dim, int head_dim_v, bool window, bool score_grad) {
+// that is not 1), which keeps one more value per accumulator element live. `flex`: the kernel
+// with score_mod / mask_mod / block sparsity (more state live in the mainloop).
+constexpr BwdTile bwd_tile(int head_dim, int head_dim_v, bool window, bool score_grad, bool flex = false) {
   // S^T tiles let dV / dK take P^T / dS^T from registers, which keeps P out of smem.
   if (head_dim <= 64) {
     // 128 x 128 spills 460-950 bytes with a score derivative (ptxas, CUDA 13.0): those kernels
@@ -42,15 +43,20 @@ constexpr BwdTile bwd_tile(int head_dim, int head_dim_v, bool window, bool score
     // 192 x 128: three warpgroups cannot split the 128-wide dV^T, so two do all of it.
     return {64, 96, 2, 1, 1, false, true, false, 1, 2, 1};
   }
-  // 64-wide column blocks. FlashAttention-3's 64 x 80 with atom_n_dkv 1 gives each thread 80 + 80
-  // registers of dK^T / dV^T (the warpgroups split the head dim), which leaves 240 - 160 for the
-  // 64 of dQ^T plus S / dP (20 + 20), their 16-bit copies and all addressing. ptxas (CUDA 13.0)
-  // does not fit that: 336 bytes of spills in every variant, plain included; with the dQ^T and
-  // dK^T MMAs run in halves of the head dim (dQ 32 live at a time, FlashAttention-3's sliced
-  // dQ / dK) still about 210 bytes, and it serializes every WGMMA (C7512, insufficient register
-  // resources). 64 x 80 with atom_n_dkv 2 does not build: 40-wide dK^T / dV^T per warpgroup is
-  // too narrow for the epilogue's transposing stmatrix. Here dK / dV take 64 + 64 and dQ 64.
-  return {64, 64, 2, 1, 1, false, true, true, 1, 2, 1};
+  // The flex kernel does not fit the sliced 64 x 80 tile below in 240 registers (ptxas, CUDA 13.0:
+  // 20 bytes of spills in the mainloop, 106 with softcap); it takes 64-wide column blocks with the
+  // warpgroups splitting the head dim of dK^T / dV^T (m64n64 WGMMAs) and dQ unswapped (64 x 128
+  // per warpgroup, m64n128), two P / dS buffers (199 KB of smem): 0 bytes of spills.
+  if (flex) return {64, 64, 2, 1, 2, false, true, false, 1, 1, 1};
+  // FlashAttention-3's hdim256 tile: 64 x 80, dK^T / dV^T and dQ^T (swapped), the two warpgroups
+  // splitting the head dim of all three (atom_n_dkv 1, atom_m_dq 1), one dO / P / dS stage.
+  // dK^T / dV^T take 80 + 80 registers per thread; the mainloop runs the dV, dQ and dK MMAs in two
+  // halves of the head dim (kSliceDQKV) so that only 32 of dQ^T's 64 are live at a time, each
+  // half's dQ atomics issued while the other MMAs run. Unsliced this tile spilled 336 bytes
+  // (ptxas, CUDA 13.0); sliced, with the kernel re-deriving the block coordinates per role, none
+  // in any of the four variants (up to R237 with softcap), no serialized WGMMAs. 58 WGMMAs per
+  // warpgroup and step (16 + 16 m64n40 S / dP, 8 + 8 m64n80 dV / dK, 10 m64n64 dQ).
+  return {64, 80, 2, 1, 1, false, true, true, 1, 1, 1};
 }
 
 // Rows of one head's slice of the fp32 workspaces (lse_log2, dpsum, dq_accum): each batch
