@@ -115,7 +115,7 @@ struct FwdParams {
   // three MMA warpgroups, or 128 on two for short sequences; not its split-KV, paged or packed
   // GQA kernels, which calls take when the heuristics pick them); 0: the launcher picks by
   // fwd_narrow_tile_pays (sm90/tile_size_sm90.hpp). From CUFLASH_FWD_HDIM64_ROWS.
-  int tile_rows = 192;
+  int tile_rows = 0;
 };
 
 // Whether the forward's tiles differ in cost: causal/local windows, packed or seqused sequences

@@ -270,16 +270,40 @@ bool choose_pack_gqa(const FwdParams& params) {
 
 int choose_num_splits(const FwdParams& params, int requested, int num_sm) {
   if (requested > 0) return std::min(requested, kMaxSplits);
-  // Calls with score_mod / mask_mod / block lists split only when asked (num_splits > 1): the
-  // flex_split kernels are not yet checked on a GPU, and calls that worked unsplit keep running
-  // unsplit until they are. (Callables compiled at run time have no split kernels at all.)
-  if (needs_flex(params)) return 1;
+  // Callables compiled at run time have no split kernels. Block lists split only when asked:
+  // the keys a row block visits are in device arrays, so the host cannot count them, and a
+  // count of all seqlen_k would split sparse rows into mostly empty shares.
+  if (params.expression_kernel != 0 || params.score_mod.kind == int(ScoreModKind::kExpression) ||
+      params.mask_mod.kind == int(MaskModKind::kExpression) || params.block_sparse.enabled)
+    return 1;
   constexpr int kBlockM = 128, kBlockN = 128, kMaxHeuristicSplits = 128;
   std::int64_t seqlen_k_loaded = params.seqlen_k;
   if (params.is_local && params.window_left >= 0 && params.window_right >= 0) {
     seqlen_k_loaded = std::min<std::int64_t>(
         seqlen_k_loaded, std::int64_t{params.window_left} + params.window_right + 1 + kBlockM);
   }
+  // A built-in mask_mod bounds the keys a row block visits as a window does (the flex_split
+  // kernels narrow each share by it), top-left aligned: causal to the rows, a sliding window to
+  // its width and to the rows plus its right side, a prefix LM to the longer of prefix and rows;
+  // a row block adds kBlockM.
+  const auto whole = [](float x) { return std::int64_t(std::min(x, float(1 << 30))); };
+  std::int64_t mask_keys = -1;
+  switch (params.mask_mod.kind) {
+    case int(MaskModKind::kCausal):
+      mask_keys = params.seqlen_q;
+      break;
+    case int(MaskModKind::kSlidingWindow):  // keys [0, seqlen_q - 1 + right], width left + right + 1
+      mask_keys = std::min<std::int64_t>(
+          whole(params.mask_mod.scalars[0]) + whole(params.mask_mod.scalars[1]) + 1,
+          params.seqlen_q + whole(params.mask_mod.scalars[1]));
+      break;
+    case int(MaskModKind::kPrefixLM):
+      mask_keys = std::max<std::int64_t>(whole(params.mask_mod.scalars[0]), params.seqlen_q);
+      break;
+    default:
+      break;
+  }
+  if (mask_keys >= 0) seqlen_k_loaded = std::min(seqlen_k_loaded, mask_keys + kBlockM);
   const std::int64_t num_n_blocks = (seqlen_k_loaded + kBlockN - 1) / kBlockN;
   if (num_n_blocks <= 4) return 1;  // short keys: splitting costs more than it gains
   // One tile per (batch, query head, m-block), or per (batch, kv head, m-block of the group's
@@ -339,17 +363,17 @@ FwdScheduler fwd_scheduler() {
 }
 
 int parse_fwd_hdim64_rows(const char* value) {
-  if (value == nullptr || *value == '\0' || std::strcmp(value, "192") == 0) return 192;
+  if (value == nullptr || *value == '\0' || std::strcmp(value, "auto") == 0) return 0;
+  if (std::strcmp(value, "192") == 0) return 192;
   if (std::strcmp(value, "128") == 0) return 128;
-  if (std::strcmp(value, "auto") == 0) return 0;
   throw Error(Error::Kind::kInvalidArgument, "CUFLASH_FWD_HDIM64_ROWS",
               std::string("CUFLASH_FWD_HDIM64_ROWS: expected '192', '128' or 'auto', got '") + value + "'");
 }
 
 int fwd_hdim64_rows() {
   // The plain hdim64 forward has a 192-row tile (three MMA warpgroups) and a 128-row one (two)
-  // for short sequences. 192 stays the default until the cost model that "auto" uses
-  // (fwd_narrow_tile_pays) is calibrated on the GPU against it.
+  // for short causal sequences, narrow windows and decoding; "auto" (the default) picks by the
+  // measured cost model fwd_narrow_tile_pays, 192 or 128 force one for timing.
   static const int rows = parse_fwd_hdim64_rows(std::getenv("CUFLASH_FWD_HDIM64_ROWS"));
   return rows;
 }

@@ -48,8 +48,8 @@ FwdScheduler parse_fwd_scheduler(const char* value);
 // The process's choice, from CUFLASH_FWD_SCHEDULER, read once.
 FwdScheduler fwd_scheduler();
 
-// Rows per tile of the plain hdim64 forward (FwdParams::tile_rows): "192" (or null / empty),
-// "128", or "auto" (0: by the sequence lengths). Throws kInvalidArgument otherwise.
+// Rows per tile of the plain hdim64 forward (FwdParams::tile_rows): "auto" (or null / empty;
+// 0: by the sequence lengths), "192" or "128". Throws kInvalidArgument otherwise.
 int parse_fwd_hdim64_rows(const char* value);
 // The process's choice, from CUFLASH_FWD_HDIM64_ROWS, read once.
 int fwd_hdim64_rows();
