@@ -3,7 +3,7 @@
 PyTorch SDPA's cuDNN and FlashAttention-2 backends, in one process, on the same inputs
 (DESIGN.md section 6).
 
-Shapes as bench_fwd.py: bf16, batch * seqlen = 16k tokens, heads * head_dim = 2048.
+Shapes as bench_fwd.py: bf16 (--dtype fp16 for fp16), batch * seqlen = 16k tokens, heads * head_dim = 2048.
 FLOPs = 2.5 * 4 * batch * heads * seqlen_q * seqlen_k * head_dim, half of that when causal.
 
 What is timed: the backward alone. Each implementation runs its forward once with autograd on
@@ -105,7 +105,8 @@ def make_columns(args):
 
         def cuflash_column(deterministic):
             def prepare(q, k, v, dout, causal, hdim):
-                missing = [f"{d} bf16 hdim{hdim}" for d in ("fwd", "bwd") if f"{d} bf16 hdim{hdim}" not in built]
+                names = [f"{d} {args.dtype} hdim{hdim}" for d in ("fwd", "bwd")]
+                missing = [name for name in names if name not in built]
                 if missing:
                     raise NotImplementedError(f"not built: {', '.join(missing)} not in cuflash.built_kernels() "
                                               "(CUFLASH_KERNEL_SET / CUFLASH_HDIMS)")
@@ -150,13 +151,13 @@ def relative_error(grads, reference):
     return worst
 
 
-def make_inputs(hdim, seqlen, batch, nheads):
+def make_inputs(hdim, seqlen, batch, nheads, dtype):
     """q, k, v (requiring grad) and dout, standard normal, seeded by the shape."""
     import torch
 
     torch.manual_seed(1_000_003 * hdim + seqlen)
     shape = (batch, seqlen, nheads, hdim)
-    q, k, v, dout = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    q, k, v, dout = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(4))
     for x in (q, k, v):
         x.requires_grad_(True)
     return q, k, v, dout
@@ -257,11 +258,11 @@ def main():
     records = []
     json_path = common.out_path(args, "bwd_sm90", "json")
     lost = None
-    print(f"backward, bf16, {gpu}, {date}; {METHOD[args.cuflash_call]}")
+    print(f"backward, {args.dtype}, {gpu}, {date}; {METHOD[args.cuflash_call]}")
 
     def record(name, hdim, seqlen, batch, nheads, causal, tflops, skipped, err=None, ref=None, repeatable=None):
         impl = "cuflash" if name.startswith("cuflash") else name
-        records.append(dict(impl=impl, dtype="bf16", hdim=hdim, seqlen=seqlen, batch=batch, nheads=nheads,
+        records.append(dict(impl=impl, dtype=args.dtype, hdim=hdim, seqlen=seqlen, batch=batch, nheads=nheads,
                             causal=causal, deterministic=name == "cuflash_det", bwd_tflops=tflops, gpu=gpu,
                             date=date, skipped=skipped, grad_err=err, grad_ref=ref if err is not None else None,
                             repeatable=repeatable, softcap=args.softcap if impl == "cuflash" else 0.0))
@@ -277,7 +278,7 @@ def main():
             q = k = v = dout = None
             if lost is None:
                 try:
-                    q, k, v, dout = make_inputs(hdim, seqlen, batch, nheads)
+                    q, k, v, dout = make_inputs(hdim, seqlen, batch, nheads, common.torch_dtype(args.dtype))
                 except Exception as error:
                     lost = f"inputs: {type(error).__name__}: {error}"
             for causal in common.bools(args.causal):
@@ -306,7 +307,7 @@ def main():
 
     common.write_json(records, json_path)
     names = wanted
-    lines = common.table_lines(f"backward TFLOP/s, bf16, {gpu}, {date}; {METHOD[args.cuflash_call]}", records,
+    lines = common.table_lines(f"backward TFLOP/s, {args.dtype}, {gpu}, {date}; {METHOD[args.cuflash_call]}", records,
                                "bwd_tflops", names,
                                [("cuflash/cudnn", "cuflash", "cudnn"), ("det/cuflash", "cuflash_det", "cuflash")],
                                label=label, ratio_width=13)
@@ -319,7 +320,7 @@ def main():
             print(f"  {reason}")
     with open(common.out_path(args, "bwd_sm90_table", "txt"), "w") as f:
         f.write(text + "\n")
-    common.plot(common.out_path(args, "bwd_sm90", "png"), f"backward, bf16, {gpu}, {date}", records,
+    common.plot(common.out_path(args, "bwd_sm90", "png"), f"backward, {args.dtype}, {gpu}, {date}", records,
                 "bwd_tflops", names, label=label)
     if lost:
         print(f"CUDA context lost: {lost}")

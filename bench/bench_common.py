@@ -24,6 +24,14 @@ def add_grid_args(parser, out_default="."):
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--tag", default="", help="suffix for the output file names")
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"), help="element type of q, k, v")
+
+
+def torch_dtype(name):
+    """The torch dtype of a --dtype name."""
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
 def ints(text):

@@ -2,7 +2,7 @@
 """Forward attention throughput on one GPU: cuflash next to PyTorch SDPA's cuDNN and
 FlashAttention-2 backends, in one process, on the same inputs (DESIGN.md section 6).
 
-Shapes follow FlashAttention's benchmark: bf16, batch * seqlen = 16k tokens, heads * head_dim
+Shapes follow FlashAttention's benchmark: bf16 (--dtype fp16 for fp16), batch * seqlen = 16k tokens, heads * head_dim
 = 2048. FLOPs = 4 * batch * heads * seqlen_q * seqlen_k * head_dim, half of that when causal.
 Each timing is the median over groups of back-to-back calls timed with CUDA events after warm-up
 (see bench_common.time_ms).
@@ -61,7 +61,7 @@ def main():
     torch.manual_seed(0)
     for hdim, seqlen, batch, nheads in common.grid(args):
         shape = (batch, seqlen, nheads, hdim)
-        q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        q, k, v = (torch.randn(shape, device="cuda", dtype=common.torch_dtype(args.dtype)) for _ in range(3))
         for causal in common.bools(args.causal):
             flops = common.fwd_flops(batch, nheads, seqlen, seqlen, hdim, causal)
             for name, fn in impls.items():
@@ -72,16 +72,16 @@ def main():
                 except Exception as error:
                     print(f"{name} hdim={hdim} seqlen={seqlen} causal={causal}: {type(error).__name__}: {error}")
                     tflops = float("nan")
-                records.append(dict(impl=name, dtype="bf16", hdim=hdim, seqlen=seqlen, batch=batch,
+                records.append(dict(impl=name, dtype=args.dtype, hdim=hdim, seqlen=seqlen, batch=batch,
                                     nheads=nheads, causal=causal, fwd_tflops=tflops, gpu=gpu, date=date))
 
     common.write_json(records, common.out_path(args, "fwd_sm90", "json"))
 
     names = list(impls)
-    lines = common.table_lines(f"forward TFLOP/s, bf16, {gpu}, {date}", records, "fwd_tflops", names,
+    lines = common.table_lines(f"forward TFLOP/s, {args.dtype}, {gpu}, {date}", records, "fwd_tflops", names,
                                [("cuflash/cudnn", "cuflash", "cudnn")])
     print("\n" + "\n".join(lines))
-    common.plot(common.out_path(args, "fwd_sm90", "png"), f"forward, bf16, {gpu}, {date}", records,
+    common.plot(common.out_path(args, "fwd_sm90", "png"), f"forward, {args.dtype}, {gpu}, {date}", records,
                 "fwd_tflops", names)
 
 
