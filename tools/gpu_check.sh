@@ -223,9 +223,16 @@ if has_step profile; then
     IFS=: read -r kind hdim seqlen causal <<<"$spec"
     if [[ $kind == fwd ]]; then kernel=regex:flash_fwd_kernel; extra=--no-backward; else kernel=regex:flash_bwd_kernel_sm90; extra=; fi
     start=$(date +%s)
-    PYTHONPATH="$pkg" timeout "${PROFILE_TIMEOUT:-120}" ncu --set full -k "$kernel" -s 1 -c 1 python3 "$ROOT/bench/profile_kernel.py" \
-      --hdim "$hdim" --seqlen "$seqlen" --causal "$causal" $extra >"$OUT/ncu_${kind}_d${hdim}_s${seqlen}_c${causal}.txt" 2>&1
+    name="ncu_${kind}_d${hdim}_s${seqlen}_c${causal}"
+    PYTHONPATH="$pkg" timeout "${PROFILE_TIMEOUT:-120}" ncu --set full -o "/tmp/$name" -f -k "$kernel" -s 1 -c 1 \
+      python3 "$ROOT/bench/profile_kernel.py" --hdim "$hdim" --seqlen "$seqlen" --causal "$causal" $extra \
+      >"/tmp/$name.log" 2>&1
     note "profile $spec: rc=$? in $(( $(date +%s) - start )) s"
+    # The details page as text, and the instructions where the warps stall most (source page).
+    { cat "/tmp/$name.log"; ncu --import "/tmp/$name.ncu-rep" --page details; } >"$OUT/$name.txt" 2>&1
+    ncu --import "/tmp/$name.ncu-rep" --page source --csv --print-source sass >"/tmp/${name}_source.csv" 2>&1
+    python3 "$ROOT/bench/ncu_stall_top.py" "/tmp/${name}_source.csv" --top 60 >"$OUT/${name}_stalls.txt" 2>&1 ||
+      note "profile $spec: no stall table (see ${name}_stalls.txt)"
   done
 fi
 
