@@ -10,7 +10,7 @@
 # Environment: KERNEL_SET (ci|all|custom), HDIMS / DTYPES (for custom), FEATURES (CUFLASH_FEATURES), STEPS (comma list of
 # build,test,test_each,pytest,sanitize,sass,bench,bench_bwd,bench_gqa,bench_flex,profile), GTEST_FILTER (default *Gpu*), TEST_TIMEOUT, TEST_ENV_B / GTEST_FILTER_B (the tests again under extra settings), SANITIZE_FILTER (memcheck),
 # RACECHECK_FILTER, PER_TEST_TIMEOUT (test_each), PYTEST_K (a -k expression), PYTEST_ARGS, JIT_MODULES (0: do not build the GPU tests' callable modules first), PYTEST_TIMEOUT, BENCH_ARGS, BENCH_ENV_B (run the
-# benchmark a second time with these VAR=value settings), BENCH_BWD_ARGS (bench/bench_bwd.py), BENCH_BWD_ARGS_B (a second pass, tagged _b),
+# benchmark a second time with these VAR=value settings), BENCH_BWD_ARGS (bench/bench_bwd.py), BENCH_BWD_ARGS_B / BENCH_BWD_ENV_B (a second pass with these arguments / VAR=value settings, tagged _b),
 # BENCH_BWD_TIMEOUT (seconds, default 300: a hung backward kernel ends the step, not the call), PROFILE
 # (ncu targets for the profile step, see there), BENCH_FLEX_ARGS, BENCH_FLEX_TIMEOUT, BENCH_GQA_ARGS, BENCH_GQA_TIMEOUT, JOBS.
 # Carry `.cutlass` (CUTLASS headers) and, where the machine has no GoogleTest, `.deps` (a
@@ -194,12 +194,14 @@ if has_step bench_bwd; then
   [[ $rc -eq 124 ]] && note "bench_bwd: timed out after $BENCH_BWD_TIMEOUT s (what it measured is in bwd_sm90.json)"
   skipped=$(grep -c '"skipped": "' "$OUT/bwd_sm90.json" 2>/dev/null || true)
   note "bench_bwd: rc=$rc in $(( $(date +%s) - start )) s; skipped records: ${skipped:-no bwd_sm90.json}"
-  if [[ -n ${BENCH_BWD_ARGS_B:-} ]]; then
-    # A second pass with other arguments (e.g. --softcap 30), tagged _b.
+  if [[ -n ${BENCH_BWD_ARGS_B:-}${BENCH_BWD_ENV_B:-} ]]; then
+    # A second pass with other arguments (e.g. --softcap 30) and/or under extra environment (an
+    # A/B of a launch-time switch), tagged _b.
+    args_b=${BENCH_BWD_ARGS_B:-$BENCH_BWD_ARGS}
     # shellcheck disable=SC2086
-    PYTHONUNBUFFERED=1 PYTHONPATH="$pkg" timeout "$BENCH_BWD_TIMEOUT" python3 "$ROOT/bench/bench_bwd.py" --out "$OUT" \
-      --tag _b $BENCH_BWD_ARGS_B 2>&1 | tee "$OUT/bench_bwd_b.log"
-    note "bench_bwd (B: $BENCH_BWD_ARGS_B): rc=${PIPESTATUS[0]}"
+    env ${BENCH_BWD_ENV_B:-} PYTHONUNBUFFERED=1 PYTHONPATH="$pkg" timeout "$BENCH_BWD_TIMEOUT" python3 \
+      "$ROOT/bench/bench_bwd.py" --out "$OUT" --tag _b $args_b 2>&1 | tee "$OUT/bench_bwd_b.log"
+    note "bench_bwd (B: ${BENCH_BWD_ENV_B:-} $args_b): rc=${PIPESTATUS[0]}"
   fi
 fi
 

@@ -7,12 +7,12 @@
 #include <cstdint>
 #include <string>
 
+#include "api/workspace_layout.hpp"
 #include "cuflash/error.hpp"
 
 namespace cuflash::detail {
 namespace {
 
-constexpr std::uintptr_t kWorkspaceAlignment = 256;
 
 void check_cuda(cudaError_t status, const char* what) {
   if (status != cudaSuccess) {

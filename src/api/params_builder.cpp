@@ -7,17 +7,14 @@
 #include <cstring>
 #include <string>
 
+#include "api/workspace_layout.hpp"
 #include "cuflash/error.hpp"
 
 namespace cuflash::detail {
 namespace {
 
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr std::size_t kBufferAlignment = 256;
-
-std::size_t align_up(std::size_t bytes) {
-  return (bytes + kBufferAlignment - 1) / kBufferAlignment * kBufferAlignment;
-}
+std::size_t align_up(std::size_t bytes) { return workspace_aligned(bytes); }
 
 template <typename T>
 const T* data_of(const std::optional<TensorView>& t) {
@@ -378,6 +375,21 @@ int fwd_hdim64_rows() {
   return rows;
 }
 
+bool parse_bwd_order(const char* value) {
+  if (value == nullptr || *value == '\0' || std::strcmp(value, "columns") == 0) return false;
+  if (std::strcmp(value, "heads") == 0) return true;
+  throw Error(Error::Kind::kInvalidArgument, "CUFLASH_BWD_ORDER",
+              std::string("CUFLASH_BWD_ORDER: expected 'columns' or 'heads', got '") + value + "'");
+}
+
+bool bwd_heads_inner() {
+  // CUFLASH_BWD_ORDER picks the order in which the sm90 backward launches the CTAs of causal /
+  // local calls, so that both can be timed in one binary: columns (default): grid (column
+  // blocks, heads, batch); heads: grid (heads, column blocks, batch), longest columns first.
+  static const bool heads_inner = parse_bwd_order(std::getenv("CUFLASH_BWD_ORDER"));
+  return heads_inner;
+}
+
 namespace {
 bool uses_tile_counter(const FwdParams& params, FwdScheduler scheduler) {
   return scheduler == FwdScheduler::kDynamic && fwd_tiles_unequal(params);
@@ -386,7 +398,7 @@ bool uses_tile_counter(const FwdParams& params, FwdScheduler scheduler) {
 
 std::size_t forward_workspace_bytes(const FwdParams& params, FwdScheduler scheduler) {
   return align_up(split_kv_workspace_bytes(params)) +
-         (uses_tile_counter(params, scheduler) ? kBufferAlignment : 0);
+         (uses_tile_counter(params, scheduler) ? kWorkspaceAlignment : 0);
 }
 
 void assign_forward_workspace(FwdParams& params, void* workspace, FwdScheduler scheduler) {

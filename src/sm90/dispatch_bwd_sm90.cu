@@ -11,6 +11,7 @@
 
 #include "api/kernels.hpp"
 #include "api/params.hpp"
+#include "api/workspace_layout.hpp"
 #include "cuflash/cuflash.hpp"
 #include "cuflash/error.hpp"
 #include "cuflash/options.hpp"
@@ -73,7 +74,7 @@ std::string kernel_name(const BwdParams& p) {
   return name + "_sm90";
 }
 
-// Byte offsets of the buffers that run_backward carves from the workspace (256-byte aligned).
+// Byte offsets of the buffers that run_backward carves from the workspace (workspace_layout.hpp).
 struct WorkspaceLayout {
   std::size_t lse_log2 = 0, dpsum = 0, dq_accum = 0, dk_accum = 0, dv_accum = 0, semaphore = 0;
   std::size_t total = 0;
@@ -91,12 +92,8 @@ WorkspaceLayout workspace_layout(const BwdParams& p) {
   std::size_t const num_n_blocks = (std::size_t(p.seqlen_k) + tile.block_n - 1) / tile.block_n;
 
   WorkspaceLayout layout;
-  std::size_t offset = 0;
-  auto take = [&](std::size_t bytes) {
-    std::size_t const at = offset;
-    offset += (bytes + 255) / 256 * 256;
-    return at;
-  };
+  WorkspaceLayoutBuilder buffers;
+  auto take = [&](std::size_t bytes) { return buffers.take(bytes); };
   layout.lse_log2 = take(sizeof(float) * p.num_heads * q_rows);
   layout.dpsum = take(sizeof(float) * p.num_heads * q_rows);
   layout.dq_accum = take(sizeof(float) * p.num_heads * q_rows * dims.head_dim);
@@ -108,7 +105,7 @@ WorkspaceLayout workspace_layout(const BwdParams& p) {
   layout.semaphore = take(p.deterministic ? sizeof(int) * (std::size_t(p.batch) * p.num_heads * num_m_blocks +
                                                            std::size_t(p.batch) * p.num_heads_kv * num_n_blocks)
                                           : 0);
-  layout.total = offset;
+  layout.total = buffers.total();
   return layout;
 }
 

@@ -1,4 +1,5 @@
-// Backward main kernel for sm90: one CTA per (column block, query head, batch).
+// Backward main kernel for sm90: one CTA per (column block, query head, batch); the grid's x is
+// the column block, or the head with Params::heads_inner (launch order, see the launcher).
 // Warpgroup 0 is the producer (warp 0: TMA loads; warp 1: dQ bulk reduce-add), the other
 // warpgroups run the MMAs and the dK / dV epilogue.
 #pragma once
@@ -23,9 +24,14 @@ CUTE_DEVICE uint32_t ctaid_volatile() {
   }
   return v;
 }
-CUTE_DEVICE uint32_t nctaid_x_volatile() {
+template <int Dim>
+CUTE_DEVICE uint32_t nctaid_volatile() {
   uint32_t v;
-  asm volatile("mov.u32 %0, %%nctaid.x;\n" : "=r"(v));
+  if constexpr (Dim == 0) {
+    asm volatile("mov.u32 %0, %%nctaid.x;\n" : "=r"(v));
+  } else {
+    asm volatile("mov.u32 %0, %%nctaid.y;\n" : "=r"(v));
+  }
   return v;
 }
 CUTE_DEVICE uint32_t tid_x_volatile() {
@@ -67,8 +73,13 @@ struct FlashBwdKernelSm90 {
     int const warp_idx = cutlass::canonical_warp_idx_sync();
     int const warp_group_idx = cutlass::canonical_warp_group_idx();
     int const warp_idx_in_wg = warp_idx % cutlass::NumWarpsPerWarpGroup;
-    int const n_block = Mainloop::column_block(params.mainloop, blockIdx.x, gridDim.x);
-    int const head = blockIdx.y;
+    // The grid is (column blocks, heads, batch), or (heads, column blocks, batch) with heads_inner.
+    // Only kernels with a window launch heads inner (the launcher); the others keep the plain
+    // mapping at compile time (the sliced hdim256 kernels spill a few bytes otherwise).
+    bool const heads_inner = Mainloop::HasWindow && params.mainloop.heads_inner;
+    int const n_block = Mainloop::column_block(params.mainloop, heads_inner ? blockIdx.y : blockIdx.x,
+                                               heads_inner ? gridDim.y : gridDim.x);
+    int const head = heads_inner ? blockIdx.x : blockIdx.y;
     int const batch = blockIdx.z;
 
     if (threadIdx.x == 0) {
@@ -109,8 +120,11 @@ struct FlashBwdKernelSm90 {
       if constexpr (Mainloop::kSliceDQKV) {
         asm volatile("" ::: "memory");
         int const b = int(ctaid_volatile<2>());
-        return Coords{Mainloop::column_block(params.mainloop, int(ctaid_volatile<0>()), int(nctaid_x_volatile())),
-                      int(ctaid_volatile<1>()), b, int(tid_x_volatile()) - cutlass::NumThreadsPerWarpGroup,
+        bool const inner = Mainloop::HasWindow && params.mainloop.heads_inner;
+        int const x = int(ctaid_volatile<0>()), y = int(ctaid_volatile<1>());
+        int const columns = inner ? int(nctaid_volatile<1>()) : int(nctaid_volatile<0>());
+        return Coords{Mainloop::column_block(params.mainloop, inner ? y : x, columns), inner ? x : y, b,
+                      int(tid_x_volatile()) - cutlass::NumThreadsPerWarpGroup,
                       BwdSeqlen::make<Mainloop::kBlockM, Mainloop::kBlockN>(params.mainloop, b)};
       } else {
         return Coords{n_block, head, batch, int(threadIdx.x) - cutlass::NumThreadsPerWarpGroup, seq};

@@ -166,6 +166,11 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // without it the walks keep the ascending order, which never waits on a later launch.
   ml.dq_rotate = params.deterministic && !HasWindow && !Mainloop::kIsFlex && params.num_sm > 0 &&
                  num_n_blocks <= params.num_sm;
+  // Heads inner (CUFLASH_BWD_ORDER=heads): column blocks of unequal work launched longest first
+  // across the heads of a batch. Deterministic runs keep the column order their dQ ranks and
+  // rotations were laid out for.
+  bool const heads_inner = params.heads_inner && HasWindow && !params.deterministic && num_n_blocks <= 65535;
+  ml.heads_inner = heads_inner;
   ml.cu_seqlens_q = params.cu_seqlens_q;
   ml.cu_seqlens_k = params.cu_seqlens_k;
   ml.seqused_q = params.seqused_q;
@@ -206,7 +211,8 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // Column blocks that see no row (including every block when there are no queries) write
   // zero dK / dV, so the main kernel runs whenever there are keys.
   if (num_n_blocks > 0) {
-    kernel<<<dim3(num_n_blocks, num_heads, batch), Kernel::NumThreads, kSmem, stream>>>(kernel_params);
+    dim3 const grid = heads_inner ? dim3(num_heads, num_n_blocks, batch) : dim3(num_n_blocks, num_heads, batch);
+    kernel<<<grid, Kernel::NumThreads, kSmem, stream>>>(kernel_params);
     check_launch("the backward main kernel");
   }
 

@@ -20,6 +20,7 @@
 
 #include "api/kernels.hpp"
 #include "api/params.hpp"
+#include "api/workspace_layout.hpp"
 #include "cuflash/error.hpp"
 #include "cuflash/tensor.hpp"
 
@@ -150,8 +151,6 @@ PagedKv paged_kv(BwdParams const& p) {
   return c;
 }
 
-std::size_t aligned(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
-
 int key_bits(int num_pages) {  // bits that hold 0..num_pages (the sentinel included)
   int bits = 1;
   while ((1ll << bits) <= num_pages) ++bits;
@@ -197,18 +196,14 @@ PagedLayout paged_layout(BwdParams const& p, char* base) {
   l.dense.v_row_stride = l.dense.dv_row_stride = v_width;
   l.dense.v_head_stride = l.dense.dv_head_stride = p.head_dim_v;
 
-  std::size_t offset = 0;
-  auto take = [&](std::size_t bytes) {
-    std::size_t const at = offset;
-    offset += aligned(bytes);
-    return at;
-  };
+  WorkspaceLayoutBuilder buffers;
+  auto take = [&](std::size_t bytes) { return buffers.take(bytes); };
   // The dense backward's own checks (dtype, head dims, alignment, built kernels) run here,
   // before anything is launched, with 256-byte aligned placeholders for the buffers it will read
   // and write in the workspace (the pages themselves need no alignment: gather and scatter read
   // and write them element by element).
-  l.dense.k = l.dense.v = reinterpret_cast<void const*>(std::uintptr_t{256});
-  l.dense.dk = l.dense.dv = reinterpret_cast<void*>(std::uintptr_t{256});
+  l.dense.k = l.dense.v = reinterpret_cast<void const*>(std::uintptr_t{kWorkspaceAlignment});
+  l.dense.dk = l.dense.dv = reinterpret_cast<void*>(std::uintptr_t{kWorkspaceAlignment});
   std::size_t const dense_bytes = backward_workspace_bytes(l.dense);
   l.dense_workspace = take(dense_bytes);
   l.k = take(sizeof(std::uint16_t) * rows * k_width);
@@ -225,7 +220,7 @@ PagedLayout paged_layout(BwdParams const& p, char* base) {
                                     static_cast<int*>(nullptr), num_entries, 0, key_bits(c.num_pages));
   }
   l.sort_scratch = take(l.sort_scratch_bytes);
-  l.total = offset;
+  l.total = buffers.total();
 
   if (base != nullptr) {
     l.dense.k = base + l.k;

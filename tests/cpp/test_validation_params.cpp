@@ -339,6 +339,20 @@ TEST(ParamsForward, Hdim64TileRowsChoice) {
   }
 }
 
+TEST(ParamsBackward, LaunchOrderChoice) {
+  EXPECT_FALSE(parse_bwd_order(nullptr));
+  EXPECT_FALSE(parse_bwd_order(""));
+  EXPECT_FALSE(parse_bwd_order("columns"));
+  EXPECT_TRUE(parse_bwd_order("heads"));
+  try {
+    parse_bwd_order("rows");
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), Error::Kind::kInvalidArgument);
+    EXPECT_EQ(e.argument(), "CUFLASH_BWD_ORDER");
+  }
+}
+
 TEST(ParamsForward, NarrowTileCostModel) {
   using sm90::fwd_narrow_tile_pays;
   // Non-causal: 192-row tiles pad 512 and 1024 rows by an eighth, which costs less than the
