@@ -79,7 +79,7 @@ BwdParams device_bwd_params(const BackwardArgs& args, const detail::AttentionSha
   refuse_expression_mods(args.opts, args.opts.expression_backward_kernel);
   BwdParams params = detail::make_bwd_params(args, shape);
   params.num_sm = sm90::device_sm_count(shape.device.index);
-  params.heads_inner = detail::bwd_heads_inner();
+  params.launch_order = static_cast<int>(detail::bwd_launch_order());
   return params;
 }
 

@@ -191,10 +191,8 @@ struct BwdParams {
   bool pack_gqa = false;
   int device_index = 0;
   // Launch order of the main kernel's CTAs when column blocks differ in work (causal / local,
-  // not deterministic): false: a head's column blocks one after another (grid x); true: column
-  // block n of every head of a batch before column block n + 1, so the longest causal columns
-  // start first and the short ones fill the tail. From CUFLASH_BWD_ORDER.
-  bool heads_inner = false;
+  // not deterministic), a BwdLaunchOrder value. From CUFLASH_BWD_ORDER.
+  int launch_order = 0;
   // Rows per step of the backward tile that dispatch laid the workspace out for (the tile
   // depends on whether the kernel has a per-element score derivative); the launcher refuses to
   // run a kernel whose tile differs.
@@ -222,9 +220,15 @@ struct CombineParams {
   int out_dtype = 0;  // cuflash::DType value
 };
 
+// The order in which the sm90 backward launches its CTAs (BwdParams::launch_order) when column
+// blocks differ in work. kColumns: a head's column blocks one after another (grid x); kHeads:
+// column block n of every head of a batch before column block n + 1, so the longest causal
+// columns start first and the short ones fill the tail; kAuto: by head dim (the launcher).
+enum class BwdLaunchOrder : int { kAuto = 0, kColumns = 1, kHeads = 2 };
+
 // The layout version: bumped with every change to the members of FwdParams, BwdParams or
 // ModParams, since a member added into tail padding leaves the sizes below as they were.
-constexpr std::uint64_t kParamsLayoutVersion = 4;
+constexpr std::uint64_t kParamsLayoutVersion = 5;
 
 // Whether a call needs the flex kernels (variants::FlexVariant): a score_mod, a mask_mod or block
 // lists. FwdParams and BwdParams alike.

@@ -375,19 +375,21 @@ int fwd_hdim64_rows() {
   return rows;
 }
 
-bool parse_bwd_order(const char* value) {
-  if (value == nullptr || *value == '\0' || std::strcmp(value, "columns") == 0) return false;
-  if (std::strcmp(value, "heads") == 0) return true;
+BwdLaunchOrder parse_bwd_order(const char* value) {
+  if (value == nullptr || *value == '\0' || std::strcmp(value, "auto") == 0) return BwdLaunchOrder::kAuto;
+  if (std::strcmp(value, "columns") == 0) return BwdLaunchOrder::kColumns;
+  if (std::strcmp(value, "heads") == 0) return BwdLaunchOrder::kHeads;
   throw Error(Error::Kind::kInvalidArgument, "CUFLASH_BWD_ORDER",
-              std::string("CUFLASH_BWD_ORDER: expected 'columns' or 'heads', got '") + value + "'");
+              std::string("CUFLASH_BWD_ORDER: expected 'auto', 'columns' or 'heads', got '") + value + "'");
 }
 
-bool bwd_heads_inner() {
+BwdLaunchOrder bwd_launch_order() {
   // CUFLASH_BWD_ORDER picks the order in which the sm90 backward launches the CTAs of causal /
-  // local calls, so that both can be timed in one binary: columns (default): grid (column
-  // blocks, heads, batch); heads: grid (heads, column blocks, batch), longest columns first.
-  static const bool heads_inner = parse_bwd_order(std::getenv("CUFLASH_BWD_ORDER"));
-  return heads_inner;
+  // local calls, so that both can be timed in one binary: columns: grid (column blocks, heads,
+  // batch); heads: grid (heads, column blocks, batch), longest columns first; auto (default):
+  // by head dim, as measured (flash_bwd_launch_sm90.hpp).
+  static const BwdLaunchOrder order = parse_bwd_order(std::getenv("CUFLASH_BWD_ORDER"));
+  return order;
 }
 
 namespace {

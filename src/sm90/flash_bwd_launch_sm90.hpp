@@ -166,10 +166,17 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // without it the walks keep the ascending order, which never waits on a later launch.
   ml.dq_rotate = params.deterministic && !HasWindow && !Mainloop::kIsFlex && params.num_sm > 0 &&
                  num_n_blocks <= params.num_sm;
-  // Heads inner (CUFLASH_BWD_ORDER=heads): column blocks of unequal work launched longest first
-  // across the heads of a batch. Deterministic runs keep the column order their dQ ranks and
+  // Heads inner (BwdLaunchOrder::kHeads): column blocks of unequal work launched longest first
+  // across the heads of a batch. Measured on the H200 (bench/NOTES.md, "Backward launch order"):
+  // hdim128 causal +2-3.5%; hdim256 causal +3.5% at 2k but -9% at 8k, where the column order's
+  // L2 reuse (every running CTA streams the same head's Q / dO) hides the load latency of its one
+  // dO stage; so auto takes it at hdim128 without mods only until the other head dims and the
+  // flex kernels are measured. Deterministic runs keep the column order their dQ ranks and
   // rotations were laid out for.
-  bool const heads_inner = params.heads_inner && HasWindow && !params.deterministic && num_n_blocks <= 65535;
+  BwdLaunchOrder const order = BwdLaunchOrder(params.launch_order);
+  bool const heads_wanted = order == BwdLaunchOrder::kHeads ||
+                            (order == BwdLaunchOrder::kAuto && kHeadDim == 128 && !Mainloop::kIsFlex);
+  bool const heads_inner = heads_wanted && HasWindow && !params.deterministic && num_n_blocks <= 65535;
   ml.heads_inner = heads_inner;
   ml.cu_seqlens_q = params.cu_seqlens_q;
   ml.cu_seqlens_k = params.cu_seqlens_k;

@@ -340,10 +340,11 @@ TEST(ParamsForward, Hdim64TileRowsChoice) {
 }
 
 TEST(ParamsBackward, LaunchOrderChoice) {
-  EXPECT_FALSE(parse_bwd_order(nullptr));
-  EXPECT_FALSE(parse_bwd_order(""));
-  EXPECT_FALSE(parse_bwd_order("columns"));
-  EXPECT_TRUE(parse_bwd_order("heads"));
+  EXPECT_EQ(parse_bwd_order(nullptr), BwdLaunchOrder::kAuto);
+  EXPECT_EQ(parse_bwd_order(""), BwdLaunchOrder::kAuto);
+  EXPECT_EQ(parse_bwd_order("auto"), BwdLaunchOrder::kAuto);
+  EXPECT_EQ(parse_bwd_order("columns"), BwdLaunchOrder::kColumns);
+  EXPECT_EQ(parse_bwd_order("heads"), BwdLaunchOrder::kHeads);
   try {
     parse_bwd_order("rows");
     FAIL() << "expected an error";
