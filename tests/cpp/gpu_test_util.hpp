@@ -1,5 +1,5 @@
-// Helpers for the GPU tests: device buffers, 16-bit conversions, the accuracy rule, test names
-// and which kernels this build has.
+// Helpers for the GPU tests: device buffers, 16-bit conversions, poisoned outputs, the accuracy
+// rule, test names, which kernels this build has and the skip where a kernel is not in it.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -11,6 +11,8 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -26,6 +28,23 @@ inline constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // The dtype as test names spell it.
 inline const char* dtype_name(DType dtype) { return dtype == DType::kBFloat16 ? "bf16" : "fp16"; }
+
+// The test name of a case: label, dtype and head dims, e.g. "causal_bf16_d192x128".
+inline std::string case_name(const std::string& label, DType dtype, int head_dim, int head_dim_v) {
+  std::ostringstream name;
+  name << label << "_" << gpu_testing::dtype_name(dtype) << "_d" << head_dim;
+  if (head_dim_v != head_dim) name << "x" << head_dim_v;
+  return name.str();
+}
+
+// Name generator for INSTANTIATE_TEST_SUITE_P: the case_name() of the case's own type, found by
+// argument-dependent lookup in the test file.
+struct CaseName {
+  template <class Case>
+  std::string operator()(const ::testing::TestParamInfo<Case>& info) const {
+    return case_name(info.param);
+  }
+};
 
 // Whether built_kernels() lists this description (a kernel this build compiled).
 inline bool is_built(const std::string& description) {
@@ -105,6 +124,11 @@ inline DeviceBuffer to_device_16bit(const std::vector<float>& values, DType dtyp
   return DeviceBuffer::from(bits);
 }
 
+// values in device memory as `dtype`: fp32 as they are, a 16-bit dtype rounded.
+inline DeviceBuffer to_device_as(const std::vector<float>& values, DType dtype) {
+  return dtype == DType::kFloat32 ? DeviceBuffer::from(values) : to_device_16bit(values, dtype);
+}
+
 // 16-bit elements in device memory, widened.
 inline std::vector<double> from_device_16bit(const DeviceBuffer& buffer, DType dtype) {
   std::vector<double> values;
@@ -116,6 +140,56 @@ inline std::vector<double> from_device_16bit(const DeviceBuffer& buffer, DType d
 // A quiet NaN in both float16 and bfloat16: outputs start as this, so an element the kernel
 // never writes shows up as NaN.
 constexpr std::uint16_t kPoison16 = 0xffff;
+
+// count 16-bit outputs, every one kPoison16.
+inline DeviceBuffer poisoned_16bit(std::size_t count) {
+  return DeviceBuffer::from(std::vector<std::uint16_t>(count, kPoison16));
+}
+
+// count fp32 outputs (lse, d_sink), every one NaN.
+inline DeviceBuffer poisoned_fp32(std::size_t count) {
+  return DeviceBuffer::from(std::vector<float>(count, std::nanf("")));
+}
+
+// vectors head vectors of dim values each, rounded to the dtype, with `pad` elements of
+// kPoison16 after each: a strided layout whose gaps show whether a kernel wrote into them.
+inline DeviceBuffer to_device_16bit_padded(const std::vector<float>& values, std::size_t vectors,
+                                           int dim, int pad, DType dtype) {
+  std::vector<std::uint16_t> bits(vectors * (dim + pad), kPoison16);
+  for (std::size_t i = 0; i < vectors; ++i) {
+    for (int d = 0; d < dim; ++d) bits[i * (dim + pad) + d] = to_bits(values[i * dim + d], dtype);
+  }
+  return DeviceBuffer::from(bits);
+}
+
+// run()'s result, or nullopt with the test marked skipped (the error's message as the reason)
+// where the build does not have the kernel the call needs. The caller returns on nullopt.
+template <class Run>
+auto run_if_built(Run&& run) -> std::optional<decltype(run())> {
+  try {
+    return run();
+  } catch (const Error& error) {
+    if (error.kind() != Error::Kind::kNotBuilt) throw;
+    // GTEST_SKIP returns from the function it is in, hence the lambda.
+    [&] { GTEST_SKIP() << error.what(); }();
+    return std::nullopt;
+  }
+}
+
+inline void call(const ForwardArgs& args) { forward(args); }
+inline void call(const BackwardArgs& args) { backward(args); }
+
+// The call is refused as not supported, naming `argument`.
+template <class Args>
+void expect_not_supported(const Args& args, const std::string& argument) {
+  try {
+    call(args);
+    ADD_FAILURE() << "the call ran";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.kind(), Error::Kind::kNotSupported) << error.what();
+    EXPECT_EQ(error.argument(), argument) << error.what();
+  }
+}
 
 // DESIGN.md section 5: the GPU error against the fp32 reference may be at most twice the error
 // of the same computation done naively in the input dtype, plus a small absolute slack for

@@ -12,11 +12,11 @@
 #include <limits>
 #include <optional>
 #include <random>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "cuflash/cuflash.hpp"
+#include "gpu_test_problem.hpp"
 #include "gpu_test_util.hpp"
 
 namespace cuflash {
@@ -42,49 +42,26 @@ struct BwdCase {
 };
 
 std::string case_name(const BwdCase& c) {
-  std::ostringstream name;
-  name << c.label << "_" << gpu_testing::dtype_name(c.dtype) << "_d" << c.head_dim;
-  if (c.head_dim_v != c.head_dim) name << "x" << c.head_dim_v;
-  return name.str();
+  return gpu_testing::case_name(c.label, c.dtype, c.head_dim, c.head_dim_v);
 }
 
-// Host copy of one problem in flattened rows: q is (rows_q, H, D) whether dense (rows = B * Sq)
-// or packed (rows = total_q); likewise k, v, out, dout. out and lse come from the reference
-// forward; every 16-bit input is already rounded to the dtype.
-struct Problem {
+// Host copy of one problem in the rows of gpu_testing::RowLayout; varlen batches also hold a
+// sequence without keys (every row fully masked). out and lse come from the reference forward;
+// every 16-bit input is already rounded to the dtype.
+struct Problem : gpu_testing::RowLayout {
   BwdCase c;
-  std::vector<int> len_q, len_k, used_q, used_k, start_q, start_k;
-  int rows_q = 0, rows_k = 0;
   std::vector<float> q, k, v, out, dout, lse, sink;
   float scale = 1.f;
 
-  explicit Problem(const BwdCase& bc) : c(bc) {
+  explicit Problem(const BwdCase& bc) : RowLayout(bc, bc.seqused, true), c(bc) {
     std::mt19937 rng(c.seed);
-    std::uniform_int_distribution<int> any_q(0, c.seqlen_q), any_k(0, c.seqlen_k);
-    for (int b = 0; b < c.batch; ++b) {
-      int lq = c.varlen ? any_q(rng) : c.seqlen_q;
-      int lk = c.varlen ? any_k(rng) : c.seqlen_k;
-      if (c.varlen && b == 0) lq = c.seqlen_q, lk = c.seqlen_k;  // the longest one is always there
-      if (c.varlen && b == 1) lq = 0;                             // no queries
-      if (c.varlen && b == 2) lk = 0;                             // no keys: every row fully masked
-      len_q.push_back(lq);
-      len_k.push_back(lk);
-      used_q.push_back(c.seqused ? std::uniform_int_distribution<int>(0, lq)(rng) : lq);
-      used_k.push_back(c.seqused ? std::uniform_int_distribution<int>(0, lk)(rng) : lk);
-      start_q.push_back(rows_q);
-      start_k.push_back(rows_k);
-      rows_q += lq;
-      rows_k += lk;
-    }
+    draw_lengths(rng);
     std::normal_distribution<float> normal(0.f, 1.f);
-    auto fill = [&](std::vector<float>& data, std::size_t n) {
-      data.resize(n);
-      for (float& x : data) x = gpu_testing::round_to(normal(rng), c.dtype);
-    };
-    fill(q, std::size_t(rows_q) * c.heads * c.head_dim);
-    fill(k, std::size_t(rows_k) * c.heads_kv * c.head_dim);
-    fill(v, std::size_t(rows_k) * c.heads_kv * c.head_dim_v);
-    fill(dout, std::size_t(rows_q) * c.heads * c.head_dim_v);
+    using gpu_testing::fill_normal;
+    fill_normal(q, std::size_t(rows_q) * c.heads * c.head_dim, c.dtype, normal, rng);
+    fill_normal(k, std::size_t(rows_k) * c.heads_kv * c.head_dim, c.dtype, normal, rng);
+    fill_normal(v, std::size_t(rows_k) * c.heads_kv * c.head_dim_v, c.dtype, normal, rng);
+    fill_normal(dout, std::size_t(rows_q) * c.heads * c.head_dim_v, c.dtype, normal, rng);
     if (c.sink) {
       sink.resize(c.heads);
       for (float& x : sink) x = gpu_testing::round_to(normal(rng), *c.sink == DType::kFloat32 ? c.dtype : *c.sink);
@@ -93,67 +70,22 @@ struct Problem {
     run_forward();
   }
 
-  std::int64_t outer_q() const { return c.varlen ? rows_q : c.batch; }
-  std::int64_t outer_k() const { return c.varlen ? rows_k : c.batch; }
-  std::size_t lse_size() const {
-    return c.varlen ? std::size_t(c.heads) * rows_q : std::size_t(c.batch) * c.heads * c.seqlen_q;
-  }
-  std::int64_t lse_index(int b, int h, int r) const {
-    return c.varlen ? std::int64_t(h) * rows_q + start_q[b] + r : (std::int64_t(b) * c.heads + h) * c.seqlen_q + r;
-  }
-  std::vector<int> cu(const std::vector<int>& start, int total) const {
-    std::vector<int> result = start;
-    result.push_back(total);
-    return result;
-  }
-
-  // (rows | batch, [seqlen,] heads, dim) view with `pad` extra elements after each head vector.
-  TensorView view(void* data, DType dtype, bool is_q, int heads, int dim, int pad, Device device) const {
-    const std::int64_t head_pitch = dim + pad, row_pitch = heads * head_pitch;
-    const std::int64_t seqlen = is_q ? c.seqlen_q : c.seqlen_k;
-    const std::int64_t outer = is_q ? outer_q() : outer_k();
-    if (c.varlen) return TensorView(data, dtype, {outer, heads, dim}, {row_pitch, head_pitch, 1}, device);
-    return TensorView(data, dtype, {outer, seqlen, heads, dim}, {seqlen * row_pitch, row_pitch, head_pitch, 1}, device);
-  }
-  TensorView lse_view(void* data, Device device) const {
-    if (c.varlen) return TensorView(data, DType::kFloat32, {c.heads, rows_q}, device);
-    return TensorView(data, DType::kFloat32, {c.batch, c.heads, c.seqlen_q}, device);
-  }
-
-  // int_data: cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k where `device` can read them.
-  void set_common(SequenceLayout& seq, AttentionOptions& opts, Device device, const std::vector<void*>& int_data) const {
-    const std::int64_t B = c.batch;
-    if (c.varlen) {
-      seq.cu_seqlens_q = TensorView(int_data[0], DType::kInt32, {B + 1}, device);
-      seq.cu_seqlens_k = TensorView(int_data[1], DType::kInt32, {B + 1}, device);
-      seq.max_seqlen_q = *std::max_element(len_q.begin(), len_q.end());
-      seq.max_seqlen_k = *std::max_element(len_k.begin(), len_k.end());
-    }
-    if (c.seqused) {
-      seq.seqused_q = TensorView(int_data[2], DType::kInt32, {B}, device);
-      seq.seqused_k = TensorView(int_data[3], DType::kInt32, {B}, device);
-    }
-    opts.causal = c.causal;
-    opts.window_left = c.window_left;
-    opts.window_right = c.window_right;
-    opts.softcap = c.softcap;
-  }
-
   // out and lse of the reference forward; out rounded to the dtype as a kernel would store it.
   void run_forward() {
     std::vector<float> qf = q, kf = k, vf = v;
     out.assign(std::size_t(rows_q) * c.heads * c.head_dim_v, 0.f);
     lse.assign(lse_size(), kNegInf);
-    std::vector<int> cu_q = cu(start_q, rows_q), cu_k = cu(start_k, rows_k), uq = used_q, uk = used_k;
+    gpu_testing::HostSequences sequences(*this);
     std::vector<float> sink_copy = sink;
     ForwardArgs args;
-    args.q = view(qf.data(), DType::kFloat32, true, c.heads, c.head_dim, 0, kCpu);
-    args.k = view(kf.data(), DType::kFloat32, false, c.heads_kv, c.head_dim, 0, kCpu);
-    args.v = view(vf.data(), DType::kFloat32, false, c.heads_kv, c.head_dim_v, 0, kCpu);
-    args.out = view(out.data(), DType::kFloat32, true, c.heads, c.head_dim_v, 0, kCpu);
+    args.q = query_view(qf.data(), DType::kFloat32, c.head_dim, kCpu);
+    args.k = key_view(kf.data(), DType::kFloat32, c.head_dim, kCpu);
+    args.v = key_view(vf.data(), DType::kFloat32, c.head_dim_v, kCpu);
+    args.out = query_view(out.data(), DType::kFloat32, c.head_dim_v, kCpu);
     args.lse = lse_view(lse.data(), kCpu);
     if (c.sink) args.learnable_sink = TensorView(sink_copy.data(), DType::kFloat32, {c.heads}, kCpu);
-    set_common(args.seq, args.opts, kCpu, {cu_q.data(), cu_k.data(), uq.data(), uk.data()});
+    set_sequences(args.seq, kCpu, sequences.pointers());
+    gpu_testing::set_window_options(args.opts, c);
     forward(args);
     for (float& x : out) x = gpu_testing::round_to(x, c.dtype);
   }
@@ -168,24 +100,24 @@ Grads run_reference(const Problem& pb) {
   std::vector<float> q = pb.q, k = pb.k, v = pb.v, out = pb.out, dout = pb.dout, lse = pb.lse, sink = pb.sink;
   std::vector<float> dq(q.size(), std::nanf("")), dk(k.size(), std::nanf("")), dv(v.size(), std::nanf(""));
   std::vector<float> d_sink(c.heads, std::nanf(""));
-  std::vector<int> cu_q = pb.cu(pb.start_q, pb.rows_q), cu_k = pb.cu(pb.start_k, pb.rows_k);
-  std::vector<int> uq = pb.used_q, uk = pb.used_k;
+  gpu_testing::HostSequences sequences(pb);
   BackwardArgs args;
-  args.q = pb.view(q.data(), DType::kFloat32, true, c.heads, c.head_dim, 0, kCpu);
-  args.k = pb.view(k.data(), DType::kFloat32, false, c.heads_kv, c.head_dim, 0, kCpu);
-  args.v = pb.view(v.data(), DType::kFloat32, false, c.heads_kv, c.head_dim_v, 0, kCpu);
-  args.out = pb.view(out.data(), DType::kFloat32, true, c.heads, c.head_dim_v, 0, kCpu);
-  args.dout = pb.view(dout.data(), DType::kFloat32, true, c.heads, c.head_dim_v, 0, kCpu);
+  args.q = pb.query_view(q.data(), DType::kFloat32, c.head_dim, kCpu);
+  args.k = pb.key_view(k.data(), DType::kFloat32, c.head_dim, kCpu);
+  args.v = pb.key_view(v.data(), DType::kFloat32, c.head_dim_v, kCpu);
+  args.out = pb.query_view(out.data(), DType::kFloat32, c.head_dim_v, kCpu);
+  args.dout = pb.query_view(dout.data(), DType::kFloat32, c.head_dim_v, kCpu);
   args.lse = pb.lse_view(lse.data(), kCpu);
-  args.dq = pb.view(dq.data(), DType::kFloat32, true, c.heads, c.head_dim, 0, kCpu);
-  args.dk = pb.view(dk.data(), DType::kFloat32, false, c.heads_kv, c.head_dim, 0, kCpu);
-  args.dv = pb.view(dv.data(), DType::kFloat32, false, c.heads_kv, c.head_dim_v, 0, kCpu);
+  args.dq = pb.query_view(dq.data(), DType::kFloat32, c.head_dim, kCpu);
+  args.dk = pb.key_view(dk.data(), DType::kFloat32, c.head_dim, kCpu);
+  args.dv = pb.key_view(dv.data(), DType::kFloat32, c.head_dim_v, kCpu);
   if (c.sink) {
     args.learnable_sink = TensorView(sink.data(), DType::kFloat32, {c.heads}, kCpu);
     args.d_sink = TensorView(d_sink.data(), DType::kFloat32, {c.heads}, kCpu);
   }
   args.deterministic = c.deterministic;
-  pb.set_common(args.seq, args.opts, kCpu, {cu_q.data(), cu_k.data(), uq.data(), uk.data()});
+  pb.set_sequences(args.seq, kCpu, sequences.pointers());
+  gpu_testing::set_window_options(args.opts, c);
   backward(args);
   Grads g{{dq.begin(), dq.end()}, {dk.begin(), dk.end()}, {dv.begin(), dv.end()}, {}};
   if (c.sink) g.d_sink.assign(d_sink.begin(), d_sink.end());
@@ -258,14 +190,10 @@ GpuRun run_gpu(const Problem& pb) {
   const BwdCase& c = pb.c;
   const int pad = c.strided ? 8 : 0;  // keeps 16-byte aligned rows
   auto device_copy = [&](const std::vector<float>& values, int rows, int heads, int dim) {
-    std::vector<std::uint16_t> bits(std::size_t(rows) * heads * (dim + pad), gpu_testing::kPoison16);
-    for (std::size_t i = 0; i < std::size_t(rows) * heads; ++i) {
-      for (int d = 0; d < dim; ++d) bits[i * (dim + pad) + d] = gpu_testing::to_bits(values[i * dim + d], c.dtype);
-    }
-    return DeviceBuffer::from(bits);
+    return gpu_testing::to_device_16bit_padded(values, std::size_t(rows) * heads, dim, pad, c.dtype);
   };
   auto poisoned = [&](int rows, int heads, int dim) {
-    return DeviceBuffer::from(std::vector<std::uint16_t>(std::size_t(rows) * heads * (dim + pad), gpu_testing::kPoison16));
+    return gpu_testing::poisoned_16bit(std::size_t(rows) * heads * (dim + pad));
   };
   DeviceBuffer q = device_copy(pb.q, pb.rows_q, c.heads, c.head_dim);
   DeviceBuffer k = device_copy(pb.k, pb.rows_k, c.heads_kv, c.head_dim);
@@ -276,38 +204,30 @@ GpuRun run_gpu(const Problem& pb) {
   DeviceBuffer dq = poisoned(pb.rows_q, c.heads, c.head_dim);
   DeviceBuffer dk = poisoned(pb.rows_k, c.heads_kv, c.head_dim);
   DeviceBuffer dv = poisoned(pb.rows_k, c.heads_kv, c.head_dim_v);
-  DeviceBuffer cu_q = DeviceBuffer::from(pb.cu(pb.start_q, pb.rows_q));
-  DeviceBuffer cu_k = DeviceBuffer::from(pb.cu(pb.start_k, pb.rows_k));
-  DeviceBuffer used_q = DeviceBuffer::from(pb.used_q);
-  DeviceBuffer used_k = DeviceBuffer::from(pb.used_k);
+  const gpu_testing::DeviceSequences sequences(pb);
   DeviceBuffer sink, d_sink;
   if (c.sink) {
-    if (*c.sink == DType::kFloat32) {
-      sink = DeviceBuffer::from(pb.sink);
-    } else {
-      std::vector<std::uint16_t> bits;
-      for (float x : pb.sink) bits.push_back(gpu_testing::to_bits(x, *c.sink));
-      sink = DeviceBuffer::from(bits);
-    }
-    d_sink = DeviceBuffer::from(std::vector<float>(c.heads, std::nanf("")));
+    sink = gpu_testing::to_device_as(pb.sink, *c.sink);
+    d_sink = gpu_testing::poisoned_fp32(c.heads);
   }
 
   BackwardArgs args;
-  args.q = pb.view(q.data(), c.dtype, true, c.heads, c.head_dim, pad, kCuda);
-  args.k = pb.view(k.data(), c.dtype, false, c.heads_kv, c.head_dim, pad, kCuda);
-  args.v = pb.view(v.data(), c.dtype, false, c.heads_kv, c.head_dim_v, pad, kCuda);
-  args.out = pb.view(out.data(), c.dtype, true, c.heads, c.head_dim_v, pad, kCuda);
-  args.dout = pb.view(dout.data(), c.dtype, true, c.heads, c.head_dim_v, pad, kCuda);
+  args.q = pb.query_view(q.data(), c.dtype, c.head_dim, kCuda, pad);
+  args.k = pb.key_view(k.data(), c.dtype, c.head_dim, kCuda, pad);
+  args.v = pb.key_view(v.data(), c.dtype, c.head_dim_v, kCuda, pad);
+  args.out = pb.query_view(out.data(), c.dtype, c.head_dim_v, kCuda, pad);
+  args.dout = pb.query_view(dout.data(), c.dtype, c.head_dim_v, kCuda, pad);
   args.lse = pb.lse_view(lse.data(), kCuda);
-  args.dq = pb.view(dq.data(), c.dtype, true, c.heads, c.head_dim, pad, kCuda);
-  args.dk = pb.view(dk.data(), c.dtype, false, c.heads_kv, c.head_dim, pad, kCuda);
-  args.dv = pb.view(dv.data(), c.dtype, false, c.heads_kv, c.head_dim_v, pad, kCuda);
+  args.dq = pb.query_view(dq.data(), c.dtype, c.head_dim, kCuda, pad);
+  args.dk = pb.key_view(dk.data(), c.dtype, c.head_dim, kCuda, pad);
+  args.dv = pb.key_view(dv.data(), c.dtype, c.head_dim_v, kCuda, pad);
   if (c.sink) {
     args.learnable_sink = TensorView(sink.data(), *c.sink, {c.heads}, kCuda);
     args.d_sink = TensorView(d_sink.data(), DType::kFloat32, {c.heads}, kCuda);
   }
   args.deterministic = c.deterministic;
-  pb.set_common(args.seq, args.opts, kCuda, {cu_q.data(), cu_k.data(), used_q.data(), used_k.data()});
+  pb.set_sequences(args.seq, kCuda, sequences.pointers());
+  gpu_testing::set_window_options(args.opts, c);
   backward(args);
   gpu_testing::check_cuda(cudaDeviceSynchronize(), "backward kernels");
 
@@ -345,27 +265,22 @@ TEST_P(GpuBackward, MatchesReference) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
   const BwdCase& c = GetParam();
   const Problem pb(c);
-  GpuRun gpu;
-  try {
-    gpu = run_gpu(pb);
-  } catch (const Error& error) {
-    if (error.kind() == Error::Kind::kNotBuilt) GTEST_SKIP() << error.what();
-    throw;
-  }
+  const std::optional<GpuRun> gpu = gpu_testing::run_if_built([&] { return run_gpu(pb); });
+  if (!gpu) return;
   const Grads ref = run_reference(pb);
   const Grads naive = naive_low_precision(pb);
-  expect_grad_close("dq", gpu.grads.dq, naive.dq, ref.dq);
-  expect_grad_close("dk", gpu.grads.dk, naive.dk, ref.dk);
-  expect_grad_close("dv", gpu.grads.dv, naive.dv, ref.dv);
-  if (c.sink) expect_grad_close("d_sink", gpu.grads.d_sink, naive.d_sink, ref.d_sink);
+  expect_grad_close("dq", gpu->grads.dq, naive.dq, ref.dq);
+  expect_grad_close("dk", gpu->grads.dk, naive.dk, ref.dk);
+  expect_grad_close("dv", gpu->grads.dv, naive.dv, ref.dv);
+  if (c.sink) expect_grad_close("d_sink", gpu->grads.d_sink, naive.d_sink, ref.d_sink);
 
   if (c.deterministic) {
     const GpuRun again = run_gpu(pb);
-    EXPECT_EQ(gpu.dq_bits, again.dq_bits) << "dq differs between two deterministic runs";
-    EXPECT_EQ(gpu.dk_bits, again.dk_bits) << "dk differs between two deterministic runs";
-    EXPECT_EQ(gpu.dv_bits, again.dv_bits) << "dv differs between two deterministic runs";
+    EXPECT_EQ(gpu->dq_bits, again.dq_bits) << "dq differs between two deterministic runs";
+    EXPECT_EQ(gpu->dk_bits, again.dk_bits) << "dk differs between two deterministic runs";
+    EXPECT_EQ(gpu->dv_bits, again.dv_bits) << "dv differs between two deterministic runs";
     if (c.sink) {
-      EXPECT_EQ(0, std::memcmp(gpu.d_sink.data(), again.d_sink.data(), gpu.d_sink.size() * sizeof(float)))
+      EXPECT_EQ(0, std::memcmp(gpu->d_sink.data(), again.d_sink.data(), gpu->d_sink.size() * sizeof(float)))
           << "d_sink differs between two deterministic runs";
     }
   }
@@ -510,8 +425,7 @@ std::vector<BwdCase> backward_cases() {
   return cases;
 }
 
-INSTANTIATE_TEST_SUITE_P(Options, GpuBackward, ::testing::ValuesIn(backward_cases()),
-                         [](const ::testing::TestParamInfo<BwdCase>& info) { return case_name(info.param); });
+INSTANTIATE_TEST_SUITE_P(Options, GpuBackward, ::testing::ValuesIn(backward_cases()), gpu_testing::CaseName());
 
 }  // namespace
 }  // namespace cuflash

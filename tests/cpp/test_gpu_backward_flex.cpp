@@ -13,19 +13,20 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <random>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "cuflash/cuflash.hpp"
+#include "gpu_test_problem.hpp"
 #include "gpu_test_util.hpp"
 
 namespace cuflash {
 namespace {
 
 using gpu_testing::DeviceBuffer;
-using gpu_testing::expect_grad_close, gpu_testing::is_built;
+using gpu_testing::expect_grad_close, gpu_testing::expect_not_supported, gpu_testing::is_built;
 using gpu_testing::from_device_16bit, gpu_testing::to_device_16bit;
 using gpu_testing::kCpu, gpu_testing::kCuda, gpu_testing::kNegInf;
 
@@ -52,21 +53,16 @@ struct FlexBwdCase {
 };
 
 std::string case_name(const FlexBwdCase& c) {
-  std::ostringstream name;
-  name << c.label << "_" << gpu_testing::dtype_name(c.dtype) << "_d" << c.head_dim;
-  return name.str();
+  return gpu_testing::case_name(c.label, c.dtype, c.head_dim, c.head_dim);
 }
 
 enum class Block : std::uint8_t { kSkip, kMask, kFull };
 
-// One problem in flattened rows: q (rows_q, H, D), k / v (rows_k, H_kv, D), dense (rows = B * S)
-// or packed; out and lse from the reference forward (out rounded to the dtype, as a kernel
+// One problem in the rows of gpu_testing::RowLayout; out and lse from the reference forward (out rounded to the dtype, as a kernel
 // stores it); aux arrays and both the forward (row-block) and the backward (column-block) lists
 // of one block state table.
-struct Problem {
+struct Problem : gpu_testing::RowLayout {
   FlexBwdCase c;
-  std::vector<int> len_q, len_k, start_q, start_k;
-  int rows_q = 0, rows_k = 0;
   std::vector<float> q, k, v, dout, out, lse;
   float scale = 1.f;
   std::vector<float> score_table;  // alibi (H,) or relative bias (H, 2R + 1)
@@ -80,30 +76,16 @@ struct Problem {
   std::vector<int> mask_cnt, mask_idx, full_cnt, full_idx;
   std::vector<int> q_mask_cnt, q_mask_idx, q_full_cnt, q_full_idx;
 
-  explicit Problem(const FlexBwdCase& fc) : c(fc) {
+  // Varlen: the sequence without queries has dk = dv = 0.
+  explicit Problem(const FlexBwdCase& fc) : RowLayout(fc, false, false), c(fc) {
     std::mt19937 rng(c.seed);
-    std::uniform_int_distribution<int> any_q(0, c.seqlen_q), any_k(0, c.seqlen_k);
-    for (int b = 0; b < c.batch; ++b) {
-      int lq = c.varlen ? any_q(rng) : c.seqlen_q;
-      int lk = c.varlen ? any_k(rng) : c.seqlen_k;
-      if (c.varlen && b == 0) lq = c.seqlen_q, lk = c.seqlen_k;  // the longest one is always there
-      if (c.varlen && b == 1) lq = 0;                            // no queries: dk = dv = 0
-      len_q.push_back(lq);
-      len_k.push_back(lk);
-      start_q.push_back(rows_q);
-      start_k.push_back(rows_k);
-      rows_q += lq;
-      rows_k += lk;
-    }
+    draw_lengths(rng);
     std::normal_distribution<float> normal(0.f, 1.f);
-    auto fill = [&](std::vector<float>& data, std::size_t n) {
-      data.resize(n);
-      for (float& x : data) x = gpu_testing::round_to(normal(rng), c.dtype);
-    };
-    fill(q, std::size_t(rows_q) * c.heads * c.head_dim);
-    fill(k, std::size_t(rows_k) * c.heads_kv * c.head_dim);
-    fill(v, std::size_t(rows_k) * c.heads_kv * c.head_dim);
-    fill(dout, std::size_t(rows_q) * c.heads * c.head_dim);
+    using gpu_testing::fill_normal;
+    fill_normal(q, std::size_t(rows_q) * c.heads * c.head_dim, c.dtype, normal, rng);
+    fill_normal(k, std::size_t(rows_k) * c.heads_kv * c.head_dim, c.dtype, normal, rng);
+    fill_normal(v, std::size_t(rows_k) * c.heads_kv * c.head_dim, c.dtype, normal, rng);
+    fill_normal(dout, std::size_t(rows_q) * c.heads * c.head_dim, c.dtype, normal, rng);
     scale = 1.f / std::sqrt(float(c.head_dim));
 
     if (c.score_mod == ScoreModKind::kAlibi) {
@@ -223,36 +205,9 @@ struct Problem {
     return !apply_mask_mod || mask_mod_keeps(b, i, j);
   }
 
-  std::int64_t outer_q() const { return c.varlen ? rows_q : c.batch; }
-  std::int64_t outer_k() const { return c.varlen ? rows_k : c.batch; }
-  std::size_t lse_size() const {
-    return c.varlen ? std::size_t(c.heads) * rows_q : std::size_t(c.batch) * c.heads * c.seqlen_q;
-  }
-  std::int64_t lse_index(int b, int h, int r) const {
-    return c.varlen ? std::int64_t(h) * rows_q + start_q[b] + r
-                    : (std::int64_t(b) * c.heads + h) * c.seqlen_q + r;
-  }
-  std::vector<int> cu(const std::vector<int>& start, int total) const {
-    std::vector<int> result = start;
-    result.push_back(total);
-    return result;
-  }
-
-  TensorView view(void* data, DType dtype, bool is_q, int heads, Device device) const {
-    const std::int64_t seqlen = is_q ? c.seqlen_q : c.seqlen_k;
-    const std::int64_t outer = is_q ? outer_q() : outer_k();
-    if (c.varlen) return TensorView(data, dtype, {outer, heads, c.head_dim}, device);
-    return TensorView(data, dtype, {outer, seqlen, heads, c.head_dim}, device);
-  }
-  TensorView lse_view(void* data, Device device) const {
-    if (c.varlen) return TensorView(data, DType::kFloat32, {c.heads, rows_q}, device);
-    return TensorView(data, DType::kFloat32, {c.batch, c.heads, c.seqlen_q}, device);
-  }
-
   // Where each int32 / fp32 side array lives for one call (host vectors or device buffers).
   struct Side {
-    void* cu_q = nullptr;
-    void* cu_k = nullptr;
+    gpu_testing::SequencePointers sequences;
     void* score_table = nullptr;
     void* doc_ids = nullptr;
     void* lists[8] = {};  // mask cnt / idx, full cnt / idx, then the q_ ones
@@ -261,16 +216,8 @@ struct Problem {
   void set_flex(SequenceLayout& seq, AttentionOptions& opts, Device device,
                 const Side& side) const {
     const std::int64_t B = c.batch;
-    if (c.varlen) {
-      seq.cu_seqlens_q = TensorView(side.cu_q, DType::kInt32, {B + 1}, device);
-      seq.cu_seqlens_k = TensorView(side.cu_k, DType::kInt32, {B + 1}, device);
-      seq.max_seqlen_q = *std::max_element(len_q.begin(), len_q.end());
-      seq.max_seqlen_k = *std::max_element(len_k.begin(), len_k.end());
-    }
-    opts.causal = c.causal;
-    opts.window_left = c.window_left;
-    opts.window_right = c.window_right;
-    opts.softcap = c.softcap;
+    set_sequences(seq, device, side.sequences);
+    gpu_testing::set_window_options(opts, c);
     opts.score_mod.kind = c.score_mod;
     if (c.score_mod == ScoreModKind::kAlibi) {
       opts.score_mod.aux = {TensorView(side.score_table, DType::kFloat32, {c.heads}, device)};
@@ -306,13 +253,13 @@ struct Problem {
 
   // Host copies of the side arrays, kept alive by the caller while the views are used.
   struct HostSide {
-    std::vector<int> cu_q, cu_k, docs, lists[8];
+    gpu_testing::HostSequences sequences;
+    std::vector<int> docs, lists[8];
     std::vector<float> table;
     Side side;
+    explicit HostSide(const Problem& pb) : sequences(pb) { pb.host_side(*this); }
   };
   void host_side(HostSide& h) const {
-    h.cu_q = cu(start_q, rows_q);
-    h.cu_k = cu(start_k, rows_k);
     h.docs = doc_ids;
     h.table = score_table;
     const std::vector<int>* all[8] = {&mask_cnt,   &mask_idx,   &full_cnt,   &full_idx,
@@ -321,8 +268,7 @@ struct Problem {
       h.lists[i] = *all[i];
       h.side.lists[i] = h.lists[i].data();
     }
-    h.side.cu_q = h.cu_q.data();
-    h.side.cu_k = h.cu_k.data();
+    h.side.sequences = h.sequences.pointers();
     h.side.score_table = h.table.data();
     h.side.doc_ids = h.docs.data();
   }
@@ -331,13 +277,12 @@ struct Problem {
     std::vector<float> qf = q, kf = k, vf = v;
     out.assign(std::size_t(rows_q) * c.heads * c.head_dim, 0.f);
     lse.assign(lse_size(), kNegInf);
-    HostSide h;
-    host_side(h);
+    HostSide h(*this);
     ForwardArgs args;
-    args.q = view(qf.data(), DType::kFloat32, true, c.heads, kCpu);
-    args.k = view(kf.data(), DType::kFloat32, false, c.heads_kv, kCpu);
-    args.v = view(vf.data(), DType::kFloat32, false, c.heads_kv, kCpu);
-    args.out = view(out.data(), DType::kFloat32, true, c.heads, kCpu);
+    args.q = query_view(qf.data(), DType::kFloat32, c.head_dim, kCpu);
+    args.k = key_view(kf.data(), DType::kFloat32, c.head_dim, kCpu);
+    args.v = key_view(vf.data(), DType::kFloat32, c.head_dim, kCpu);
+    args.out = query_view(out.data(), DType::kFloat32, c.head_dim, kCpu);
     args.lse = lse_view(lse.data(), kCpu);
     set_flex(args.seq, args.opts, kCpu, h.side);
     forward(args);
@@ -354,18 +299,17 @@ Grads run_reference(const Problem& pb) {
   std::vector<float> q = pb.q, k = pb.k, v = pb.v, out = pb.out, dout = pb.dout, lse = pb.lse;
   std::vector<float> dq(q.size(), std::nanf("")), dk(k.size(), std::nanf("")),
       dv(v.size(), std::nanf(""));
-  Problem::HostSide h;
-  pb.host_side(h);
+  Problem::HostSide h(pb);
   BackwardArgs args;
-  args.q = pb.view(q.data(), DType::kFloat32, true, c.heads, kCpu);
-  args.k = pb.view(k.data(), DType::kFloat32, false, c.heads_kv, kCpu);
-  args.v = pb.view(v.data(), DType::kFloat32, false, c.heads_kv, kCpu);
-  args.out = pb.view(out.data(), DType::kFloat32, true, c.heads, kCpu);
-  args.dout = pb.view(dout.data(), DType::kFloat32, true, c.heads, kCpu);
+  args.q = pb.query_view(q.data(), DType::kFloat32, c.head_dim, kCpu);
+  args.k = pb.key_view(k.data(), DType::kFloat32, c.head_dim, kCpu);
+  args.v = pb.key_view(v.data(), DType::kFloat32, c.head_dim, kCpu);
+  args.out = pb.query_view(out.data(), DType::kFloat32, c.head_dim, kCpu);
+  args.dout = pb.query_view(dout.data(), DType::kFloat32, c.head_dim, kCpu);
   args.lse = pb.lse_view(lse.data(), kCpu);
-  args.dq = pb.view(dq.data(), DType::kFloat32, true, c.heads, kCpu);
-  args.dk = pb.view(dk.data(), DType::kFloat32, false, c.heads_kv, kCpu);
-  args.dv = pb.view(dv.data(), DType::kFloat32, false, c.heads_kv, kCpu);
+  args.dq = pb.query_view(dq.data(), DType::kFloat32, c.head_dim, kCpu);
+  args.dk = pb.key_view(dk.data(), DType::kFloat32, c.head_dim, kCpu);
+  args.dv = pb.key_view(dv.data(), DType::kFloat32, c.head_dim, kCpu);
   pb.set_flex(args.seq, args.opts, kCpu, h.side);
   backward(args);
   return {{dq.begin(), dq.end()}, {dk.begin(), dk.end()}, {dv.begin(), dv.end()}};
@@ -427,35 +371,33 @@ Grads naive_low_precision(const Problem& pb) {
 
 Grads run_gpu(const Problem& pb) {
   const FlexBwdCase& c = pb.c;
-  auto poisoned = [&](std::size_t n) {
-    return DeviceBuffer::from(std::vector<std::uint16_t>(n, gpu_testing::kPoison16));
-  };
+  using gpu_testing::poisoned_16bit;
   DeviceBuffer q = to_device_16bit(pb.q, c.dtype), k = to_device_16bit(pb.k, c.dtype),
                v = to_device_16bit(pb.v, c.dtype);
   DeviceBuffer out = to_device_16bit(pb.out, c.dtype), dout = to_device_16bit(pb.dout, c.dtype);
   DeviceBuffer lse = DeviceBuffer::from(pb.lse);
-  DeviceBuffer dq = poisoned(pb.q.size()), dk = poisoned(pb.k.size()), dv = poisoned(pb.v.size());
-  DeviceBuffer cu_q = DeviceBuffer::from(pb.cu(pb.start_q, pb.rows_q));
-  DeviceBuffer cu_k = DeviceBuffer::from(pb.cu(pb.start_k, pb.rows_k));
+  DeviceBuffer dq = poisoned_16bit(pb.q.size()), dk = poisoned_16bit(pb.k.size()),
+               dv = poisoned_16bit(pb.v.size());
+  const gpu_testing::DeviceSequences sequences(pb);
   DeviceBuffer table = DeviceBuffer::from(pb.score_table);
   DeviceBuffer docs = DeviceBuffer::from(pb.doc_ids);
   const std::vector<int>* all[8] = {&pb.mask_cnt,   &pb.mask_idx,   &pb.full_cnt,   &pb.full_idx,
                                     &pb.q_mask_cnt, &pb.q_mask_idx, &pb.q_full_cnt, &pb.q_full_idx};
   std::vector<DeviceBuffer> lists;
   for (const std::vector<int>* list : all) lists.push_back(DeviceBuffer::from(*list));
-  Problem::Side side{cu_q.data(), cu_k.data(), table.data(), docs.data(), {}};
+  Problem::Side side{sequences.pointers(), table.data(), docs.data(), {}};
   for (int i = 0; i < 8; ++i) side.lists[i] = lists[i].data();
 
   BackwardArgs args;
-  args.q = pb.view(q.data(), c.dtype, true, c.heads, kCuda);
-  args.k = pb.view(k.data(), c.dtype, false, c.heads_kv, kCuda);
-  args.v = pb.view(v.data(), c.dtype, false, c.heads_kv, kCuda);
-  args.out = pb.view(out.data(), c.dtype, true, c.heads, kCuda);
-  args.dout = pb.view(dout.data(), c.dtype, true, c.heads, kCuda);
+  args.q = pb.query_view(q.data(), c.dtype, c.head_dim, kCuda);
+  args.k = pb.key_view(k.data(), c.dtype, c.head_dim, kCuda);
+  args.v = pb.key_view(v.data(), c.dtype, c.head_dim, kCuda);
+  args.out = pb.query_view(out.data(), c.dtype, c.head_dim, kCuda);
+  args.dout = pb.query_view(dout.data(), c.dtype, c.head_dim, kCuda);
   args.lse = pb.lse_view(lse.data(), kCuda);
-  args.dq = pb.view(dq.data(), c.dtype, true, c.heads, kCuda);
-  args.dk = pb.view(dk.data(), c.dtype, false, c.heads_kv, kCuda);
-  args.dv = pb.view(dv.data(), c.dtype, false, c.heads_kv, kCuda);
+  args.dq = pb.query_view(dq.data(), c.dtype, c.head_dim, kCuda);
+  args.dk = pb.key_view(dk.data(), c.dtype, c.head_dim, kCuda);
+  args.dv = pb.key_view(dv.data(), c.dtype, c.head_dim, kCuda);
   pb.set_flex(args.seq, args.opts, kCuda, side);
   args.deterministic = c.deterministic;
   backward(args);
@@ -474,23 +416,18 @@ TEST_P(GpuBackwardFlex, MatchesReference) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
   const FlexBwdCase& c = GetParam();
   const Problem pb(c);
-  Grads gpu;
-  try {
-    gpu = run_gpu(pb);
-  } catch (const Error& error) {
-    if (error.kind() == Error::Kind::kNotBuilt) GTEST_SKIP() << error.what();
-    throw;
-  }
+  const std::optional<Grads> gpu = gpu_testing::run_if_built([&] { return run_gpu(pb); });
+  if (!gpu) return;
   const Grads ref = run_reference(pb);
   const Grads naive = naive_low_precision(pb);
-  expect_grad_close("dq", gpu.dq, naive.dq, ref.dq);
-  expect_grad_close("dk", gpu.dk, naive.dk, ref.dk);
-  expect_grad_close("dv", gpu.dv, naive.dv, ref.dv);
+  expect_grad_close("dq", gpu->dq, naive.dq, ref.dq);
+  expect_grad_close("dk", gpu->dk, naive.dk, ref.dk);
+  expect_grad_close("dv", gpu->dv, naive.dv, ref.dv);
   if (c.deterministic) {
     const Grads again = run_gpu(pb);  // 16-bit values widened to double: equal iff the bits are
-    EXPECT_EQ(gpu.dq, again.dq) << "dq differs between two deterministic runs";
-    EXPECT_EQ(gpu.dk, again.dk) << "dk differs between two deterministic runs";
-    EXPECT_EQ(gpu.dv, again.dv) << "dv differs between two deterministic runs";
+    EXPECT_EQ(gpu->dq, again.dq) << "dq differs between two deterministic runs";
+    EXPECT_EQ(gpu->dk, again.dk) << "dk differs between two deterministic runs";
+    EXPECT_EQ(gpu->dv, again.dv) << "dv differs between two deterministic runs";
   }
   if (c.label.find("empty_rows") != std::string::npos) {
     EXPECT_GT(std::count(pb.lse.begin(), pb.lse.end(), kNegInf), 0)
@@ -654,9 +591,7 @@ std::vector<FlexBwdCase> flex_cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Mods, GpuBackwardFlex, ::testing::ValuesIn(flex_cases()),
-                         [](const ::testing::TestParamInfo<FlexBwdCase>& info) {
-                           return case_name(info.param);
-                         });
+                         gpu_testing::CaseName());
 
 // A small bf16 backward call with a causal mask_mod, for the refusals below.
 struct SmallCall {
@@ -690,16 +625,6 @@ struct SmallCall {
     args.opts.mask_mod.kind = MaskModKind::kCausal;
   }
 };
-
-void expect_not_supported(BackwardArgs& args, const std::string& argument) {
-  try {
-    backward(args);
-    ADD_FAILURE() << "ran";
-  } catch (const Error& error) {
-    EXPECT_EQ(error.kind(), Error::Kind::kNotSupported) << error.what();
-    EXPECT_EQ(error.argument(), argument) << error.what();
-  }
-}
 
 // Backward block lists (one column block of block_n keys over the 256 keys) for SmallCall.
 struct SmallLists {

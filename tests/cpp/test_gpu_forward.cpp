@@ -11,11 +11,11 @@
 #include <limits>
 #include <optional>
 #include <random>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "cuflash/cuflash.hpp"
+#include "gpu_test_problem.hpp"
 #include "gpu_test_util.hpp"
 
 namespace cuflash {
@@ -45,65 +45,31 @@ struct FwdCase {
 };
 
 std::string case_name(const FwdCase& c) {
-  std::ostringstream name;
-  name << c.label << "_" << gpu_testing::dtype_name(c.dtype) << "_d" << c.head_dim;
-  if (c.head_dim_v != c.head_dim) name << "x" << c.head_dim_v;
-  return name.str();
+  return gpu_testing::case_name(c.label, c.dtype, c.head_dim, c.head_dim_v);
 }
 
-// Host copy of one attention problem in "flattened rows": q is (rows_q, H, D) whether the call
-// is dense (rows = B * Sq) or packed (rows = total_q), and likewise for k, v, out.
-struct Problem {
+// Host copy of one attention problem in the rows of gpu_testing::RowLayout.
+struct Problem : gpu_testing::RowLayout {
   FwdCase c;
-  std::vector<int> len_q, len_k;    // rows each sequence owns
-  std::vector<int> used_q, used_k;  // rows that take part (seqused caps)
-  std::vector<int> start_q, start_k;
-  int rows_q = 0, rows_k = 0;
   std::vector<float> q, k, v;  // values already rounded to the input dtype
   std::vector<float> sink;
   float scale = 1.f;
 
-  explicit Problem(const FwdCase& fc) : c(fc) {
+  explicit Problem(const FwdCase& fc) : RowLayout(fc, fc.seqused, false), c(fc) {
     std::mt19937 rng(c.seed);
-    std::uniform_int_distribution<int> any_q(0, c.seqlen_q), any_k(0, c.seqlen_k);
-    for (int b = 0; b < c.batch; ++b) {
-      int lq = c.varlen ? any_q(rng) : c.seqlen_q;
-      int lk = c.varlen ? any_k(rng) : c.seqlen_k;
-      if (c.varlen && b == 0) lq = c.seqlen_q, lk = c.seqlen_k;  // the longest one is always there
-      if (c.varlen && b == 1) lq = 0;                            // and an empty one
-      len_q.push_back(lq);
-      len_k.push_back(lk);
-      used_q.push_back(c.seqused ? std::uniform_int_distribution<int>(0, lq)(rng) : lq);
-      used_k.push_back(c.seqused ? std::uniform_int_distribution<int>(0, lk)(rng) : lk);
-      start_q.push_back(rows_q);
-      start_k.push_back(rows_k);
-      rows_q += lq;
-      rows_k += lk;
-    }
+    draw_lengths(rng);
     std::normal_distribution<float> normal(0.f, 1.f);
-    auto fill = [&](std::vector<float>& data, std::size_t n) {
-      data.resize(n);
-      for (float& x : data) x = gpu_testing::round_to(normal(rng), c.dtype);
-    };
-    fill(q, std::size_t(rows_q) * c.heads * c.head_dim);
-    fill(k, std::size_t(rows_k) * c.heads_kv * c.head_dim);
-    fill(v, std::size_t(rows_k) * c.heads_kv * c.head_dim_v);
+    gpu_testing::fill_normal(q, std::size_t(rows_q) * c.heads * c.head_dim, c.dtype, normal, rng);
+    gpu_testing::fill_normal(k, std::size_t(rows_k) * c.heads_kv * c.head_dim, c.dtype, normal,
+                             rng);
+    gpu_testing::fill_normal(v, std::size_t(rows_k) * c.heads_kv * c.head_dim_v, c.dtype, normal,
+                             rng);
     if (c.sink) {
       sink.resize(c.heads);
       for (float& x : sink)
         x = gpu_testing::round_to(normal(rng), *c.sink == DType::kFloat32 ? c.dtype : *c.sink);
     }
     scale = 1.f / std::sqrt(float(c.head_dim));
-  }
-
-  std::int64_t lse_index(int b, int h, int r) const {
-    return c.varlen ? std::int64_t(h) * rows_q + start_q[b] + r
-                    : (std::int64_t(b) * c.heads + h) * c.seqlen_q + r;
-  }
-  std::vector<int> cu(const std::vector<int>& start, int total) const {
-    std::vector<int> out = start;
-    out.push_back(total);
-    return out;
   }
 };
 
@@ -118,9 +84,7 @@ Result naive_low_precision(const Problem& pb) {
   const FwdCase& c = pb.c;
   Result result;
   result.out.assign(std::size_t(pb.rows_q) * c.heads * c.head_dim_v, 0.0);
-  result.lse.assign(
-      c.varlen ? std::size_t(c.heads) * pb.rows_q : std::size_t(c.batch) * c.heads * c.seqlen_q,
-      kNegInf);
+  result.lse.assign(pb.lse_size(), kNegInf);
   const int group = c.heads / c.heads_kv;
   const int right = c.causal ? 0 : c.window_right;
   std::vector<float> qs(c.head_dim), scores, probs;
@@ -168,68 +132,28 @@ Result naive_low_precision(const Problem& pb) {
   return result;
 }
 
-// Fills the parts of ForwardArgs that do not depend on where the tensors live.
-// int_data: cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k where `device` can read them.
-void set_common_args(ForwardArgs& args, const Problem& pb, Device device,
-                     const std::vector<void*>& int_data) {
-  const FwdCase& c = pb.c;
-  const std::int64_t B = c.batch;
-  if (c.varlen) {
-    args.seq.cu_seqlens_q = TensorView(int_data[0], DType::kInt32, {B + 1}, device);
-    args.seq.cu_seqlens_k = TensorView(int_data[1], DType::kInt32, {B + 1}, device);
-    args.seq.max_seqlen_q = *std::max_element(pb.len_q.begin(), pb.len_q.end());
-    args.seq.max_seqlen_k = *std::max_element(pb.len_k.begin(), pb.len_k.end());
-  }
-  if (c.seqused) {
-    args.seq.seqused_q = TensorView(int_data[2], DType::kInt32, {B}, device);
-    args.seq.seqused_k = TensorView(int_data[3], DType::kInt32, {B}, device);
-  }
-  args.opts.causal = c.causal;
-  args.opts.window_left = c.window_left;
-  args.opts.window_right = c.window_right;
-  args.opts.softcap = c.softcap;
+// The options of ForwardArgs that do not depend on where the tensors live.
+void set_options(ForwardArgs& args, const FwdCase& c) {
+  gpu_testing::set_window_options(args.opts, c);
   args.pack_gqa = c.pack_gqa;
-}
-
-TensorView view(void* data, DType dtype, const FwdCase& c, std::int64_t rows_or_batch,
-                std::int64_t seqlen, std::int64_t heads, std::int64_t dim, std::int64_t row_pitch,
-                Device device) {
-  // row_pitch: elements between consecutive (row, head) vectors' rows, i.e. heads * padded dim.
-  const std::int64_t head_pitch = row_pitch / heads;
-  if (c.varlen)
-    return TensorView(data, dtype, {rows_or_batch, heads, dim}, {row_pitch, head_pitch, 1}, device);
-  return TensorView(data, dtype, {rows_or_batch, seqlen, heads, dim},
-                    {seqlen * row_pitch, row_pitch, head_pitch, 1}, device);
 }
 
 Result run_reference(const Problem& pb) {
   const FwdCase& c = pb.c;
-  const std::int64_t outer_q = c.varlen ? pb.rows_q : c.batch;
-  const std::int64_t outer_k = c.varlen ? pb.rows_k : c.batch;
   std::vector<float> q = pb.q, k = pb.k, v = pb.v;
   std::vector<float> out(std::size_t(pb.rows_q) * c.heads * c.head_dim_v, std::nanf(""));
-  std::vector<float> lse(
-      c.varlen ? std::size_t(c.heads) * pb.rows_q : std::size_t(c.batch) * c.heads * c.seqlen_q,
-      std::nanf(""));
-  std::vector<int> cu_q = pb.cu(pb.start_q, pb.rows_q), cu_k = pb.cu(pb.start_k, pb.rows_k);
-  std::vector<int> used_q = pb.used_q, used_k = pb.used_k;
+  std::vector<float> lse(pb.lse_size(), std::nanf(""));
+  gpu_testing::HostSequences sequences(pb);
   std::vector<float> sink = pb.sink;
   ForwardArgs args;
-  args.q = view(q.data(), DType::kFloat32, c, outer_q, c.seqlen_q, c.heads, c.head_dim,
-                c.heads * c.head_dim, kCpu);
-  args.k = view(k.data(), DType::kFloat32, c, outer_k, c.seqlen_k, c.heads_kv, c.head_dim,
-                c.heads_kv * c.head_dim, kCpu);
-  args.v = view(v.data(), DType::kFloat32, c, outer_k, c.seqlen_k, c.heads_kv, c.head_dim_v,
-                c.heads_kv * c.head_dim_v, kCpu);
-  args.out = view(out.data(), DType::kFloat32, c, outer_q, c.seqlen_q, c.heads, c.head_dim_v,
-                  c.heads * c.head_dim_v, kCpu);
-  if (c.varlen) {
-    args.lse = TensorView(lse.data(), DType::kFloat32, {c.heads, pb.rows_q}, kCpu);
-  } else {
-    args.lse = TensorView(lse.data(), DType::kFloat32, {c.batch, c.heads, c.seqlen_q}, kCpu);
-  }
+  args.q = pb.query_view(q.data(), DType::kFloat32, c.head_dim, kCpu);
+  args.k = pb.key_view(k.data(), DType::kFloat32, c.head_dim, kCpu);
+  args.v = pb.key_view(v.data(), DType::kFloat32, c.head_dim_v, kCpu);
+  args.out = pb.query_view(out.data(), DType::kFloat32, c.head_dim_v, kCpu);
+  args.lse = pb.lse_view(lse.data(), kCpu);
   if (c.sink) args.learnable_sink = TensorView(sink.data(), DType::kFloat32, {c.heads}, kCpu);
-  set_common_args(args, pb, kCpu, {cu_q.data(), cu_k.data(), used_q.data(), used_k.data()});
+  pb.set_sequences(args.seq, kCpu, sequences.pointers());
+  set_options(args, c);
   forward(args);
   return {std::vector<double>(out.begin(), out.end()), std::vector<double>(lse.begin(), lse.end())};
 }
@@ -237,58 +161,29 @@ Result run_reference(const Problem& pb) {
 Result run_gpu(const Problem& pb) {
   const FwdCase& c = pb.c;
   const int pad = c.strided ? 8 : 0;  // keeps 16-byte aligned rows, as TMA needs
-  auto device_copy = [&](const std::vector<float>& values, int rows, int heads, int dim) {
-    std::vector<std::uint16_t> bits(std::size_t(rows) * heads * (dim + pad),
-                                    gpu_testing::kPoison16);
-    for (std::size_t i = 0; i < std::size_t(rows) * heads; ++i) {
-      for (int d = 0; d < dim; ++d)
-        bits[i * (dim + pad) + d] = gpu_testing::to_bits(values[i * dim + d], c.dtype);
-    }
-    return DeviceBuffer::from(bits);
-  };
-  DeviceBuffer q = device_copy(pb.q, pb.rows_q, c.heads, c.head_dim);
-  DeviceBuffer k = device_copy(pb.k, pb.rows_k, c.heads_kv, c.head_dim);
-  DeviceBuffer v = device_copy(pb.v, pb.rows_k, c.heads_kv, c.head_dim_v);
-  DeviceBuffer out = DeviceBuffer::from(std::vector<std::uint16_t>(
-      std::size_t(pb.rows_q) * c.heads * c.head_dim_v, gpu_testing::kPoison16));
-  const std::size_t lse_size =
-      c.varlen ? std::size_t(c.heads) * pb.rows_q : std::size_t(c.batch) * c.heads * c.seqlen_q;
-  DeviceBuffer lse = DeviceBuffer::from(std::vector<float>(lse_size, std::nanf("")));
-  DeviceBuffer cu_q = DeviceBuffer::from(pb.cu(pb.start_q, pb.rows_q));
-  DeviceBuffer cu_k = DeviceBuffer::from(pb.cu(pb.start_k, pb.rows_k));
-  DeviceBuffer used_q = DeviceBuffer::from(pb.used_q);
-  DeviceBuffer used_k = DeviceBuffer::from(pb.used_k);
+  using gpu_testing::to_device_16bit_padded;
+  DeviceBuffer q = to_device_16bit_padded(pb.q, std::size_t(pb.rows_q) * c.heads, c.head_dim,
+                                          pad, c.dtype);
+  DeviceBuffer k = to_device_16bit_padded(pb.k, std::size_t(pb.rows_k) * c.heads_kv, c.head_dim,
+                                          pad, c.dtype);
+  DeviceBuffer v = to_device_16bit_padded(pb.v, std::size_t(pb.rows_k) * c.heads_kv,
+                                          c.head_dim_v, pad, c.dtype);
+  DeviceBuffer out =
+      gpu_testing::poisoned_16bit(std::size_t(pb.rows_q) * c.heads * c.head_dim_v);
+  DeviceBuffer lse = gpu_testing::poisoned_fp32(pb.lse_size());
+  const gpu_testing::DeviceSequences sequences(pb);
   DeviceBuffer sink;
-  if (c.sink) {
-    if (*c.sink == DType::kFloat32) {
-      sink = DeviceBuffer::from(pb.sink);
-    } else {
-      std::vector<std::uint16_t> bits;
-      for (float x : pb.sink) bits.push_back(gpu_testing::to_bits(x, *c.sink));
-      sink = DeviceBuffer::from(bits);
-    }
-  }
+  if (c.sink) sink = gpu_testing::to_device_as(pb.sink, *c.sink);
 
-  const std::int64_t outer_q = c.varlen ? pb.rows_q : c.batch;
-  const std::int64_t outer_k = c.varlen ? pb.rows_k : c.batch;
   ForwardArgs args;
-  args.q = view(q.data(), c.dtype, c, outer_q, c.seqlen_q, c.heads, c.head_dim,
-                c.heads * (c.head_dim + pad), kCuda);
-  args.k = view(k.data(), c.dtype, c, outer_k, c.seqlen_k, c.heads_kv, c.head_dim,
-                c.heads_kv * (c.head_dim + pad), kCuda);
-  args.v = view(v.data(), c.dtype, c, outer_k, c.seqlen_k, c.heads_kv, c.head_dim_v,
-                c.heads_kv * (c.head_dim_v + pad), kCuda);
-  args.out = view(out.data(), c.dtype, c, outer_q, c.seqlen_q, c.heads, c.head_dim_v,
-                  c.heads * c.head_dim_v, kCuda);
-  if (c.with_lse) {
-    if (c.varlen) {
-      args.lse = TensorView(lse.data(), DType::kFloat32, {c.heads, pb.rows_q}, kCuda);
-    } else {
-      args.lse = TensorView(lse.data(), DType::kFloat32, {c.batch, c.heads, c.seqlen_q}, kCuda);
-    }
-  }
+  args.q = pb.query_view(q.data(), c.dtype, c.head_dim, kCuda, pad);
+  args.k = pb.key_view(k.data(), c.dtype, c.head_dim, kCuda, pad);
+  args.v = pb.key_view(v.data(), c.dtype, c.head_dim_v, kCuda, pad);
+  args.out = pb.query_view(out.data(), c.dtype, c.head_dim_v, kCuda);
+  if (c.with_lse) args.lse = pb.lse_view(lse.data(), kCuda);
   if (c.sink) args.learnable_sink = TensorView(sink.data(), *c.sink, {c.heads}, kCuda);
-  set_common_args(args, pb, kCuda, {cu_q.data(), cu_k.data(), used_q.data(), used_k.data()});
+  pb.set_sequences(args.seq, kCuda, sequences.pointers());
+  set_options(args, c);
   args.num_splits = c.num_splits;
   forward(args);
   gpu_testing::check_cuda(cudaDeviceSynchronize(), "forward kernel");
@@ -307,17 +202,12 @@ TEST_P(GpuForward, MatchesReference) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
   const FwdCase& c = GetParam();
   const Problem pb(c);
-  Result gpu;
-  try {
-    gpu = run_gpu(pb);
-  } catch (const Error& error) {
-    if (error.kind() == Error::Kind::kNotBuilt) GTEST_SKIP() << error.what();
-    throw;
-  }
+  const std::optional<Result> gpu = gpu_testing::run_if_built([&] { return run_gpu(pb); });
+  if (!gpu) return;
   const Result ref = run_reference(pb);
   const Result naive = naive_low_precision(pb);
-  expect_output_close("out", gpu.out, naive.out, ref.out);
-  if (c.with_lse) expect_output_close("lse", gpu.lse, naive.lse, ref.lse);
+  expect_output_close("out", gpu->out, naive.out, ref.out);
+  if (c.with_lse) expect_output_close("lse", gpu->lse, naive.lse, ref.lse);
 }
 
 std::vector<FwdCase> forward_cases() {
@@ -456,9 +346,7 @@ std::vector<FwdCase> forward_cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Options, GpuForward, ::testing::ValuesIn(forward_cases()),
-                         [](const ::testing::TestParamInfo<FwdCase>& info) {
-                           return case_name(info.param);
-                         });
+                         gpu_testing::CaseName());
 
 // Explicit pack_gqa=True where no packed kernel exists: refused by name, not run unpacked.
 TEST(GpuForwardPackGqa, SoftcapWithSplitIsRefused) {
@@ -473,13 +361,7 @@ TEST(GpuForwardPackGqa, SoftcapWithSplitIsRefused) {
   args.opts.softcap = 30.f;
   args.num_splits = 2;
   args.pack_gqa = true;
-  try {
-    forward(args);
-    ADD_FAILURE() << "ran";
-  } catch (const Error& error) {
-    EXPECT_EQ(error.kind(), Error::Kind::kNotSupported) << error.what();
-    EXPECT_EQ(error.argument(), "pack_gqa") << error.what();
-  }
+  gpu_testing::expect_not_supported(args, "pack_gqa");
   args.pack_gqa.reset();  // left to the heuristic: unpacked, and it runs
   EXPECT_NO_THROW(forward(args));
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);

@@ -11,19 +11,20 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <random>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "cuflash/cuflash.hpp"
+#include "gpu_test_problem.hpp"
 #include "gpu_test_util.hpp"
 
 namespace cuflash {
 namespace {
 
 using gpu_testing::DeviceBuffer;
-using gpu_testing::expect_output_close, gpu_testing::is_built;
+using gpu_testing::expect_not_supported, gpu_testing::expect_output_close, gpu_testing::is_built;
 using gpu_testing::from_device_16bit, gpu_testing::to_device_16bit;
 using gpu_testing::kCpu, gpu_testing::kCuda, gpu_testing::kNegInf;
 
@@ -49,19 +50,15 @@ struct FlexCase {
 };
 
 std::string case_name(const FlexCase& c) {
-  std::ostringstream name;
-  name << c.label << "_" << gpu_testing::dtype_name(c.dtype) << "_d" << c.head_dim;
-  return name.str();
+  return gpu_testing::case_name(c.label, c.dtype, c.head_dim, c.head_dim);
 }
 
 enum class Block : std::uint8_t { kSkip, kMask, kFull };
 
-// One problem in flattened rows: q (rows_q, H, D), k/v (rows_k, H_kv, D), dense (rows = B * S)
-// or packed; aux arrays and block lists as the API takes them.
-struct Problem {
+// One problem in the rows of gpu_testing::RowLayout; aux arrays and block lists as the API
+// takes them.
+struct Problem : gpu_testing::RowLayout {
   FlexCase c;
-  std::vector<int> len_q, len_k, start_q, start_k;
-  int rows_q = 0, rows_k = 0;
   std::vector<float> q, k, v;
   float scale = 1.f;
   std::vector<float> score_table;  // alibi (H,) or relative bias (H, 2R + 1)
@@ -73,29 +70,14 @@ struct Problem {
   std::vector<int> mask_cnt, mask_idx, full_cnt, full_idx;
   std::vector<Block> blocks;  // (B, H_b, row blocks, col blocks)
 
-  explicit Problem(const FlexCase& fc) : c(fc) {
+  explicit Problem(const FlexCase& fc) : RowLayout(fc, false, false), c(fc) {
     std::mt19937 rng(c.seed);
-    std::uniform_int_distribution<int> any_q(0, c.seqlen_q), any_k(0, c.seqlen_k);
-    for (int b = 0; b < c.batch; ++b) {
-      int lq = c.varlen ? any_q(rng) : c.seqlen_q;
-      int lk = c.varlen ? any_k(rng) : c.seqlen_k;
-      if (c.varlen && b == 0) lq = c.seqlen_q, lk = c.seqlen_k;
-      if (c.varlen && b == 1) lq = 0;
-      len_q.push_back(lq);
-      len_k.push_back(lk);
-      start_q.push_back(rows_q);
-      start_k.push_back(rows_k);
-      rows_q += lq;
-      rows_k += lk;
-    }
+    draw_lengths(rng);
     std::normal_distribution<float> normal(0.f, 1.f);
-    auto fill = [&](std::vector<float>& data, std::size_t n) {
-      data.resize(n);
-      for (float& x : data) x = gpu_testing::round_to(normal(rng), c.dtype);
-    };
-    fill(q, std::size_t(rows_q) * c.heads * c.head_dim);
-    fill(k, std::size_t(rows_k) * c.heads_kv * c.head_dim);
-    fill(v, std::size_t(rows_k) * c.heads_kv * c.head_dim);
+    using gpu_testing::fill_normal;
+    fill_normal(q, std::size_t(rows_q) * c.heads * c.head_dim, c.dtype, normal, rng);
+    fill_normal(k, std::size_t(rows_k) * c.heads_kv * c.head_dim, c.dtype, normal, rng);
+    fill_normal(v, std::size_t(rows_k) * c.heads_kv * c.head_dim, c.dtype, normal, rng);
     scale = 1.f / std::sqrt(float(c.head_dim));
 
     if (c.score_mod == ScoreModKind::kAlibi) {
@@ -196,19 +178,6 @@ struct Problem {
     }
     return !apply_mask_mod || mask_mod_keeps(b, i, j);
   }
-
-  std::int64_t lse_index(int b, int h, int r) const {
-    return c.varlen ? std::int64_t(h) * rows_q + start_q[b] + r
-                    : (std::int64_t(b) * c.heads + h) * c.seqlen_q + r;
-  }
-  std::size_t lse_size() const {
-    return c.varlen ? std::size_t(c.heads) * rows_q : std::size_t(c.batch) * c.heads * c.seqlen_q;
-  }
-  std::vector<int> cu(const std::vector<int>& start, int total) const {
-    std::vector<int> out = start;
-    out.push_back(total);
-    return out;
-  }
 };
 
 struct Result {
@@ -268,16 +237,9 @@ Result naive_low_precision(const Problem& pb) {
   return result;
 }
 
-TensorView rows_view(void* data, DType dtype, const FlexCase& c, std::int64_t outer,
-                     std::int64_t seqlen, std::int64_t heads, Device device) {
-  if (c.varlen) return TensorView(data, dtype, {outer, heads, c.head_dim}, device);
-  return TensorView(data, dtype, {outer, seqlen, heads, c.head_dim}, device);
-}
-
-// Where each int32 / fp32 side array lives for one run (host vectors or device buffers).
+// Where each int32 / fp32 mod and block-list array lives for one run (host vectors or device
+// buffers).
 struct SideData {
-  void* cu_q = nullptr;
-  void* cu_k = nullptr;
   void* score_table = nullptr;
   void* doc_ids = nullptr;
   void* mask_cnt = nullptr;
@@ -287,19 +249,12 @@ struct SideData {
 };
 
 // The options and side tensors of a call, for either device.
-void set_flex_args(ForwardArgs& args, const Problem& pb, Device device, const SideData& side) {
+void set_flex_args(ForwardArgs& args, const Problem& pb, Device device,
+                   const gpu_testing::SequencePointers& sequences, const SideData& side) {
   const FlexCase& c = pb.c;
   const std::int64_t B = c.batch;
-  if (c.varlen) {
-    args.seq.cu_seqlens_q = TensorView(side.cu_q, DType::kInt32, {B + 1}, device);
-    args.seq.cu_seqlens_k = TensorView(side.cu_k, DType::kInt32, {B + 1}, device);
-    args.seq.max_seqlen_q = *std::max_element(pb.len_q.begin(), pb.len_q.end());
-    args.seq.max_seqlen_k = *std::max_element(pb.len_k.begin(), pb.len_k.end());
-  }
-  args.opts.causal = c.causal;
-  args.opts.window_left = c.window_left;
-  args.opts.window_right = c.window_right;
-  args.opts.softcap = c.softcap;
+  pb.set_sequences(args.seq, device, sequences);
+  gpu_testing::set_window_options(args.opts, c);
   args.opts.score_mod.kind = c.score_mod;
   if (c.score_mod == ScoreModKind::kAlibi) {
     args.opts.score_mod.aux = {TensorView(side.score_table, DType::kFloat32, {c.heads}, device)};
@@ -331,27 +286,21 @@ void set_flex_args(ForwardArgs& args, const Problem& pb, Device device, const Si
 
 Result run_reference(const Problem& pb) {
   const FlexCase& c = pb.c;
-  const std::int64_t outer_q = c.varlen ? pb.rows_q : c.batch;
-  const std::int64_t outer_k = c.varlen ? pb.rows_k : c.batch;
   std::vector<float> q = pb.q, k = pb.k, v = pb.v, table = pb.score_table;
   std::vector<float> out(std::size_t(pb.rows_q) * c.heads * c.head_dim, std::nanf(""));
   std::vector<float> lse(pb.lse_size(), std::nanf(""));
-  std::vector<int> cu_q = pb.cu(pb.start_q, pb.rows_q), cu_k = pb.cu(pb.start_k, pb.rows_k);
+  gpu_testing::HostSequences sequences(pb);
   std::vector<int> docs = pb.doc_ids, mask_cnt = pb.mask_cnt, mask_idx = pb.mask_idx,
                    full_cnt = pb.full_cnt, full_idx = pb.full_idx;
   ForwardArgs args;
-  args.q = rows_view(q.data(), DType::kFloat32, c, outer_q, c.seqlen_q, c.heads, kCpu);
-  args.k = rows_view(k.data(), DType::kFloat32, c, outer_k, c.seqlen_k, c.heads_kv, kCpu);
-  args.v = rows_view(v.data(), DType::kFloat32, c, outer_k, c.seqlen_k, c.heads_kv, kCpu);
-  args.out = rows_view(out.data(), DType::kFloat32, c, outer_q, c.seqlen_q, c.heads, kCpu);
-  if (c.varlen) {
-    args.lse = TensorView(lse.data(), DType::kFloat32, {c.heads, pb.rows_q}, kCpu);
-  } else {
-    args.lse = TensorView(lse.data(), DType::kFloat32, {c.batch, c.heads, c.seqlen_q}, kCpu);
-  }
-  set_flex_args(args, pb, kCpu,
-                {cu_q.data(), cu_k.data(), table.data(), docs.data(), mask_cnt.data(),
-                 mask_idx.data(), full_cnt.data(), full_idx.data()});
+  args.q = pb.query_view(q.data(), DType::kFloat32, c.head_dim, kCpu);
+  args.k = pb.key_view(k.data(), DType::kFloat32, c.head_dim, kCpu);
+  args.v = pb.key_view(v.data(), DType::kFloat32, c.head_dim, kCpu);
+  args.out = pb.query_view(out.data(), DType::kFloat32, c.head_dim, kCpu);
+  args.lse = pb.lse_view(lse.data(), kCpu);
+  set_flex_args(args, pb, kCpu, sequences.pointers(),
+                {table.data(), docs.data(), mask_cnt.data(), mask_idx.data(), full_cnt.data(),
+                 full_idx.data()});
   forward(args);
   return {std::vector<double>(out.begin(), out.end()), std::vector<double>(lse.begin(), lse.end())};
 }
@@ -360,11 +309,9 @@ Result run_gpu(const Problem& pb) {
   const FlexCase& c = pb.c;
   DeviceBuffer q = to_device_16bit(pb.q, c.dtype), k = to_device_16bit(pb.k, c.dtype),
                v = to_device_16bit(pb.v, c.dtype);
-  DeviceBuffer out = DeviceBuffer::from(std::vector<std::uint16_t>(
-      std::size_t(pb.rows_q) * c.heads * c.head_dim, gpu_testing::kPoison16));
-  DeviceBuffer lse = DeviceBuffer::from(std::vector<float>(pb.lse_size(), std::nanf("")));
-  DeviceBuffer cu_q = DeviceBuffer::from(pb.cu(pb.start_q, pb.rows_q));
-  DeviceBuffer cu_k = DeviceBuffer::from(pb.cu(pb.start_k, pb.rows_k));
+  DeviceBuffer out = gpu_testing::poisoned_16bit(std::size_t(pb.rows_q) * c.heads * c.head_dim);
+  DeviceBuffer lse = gpu_testing::poisoned_fp32(pb.lse_size());
+  const gpu_testing::DeviceSequences sequences(pb);
   DeviceBuffer table = DeviceBuffer::from(pb.score_table);
   DeviceBuffer docs = DeviceBuffer::from(pb.doc_ids);
   DeviceBuffer mask_cnt = DeviceBuffer::from(pb.mask_cnt);
@@ -372,21 +319,15 @@ Result run_gpu(const Problem& pb) {
   DeviceBuffer full_cnt = DeviceBuffer::from(pb.full_cnt);
   DeviceBuffer full_idx = DeviceBuffer::from(pb.full_idx);
 
-  const std::int64_t outer_q = c.varlen ? pb.rows_q : c.batch;
-  const std::int64_t outer_k = c.varlen ? pb.rows_k : c.batch;
   ForwardArgs args;
-  args.q = rows_view(q.data(), c.dtype, c, outer_q, c.seqlen_q, c.heads, kCuda);
-  args.k = rows_view(k.data(), c.dtype, c, outer_k, c.seqlen_k, c.heads_kv, kCuda);
-  args.v = rows_view(v.data(), c.dtype, c, outer_k, c.seqlen_k, c.heads_kv, kCuda);
-  args.out = rows_view(out.data(), c.dtype, c, outer_q, c.seqlen_q, c.heads, kCuda);
-  if (c.varlen) {
-    args.lse = TensorView(lse.data(), DType::kFloat32, {c.heads, pb.rows_q}, kCuda);
-  } else {
-    args.lse = TensorView(lse.data(), DType::kFloat32, {c.batch, c.heads, c.seqlen_q}, kCuda);
-  }
-  set_flex_args(args, pb, kCuda,
-                {cu_q.data(), cu_k.data(), table.data(), docs.data(), mask_cnt.data(),
-                 mask_idx.data(), full_cnt.data(), full_idx.data()});
+  args.q = pb.query_view(q.data(), c.dtype, c.head_dim, kCuda);
+  args.k = pb.key_view(k.data(), c.dtype, c.head_dim, kCuda);
+  args.v = pb.key_view(v.data(), c.dtype, c.head_dim, kCuda);
+  args.out = pb.query_view(out.data(), c.dtype, c.head_dim, kCuda);
+  args.lse = pb.lse_view(lse.data(), kCuda);
+  set_flex_args(args, pb, kCuda, sequences.pointers(),
+                {table.data(), docs.data(), mask_cnt.data(), mask_idx.data(), full_cnt.data(),
+                 full_idx.data()});
   args.num_splits = c.num_splits;
   forward(args);
   gpu_testing::check_cuda(cudaDeviceSynchronize(), "forward kernel");
@@ -408,17 +349,12 @@ TEST_P(GpuForwardFlex, MatchesReference) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
   const FlexCase& c = GetParam();
   const Problem pb(c);
-  Result gpu;
-  try {
-    gpu = run_gpu(pb);
-  } catch (const Error& error) {
-    if (error.kind() == Error::Kind::kNotBuilt) GTEST_SKIP() << error.what();
-    throw;
-  }
+  const std::optional<Result> gpu = gpu_testing::run_if_built([&] { return run_gpu(pb); });
+  if (!gpu) return;
   const Result ref = run_reference(pb);
   const Result naive = naive_low_precision(pb);
-  expect_output_close("out", gpu.out, naive.out, ref.out);
-  expect_output_close("lse", gpu.lse, naive.lse, ref.lse);
+  expect_output_close("out", gpu->out, naive.out, ref.out);
+  expect_output_close("lse", gpu->lse, naive.lse, ref.lse);
   if (c.empty_row_blocks || c.label.find("empty") != std::string::npos)
     EXPECT_GT(count_empty_rows(ref), 0u) << "the case was meant to have rows without keys";
 }
@@ -565,9 +501,7 @@ std::vector<FlexCase> flex_cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Mods, GpuForwardFlex, ::testing::ValuesIn(flex_cases()),
-                         [](const ::testing::TestParamInfo<FlexCase>& info) {
-                           return case_name(info.param);
-                         });
+                         gpu_testing::CaseName());
 
 // A small hdim128 bf16 call with a mask_mod, for the refusals below.
 struct SmallCall {
@@ -582,16 +516,6 @@ struct SmallCall {
     args.opts.mask_mod.kind = MaskModKind::kCausal;
   }
 };
-
-void expect_not_supported(ForwardArgs& args, const std::string& argument) {
-  try {
-    forward(args);
-    ADD_FAILURE() << "ran";
-  } catch (const Error& error) {
-    EXPECT_EQ(error.kind(), Error::Kind::kNotSupported) << error.what();
-    EXPECT_EQ(error.argument(), argument) << error.what();
-  }
-}
 
 TEST(GpuForwardFlexUnsupported, PackGqaIsRefused) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device";

@@ -12,19 +12,20 @@
 #include <cstdint>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <random>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "cuflash/cuflash.hpp"
+#include "gpu_test_problem.hpp"
 #include "gpu_test_util.hpp"
 
 namespace cuflash {
 namespace {
 
 using gpu_testing::DeviceBuffer;
-using gpu_testing::expect_output_close, gpu_testing::is_built;
+using gpu_testing::expect_not_supported, gpu_testing::expect_output_close, gpu_testing::is_built;
 using gpu_testing::from_device_16bit, gpu_testing::to_device_16bit;
 using gpu_testing::kCpu, gpu_testing::kCuda, gpu_testing::kNegInf;
 
@@ -45,11 +46,8 @@ struct PagedCase {
 };
 
 std::string case_name(const PagedCase& c) {
-  std::ostringstream name;
-  name << c.label << "_page" << c.page_size << "_" << gpu_testing::dtype_name(c.dtype) << "_d"
-       << c.head_dim;
-  if (c.head_dim_v != c.head_dim) name << "x" << c.head_dim_v;
-  return name.str();
+  return gpu_testing::case_name(c.label + "_page" + std::to_string(c.page_size), c.dtype,
+                                c.head_dim, c.head_dim_v);
 }
 
 // Host copy of one problem: q as packed rows (rows_q, H, D) (dense is B * Sq rows), the page
@@ -96,14 +94,11 @@ struct Problem {
       }
     }
     std::normal_distribution<float> normal(0.f, 1.f);
-    auto fill = [&](std::vector<float>& data, std::size_t n) {
-      data.resize(n);
-      for (float& x : data) x = gpu_testing::round_to(normal(rng), c.dtype);
-    };
-    fill(q, std::size_t(rows_q) * c.heads * c.head_dim);
+    using gpu_testing::fill_normal;
+    fill_normal(q, std::size_t(rows_q) * c.heads * c.head_dim, c.dtype, normal, rng);
     const std::size_t pool_rows = std::size_t(num_pages) * c.page_size;
-    fill(k, pool_rows * c.heads_kv * c.head_dim);
-    fill(v, pool_rows * c.heads_kv * c.head_dim_v);
+    fill_normal(k, pool_rows * c.heads_kv * c.head_dim, c.dtype, normal, rng);
+    fill_normal(v, pool_rows * c.heads_kv * c.head_dim_v, c.dtype, normal, rng);
     scale = 1.f / std::sqrt(float(c.head_dim));
   }
 
@@ -207,10 +202,7 @@ ForwardArgs make_args(const Problem& pb, DType dtype, Device device, const ArgPo
   args.v = TensorView(ptr.v, dtype, {pb.num_pages, c.page_size, Hkv, c.head_dim_v}, device);
   args.seq.page_table = TensorView(ptr.page_table, DType::kInt32, {B, c.max_pages}, device);
   if (c.seqused) args.seq.seqused_k = TensorView(ptr.seqused_k, DType::kInt32, {B}, device);
-  args.opts.causal = c.causal;
-  args.opts.window_left = c.window_left;
-  args.opts.window_right = c.window_right;
-  args.opts.softcap = c.softcap;
+  gpu_testing::set_window_options(args.opts, c);
   return args;
 }
 
@@ -229,9 +221,9 @@ Result run_gpu(const Problem& pb) {
   const PagedCase& c = pb.c;
   DeviceBuffer q = to_device_16bit(pb.q, c.dtype), k = to_device_16bit(pb.k, c.dtype),
                v = to_device_16bit(pb.v, c.dtype);
-  DeviceBuffer out = DeviceBuffer::from(std::vector<std::uint16_t>(
-      std::size_t(pb.rows_q) * c.heads * c.head_dim_v, gpu_testing::kPoison16));
-  DeviceBuffer lse = DeviceBuffer::from(std::vector<float>(pb.lse_size(), std::nanf("")));
+  DeviceBuffer out =
+      gpu_testing::poisoned_16bit(std::size_t(pb.rows_q) * c.heads * c.head_dim_v);
+  DeviceBuffer lse = gpu_testing::poisoned_fp32(pb.lse_size());
   DeviceBuffer page_table = DeviceBuffer::from(pb.page_table);
   DeviceBuffer cu_q = DeviceBuffer::from(pb.cu_seqlens_q());
   DeviceBuffer used_k = DeviceBuffer::from(pb.used_k);
@@ -253,17 +245,12 @@ TEST_P(GpuForwardPaged, MatchesReference) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
   const PagedCase& c = GetParam();
   const Problem pb(c);
-  Result gpu;
-  try {
-    gpu = run_gpu(pb);
-  } catch (const Error& error) {
-    if (error.kind() == Error::Kind::kNotBuilt) GTEST_SKIP() << error.what();
-    throw;
-  }
+  const std::optional<Result> gpu = gpu_testing::run_if_built([&] { return run_gpu(pb); });
+  if (!gpu) return;
   const Result ref = run_reference(pb);
   const Result naive = naive_low_precision(pb);
-  expect_output_close("out", gpu.out, naive.out, ref.out);
-  expect_output_close("lse", gpu.lse, naive.lse, ref.lse);
+  expect_output_close("out", gpu->out, naive.out, ref.out);
+  expect_output_close("lse", gpu->lse, naive.lse, ref.lse);
 }
 
 std::vector<PagedCase> paged_cases() {
@@ -365,9 +352,7 @@ std::vector<PagedCase> paged_cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Pages, GpuForwardPaged, ::testing::ValuesIn(paged_cases()),
-                         [](const ::testing::TestParamInfo<PagedCase>& info) {
-                           return case_name(info.param);
-                         });
+                         gpu_testing::CaseName());
 
 // A small paged call on hdim 128 bf16 for the refusal tests.
 struct SmallPagedCall {
@@ -383,16 +368,6 @@ struct SmallPagedCall {
     args.seq.page_table = TensorView(page_table.data(), DType::kInt32, {1, 2}, kCuda);
   }
 };
-
-void expect_not_supported(const ForwardArgs& args, const std::string& argument) {
-  try {
-    forward(args);
-    ADD_FAILURE() << "the call ran";
-  } catch (const Error& error) {
-    EXPECT_EQ(error.kind(), Error::Kind::kNotSupported) << error.what();
-    EXPECT_EQ(error.argument(), argument) << error.what();
-  }
-}
 
 // What the paged kernels do not have is refused by name, never run on a fallback.
 TEST(GpuForwardPagedUnsupported, PackedGqaWithSoftcapIsRefused) {
