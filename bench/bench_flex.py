@@ -11,9 +11,9 @@ Masks (top-left aligned, seqlen_q == seqlen_k):
 For causal and window the plain cuflash kernel (causal=True / window_size=(W, 0)) runs as a
 third column: what the flex kernel costs over it.
 
-Shapes as bench_fwd.py (bf16, batch * seqlen = 16k tokens, heads * head_dim = 2048). TFLOP/s
-count only the visible (q, kv) pairs: 4 * B * H * D * visible / time, the same count for every
-column of a mask, so ratios are time ratios. Timing: bench_common.time_ms. Outputs are checked
+Shapes as bench_fwd.py (bf16, or --dtype fp16; batch * seqlen = 16k tokens, heads * head_dim =
+2048). TFLOP/s count only the visible (q, kv) pairs: 4 * B * H * D * visible / time, the same
+count for every column of a mask, so ratios are time ratios. Timing: bench_common.time_ms. Outputs are checked
 against FlexAttention's (max abs difference relative to its max) before timing.
 
 --backward: each column runs its forward once with autograd, then each timed call is
@@ -69,12 +69,12 @@ def main():
     date = common.utc_now()
     records = []
     json_path = common.out_path(args, "flex_bwd_sm90" if args.backward else "flex_sm90", "json")
-    print(f"masked {'backward' if args.backward else 'forward'}, bf16, {gpu}, {date}")
+    print(f"masked {'backward' if args.backward else 'forward'}, {args.dtype}, {gpu}, {date}")
     for hdim, seqlen, batch, nheads in common.grid(args):
         gen = torch.Generator().manual_seed(seqlen * 7 + hdim)
-        q, k, v = (torch.randn(batch, seqlen, nheads, hdim, generator=gen).to("cuda", torch.bfloat16)
+        q, k, v = (torch.randn(batch, seqlen, nheads, hdim, generator=gen).to("cuda", common.torch_dtype(args.dtype))
                    .requires_grad_(args.backward) for _ in range(3))
-        dout = torch.randn(batch, seqlen, nheads, hdim, generator=gen).to("cuda", torch.bfloat16)
+        dout = torch.randn(batch, seqlen, nheads, hdim, generator=gen).to("cuda", common.torch_dtype(args.dtype))
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # FlexAttention takes (B, H, S, D)
         for mask in args.masks.split(","):
             W = args.window
@@ -132,7 +132,7 @@ def main():
                 err = max(float((a - e).abs().max()) / float(e.abs().max()) for a, e in zip(results(fn), expected))
                 ms = common.time_ms(fn, args.warmup, args.repeats)
                 tflops = flops / ms / 1e9
-                records.append({"impl": name, "mask": mask, "dtype": "bf16", "hdim": hdim, "seqlen": seqlen,
+                records.append({"impl": name, "mask": mask, "dtype": args.dtype, "hdim": hdim, "seqlen": seqlen,
                                 "batch": batch, "nheads": nheads, metric: tflops, "max_err": err, "gpu": gpu,
                                 "date": date})
                 print(f"{mask:>9} hdim={hdim} seqlen={seqlen} {name:>14}: {tflops:7.1f} TFLOP/s  err {err:.1e}",

@@ -194,6 +194,9 @@ if has_step bench_bwd; then
   [[ $rc -eq 124 ]] && note "bench_bwd: timed out after $BENCH_BWD_TIMEOUT s (what it measured is in bwd_sm90.json)"
   skipped=$(grep -c '"skipped": "' "$OUT/bwd_sm90.json" 2>/dev/null || true)
   note "bench_bwd: rc=$rc in $(( $(date +%s) - start )) s; skipped records: ${skipped:-no bwd_sm90.json}"
+  for setting in ${BENCH_BWD_ENV_B:-}; do
+    [[ $setting =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] || { note "BENCH_BWD_ENV_B: '$setting' is not VAR=value"; exit 2; }
+  done
   if [[ -n ${BENCH_BWD_ARGS_B:-}${BENCH_BWD_ENV_B:-} ]]; then
     # A second pass with other arguments (e.g. --softcap 30) and/or under extra environment (an
     # A/B of a launch-time switch), tagged _b.
@@ -226,6 +229,7 @@ if has_step profile; then
     if [[ $kind == fwd ]]; then kernel=regex:flash_fwd_kernel; extra=--no-backward; else kernel=regex:flash_bwd_kernel_sm90; extra=; fi
     start=$(date +%s)
     name="ncu_${kind}_d${hdim}_s${seqlen}_c${causal}"
+    rm -f "/tmp/$name.ncu-rep"  # a failed run must not report an older profile
     PYTHONPATH="$pkg" timeout "${PROFILE_TIMEOUT:-120}" ncu --set full -o "/tmp/$name" -f -k "$kernel" -s 1 -c 1 \
       python3 "$ROOT/bench/profile_kernel.py" --hdim "$hdim" --seqlen "$seqlen" --causal "$causal" $extra \
       >"/tmp/$name.log" 2>&1

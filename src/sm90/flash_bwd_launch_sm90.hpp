@@ -170,13 +170,19 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // across the heads of a batch. Measured on the H200 (bench/NOTES.md, "Backward launch order"):
   // hdim128 causal +2-3.5%; hdim256 causal +3.5% at 2k but -9% at 8k, where the column order's
   // L2 reuse (every running CTA streams the same head's Q / dO) hides the load latency of its one
-  // dO stage; so auto takes it at hdim128 without mods only until the other head dims and the
-  // flex kernels are measured. Deterministic runs keep the column order their dQ ranks and
-  // rotations were laid out for.
+  // dO stage; so auto takes it at hdim128 without mods and without GQA (a group's heads would
+  // add their dK / dV into the same rows at once) only until the other cases are measured. It
+  // applies to column blocks of unequal work: causal, local, a mask_mod or block lists (the flex
+  // kernels have HasWindow for their mods, not because the call has a window). Deterministic
+  // runs keep the column order their dQ ranks and rotations were laid out for.
   BwdLaunchOrder const order = BwdLaunchOrder(params.launch_order);
-  bool const heads_wanted = order == BwdLaunchOrder::kHeads ||
-                            (order == BwdLaunchOrder::kAuto && kHeadDim == 128 && !Mainloop::kIsFlex);
-  bool const heads_inner = heads_wanted && HasWindow && !params.deterministic && num_n_blocks <= 65535;
+  bool const unequal_columns =
+      params.is_causal || params.is_local || params.mask_mod.kind != 0 || params.block_sparse.enabled;
+  bool const heads_wanted =
+      order == BwdLaunchOrder::kHeads ||
+      (order == BwdLaunchOrder::kAuto && kHeadDim == 128 && !Mainloop::kIsFlex && num_heads == num_heads_kv);
+  bool const heads_inner =
+      heads_wanted && HasWindow && unequal_columns && !params.deterministic && num_n_blocks <= 65535;
   ml.heads_inner = heads_inner;
   ml.cu_seqlens_q = params.cu_seqlens_q;
   ml.cu_seqlens_k = params.cu_seqlens_k;
