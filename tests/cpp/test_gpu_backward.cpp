@@ -422,6 +422,18 @@ std::vector<BwdCase> backward_cases() {
   c.label = "head_dims_64_128", c.batch = 1, c.seqlen_q = 200, c.seqlen_k = 200, c.heads = 2, c.heads_kv = 2,
   c.head_dim = 64, c.head_dim_v = 128, c.causal = true, c.seed = seed++;
   cases.push_back(c);
+  // Padded to 256: the sliced hdim256 kernel's head-dim halves with zero columns in the second,
+  // key lengths not a multiple of its 80-key column blocks, GQA.
+  c = {};
+  c.label = "head_dim_200_causal_gqa", c.batch = 2, c.seqlen_q = 333, c.seqlen_k = 410, c.heads = 4,
+  c.heads_kv = 2, c.head_dim = 200, c.head_dim_v = 200, c.causal = true, c.seed = seed++;
+  cases.push_back(c);
+  // Deterministic without a window and more column blocks (134 of 80 keys) than an H200 has SMs:
+  // the plain ascending dQ order instead of the rotated one.
+  c = {};
+  c.label = "deterministic_many_columns", c.batch = 1, c.seqlen_q = 70, c.seqlen_k = 10700, c.heads = 2,
+  c.heads_kv = 2, c.head_dim = 256, c.head_dim_v = 256, c.deterministic = true, c.seed = seed++;
+  cases.push_back(c);
   return cases;
 }
 
