@@ -21,7 +21,7 @@ refuses the shape; a column further off is recorded as skipped, not timed), and 
 second call gives bitwise the same result (the deterministic-mode property). The deterministic column runs after
 all the others, so that a hang or a fault there costs only its own numbers.
 
-Writes bwd_sm90.json (records {impl, dtype, hdim, seqlen, batch, nheads, causal, deterministic,
+Writes bwd_sm90.json (records {impl, dtype, hdim, seqlen, batch, nheads, nheads_kv, causal, deterministic,
 bwd_tflops, gpu, date} plus skipped (reason or null), grad_err, grad_ref, repeatable),
 bwd_sm90.png and bwd_sm90_table.txt to --out (default $OUT), and prints a table with the ratios to cuDNN and of
 deterministic to default cuflash (target >= 0.85). The JSON is rewritten after every shape, so
@@ -80,7 +80,8 @@ def make_columns(args):
             # SDPA takes (batch, heads, seqlen, dim); these are views of the same tensors.
             with sdpa_kernel(backend):
                 out = F.scaled_dot_product_attention(
-                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
+                    enable_gqa=args.gqa > 1)
             grad_out = dout.transpose(1, 2)
             return lambda: torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True)
 
@@ -151,13 +152,16 @@ def relative_error(grads, reference):
     return worst
 
 
-def make_inputs(hdim, seqlen, batch, nheads, dtype):
-    """q, k, v (requiring grad) and dout, standard normal, seeded by the shape."""
+def make_inputs(hdim, seqlen, batch, nheads, dtype, gqa=1):
+    """q, k, v (requiring grad) and dout, standard normal, seeded by the shape; k and v with
+    nheads / gqa heads."""
     import torch
 
     torch.manual_seed(1_000_003 * hdim + seqlen)
     shape = (batch, seqlen, nheads, hdim)
-    q, k, v, dout = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(4))
+    kv_shape = (batch, seqlen, nheads // gqa, hdim)
+    q, dout = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(kv_shape, device="cuda", dtype=dtype) for _ in range(2))
     for x in (q, k, v):
         x.requires_grad_(True)
     return q, k, v, dout
@@ -241,8 +245,13 @@ def main():
                         help="softcap of the cuflash columns (the peers have none; the cuflash gradients are "
                              "then not checked against theirs): what it measures is the cost of the tanh and "
                              "its derivative")
+    parser.add_argument("--gqa", type=int, default=1,
+                        help="query heads per kv head (k and v get nheads / GQA heads; SDPA with enable_gqa)")
     parser.add_argument("--dry-run", action="store_true", help="print the grid and FLOP counts, touch no GPU")
     args = parser.parse_args()
+    for hdim in common.ints(args.hdims):
+        if args.gqa < 1 or (common.HIDDEN // hdim) % args.gqa:
+            raise SystemExit(f"--gqa {args.gqa}: must divide the {common.HIDDEN // hdim} heads of hdim {hdim}")
     if args.dry_run:
         dry_run(args)
         return 0
@@ -258,11 +267,13 @@ def main():
     records = []
     json_path = common.out_path(args, "bwd_sm90", "json")
     lost = None
-    print(f"backward, {args.dtype}, {gpu}, {date}; {METHOD[args.cuflash_call]}")
+    gqa = f", {args.gqa} query heads per kv head" if args.gqa > 1 else ""
+    print(f"backward, {args.dtype}{gqa}, {gpu}, {date}; {METHOD[args.cuflash_call]}")
 
     def record(name, hdim, seqlen, batch, nheads, causal, tflops, skipped, err=None, ref=None, repeatable=None):
         impl = "cuflash" if name.startswith("cuflash") else name
         records.append(dict(impl=impl, dtype=args.dtype, hdim=hdim, seqlen=seqlen, batch=batch, nheads=nheads,
+                            nheads_kv=nheads // args.gqa,
                             causal=causal, deterministic=name == "cuflash_det", bwd_tflops=tflops, gpu=gpu,
                             date=date, skipped=skipped, grad_err=err, grad_ref=ref if err is not None else None,
                             repeatable=repeatable, softcap=args.softcap if impl == "cuflash" else 0.0))
@@ -278,7 +289,7 @@ def main():
             q = k = v = dout = None
             if lost is None:
                 try:
-                    q, k, v, dout = make_inputs(hdim, seqlen, batch, nheads, common.torch_dtype(args.dtype))
+                    q, k, v, dout = make_inputs(hdim, seqlen, batch, nheads, common.torch_dtype(args.dtype), args.gqa)
                 except Exception as error:
                     lost = f"inputs: {type(error).__name__}: {error}"
             for causal in common.bools(args.causal):
