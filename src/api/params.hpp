@@ -12,6 +12,10 @@ namespace cuflash {
 // their sizes (1 past aux_ndim). An expression (kind 100) has its program compiled into the
 // kernel (sm90/expression_mods.hpp); its float constants are `scalars`, its tensors `aux`.
 struct ModParams {
+  // A scalar that counts rows or keys (window sides, prefix length: whole numbers >= 0, validated)
+  // as an int; any value past 2^30 acts as unbounded.
+  static int whole(float x) { return x < float(1 << 30) ? int(x) : (1 << 30); }
+
   static constexpr int kMaxScalars = 16;
   static constexpr int kMaxAux = 4;
   int kind = 0;  // 0: none

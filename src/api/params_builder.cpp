@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
+#include <initializer_list>
 #include <string>
 
 #include "api/workspace_layout.hpp"
@@ -14,8 +16,6 @@ namespace cuflash::detail {
 namespace {
 
 constexpr float kLog2e = 1.4426950408889634f;
-std::size_t align_up(std::size_t bytes) { return workspace_aligned(bytes); }
-
 template <typename T>
 const T* data_of(const std::optional<TensorView>& t) {
   return t ? static_cast<const T*>(t->data) : nullptr;
@@ -283,19 +283,17 @@ int choose_num_splits(const FwdParams& params, int requested, int num_sm) {
   // kernels narrow each share by it), top-left aligned: causal to the rows, a sliding window to
   // its width and to the rows plus its right side, a prefix LM to the longer of prefix and rows;
   // a row block adds kBlockM.
-  const auto whole = [](float x) { return std::int64_t(std::min(x, float(1 << 30))); };
+  const auto scalar = [&](int i) { return std::int64_t{ModParams::whole(params.mask_mod.scalars[i])}; };
   std::int64_t mask_keys = -1;
   switch (params.mask_mod.kind) {
     case int(MaskModKind::kCausal):
       mask_keys = params.seqlen_q;
       break;
     case int(MaskModKind::kSlidingWindow):  // keys [0, seqlen_q - 1 + right], width left + right + 1
-      mask_keys = std::min<std::int64_t>(
-          whole(params.mask_mod.scalars[0]) + whole(params.mask_mod.scalars[1]) + 1,
-          params.seqlen_q + whole(params.mask_mod.scalars[1]));
+      mask_keys = std::min<std::int64_t>(scalar(0) + scalar(1) + 1, params.seqlen_q + scalar(1));
       break;
     case int(MaskModKind::kPrefixLM):
-      mask_keys = std::max<std::int64_t>(whole(params.mask_mod.scalars[0]), params.seqlen_q);
+      mask_keys = std::max<std::int64_t>(scalar(0), params.seqlen_q);
       break;
     default:
       break;
@@ -330,23 +328,38 @@ std::size_t split_kv_workspace_bytes(const FwdParams& params) {
   if (params.num_splits <= 1) return 0;
   const std::size_t lse_bytes = static_cast<std::size_t>(params.num_splits) * split_rows(params) *
                                 params.num_heads * sizeof(float);
-  return align_up(out_partial_bytes(params)) + align_up(lse_bytes);
+  return workspace_aligned(out_partial_bytes(params)) + workspace_aligned(lse_bytes);
 }
 
 void assign_split_kv_buffers(FwdParams& params, void* workspace) {
   if (params.num_splits <= 1) return;
   char* base = static_cast<char*>(workspace);
   params.out_partial = reinterpret_cast<float*>(base);
-  params.lse_partial = reinterpret_cast<float*>(base + align_up(out_partial_bytes(params)));
+  params.lse_partial = reinterpret_cast<float*>(base + workspace_aligned(out_partial_bytes(params)));
 }
 
+namespace {
+// A run-time setting read from the environment: one of `choices` by name, the first when unset or
+// empty; anything else is refused naming the variable.
+template <class T>
+T parse_setting(const char* variable, const char* value,
+                std::initializer_list<std::pair<const char*, T>> choices) {
+  if (value == nullptr || *value == '\0') return choices.begin()->second;
+  std::string expected;
+  std::size_t index = 0;
+  for (const auto& [name, result] : choices) {
+    if (std::strcmp(value, name) == 0) return result;
+    expected += std::string(index == 0 ? "" : index + 1 == choices.size() ? " or " : ", ") + "'" + name + "'";
+    ++index;
+  }
+  throw Error(Error::Kind::kInvalidArgument, variable,
+              std::string(variable) + ": expected " + expected + ", got '" + value + "'");
+}
+}  // namespace
+
 FwdScheduler parse_fwd_scheduler(const char* value) {
-  if (value == nullptr || *value == '\0' || std::strcmp(value, "dynamic") == 0)
-    return FwdScheduler::kDynamic;
-  if (std::strcmp(value, "one_per_tile") == 0) return FwdScheduler::kOnePerTile;
-  throw Error(Error::Kind::kInvalidArgument, "CUFLASH_FWD_SCHEDULER",
-              std::string("CUFLASH_FWD_SCHEDULER: expected 'dynamic' or 'one_per_tile', got '") +
-                  value + "'");
+  return parse_setting<FwdScheduler>("CUFLASH_FWD_SCHEDULER", value,
+                                     {{"dynamic", FwdScheduler::kDynamic}, {"one_per_tile", FwdScheduler::kOnePerTile}});
 }
 
 FwdScheduler fwd_scheduler() {
@@ -360,11 +373,7 @@ FwdScheduler fwd_scheduler() {
 }
 
 int parse_fwd_hdim64_rows(const char* value) {
-  if (value == nullptr || *value == '\0' || std::strcmp(value, "auto") == 0) return 0;
-  if (std::strcmp(value, "192") == 0) return 192;
-  if (std::strcmp(value, "128") == 0) return 128;
-  throw Error(Error::Kind::kInvalidArgument, "CUFLASH_FWD_HDIM64_ROWS",
-              std::string("CUFLASH_FWD_HDIM64_ROWS: expected '192', '128' or 'auto', got '") + value + "'");
+  return parse_setting<int>("CUFLASH_FWD_HDIM64_ROWS", value, {{"auto", 0}, {"192", 192}, {"128", 128}});
 }
 
 int fwd_hdim64_rows() {
@@ -376,11 +385,9 @@ int fwd_hdim64_rows() {
 }
 
 BwdLaunchOrder parse_bwd_order(const char* value) {
-  if (value == nullptr || *value == '\0' || std::strcmp(value, "auto") == 0) return BwdLaunchOrder::kAuto;
-  if (std::strcmp(value, "columns") == 0) return BwdLaunchOrder::kColumns;
-  if (std::strcmp(value, "heads") == 0) return BwdLaunchOrder::kHeads;
-  throw Error(Error::Kind::kInvalidArgument, "CUFLASH_BWD_ORDER",
-              std::string("CUFLASH_BWD_ORDER: expected 'auto', 'columns' or 'heads', got '") + value + "'");
+  return parse_setting<BwdLaunchOrder>(
+      "CUFLASH_BWD_ORDER", value,
+      {{"auto", BwdLaunchOrder::kAuto}, {"columns", BwdLaunchOrder::kColumns}, {"heads", BwdLaunchOrder::kHeads}});
 }
 
 BwdLaunchOrder bwd_launch_order() {
@@ -399,7 +406,7 @@ bool uses_tile_counter(const FwdParams& params, FwdScheduler scheduler) {
 }  // namespace
 
 std::size_t forward_workspace_bytes(const FwdParams& params, FwdScheduler scheduler) {
-  return align_up(split_kv_workspace_bytes(params)) +
+  return workspace_aligned(split_kv_workspace_bytes(params)) +
          (uses_tile_counter(params, scheduler) ? kWorkspaceAlignment : 0);
 }
 
@@ -408,7 +415,7 @@ void assign_forward_workspace(FwdParams& params, void* workspace, FwdScheduler s
   params.tile_counter =
       uses_tile_counter(params, scheduler)
           ? reinterpret_cast<int*>(static_cast<char*>(workspace) +
-                                   align_up(split_kv_workspace_bytes(params)))
+                                   workspace_aligned(split_kv_workspace_bytes(params)))
           : nullptr;
 }
 

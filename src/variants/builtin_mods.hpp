@@ -168,19 +168,16 @@ struct MaskModSwitch {
   int const* ids = nullptr;   // document ids
   long long ids_stride = 0;
 
-  // Scalars are whole numbers >= 0 (validated); any value past 2^30 acts as unbounded.
-  static int whole(float x) { return x < float(1 << 30) ? int(x) : (1 << 30); }
-
   static MaskModSwitch from(ModParams const& mod) {
     MaskModSwitch result;
     result.kind = mod.kind;
     switch (mod.kind) {
       case int(MaskModKind::kSlidingWindow):
-        result.left = whole(mod.scalars[0]);
-        result.right = whole(mod.scalars[1]);
+        result.left = ModParams::whole(mod.scalars[0]);
+        result.right = ModParams::whole(mod.scalars[1]);
         break;
       case int(MaskModKind::kPrefixLM):
-        result.prefix = whole(mod.scalars[0]);
+        result.prefix = ModParams::whole(mod.scalars[0]);
         break;
       case int(MaskModKind::kDocument):
         result.ids = static_cast<int const*>(mod.aux[0]);
