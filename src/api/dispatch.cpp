@@ -79,7 +79,9 @@ BwdParams device_bwd_params(const BackwardArgs& args, const detail::AttentionSha
   refuse_expression_mods(args.opts, args.opts.expression_backward_kernel);
   BwdParams params = detail::make_bwd_params(args, shape);
   params.num_sm = sm90::device_sm_count(shape.device.index);
-  params.launch_order = static_cast<int>(detail::bwd_launch_order());
+  BwdLaunchChoice const launch = detail::bwd_launch_order();
+  params.launch_order = static_cast<int>(launch.order);
+  params.launch_head_group = launch.head_group;
   return params;
 }
 

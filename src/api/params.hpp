@@ -195,8 +195,10 @@ struct BwdParams {
   bool pack_gqa = false;
   int device_index = 0;
   // Launch order of the main kernel's CTAs when column blocks differ in work (causal / local,
-  // not deterministic), a BwdLaunchOrder value. From CUFLASH_BWD_ORDER.
+  // not deterministic), a BwdLaunchOrder value, and with kHeads the heads launched together
+  // (0: all of a batch's). From CUFLASH_BWD_ORDER.
   int launch_order = 0;
+  int launch_head_group = 0;
   // Rows per step of the backward tile that dispatch laid the workspace out for (the tile
   // depends on whether the kernel has a per-element score derivative); the launcher refuses to
   // run a kernel whose tile differs.
@@ -227,12 +229,18 @@ struct CombineParams {
 // The order in which the sm90 backward launches its CTAs (BwdParams::launch_order) when column
 // blocks differ in work. kColumns: a head's column blocks one after another (grid x); kHeads:
 // column block n of every head of a batch before column block n + 1, so the longest causal
-// columns start first and the short ones fill the tail; kAuto: by head dim (the launcher).
+// columns start first and the short ones fill the tail; with a head group of g, the heads go in
+// groups of g (column block n of the group's heads before n + 1, one group after another), which
+// bounds the Q / dO the running CTAs stream from L2; kAuto: by head dim (the launcher).
 enum class BwdLaunchOrder : int { kAuto = 0, kColumns = 1, kHeads = 2 };
+struct BwdLaunchChoice {
+  BwdLaunchOrder order = BwdLaunchOrder::kAuto;
+  int head_group = 0;  // kHeads: heads launched together; 0: all of a batch's
+};
 
 // The layout version: bumped with every change to the members of FwdParams, BwdParams or
 // ModParams, since a member added into tail padding leaves the sizes below as they were.
-constexpr std::uint64_t kParamsLayoutVersion = 5;
+constexpr std::uint64_t kParamsLayoutVersion = 6;
 
 // Whether a call needs the flex kernels (variants::FlexVariant): a score_mod, a mask_mod or block
 // lists. FwdParams and BwdParams alike.

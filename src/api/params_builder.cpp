@@ -384,19 +384,34 @@ int fwd_hdim64_rows() {
   return rows;
 }
 
-BwdLaunchOrder parse_bwd_order(const char* value) {
-  return parse_setting<BwdLaunchOrder>(
+BwdLaunchChoice parse_bwd_order(const char* value) {
+  // "heads:G" carries a number; the plain names go through the common parser.
+  if (value != nullptr && std::strncmp(value, "heads:", 6) == 0) {
+    char* end = nullptr;
+    long const group = std::strtol(value + 6, &end, 10);
+    if (end != value + 6 && *end == '\0' && group >= 1 && group <= 65535) {
+      BwdLaunchChoice choice;
+      choice.order = BwdLaunchOrder::kHeads;
+      choice.head_group = int(group);
+      return choice;
+    }
+    throw Error(Error::Kind::kInvalidArgument, "CUFLASH_BWD_ORDER",
+                std::string("CUFLASH_BWD_ORDER: expected 'heads:G' with 1 <= G <= 65535, got '") + value + "'");
+  }
+  BwdLaunchChoice choice;
+  choice.order = parse_setting<BwdLaunchOrder>(
       "CUFLASH_BWD_ORDER", value,
       {{"auto", BwdLaunchOrder::kAuto}, {"columns", BwdLaunchOrder::kColumns}, {"heads", BwdLaunchOrder::kHeads}});
+  return choice;
 }
 
-BwdLaunchOrder bwd_launch_order() {
+BwdLaunchChoice bwd_launch_order() {
   // CUFLASH_BWD_ORDER picks the order in which the sm90 backward launches the CTAs of causal /
-  // local calls, so that both can be timed in one binary: columns: grid (column blocks, heads,
-  // batch); heads: grid (heads, column blocks, batch), longest columns first; auto (default):
-  // by head dim, as measured (flash_bwd_launch_sm90.hpp).
-  static const BwdLaunchOrder order = parse_bwd_order(std::getenv("CUFLASH_BWD_ORDER"));
-  return order;
+  // local calls, so that they can be timed in one binary: columns: grid (column blocks, heads,
+  // batch); heads: grid (heads, column blocks, batch), longest columns first; heads:G: the same
+  // within groups of G heads; auto (default): by head dim, as measured (flash_bwd_launch_sm90.hpp).
+  static const BwdLaunchChoice choice = parse_bwd_order(std::getenv("CUFLASH_BWD_ORDER"));
+  return choice;
 }
 
 namespace {

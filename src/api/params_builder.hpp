@@ -54,11 +54,12 @@ int parse_fwd_hdim64_rows(const char* value);
 // The process's choice, from CUFLASH_FWD_HDIM64_ROWS, read once.
 int fwd_hdim64_rows();
 
-// Launch order of the backward main kernel's CTAs (BwdParams::launch_order): "auto" (or null /
-// empty), "columns" or "heads". Throws kInvalidArgument otherwise.
-BwdLaunchOrder parse_bwd_order(const char* value);
+// Launch order of the backward main kernel's CTAs (BwdParams::launch_order, launch_head_group):
+// "auto" (or null / empty), "columns", "heads" or "heads:G" (G >= 1 heads at a time). Throws
+// kInvalidArgument otherwise.
+BwdLaunchChoice parse_bwd_order(const char* value);
 // The process's choice, from CUFLASH_BWD_ORDER, read once.
-BwdLaunchOrder bwd_launch_order();
+BwdLaunchChoice bwd_launch_order();
 
 // The forward's whole workspace: the split-KV buffers, then (tiles of unequal cost, dynamic
 // scheduling) the tile counter in a 256-byte slot of its own.

@@ -1,5 +1,5 @@
 // Backward main kernel for sm90: one CTA per (column block, query head, batch); the grid's x is
-// the column block, or the head with Params::heads_inner (launch order, see the launcher).
+// the column block, or a head of a head group (launch order, see the launcher).
 // Warpgroup 0 is the producer (warp 0: TMA loads; warp 1: dQ bulk reduce-add), the other
 // warpgroups run the MMAs and the dK / dV epilogue.
 #pragma once
@@ -64,6 +64,19 @@ struct FlashBwdKernelSm90 {
     typename Epilogue::Params epilogue;
   };
 
+  struct BlockCoords {
+    int n_block, head, batch;
+  };
+  // The CTA's column block, query head and batch from its grid position (see the launcher).
+  CUTE_DEVICE static BlockCoords block_coords(typename Mainloop::Params const& p, uint32_t x, uint32_t y, uint32_t z,
+                                              uint32_t nx, uint32_t ny) {
+    if (Mainloop::HasWindow && p.head_group > 0) {
+      int const group = int(z) % p.num_head_groups;
+      return {Mainloop::column_block(p, int(y), int(ny)), group * p.head_group + int(x), int(z) / p.num_head_groups};
+    }
+    return {Mainloop::column_block(p, int(x), int(nx)), int(y), int(z)};
+  }
+
   CUTE_DEVICE void operator()(Params const& params, char* smem_buf) {
     using namespace cute;
     using PipelineQ = typename Mainloop::PipelineQ;
@@ -73,14 +86,14 @@ struct FlashBwdKernelSm90 {
     int const warp_idx = cutlass::canonical_warp_idx_sync();
     int const warp_group_idx = cutlass::canonical_warp_group_idx();
     int const warp_idx_in_wg = warp_idx % cutlass::NumWarpsPerWarpGroup;
-    // The grid is (column blocks, heads, batch), or (heads, column blocks, batch) with heads_inner.
-    // Only kernels with a window launch heads inner (the launcher); the others keep the plain
-    // mapping at compile time (the sliced hdim256 kernels spill a few bytes otherwise).
-    bool const heads_inner = Mainloop::HasWindow && params.mainloop.heads_inner;
-    int const n_block = Mainloop::column_block(params.mainloop, heads_inner ? blockIdx.y : blockIdx.x,
-                                               heads_inner ? gridDim.y : gridDim.x);
-    int const head = heads_inner ? blockIdx.x : blockIdx.y;
-    int const batch = blockIdx.z;
+    // The grid is (column blocks, heads, batch), or with a head group (heads of a group, column
+    // blocks, groups x batch): block_coords. Only kernels with a window launch heads inner (the
+    // launcher); the others keep the plain mapping at compile time (the sliced hdim256 kernels
+    // spill a few bytes otherwise).
+    BlockCoords const bc = block_coords(params.mainloop, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.x, gridDim.y);
+    int const n_block = bc.n_block;
+    int const head = bc.head;
+    int const batch = bc.batch;
 
     if (threadIdx.x == 0) {
       Mainloop::prefetch_tma_descriptors(params.mainloop);
@@ -104,8 +117,9 @@ struct FlashBwdKernelSm90 {
     __syncthreads();
 
     BwdSeqlen const seq = BwdSeqlen::make<Mainloop::kBlockM, Mainloop::kBlockN>(params.mainloop, batch);
-    // Grids are sized for the longest sequence; this block has no key rows of this batch.
-    if (n_block * Mainloop::kBlockN >= seq.capacity_k) { return; }
+    // Grids are sized for the longest sequence; this block has no key rows of this batch (or,
+    // in the last head group, no head).
+    if (n_block * Mainloop::kBlockN >= seq.capacity_k || head >= params.mainloop.num_heads) { return; }
 
     // The sliced hdim 256 mainloop (kSliceDQKV) takes every register of the MMA warpgroups, and ptxas
     // then spills the values that are live from here into either role. There each role derives the
@@ -119,13 +133,10 @@ struct FlashBwdKernelSm90 {
     auto coords = [&]() {
       if constexpr (Mainloop::kSliceDQKV) {
         asm volatile("" ::: "memory");
-        int const b = int(ctaid_volatile<2>());
-        bool const inner = Mainloop::HasWindow && params.mainloop.heads_inner;
-        int const x = int(ctaid_volatile<0>()), y = int(ctaid_volatile<1>());
-        int const columns = inner ? int(nctaid_volatile<1>()) : int(nctaid_volatile<0>());
-        return Coords{Mainloop::column_block(params.mainloop, inner ? y : x, columns), inner ? x : y, b,
-                      int(tid_x_volatile()) - cutlass::NumThreadsPerWarpGroup,
-                      BwdSeqlen::make<Mainloop::kBlockM, Mainloop::kBlockN>(params.mainloop, b)};
+        BlockCoords const v = block_coords(params.mainloop, ctaid_volatile<0>(), ctaid_volatile<1>(), ctaid_volatile<2>(),
+                                           nctaid_volatile<0>(), nctaid_volatile<1>());
+        return Coords{v.n_block, v.head, v.batch, int(tid_x_volatile()) - cutlass::NumThreadsPerWarpGroup,
+                      BwdSeqlen::make<Mainloop::kBlockM, Mainloop::kBlockN>(params.mainloop, v.batch)};
       } else {
         return Coords{n_block, head, batch, int(threadIdx.x) - cutlass::NumThreadsPerWarpGroup, seq};
       }

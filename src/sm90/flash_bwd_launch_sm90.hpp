@@ -181,9 +181,13 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   bool const heads_wanted =
       order == BwdLaunchOrder::kHeads ||
       (order == BwdLaunchOrder::kAuto && kHeadDim == 128 && !Mainloop::kIsFlex && num_heads == num_heads_kv);
-  bool const heads_inner =
-      heads_wanted && HasWindow && unequal_columns && !params.deterministic && num_n_blocks <= 65535;
-  ml.heads_inner = heads_inner;
+  int const head_group = params.launch_head_group > 0 ? std::min(params.launch_head_group, num_heads) : num_heads;
+  int const num_head_groups = (num_heads + head_group - 1) / head_group;
+  // Grid y holds the column blocks and z the head groups of every batch: both at most 65535.
+  bool const heads_inner = heads_wanted && HasWindow && unequal_columns && !params.deterministic &&
+                           num_n_blocks <= 65535 && std::int64_t(num_head_groups) * batch <= 65535;
+  ml.head_group = heads_inner ? head_group : 0;
+  ml.num_head_groups = heads_inner ? num_head_groups : 1;
   ml.cu_seqlens_q = params.cu_seqlens_q;
   ml.cu_seqlens_k = params.cu_seqlens_k;
   ml.seqused_q = params.seqused_q;
@@ -224,7 +228,8 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // Column blocks that see no row (including every block when there are no queries) write
   // zero dK / dV, so the main kernel runs whenever there are keys.
   if (num_n_blocks > 0) {
-    dim3 const grid = heads_inner ? dim3(num_heads, num_n_blocks, batch) : dim3(num_n_blocks, num_heads, batch);
+    dim3 const grid = heads_inner ? dim3(head_group, num_n_blocks, num_head_groups * batch)
+                                  : dim3(num_n_blocks, num_heads, batch);
     kernel<<<grid, Kernel::NumThreads, kSmem, stream>>>(kernel_params);
     check_launch("the backward main kernel");
   }

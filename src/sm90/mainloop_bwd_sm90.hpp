@@ -414,7 +414,10 @@ struct MainloopBwdSm90 {
     float softmax_scale_log2;       // with softcap: softcap * log2(e)
     float softcap_val;              // softmax_scale / softcap
     bool deterministic;
-    bool heads_inner;  // grid (heads, column blocks, batch) instead of (column blocks, heads, batch)
+    // Launch order: 0: grid (column blocks, heads, batch); g >= 1: grid (g, column blocks,
+    // num_head_groups * batch), heads g * (z % num_head_groups) + x (those past num_heads idle).
+    int head_group;
+    int num_head_groups;
     // Deterministic without a window: column block n starts its walk at row block n * M / N
     // (dq_rank). The host sets it only when every column block of a head can be resident at
     // once, since a column block then waits on ones launched after it.

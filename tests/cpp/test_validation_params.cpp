@@ -348,12 +348,17 @@ TEST(ParamsForward, Hdim64TileRowsChoice) {
 }
 
 TEST(ParamsBackward, LaunchOrderChoice) {
-  EXPECT_EQ(parse_bwd_order(nullptr), BwdLaunchOrder::kAuto);
-  EXPECT_EQ(parse_bwd_order(""), BwdLaunchOrder::kAuto);
-  EXPECT_EQ(parse_bwd_order("auto"), BwdLaunchOrder::kAuto);
-  EXPECT_EQ(parse_bwd_order("columns"), BwdLaunchOrder::kColumns);
-  EXPECT_EQ(parse_bwd_order("heads"), BwdLaunchOrder::kHeads);
-  expect_setting_refused(parse_bwd_order, "rows", "CUFLASH_BWD_ORDER");
+  EXPECT_EQ(parse_bwd_order(nullptr).order, BwdLaunchOrder::kAuto);
+  EXPECT_EQ(parse_bwd_order("").order, BwdLaunchOrder::kAuto);
+  EXPECT_EQ(parse_bwd_order("auto").order, BwdLaunchOrder::kAuto);
+  EXPECT_EQ(parse_bwd_order("columns").order, BwdLaunchOrder::kColumns);
+  EXPECT_EQ(parse_bwd_order("heads").order, BwdLaunchOrder::kHeads);
+  EXPECT_EQ(parse_bwd_order("heads").head_group, 0);
+  EXPECT_EQ(parse_bwd_order("heads:2").order, BwdLaunchOrder::kHeads);
+  EXPECT_EQ(parse_bwd_order("heads:2").head_group, 2);
+  for (const char* bad : {"rows", "heads:", "heads:0", "heads:x", "heads:2x", "headsx"}) {
+    expect_setting_refused(parse_bwd_order, bad, "CUFLASH_BWD_ORDER");
+  }
 }
 
 TEST(ParamsForward, NarrowTileCostModel) {
