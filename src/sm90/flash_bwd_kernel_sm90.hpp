@@ -122,7 +122,9 @@ struct FlashBwdKernelSm90 {
     if (n_block * Mainloop::kBlockN >= seq.capacity_k || head >= params.mainloop.num_heads) { return; }
 
     // The sliced hdim 256 mainloop (kSliceDQKV) takes every register of the MMA warpgroups, and ptxas
-    // then spills the values that are live from here into either role. There each role derives the
+    // then spills the values that are live from here into either role; the window kernels' mainloops
+    // (causal / local bounds) come close to it too (hdim128: 132 / 224 bytes of spills, 100 / 44
+    // with this). There each role derives the
     // block's coordinates and sequence geometry again after its register reconfiguration (volatile
     // special-register reads and a compiler memory barrier keep them from being merged with these),
     // and the MMA warpgroups once more for the epilogue.
@@ -131,7 +133,7 @@ struct FlashBwdKernelSm90 {
       BwdSeqlen seq;
     };
     auto coords = [&]() {
-      if constexpr (Mainloop::kSliceDQKV) {
+      if constexpr (Mainloop::kSliceDQKV || Mainloop::HasWindow) {
         asm volatile("" ::: "memory");
         BlockCoords const v = block_coords(params.mainloop, ctaid_volatile<0>(), ctaid_volatile<1>(), ctaid_volatile<2>(),
                                            nctaid_volatile<0>(), nctaid_volatile<1>());
