@@ -123,11 +123,11 @@ struct FlashBwdKernelSm90 {
 
     // The sliced hdim 256 mainloop (kSliceDQKV) takes every register of the MMA warpgroups, and ptxas
     // then spills the values that are live from here into either role; the window kernels' mainloops
-    // (causal / local bounds) come close to it too (hdim128: 132 / 224 bytes of spills, 100 / 44
-    // with this). There each role derives the
-    // block's coordinates and sequence geometry again after its register reconfiguration (volatile
-    // special-register reads and a compiler memory barrier keep them from being merged with these),
-    // and the MMA warpgroups once more for the epilogue.
+    // (causal / local bounds) come close to it too (hdim128: 132 / 224 bytes of spills without this,
+    // 100 / 44 with it). There each role derives the block's coordinates and sequence geometry again
+    // after its register reconfiguration (volatile special-register reads and a compiler memory
+    // barrier keep them from being merged with these), and the MMA warpgroups once more for the
+    // epilogue.
     struct Coords {
       int n_block, head, batch, thread_idx;
       BwdSeqlen seq;
