@@ -12,7 +12,7 @@
 # RACECHECK_FILTER, PER_TEST_TIMEOUT (test_each), PYTEST_K (a -k expression), PYTEST_ARGS, JIT_MODULES (0: do not build the GPU tests' callable modules first), PYTEST_TIMEOUT, BENCH_ARGS, BENCH_ENV_B (run the
 # benchmark a second time with these VAR=value settings), BENCH_BWD_ARGS (bench/bench_bwd.py), BENCH_BWD_ARGS_B / BENCH_BWD_ENV_B (a second pass with these arguments / VAR=value settings, tagged _b),
 # BENCH_BWD_TIMEOUT (seconds, default 300: a hung backward kernel ends the step, not the call), PROFILE
-# (ncu targets for the profile step, see there), BENCH_FLEX_ARGS, BENCH_FLEX_TIMEOUT, BENCH_GQA_ARGS, BENCH_GQA_TIMEOUT, JOBS.
+# (ncu targets for the profile step, see there), BUILD_DIR, CMAKE_EXTRA, BENCH_FLEX_ARGS, BENCH_FLEX_TIMEOUT, BENCH_GQA_ARGS, BENCH_GQA_TIMEOUT, JOBS.
 # Carry `.cutlass` (CUTLASS headers) and, where the machine has no GoogleTest, `.deps` (a
 # googletest source tree at .deps/googletest); tools/prepare_device_carry.sh makes both here.
 set -uo pipefail
@@ -32,7 +32,9 @@ BENCH_ARGS=${BENCH_ARGS:-}
 BENCH_BWD_ARGS=${BENCH_BWD_ARGS:-}
 BENCH_BWD_TIMEOUT=${BENCH_BWD_TIMEOUT:-300}
 JOBS=${JOBS:-$(nproc)}
-BUILD=$ROOT/build-gpu
+# BUILD_DIR / CMAKE_EXTRA: a second build beside the first (say, a compile-time switch in
+# CMAKE_EXTRA="-DCMAKE_CUDA_FLAGS=-DNAME") so that two variants can be timed in one call.
+BUILD=${BUILD_DIR:-$ROOT/build-gpu}
 SUMMARY=$OUT/summary.txt
 status=0
 
@@ -60,7 +62,7 @@ if has_step build; then
   start=$(date +%s)
   cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCUFLASH_KERNEL_SET="$KERNEL_SET" \
     -DCUFLASH_HDIMS="$HDIMS" -DCUFLASH_DTYPES="$DTYPES" -DCUFLASH_FEATURES="$FEATURES" -DCUFLASH_BUILD_PYTHON=ON \
-    -DPython_EXECUTABLE="$(command -v python3)" "${gtest_args[@]}" >>"$OUT/build.log" 2>&1 &&
+    -DPython_EXECUTABLE="$(command -v python3)" "${gtest_args[@]}" ${CMAKE_EXTRA:-} >>"$OUT/build.log" 2>&1 &&
     cmake --build "$BUILD" -j "$JOBS" >>"$OUT/build.log" 2>&1
   rc=$?
   note "build: rc=$rc in $(( $(date +%s) - start )) s"
@@ -237,7 +239,8 @@ if has_step profile; then
     # The details page as text, and the instructions where the warps stall most (source page).
     { cat "/tmp/$name.log"; ncu --import "/tmp/$name.ncu-rep" --page details; } >"$OUT/$name.txt" 2>&1
     ncu --import "/tmp/$name.ncu-rep" --page source --csv --print-source sass >"/tmp/${name}_source.csv" 2>&1
-    python3 "$ROOT/bench/ncu_stall_top.py" "/tmp/${name}_source.csv" --top 60 >"$OUT/${name}_stalls.txt" 2>&1 ||
+    python3 "$ROOT/bench/ncu_stall_top.py" "/tmp/${name}_source.csv" --top 60 --dump "$OUT/${name}_sass.txt" \
+      >"$OUT/${name}_stalls.txt" 2>&1 ||
       note "profile $spec: no stall table (see ${name}_stalls.txt)"
   done
 fi
