@@ -1,0 +1,51 @@
+"""The benchmark helpers that run without a GPU: bench/ncu_stall_top.py on a small source page."""
+
+import importlib.util
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SOURCE_PAGE = """==PROF== a message before the table
+"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)","stall_long_sb (All)","stall_barrier (All)"
+"0x10","HGMMA.64x64x16.F32.BF16","10","5","0","1"
+"0x20","@!P0 BRA 0x90","60","60","60","0"
+"0x30","MUFU.EX2 R1, R1","30","20","3","27"
+"""
+
+
+def test_stall_top_ranks_and_dumps(tmp_path, monkeypatch, capsys):
+    stall_top = load("ncu_stall_top")
+    page = tmp_path / "source.csv"
+    page.write_text(SOURCE_PAGE)
+    dump = tmp_path / "sass.txt"
+    monkeypatch.setattr(sys, "argv", ["ncu_stall_top.py", str(page), "--top", "2", "--dump", str(dump)])
+    assert stall_top.main() == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "3 instructions, 100 stall samples; top 2:"
+    # Most sampled first, with the reasons that hold at least 5% of an instruction's samples.
+    assert lines[1].split()[:2] == ["60.00%", "0x20"] and "stall_long_sb 100%" in lines[1]
+    assert lines[2].split()[:2] == ["30.00%", "0x30"] and "stall_barrier 90%" in lines[2]
+    assert "stall_long_sb 10%" in lines[2]
+    assert len(lines) == 3
+    # The dump keeps the address order and every instruction.
+    dumped = dump.read_text().splitlines()
+    assert dumped[0] == "3 instructions, 100 stall samples, in address order"
+    assert [line.split()[1] for line in dumped[1:]] == ["0x10", "0x20", "0x30"]
+
+
+def test_stall_top_without_a_table(tmp_path, monkeypatch, capsys):
+    stall_top = load("ncu_stall_top")
+    page = tmp_path / "source.csv"
+    page.write_text("==ERROR== no kernels were profiled\n")
+    monkeypatch.setattr(sys, "argv", ["ncu_stall_top.py", str(page)])
+    assert stall_top.main() == 1
+    assert "no source table" in capsys.readouterr().out
