@@ -13,7 +13,6 @@
 namespace cuflash::detail {
 namespace {
 
-
 void check_cuda(cudaError_t status, const char* what) {
   if (status != cudaSuccess) {
     throw Error(Error::Kind::kCuda, "device",

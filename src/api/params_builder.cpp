@@ -5,9 +5,9 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <utility>
 #include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "api/workspace_layout.hpp"
 #include "cuflash/error.hpp"
