@@ -199,6 +199,9 @@ struct BwdParams {
   // (0: all of a batch's). From CUFLASH_BWD_ORDER.
   int launch_order = 0;
   int launch_head_group = 0;
+  // Whether the sliced hdim256 kernels pair their CTAs for dQ, a BwdDqPairs value. From
+  // CUFLASH_BWD_DQ_PAIRS.
+  int dq_pairs = 0;
   // Rows per step of the backward tile that dispatch laid the workspace out for (the tile
   // depends on whether the kernel has a per-element score derivative); the launcher refuses to
   // run a kernel whose tile differs.
@@ -233,6 +236,11 @@ struct CombineParams {
 // groups of g (column block n of the group's heads before n + 1, one group after another), which
 // bounds the Q / dO the running CTAs stream from L2; kAuto: by head dim (the launcher).
 enum class BwdLaunchOrder : int { kAuto = 0, kColumns = 1, kHeads = 2 };
+// dQ pairs of the sm90 backward's sliced hdim256 kernels (BwdParams::dq_pairs): clusters of two
+// CTAs on adjacent column blocks sum their dQ partials before the atomics. kAuto: as measured
+// (the launcher's kDqPairsByDefault); kOn / kOff force it for kernels that have them (not
+// deterministic, not with the heads launch order).
+enum class BwdDqPairs : int { kAuto = 0, kOn = 1, kOff = 2 };
 struct BwdLaunchChoice {
   BwdLaunchOrder order = BwdLaunchOrder::kAuto;
   int head_group = 0;  // kHeads: heads launched together; 0: all of a batch's
@@ -240,7 +248,7 @@ struct BwdLaunchChoice {
 
 // The layout version: bumped with every change to the members of FwdParams, BwdParams or
 // ModParams, since a member added into tail padding leaves the sizes below as they were.
-constexpr std::uint64_t kParamsLayoutVersion = 6;
+constexpr std::uint64_t kParamsLayoutVersion = 7;
 
 // Whether a call needs the flex kernels (variants::FlexVariant): a score_mod, a mask_mod or block
 // lists. FwdParams and BwdParams alike.

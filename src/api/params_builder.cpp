@@ -405,6 +405,18 @@ BwdLaunchChoice parse_bwd_order(const char* value) {
   return choice;
 }
 
+BwdDqPairs parse_bwd_dq_pairs(const char* value) {
+  return parse_setting<BwdDqPairs>("CUFLASH_BWD_DQ_PAIRS", value,
+                                   {{"auto", BwdDqPairs::kAuto}, {"on", BwdDqPairs::kOn}, {"off", BwdDqPairs::kOff}});
+}
+
+BwdDqPairs bwd_dq_pairs() {
+  // CUFLASH_BWD_DQ_PAIRS: whether the sliced hdim256 backward runs its CTAs in dQ pairs, so that
+  // both can be timed in one binary. Read once per process.
+  static const BwdDqPairs pairs = parse_bwd_dq_pairs(std::getenv("CUFLASH_BWD_DQ_PAIRS"));
+  return pairs;
+}
+
 BwdLaunchChoice bwd_launch_order() {
   // CUFLASH_BWD_ORDER picks the order in which the sm90 backward launches the CTAs of causal /
   // local calls, so that they can be timed in one binary: columns: grid (column blocks, heads,

@@ -61,6 +61,12 @@ BwdLaunchChoice parse_bwd_order(const char* value);
 // The process's choice, from CUFLASH_BWD_ORDER, read once.
 BwdLaunchChoice bwd_launch_order();
 
+// dQ pairs of the sliced hdim256 backward (BwdParams::dq_pairs): "auto" (or null / empty), "on"
+// or "off". Throws kInvalidArgument otherwise.
+BwdDqPairs parse_bwd_dq_pairs(const char* value);
+// The process's choice, from CUFLASH_BWD_DQ_PAIRS, read once.
+BwdDqPairs bwd_dq_pairs();
+
 // The forward's whole workspace: the split-KV buffers, then (tiles of unequal cost, dynamic
 // scheduling) the tile counter in a 256-byte slot of its own.
 std::size_t forward_workspace_bytes(const FwdParams& params, FwdScheduler scheduler);

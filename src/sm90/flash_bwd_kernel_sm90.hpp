@@ -55,6 +55,7 @@ struct FlashBwdKernelSm90 {
     alignas(16) typename Mainloop::PipelineQ::SharedStorage pipeline_q;
     alignas(16) typename Mainloop::PipelinedO::SharedStorage pipeline_do;
     alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_kv;
+    typename Mainloop::DqPairStorage dq_pair;
   };
   static constexpr int kSharedStorageSize = sizeof(SharedStorage);
   static_assert(kSharedStorageSize <= 227 * 1024, "shared memory of the backward tile exceeds 227 KB");
@@ -98,6 +99,7 @@ struct FlashBwdKernelSm90 {
     if (threadIdx.x == 0) {
       Mainloop::prefetch_tma_descriptors(params.mainloop);
       ss.barrier_kv.init(1);
+      if constexpr (Mainloop::kSliceDQKV) { Mainloop::DqPairLink::init(ss.dq_pair); }
     }
 
     typename PipelineQ::Params pipeline_params_q;
@@ -114,7 +116,15 @@ struct FlashBwdKernelSm90 {
     pipeline_params_do.num_consumers = Mainloop::NumMmaThreads;
     PipelinedO pipeline_do(ss.pipeline_do, pipeline_params_do, Shape<_1, _1, _1>{});
 
-    __syncthreads();
+    if constexpr (Mainloop::kSliceDQKV) {
+      // The partner CTA of a dQ pair (if any) writes into this CTA's buffer and barriers: both
+      // CTAs' barriers are initialised before either goes on (a cluster of one without pairs).
+      cutlass::arch::fence_barrier_init();
+      cute::cluster_arrive_relaxed();
+      cute::cluster_wait();
+    } else {
+      __syncthreads();
+    }
 
     BwdSeqlen const seq = BwdSeqlen::make<Mainloop::kBlockM, Mainloop::kBlockN>(params.mainloop, batch);
     // Grids are sized for the longest sequence; this block has no key rows of this batch (or,
@@ -164,7 +174,7 @@ struct FlashBwdKernelSm90 {
       Tensor tdKrdK = partition_fragment_C(typename Mainloop::TiledMmadK{}, typename Epilogue::ShapedKAcc{});
       Tensor tdVrdV = partition_fragment_C(typename Mainloop::TiledMmadV{}, typename Epilogue::ShapedVAcc{});
       bool const any_rows = Mainloop::mma(params.mainloop, ss.tensors, pipeline_q, pipeline_do, ss.barrier_kv, c.seq,
-                                          tdKrdK, tdVrdV, c.thread_idx, c.n_block, c.head, c.batch);
+                                          tdKrdK, tdVrdV, ss.dq_pair, c.thread_idx, c.n_block, c.head, c.batch);
       if (!any_rows) {
         clear(tdKrdK);
         clear(tdVrdV);

@@ -29,6 +29,9 @@ inline void check_launch(char const* what) {
   }
 }
 
+// dQ pairs with CUFLASH_BWD_DQ_PAIRS=auto (the default): off until measured on the device.
+inline constexpr bool kDqPairsByDefault = false;
+
 template <class Element, int kHeadDim, int kHeadDimV, bool HasWindow, bool HasSoftcap,
           class Variant = variants::NoVariant>
 void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
@@ -186,6 +189,13 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // Grid y holds the column blocks and z the head groups of every batch: both at most 65535.
   bool const heads_inner = heads_wanted && HasWindow && unequal_columns && !params.deterministic &&
                            num_n_blocks <= 65535 && std::int64_t(num_head_groups) * batch <= 65535;
+  // dQ pairs (the sliced hdim256 kernels): clusters of two CTAs on column blocks n, n ^ 1 sum
+  // their dQ partials of the row blocks both visit before the atomics (dq_pairs_sm90.hpp). The
+  // grid's x must then be the column block; deterministic runs keep their dQ order by atomics.
+  BwdDqPairs const pairs_choice = BwdDqPairs(params.dq_pairs);
+  bool const dq_pairs = Mainloop::kSliceDQKV && !params.deterministic && !heads_inner &&
+                        (pairs_choice == BwdDqPairs::kOn || (pairs_choice == BwdDqPairs::kAuto && kDqPairsByDefault));
+  ml.dq_pairs = dq_pairs;
   ml.head_group = heads_inner ? head_group : 0;
   ml.num_head_groups = heads_inner ? num_head_groups : 1;
   ml.cu_seqlens_q = params.cu_seqlens_q;
@@ -229,8 +239,37 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // zero dK / dV, so the main kernel runs whenever there are keys.
   if (num_n_blocks > 0) {
     dim3 const grid = heads_inner ? dim3(head_group, num_n_blocks, num_head_groups * batch)
-                                  : dim3(num_n_blocks, num_heads, batch);
-    kernel<<<grid, Kernel::NumThreads, kSmem, stream>>>(kernel_params);
+                                  : dim3(dq_pairs ? (num_n_blocks + 1) / 2 * 2 : num_n_blocks, num_heads, batch);
+    if (dq_pairs) {
+      // An odd last column block's partner is past the keys and only takes part in the start-up.
+      cudaLaunchConfig_t config{};
+      config.gridDim = grid;
+      config.blockDim = dim3(Kernel::NumThreads);
+      config.dynamicSmemBytes = kSmem;
+      config.stream = stream;
+      cudaLaunchAttribute cluster{};
+      cluster.id = cudaLaunchAttributeClusterDimension;
+      cluster.val.clusterDim.x = 2;
+      cluster.val.clusterDim.y = 1;
+      cluster.val.clusterDim.z = 1;
+      config.attrs = &cluster;
+      config.numAttrs = 1;
+      int max_clusters = 0;
+      err = cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &config);
+      if (err != cudaSuccess || max_clusters == 0) {
+        throw Error(Error::Kind::kCuda, "CUFLASH_BWD_DQ_PAIRS",
+                    std::string("cuflash backward: the device cannot run clusters of two backward CTAs (") +
+                        (err != cudaSuccess ? cudaGetErrorString(err) : "no cluster fits") +
+                        "); set CUFLASH_BWD_DQ_PAIRS=off");
+      }
+      err = cudaLaunchKernelEx(&config, kernel, kernel_params);
+      if (err != cudaSuccess) {
+        throw Error(Error::Kind::kCuda, "", std::string("cuflash backward: launching the backward main kernel in "
+                                                        "clusters of two failed: ") + cudaGetErrorString(err));
+      }
+    } else {
+      kernel<<<grid, Kernel::NumThreads, kSmem, stream>>>(kernel_params);
+    }
     check_launch("the backward main kernel");
   }
 

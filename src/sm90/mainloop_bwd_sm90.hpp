@@ -19,6 +19,7 @@
 
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
 
+#include "sm90/dq_pairs_sm90.hpp"
 #include "sm90/flex_bwd_sm90.hpp"
 #include "sm90/tile_size_bwd_sm90.hpp"
 #include "variants/variant.hpp"
@@ -342,11 +343,6 @@ struct MainloopBwdSm90 {
                          std::conditional_t<kPdSPerThread % 8 == 0, SM90_U16x8_STSM_T, SM90_U16x4_STSM_T>>,
       Element>;
 
-  using PipelineQ = cutlass::PipelineTmaAsync<kStagesQ>;
-  using PipelinedO = cutlass::PipelineTmaAsync<kStagesdO>;
-  using PipelineStateQ = typename PipelineQ::PipelineState;
-  using PipelineStatedO = typename PipelinedO::PipelineState;
-
   static constexpr int kDqChunk = kBlockM * kHeadDim;  // floats per row block in dq_accum
 
   template <class T, int N, int Align>
@@ -377,6 +373,19 @@ struct MainloopBwdSm90 {
   // time: dV_0, dQ_0, dV_1 | dQ_0 atomics | dK_0, dQ_1 | dQ_1 atomics | dK_1.
   static constexpr bool kSliceDQKV = kHeadDim == 256 && kHeadDimV == 256 && NumMmaWG == 2 && dQ_swapAB &&
                                      dKV_swapAB && AtomMdQ == 1 && AtomNdKV == 1 && !Mma_dKV_is_RS && !kDqViaSmem;
+
+  // The sliced kernels may run in clusters of two (dQ pairs, dq_pairs_sm90.hpp), where CUTLASS's
+  // release of a cluster-of-one pipeline would arrive on the other CTA's barrier.
+  using PipelineQ = std::conditional_t<kSliceDQKV, CtaPipelineTmaAsync<kStagesQ>, cutlass::PipelineTmaAsync<kStagesQ>>;
+  using PipelinedO = std::conditional_t<kSliceDQKV, CtaPipelineTmaAsync<kStagesdO>, cutlass::PipelineTmaAsync<kStagesdO>>;
+  using PipelineStateQ = typename PipelineQ::PipelineState;
+  using PipelineStatedO = typename PipelinedO::PipelineState;
+
+  // dQ pairs: each warpgroup receives half of one half slice of its dQ^T per exchange.
+  static constexpr int kDqPairFloats = kSliceDQKV ? kDqChunk / NumMmaWG / 4 : 0;
+  struct NoDqPair {};
+  using DqPairStorage = std::conditional_t<kSliceDQKV, bwd::DqPairStorage<kDqPairFloats, NumMmaWG>, NoDqPair>;
+  using DqPairLink = bwd::DqPairLink<kDqPairFloats, cutlass::NumThreadsPerWarpGroup>;
 
   // --- TMA ---
   using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;  // (rows, d, head, batch)
@@ -422,6 +431,9 @@ struct MainloopBwdSm90 {
     // (dq_rank). The host sets it only when every column block of a head can be resident at
     // once, since a column block then waits on ones launched after it.
     bool dq_rotate;
+    // dQ pairs (sliced kernels, not deterministic): the grid runs in clusters of two CTAs on
+    // column blocks n, n ^ 1 (dq_pairs_sm90.hpp).
+    bool dq_pairs;
     int const* cu_seqlens_q;
     int const* cu_seqlens_k;
     int const* seqused_q;
@@ -486,10 +498,25 @@ struct MainloopBwdSm90 {
                                                      m_block_max, /*narrow=*/!p.deterministic);
     } else {
       int num_m = 0, num_n = 1;
-      int const start = m_block_min < m_block_max && rotated(p, seq, num_m, num_n) ? n_block * num_m / num_n
-                                                                                : m_block_min;
-      return MBlockRange<!HasWindow>::make(m_block_min, m_block_max, start);
+      int start = m_block_min < m_block_max && rotated(p, seq, num_m, num_n) ? n_block * num_m / num_n : m_block_min;
+      if constexpr (kSliceDQKV) {
+        // dQ pairs: the row blocks both CTAs visit first, in the same order, then the CTA's own
+        // (so that the shorter walk of a causal pair ends early rather than waiting).
+        auto const [pair_lo, pair_hi] = dq_pair_rows(p, seq, n_block);
+        if (pair_lo < pair_hi) { start = pair_lo; }
+      }
+      return MBlockRange<!HasWindow || kSliceDQKV>::make(m_block_min, m_block_max, start);
     }
+  }
+
+  // dQ pairs: the row blocks [lo, hi) that column block n_block and its partner n_block ^ 1 both
+  // visit (empty without pairs, or when either has no rows).
+  CUTE_DEVICE static cute::tuple<int, int> dq_pair_rows(Params const& p, BwdSeqlen const& seq, int n_block) {
+    if (!kSliceDQKV || !p.dq_pairs) { return {0, 0}; }
+    auto const [lo, hi] = m_block_range<kBlockM, kBlockN, HasWindow>(seq, n_block, p.window_left, p.window_right);
+    auto const [partner_lo, partner_hi] =
+        m_block_range<kBlockM, kBlockN, HasWindow>(seq, n_block ^ 1, p.window_left, p.window_right);
+    return {cute::max(lo, partner_lo), cute::min(hi, partner_hi)};
   }
 
   // Deterministic dQ: the place of column block n_block among the contributors to row block
@@ -646,7 +673,8 @@ struct MainloopBwdSm90 {
   template <class FragdK, class FragdV>
   CUTE_DEVICE static bool mma(Params const& p, TensorStorage& smem, PipelineQ pipeline_q, PipelinedO pipeline_do,
                               cutlass::arch::ClusterTransactionBarrier& barrier_kv, BwdSeqlen const& seq,
-                              FragdK& tdKrdK, FragdV& tdVrdV, int thread_idx, int n_block, int head, int batch) {
+                              FragdK& tdKrdK, FragdV& tdVrdV, DqPairStorage& pair_storage, int thread_idx,
+                              int n_block, int head, int batch) {
     auto walk = make_walk(p, seq, n_block, head, batch);
     if (!walk.valid()) { return false; }
 
@@ -712,6 +740,17 @@ struct MainloopBwdSm90 {
 
     float* dq_accum = p.dq_accum + (int64_t(head) * p.q_rows_padded + seq.offset_q_padded) * kHeadDim;
     int* dq_semaphore = p.dq_semaphore + (int64_t(batch) * p.num_heads + head) * p.num_m_blocks;
+
+    // dQ pairs (kSliceDQKV): the exchange with the partner CTA, on column block n_block ^ 1 (the
+    // cluster's x is the column block, so the rank in the pair is its parity).
+    // The walk takes the shared row blocks first: `paired_steps` counts those left.
+    int paired_steps = 0;
+    DqPairLink pair_link{};
+    if constexpr (kSliceDQKV) {
+      auto const [pair_lo, pair_hi] = dq_pair_rows(p, seq, n_block);
+      paired_steps = cute::max(pair_hi - pair_lo, 0);
+      pair_link = DqPairLink::make(pair_storage, wg_idx, uint32_t(n_block & 1) ^ 1u);
+    }
 
     // Column masking: key columns past seqlen_k always; the window band when HasWindow.
     int const col_limit = seq.seqlen_k - n_block * kBlockN - col_base;  // in col_offset terms
@@ -942,6 +981,31 @@ struct MainloopBwdSm90 {
         Tensor tdKrdS_all = mma_operand_fragment<!dKV_swapAB>(wg_mma_dK, sdSt);
         Tensor tdKrdS = tdKrdS_all(_, _, _, stage_ds);
         Tensor tdKrQ_cur = tdKrQ(_, _, _, stage_q);
+        // dQ^T slice h out: on a row block the partner CTA visits too, the sum of both CTAs'
+        // halves [h * H + r * H / 2, ...) by this CTA (rank r) after the exchange, else all of it.
+        bool const paired_row = paired_steps > 0;
+        --paired_steps;
+        auto dq_out = [&](auto slice) {
+          constexpr int kH = kDqVecs / 2;
+          constexpr int kBegin = decltype(slice)::value * kH;
+          if (!paired_row) {
+            dq_atomics(Int<kBegin>{}, Int<kBegin + kH>{});
+          } else {
+            auto add = [&](int i, float4 v) {
+              tdQrdQ(4 * i) += v.x;
+              tdQrdQ(4 * i + 1) += v.y;
+              tdQrdQ(4 * i + 2) += v.z;
+              tdQrdQ(4 * i + 3) += v.w;
+            };
+            if (pair_link.partner == 1) {
+              pair_link.template exchange<kBegin + kH / 2, kBegin>(thread_in_wg, dq_vec, add);
+              dq_atomics(Int<kBegin>{}, Int<kBegin + kH / 2>{});
+            } else {
+              pair_link.template exchange<kBegin, kBegin + kH / 2>(thread_in_wg, dq_vec, add);
+              dq_atomics(Int<kBegin + kH / 2>{}, Int<kBegin + kH>{});
+            }
+          }
+        };
         // dV_0 += P^T dO (first half)
         wgmma_gemm_m_slice<false, -1, dKV_swapAB, 0, 2>(tiled_mma_dV, tdVrP, tdVrdO_cur, tdVrdV);
         // dS visible to every warpgroup before dQ = dS K.
@@ -951,12 +1015,12 @@ struct MainloopBwdSm90 {
         // dV_1; waiting for all but it completes dV_0 and dQ_0.
         wgmma_gemm_m_slice<false, 1, dKV_swapAB, 1, 2>(tiled_mma_dV, tdVrP, tdVrdO_cur, tdVrdV);
         dq_atomics_wait();
-        dq_atomics(Int<0>{}, Int<kDqVecs / 2>{});
+        dq_out(Int<0>{});
         // dK_0 += dS^T Q; waiting for all but it completes dV_1 (the dV MMA is done with dO).
         wgmma_gemm_m_slice<false, 1, dKV_swapAB, 0, 2>(tiled_mma_dK, tdKrdS, tdKrQ_cur, tdKrdK);
         pipeline_do.consumer_release(read_do);
         wgmma_gemm_m_slice<true, 0, dQ_swapAB, 1, 2>(tiled_mma_dQ, tdQrdS_cur, tdQrK, tdQrdQ);
-        dq_atomics(Int<kDqVecs / 2>{}, Int<kDqVecs>{});
+        dq_out(Int<1>{});
         dq_atomics_release();
         wgmma_gemm_m_slice<false, -1, dKV_swapAB, 1, 2>(tiled_mma_dK, tdKrdS, tdKrQ_cur, tdKrdK);
       } else {
@@ -1006,6 +1070,7 @@ struct MainloopBwdSm90 {
       ++read_q;
       ++read_do;
     }
+    if constexpr (kSliceDQKV) { pair_link.drain(); }
     return true;
   }
 };

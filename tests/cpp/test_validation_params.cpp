@@ -361,6 +361,17 @@ TEST(ParamsBackward, LaunchOrderChoice) {
   }
 }
 
+TEST(ParamsBackward, DqPairsChoice) {
+  EXPECT_EQ(parse_bwd_dq_pairs(nullptr), BwdDqPairs::kAuto);
+  EXPECT_EQ(parse_bwd_dq_pairs(""), BwdDqPairs::kAuto);
+  EXPECT_EQ(parse_bwd_dq_pairs("auto"), BwdDqPairs::kAuto);
+  EXPECT_EQ(parse_bwd_dq_pairs("on"), BwdDqPairs::kOn);
+  EXPECT_EQ(parse_bwd_dq_pairs("off"), BwdDqPairs::kOff);
+  for (const char* bad : {"1", "yes", "On", "pairs"}) {
+    expect_setting_refused(parse_bwd_dq_pairs, bad, "CUFLASH_BWD_DQ_PAIRS");
+  }
+}
+
 TEST(ParamsForward, NarrowTileCostModel) {
   using sm90::fwd_narrow_tile_pays;
   // Non-causal: 192-row tiles pad 512 and 1024 rows by an eighth, which costs less than the

@@ -1,0 +1,165 @@
+// dQ pairs of the sliced hdim256 backward: two CTAs of a cluster on adjacent column blocks
+// (n, n ^ 1) sum their dQ partials of the row blocks both visit through distributed shared
+// memory, so that only one of them adds each value to the fp32 accumulator in global memory.
+// The atomics are the hdim256 backward's bottleneck (bench/NOTES.md, "the dQ atomics are the
+// bottleneck"): a pair halves them.
+//
+// Per exchange (one half slice of dQ^T of one warpgroup: 64 head dims x 64 rows, 16 KB) the
+// warpgroups of the same index in the two CTAs split the slice: CTA r keeps half r. Each stores
+// the other half into the partner's 8 KB buffer with st.async, which counts the bytes on the
+// partner's `full` transaction barrier; then waits on its own `full` for the partner's half,
+// adds it to its own, frees its buffer by arriving on the partner's `empty` barrier (one arrive
+// per warp) and issues the atomics of its half of the sum.
+#pragma once
+
+#include <cute/arch/cluster_sm90.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/pipeline/pipeline.hpp>
+#include <cutlass/version.h>
+
+#include <cstddef>
+
+namespace cuflash::sm90::bwd {
+
+// The release below replaces PipelineTmaAsync's, whose cluster-of-one form arrives on cluster
+// rank 0's barrier (written for launches without clusters).
+static_assert(CUTLASS_MAJOR > 4 || (CUTLASS_MAJOR == 4 && CUTLASS_MINOR >= 2),
+              "CtaPipelineTmaAsync assumes the CUTLASS 4.2 PipelineTmaAsync");
+
+// PipelineTmaAsync for a CTA whose producer and consumers are all its own, also when the kernel
+// runs in clusters: consumers release the CTA's own empty barrier.
+template <int Stages>
+class CtaPipelineTmaAsync : public cutlass::PipelineTmaAsync<Stages> {
+  using Base = cutlass::PipelineTmaAsync<Stages>;
+
+ public:
+  using typename Base::PipelineState;
+  using typename Base::SharedStorage;
+  template <class ClusterShape>
+  CUTLASS_DEVICE CtaPipelineTmaAsync(SharedStorage& storage, typename Base::Params params, ClusterShape cluster_shape)
+      : Base(storage, params, cluster_shape), empty_(&storage.empty_barrier_[0]) {}
+
+  CUTLASS_DEVICE void consumer_release(PipelineState state) { empty_[state.index()].arrive(); }
+
+ private:
+  typename Base::EmptyBarrier* empty_;
+};
+
+// The same shared-memory address in CTA `rank` of the cluster (a shared::cluster address).
+CUTE_DEVICE uint32_t cluster_smem_address(uint32_t local, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(rank));
+  return remote;
+}
+
+// 16 bytes into another CTA's shared memory, counted on that CTA's transaction barrier.
+CUTE_DEVICE void st_async_f32x4(uint32_t remote_addr, float4 v, uint32_t remote_barrier) {
+  asm volatile(
+      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(remote_addr),
+      "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(remote_barrier)
+      : "memory");
+}
+
+// Arrive on another CTA's barrier, ordering this thread's (and, cumulatively, its warp's
+// synchronized) shared-memory reads before the partner's next writes.
+CUTE_DEVICE void remote_arrive_release(uint32_t remote_barrier) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote_barrier) : "memory");
+}
+
+// Wait for the phase of `parity` of a local barrier that other CTAs of the cluster complete.
+CUTE_DEVICE void wait_cluster_phase(uint32_t barrier, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n"
+      "}\n" ::"r"(barrier),
+      "r"(parity)
+      : "memory");
+}
+
+// The pair's shared state in each CTA, per MMA warpgroup: the buffer the partner's warpgroup of
+// the same index writes, and the two barriers.
+template <int kFloats>
+struct DqPairSlot {
+  alignas(128) float buffer[kFloats];
+  uint64_t full;   // partner's st.async bytes (+1 arrive with the expected bytes)
+  uint64_t empty;  // partner's warps have read this CTA's last send
+};
+template <int kFloats, int kWarpgroups>
+struct DqPairStorage {
+  DqPairSlot<kFloats> slot[kWarpgroups];
+};
+
+// One warpgroup's side of the exchange with the partner's warpgroup of the same index (same head
+// dims of dQ^T). Each exchange sends one half of the values and receives the other, so that both
+// CTAs send, receive and issue atomics alike. `exchanges` counts the exchanges so far; the
+// warpgroup is the only user of its barriers, and both CTAs of a pair exchange the same row
+// blocks in the same order, so it gives both barriers' phases.
+template <int kFloats, int kThreads>
+struct DqPairLink {
+  static constexpr int kVecs = kFloats / kThreads / 4;  // float4 per thread and direction
+  static constexpr int kWarps = kThreads / 32;
+  static_assert(kFloats % (kThreads * 4) == 0);
+
+  // The warpgroup's slot as a 32-bit shared-memory address; its barriers at fixed offsets (few
+  // live registers in the mainloop).
+  uint32_t slot;
+  uint32_t partner;  // the partner's cluster rank
+  int exchanges;
+  static constexpr uint32_t kFull = offsetof(DqPairSlot<kFloats>, full);
+  static constexpr uint32_t kEmpty = offsetof(DqPairSlot<kFloats>, empty);
+
+  template <int kWarpgroups>
+  CUTE_DEVICE static void init(DqPairStorage<kFloats, kWarpgroups>& s) {
+    for (int wg = 0; wg < kWarpgroups; ++wg) {
+      cutlass::arch::ClusterTransactionBarrier::init(&s.slot[wg].full, 1);
+      cutlass::arch::ClusterBarrier::init(&s.slot[wg].empty, kWarps);
+    }
+  }
+
+  template <int kWarpgroups>
+  CUTE_DEVICE static DqPairLink make(DqPairStorage<kFloats, kWarpgroups>& s, int wg, uint32_t partner) {
+    return {cute::cast_smem_ptr_to_uint(&s.slot[wg]), partner, 0};
+  }
+
+  // Send `vec(i)` for i in [begin, begin + kVecs) (float4 per thread) into the partner's buffer
+  // once the partner has read the previous send; then wait for the partner's values and add them
+  // with `add(i, value)` for i in [recv_begin, recv_begin + kVecs), and free this buffer.
+  template <int kSendBegin, int kRecvBegin, class Vec, class Add>
+  CUTE_DEVICE void exchange(int thread_in_wg, Vec const& vec, Add&& add) {
+    wait_cluster_phase(slot + kEmpty, uint32_t((exchanges & 1) ^ 1));
+    uint32_t const remote_buffer = cluster_smem_address(slot, partner);
+    uint32_t const remote_full = remote_buffer + kFull;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kVecs; ++i) {
+      st_async_f32x4(remote_buffer + uint32_t((i * kThreads + thread_in_wg) * 16), vec(kSendBegin + i), remote_full);
+    }
+    if (thread_in_wg == 0) {
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(slot + kFull), "r"(uint32_t(kFloats * 4))
+                   : "memory");
+    }
+    wait_cluster_phase(slot + kFull, uint32_t(exchanges & 1));
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kVecs; ++i) {
+      float4 v;
+      asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                   : "r"(slot + uint32_t((i * kThreads + thread_in_wg) * 16))
+                   : "memory");
+      add(kRecvBegin + i, v);
+    }
+    __syncwarp();
+    if (thread_in_wg % 32 == 0) { remote_arrive_release(remote_buffer + kEmpty); }
+    ++exchanges;
+  }
+
+  // Before the CTA exits: the partner's last arrive on this CTA's barrier has landed (no access
+  // to this CTA's shared memory is left in flight).
+  CUTE_DEVICE void drain() const {
+    if (exchanges > 0) { wait_cluster_phase(slot + kEmpty, uint32_t((exchanges & 1) ^ 1)); }
+  }
+};
+
+}  // namespace cuflash::sm90::bwd
