@@ -124,18 +124,23 @@ struct DqPairLink {
     return {cute::cast_smem_ptr_to_uint(&s.slot[wg]), partner, 0};
   }
 
-  // Send `vec(i)` for i in [begin, begin + kVecs) (float4 per thread) into the partner's buffer
-  // once the partner has read the previous send; then wait for the partner's values and add them
-  // with `add(i, value)` for i in [recv_begin, recv_begin + kVecs), and free this buffer.
-  template <int kSendBegin, int kRecvBegin, class Vec, class Add>
-  CUTE_DEVICE void exchange(int thread_in_wg, Vec const& vec, Add&& add) {
+  // Send `vec(i)` for i in [kBegin, kBegin + kVecs) (float4 per thread) into the partner's
+  // buffer once the partner has read the previous send.
+  template <int kBegin, class Vec>
+  CUTE_DEVICE void send(int thread_in_wg, Vec const& vec) const {
     wait_cluster_phase(slot + kEmpty, uint32_t((exchanges & 1) ^ 1));
     uint32_t const remote_buffer = cluster_smem_address(slot, partner);
-    uint32_t const remote_full = remote_buffer + kFull;
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kVecs; ++i) {
-      st_async_f32x4(remote_buffer + uint32_t((i * kThreads + thread_in_wg) * 16), vec(kSendBegin + i), remote_full);
+      st_async_f32x4(remote_buffer + uint32_t((i * kThreads + thread_in_wg) * 16), vec(kBegin + i), remote_buffer + kFull);
     }
+  }
+
+  // Wait for the partner's send of this exchange, add it with `add(i, value)` for i in
+  // [kBegin, kBegin + kVecs), and free the buffer. Called after send(), as late as the caller
+  // can: the wait is on the partner reaching the same point.
+  template <int kBegin, class Add>
+  CUTE_DEVICE void receive(int thread_in_wg, Add&& add) {
     if (thread_in_wg == 0) {
       asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(slot + kFull), "r"(uint32_t(kFloats * 4))
                    : "memory");
@@ -148,10 +153,10 @@ struct DqPairLink {
                    : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
                    : "r"(slot + uint32_t((i * kThreads + thread_in_wg) * 16))
                    : "memory");
-      add(kRecvBegin + i, v);
+      add(kBegin + i, v);
     }
     __syncwarp();
-    if (thread_in_wg % 32 == 0) { remote_arrive_release(remote_buffer + kEmpty); }
+    if (thread_in_wg % 32 == 0) { remote_arrive_release(cluster_smem_address(slot, partner) + kEmpty); }
     ++exchanges;
   }
 

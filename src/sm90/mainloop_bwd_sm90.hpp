@@ -982,26 +982,36 @@ struct MainloopBwdSm90 {
         Tensor tdKrdS = tdKrdS_all(_, _, _, stage_ds);
         Tensor tdKrQ_cur = tdKrQ(_, _, _, stage_q);
         // dQ^T slice h out: on a row block the partner CTA visits too, the sum of both CTAs'
-        // halves [h * H + r * H / 2, ...) by this CTA (rank r) after the exchange, else all of it.
+        // halves [h * H + r * H / 2, ...) by this CTA (rank r): its other half is sent before the
+        // next MMA is issued, and the partner's half received (with the atomics) while it runs;
+        // else all of it by atomics.
         bool const paired_row = paired_steps > 0;
         --paired_steps;
-        auto dq_out = [&](auto slice) {
-          constexpr int kH = kDqVecs / 2;
+        constexpr int kH = kDqVecs / 2;
+        auto dq_send = [&](auto slice) {
           constexpr int kBegin = decltype(slice)::value * kH;
           if (!paired_row) {
             dq_atomics(Int<kBegin>{}, Int<kBegin + kH>{});
+          } else if (pair_link.partner == 1) {
+            pair_link.template send<kBegin + kH / 2>(thread_in_wg, dq_vec);
           } else {
-            auto add = [&](int i, float4 v) {
-              tdQrdQ(4 * i) += v.x;
-              tdQrdQ(4 * i + 1) += v.y;
-              tdQrdQ(4 * i + 2) += v.z;
-              tdQrdQ(4 * i + 3) += v.w;
-            };
+            pair_link.template send<kBegin>(thread_in_wg, dq_vec);
+          }
+        };
+        auto dq_receive = [&](auto slice) {
+          constexpr int kBegin = decltype(slice)::value * kH;
+          auto add = [&](int i, float4 v) {
+            tdQrdQ(4 * i) += v.x;
+            tdQrdQ(4 * i + 1) += v.y;
+            tdQrdQ(4 * i + 2) += v.z;
+            tdQrdQ(4 * i + 3) += v.w;
+          };
+          if (paired_row) {
             if (pair_link.partner == 1) {
-              pair_link.template exchange<kBegin + kH / 2, kBegin>(thread_in_wg, dq_vec, add);
+              pair_link.template receive<kBegin>(thread_in_wg, add);
               dq_atomics(Int<kBegin>{}, Int<kBegin + kH / 2>{});
             } else {
-              pair_link.template exchange<kBegin, kBegin + kH / 2>(thread_in_wg, dq_vec, add);
+              pair_link.template receive<kBegin + kH / 2>(thread_in_wg, add);
               dq_atomics(Int<kBegin + kH / 2>{}, Int<kBegin + kH>{});
             }
           }
@@ -1015,14 +1025,17 @@ struct MainloopBwdSm90 {
         // dV_1; waiting for all but it completes dV_0 and dQ_0.
         wgmma_gemm_m_slice<false, 1, dKV_swapAB, 1, 2>(tiled_mma_dV, tdVrP, tdVrdO_cur, tdVrdV);
         dq_atomics_wait();
-        dq_out(Int<0>{});
+        dq_send(Int<0>{});
         // dK_0 += dS^T Q; waiting for all but it completes dV_1 (the dV MMA is done with dO).
-        wgmma_gemm_m_slice<false, 1, dKV_swapAB, 0, 2>(tiled_mma_dK, tdKrdS, tdKrQ_cur, tdKrdK);
+        wgmma_gemm_m_slice<false, -1, dKV_swapAB, 0, 2>(tiled_mma_dK, tdKrdS, tdKrQ_cur, tdKrdK);
+        dq_receive(Int<0>{});
+        warpgroup_wait<1>();
         pipeline_do.consumer_release(read_do);
         wgmma_gemm_m_slice<true, 0, dQ_swapAB, 1, 2>(tiled_mma_dQ, tdQrdS_cur, tdQrK, tdQrdQ);
-        dq_out(Int<1>{});
+        dq_send(Int<1>{});
         dq_atomics_release();
         wgmma_gemm_m_slice<false, -1, dKV_swapAB, 1, 2>(tiled_mma_dK, tdKrdS, tdKrQ_cur, tdKrdK);
+        dq_receive(Int<1>{});
       } else {
         // dV += P^T dO
         if constexpr (Mma_dKV_is_RS) {
