@@ -60,19 +60,21 @@ CUTE_DEVICE void st_async_f32x4(uint32_t remote_addr, float4 v, uint32_t remote_
       : "memory");
 }
 
-// Arrive on another CTA's barrier, ordering this thread's (and, cumulatively, its warp's
-// synchronized) shared-memory reads before the partner's next writes.
-CUTE_DEVICE void remote_arrive_release(uint32_t remote_barrier) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote_barrier) : "memory");
+// Arrive on another CTA's barrier (after this warp's reads of the buffer it frees). The default
+// semantics (release at CTA scope), as CUTLASS's pipelines release a multicast stage to other
+// CTAs: a cluster-scope release would wait for this thread's earlier dQ atomics to reach L2.
+CUTE_DEVICE void remote_arrive(uint32_t remote_barrier) {
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote_barrier) : "memory");
 }
 
-// Wait for the phase of `parity` of a local barrier that other CTAs of the cluster complete.
+// Wait for the phase of `parity` of a local barrier that the partner CTA completes (default
+// semantics, as CUTLASS waits for TMA multicast stages written by other CTAs).
 CUTE_DEVICE void wait_cluster_phase(uint32_t barrier, uint32_t parity) {
   asm volatile(
       "{\n"
       ".reg .pred done;\n"
       "WAIT:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
       "@!done bra WAIT;\n"
       "}\n" ::"r"(barrier),
       "r"(parity)
@@ -156,7 +158,7 @@ struct DqPairLink {
       add(kBegin + i, v);
     }
     __syncwarp();
-    if (thread_in_wg % 32 == 0) { remote_arrive_release(cluster_smem_address(slot, partner) + kEmpty); }
+    if (thread_in_wg % 32 == 0) { remote_arrive(cluster_smem_address(slot, partner) + kEmpty); }
     ++exchanges;
   }
 
