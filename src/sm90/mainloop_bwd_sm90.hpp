@@ -1033,9 +1033,10 @@ struct MainloopBwdSm90 {
         pipeline_do.consumer_release(read_do);
         wgmma_gemm_m_slice<true, 0, dQ_swapAB, 1, 2>(tiled_mma_dQ, tdQrdS_cur, tdQrK, tdQrdQ);
         dq_send(Int<1>{});
-        dq_atomics_release();
         wgmma_gemm_m_slice<false, -1, dKV_swapAB, 1, 2>(tiled_mma_dK, tdKrdS, tdKrQ_cur, tdKrdK);
         dq_receive(Int<1>{});
+        // Deterministic: the release waits for the atomics to land, while dK_1 runs.
+        dq_atomics_release();
       } else {
         // dV += P^T dO
         if constexpr (Mma_dKV_is_RS) {
