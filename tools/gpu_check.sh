@@ -45,6 +45,13 @@ pkg=/tmp/cuflash_pkg
 make_pkg() { rm -rf "$pkg" && mkdir -p "$pkg" && cp -r "$ROOT/python/cuflash" "$pkg/" && cp "$BUILD"/python/_C*.so "$pkg/cuflash/"; }
 
 note "gpu_check $(date -u +%FT%TZ) kernel_set=$KERNEL_SET hdims=$HDIMS dtypes=$DTYPES steps=$STEPS"
+# The second passes' settings are VAR=value lists: checked before the build, so that a typo
+# costs no device time.
+for list_name in TEST_ENV_B BENCH_ENV_B BENCH_BWD_ENV_B; do
+  for setting in ${!list_name:-}; do
+    [[ $setting =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] || { note "$list_name: '$setting' is not VAR=value"; exit 2; }
+  done
+done
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader 2>&1 | tee -a "$SUMMARY"
 
 if has_step build; then
@@ -196,9 +203,6 @@ if has_step bench_bwd; then
   [[ $rc -eq 124 ]] && note "bench_bwd: timed out after $BENCH_BWD_TIMEOUT s (what it measured is in bwd_sm90.json)"
   skipped=$(grep -c '"skipped": "' "$OUT/bwd_sm90.json" 2>/dev/null || true)
   note "bench_bwd: rc=$rc in $(( $(date +%s) - start )) s; skipped records: ${skipped:-no bwd_sm90.json}"
-  for setting in ${BENCH_BWD_ENV_B:-}; do
-    [[ $setting =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] || { note "BENCH_BWD_ENV_B: '$setting' is not VAR=value"; exit 2; }
-  done
   if [[ -n ${BENCH_BWD_ARGS_B:-}${BENCH_BWD_ENV_B:-} ]]; then
     # A second pass with other arguments (e.g. --softcap 30) and/or under extra environment (an
     # A/B of a launch-time switch), tagged _b.
