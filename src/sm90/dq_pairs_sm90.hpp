@@ -1,8 +1,8 @@
 // dQ pairs of the sliced hdim256 backward: two CTAs of a cluster on adjacent column blocks
 // (n, n ^ 1) sum their dQ partials of the row blocks both visit through distributed shared
-// memory, so that only one of them adds each value to the fp32 accumulator in global memory.
-// The atomics are the hdim256 backward's bottleneck (bench/NOTES.md, "the dQ atomics are the
-// bottleneck"): a pair halves them.
+// memory, so that only one of them adds each value to the fp32 accumulator in global memory:
+// half the dQ atomics. Measured on the H200 within -3..+3% of the unpaired kernel, so off by
+// default (bench/NOTES.md, "dQ pairs for the hdim256 backward").
 //
 // Per exchange (one half slice of dQ^T of one warpgroup: 64 head dims x 64 rows, 16 KB) the
 // warpgroups of the same index in the two CTAs split the slice: CTA r keeps half r. Each stores
@@ -24,7 +24,7 @@ namespace cuflash::sm90::bwd {
 // The release below replaces PipelineTmaAsync's, whose cluster-of-one form arrives on cluster
 // rank 0's barrier (written for launches without clusters).
 static_assert(CUTLASS_MAJOR > 4 || (CUTLASS_MAJOR == 4 && CUTLASS_MINOR >= 2),
-              "CtaPipelineTmaAsync assumes the CUTLASS 4.2 PipelineTmaAsync");
+              "CtaPipelineTmaAsync needs CUTLASS 4.2 or later (PipelineTmaAsync's storage layout)");
 
 // PipelineTmaAsync for a CTA whose producer and consumers are all its own, also when the kernel
 // runs in clusters: consumers release the CTA's own empty barrier.
@@ -60,21 +60,25 @@ CUTE_DEVICE void st_async_f32x4(uint32_t remote_addr, float4 v, uint32_t remote_
       : "memory");
 }
 
-// Arrive on another CTA's barrier (after this warp's reads of the buffer it frees). The default
-// semantics (release at CTA scope), as CUTLASS's pipelines release a multicast stage to other
-// CTAs: a cluster-scope release would wait for this thread's earlier dQ atomics to reach L2.
+// Arrive on another CTA's barrier after this warp's reads of the buffer it frees, with the
+// default semantics (release at CTA scope), as CUTLASS's pipelines release a multicast stage to
+// the CTAs that write it. The release orders the warp's reads (of this CTA's own shared memory,
+// made cumulative by __syncwarp) before the arrive, and the partner writes only after seeing the
+// arrive; the PTX memory model's letter would want release.cluster, which measured 15% slower
+// (a cluster-scope release also waits for this thread's earlier dQ atomics to reach L2).
 CUTE_DEVICE void remote_arrive(uint32_t remote_barrier) {
   asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote_barrier) : "memory");
 }
 
-// Wait for the phase of `parity` of a local barrier that the partner CTA completes (default
-// semantics, as CUTLASS waits for TMA multicast stages written by other CTAs).
-CUTE_DEVICE void wait_cluster_phase(uint32_t barrier, uint32_t parity) {
+// Wait for the phase of `parity` of a local barrier that the partner CTA completes: acquire at
+// cluster scope, pairing with st.async's complete-tx (a release at cluster scope) and ordering
+// the reads of the partner's values after it. An acquire waits for nothing this thread issued.
+CUTE_DEVICE void wait_partner_phase(uint32_t barrier, uint32_t parity) {
   asm volatile(
       "{\n"
       ".reg .pred done;\n"
       "WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
       "@!done bra WAIT;\n"
       "}\n" ::"r"(barrier),
       "r"(parity)
@@ -96,9 +100,10 @@ struct DqPairStorage {
 
 // One warpgroup's side of the exchange with the partner's warpgroup of the same index (same head
 // dims of dQ^T). Each exchange sends one half of the values and receives the other, so that both
-// CTAs send, receive and issue atomics alike. `exchanges` counts the exchanges so far; the
-// warpgroup is the only user of its barriers, and both CTAs of a pair exchange the same row
-// blocks in the same order, so it gives both barriers' phases.
+// CTAs send, receive and issue atomics alike. `exchanges` counts the exchanges so far; in this
+// CTA only this warpgroup uses its slot (the partner's warpgroup of the same index completes its
+// barriers), and both CTAs of a pair exchange the same row blocks in the same order, so the
+// count gives both barriers' phases.
 template <int kFloats, int kThreads>
 struct DqPairLink {
   static constexpr int kVecs = kFloats / kThreads / 4;  // float4 per thread and direction
@@ -108,7 +113,7 @@ struct DqPairLink {
   // The warpgroup's slot as a 32-bit shared-memory address; its barriers at fixed offsets (few
   // live registers in the mainloop).
   uint32_t slot;
-  uint32_t partner;  // the partner's cluster rank
+  uint32_t partner;  // the partner's cluster rank (this CTA's ^ 1)
   int exchanges;
   static constexpr uint32_t kFull = offsetof(DqPairSlot<kFloats>, full);
   static constexpr uint32_t kEmpty = offsetof(DqPairSlot<kFloats>, empty);
@@ -122,15 +127,17 @@ struct DqPairLink {
   }
 
   template <int kWarpgroups>
-  CUTE_DEVICE static DqPairLink make(DqPairStorage<kFloats, kWarpgroups>& s, int wg, uint32_t partner) {
-    return {cute::cast_smem_ptr_to_uint(&s.slot[wg]), partner, 0};
+  CUTE_DEVICE static DqPairLink make(DqPairStorage<kFloats, kWarpgroups>& s, int wg) {
+    return {cute::cast_smem_ptr_to_uint(&s.slot[wg]), cute::block_rank_in_cluster() ^ 1u, 0};
   }
+  // Rank 0 keeps the first half of each exchanged slice, rank 1 the second.
+  CUTE_DEVICE bool is_rank0() const { return partner == 1; }
 
   // Send `vec(i)` for i in [kBegin, kBegin + kVecs) (float4 per thread) into the partner's
   // buffer once the partner has read the previous send.
   template <int kBegin, class Vec>
   CUTE_DEVICE void send(int thread_in_wg, Vec const& vec) const {
-    wait_cluster_phase(slot + kEmpty, uint32_t((exchanges & 1) ^ 1));
+    wait_partner_phase(slot + kEmpty, uint32_t((exchanges & 1) ^ 1));
     uint32_t const remote_buffer = cluster_smem_address(slot, partner);
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kVecs; ++i) {
@@ -147,7 +154,7 @@ struct DqPairLink {
       asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(slot + kFull), "r"(uint32_t(kFloats * 4))
                    : "memory");
     }
-    wait_cluster_phase(slot + kFull, uint32_t(exchanges & 1));
+    wait_partner_phase(slot + kFull, uint32_t(exchanges & 1));
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kVecs; ++i) {
       float4 v;
@@ -165,7 +172,7 @@ struct DqPairLink {
   // Before the CTA exits: the partner's last arrive on this CTA's barrier has landed (no access
   // to this CTA's shared memory is left in flight).
   CUTE_DEVICE void drain() const {
-    if (exchanges > 0) { wait_cluster_phase(slot + kEmpty, uint32_t((exchanges & 1) ^ 1)); }
+    if (exchanges > 0) { wait_partner_phase(slot + kEmpty, uint32_t((exchanges & 1) ^ 1)); }
   }
 };
 

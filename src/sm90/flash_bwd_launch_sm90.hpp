@@ -255,16 +255,23 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
       cluster.val.clusterDim.z = 1;
       config.attrs = &cluster;
       config.numAttrs = 1;
-      int max_clusters = 0;
-      err = cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &config);
-      if (err != cudaSuccess || max_clusters == 0) {
-        throw Error(Error::Kind::kCuda, "CUFLASH_BWD_DQ_PAIRS",
-                    std::string("cuflash backward: the device cannot run clusters of two backward CTAs (") +
-                        (err != cudaSuccess ? cudaGetErrorString(err) : "no cluster fits") +
-                        "); set CUFLASH_BWD_DQ_PAIRS=off");
+      // Whether two of these CTAs fit side by side in one GPC (asked once per kernel).
+      static int const max_clusters = [&] {
+        int n = 0;
+        if (cudaOccupancyMaxActiveClusters(&n, kernel, &config) != cudaSuccess) {
+          (void)cudaGetLastError();
+          return 0;
+        }
+        return n;
+      }();
+      if (max_clusters == 0) {
+        throw Error(Error::Kind::kNotSupported, "CUFLASH_BWD_DQ_PAIRS",
+                    "cuflash backward: the device cannot run clusters of two backward CTAs of " + std::to_string(kSmem) +
+                        " bytes of shared memory; set CUFLASH_BWD_DQ_PAIRS=off");
       }
       err = cudaLaunchKernelEx(&config, kernel, kernel_params);
       if (err != cudaSuccess) {
+        (void)cudaGetLastError();
         throw Error(Error::Kind::kCuda, "", std::string("cuflash backward: launching the backward main kernel in "
                                                         "clusters of two failed: ") + cudaGetErrorString(err));
       }

@@ -512,7 +512,9 @@ struct MainloopBwdSm90 {
   // dQ pairs: the row blocks [lo, hi) that column block n_block and its partner n_block ^ 1 both
   // visit (empty without pairs, or when either has no rows).
   CUTE_DEVICE static cute::tuple<int, int> dq_pair_rows(Params const& p, BwdSeqlen const& seq, int n_block) {
-    if (!kSliceDQKV || !p.dq_pairs) { return {0, 0}; }
+    // A partner past the batch's keys returned before its mainloop (even if seqused_k claims
+    // more keys than the sequence has).
+    if (!kSliceDQKV || !p.dq_pairs || (n_block ^ 1) * kBlockN >= seq.capacity_k) { return {0, 0}; }
     auto const [lo, hi] = m_block_range<kBlockM, kBlockN, HasWindow>(seq, n_block, p.window_left, p.window_right);
     auto const [partner_lo, partner_hi] =
         m_block_range<kBlockM, kBlockN, HasWindow>(seq, n_block ^ 1, p.window_left, p.window_right);
@@ -742,14 +744,15 @@ struct MainloopBwdSm90 {
     int* dq_semaphore = p.dq_semaphore + (int64_t(batch) * p.num_heads + head) * p.num_m_blocks;
 
     // dQ pairs (kSliceDQKV): the exchange with the partner CTA, on column block n_block ^ 1 (the
-    // cluster's x is the column block, so the rank in the pair is its parity).
+    // cluster's x is the column block, so the pair's rank is its parity; the launcher keeps the
+    // grid's x the column block whenever pairs are on).
     // The walk takes the shared row blocks first: `paired_steps` counts those left.
     int paired_steps = 0;
     DqPairLink pair_link{};
     if constexpr (kSliceDQKV) {
       auto const [pair_lo, pair_hi] = dq_pair_rows(p, seq, n_block);
       paired_steps = cute::max(pair_hi - pair_lo, 0);
-      pair_link = DqPairLink::make(pair_storage, wg_idx, uint32_t(n_block & 1) ^ 1u);
+      pair_link = DqPairLink::make(pair_storage, wg_idx);
     }
 
     // Column masking: key columns past seqlen_k always; the window band when HasWindow.
@@ -988,11 +991,12 @@ struct MainloopBwdSm90 {
         bool const paired_row = paired_steps > 0;
         --paired_steps;
         constexpr int kH = kDqVecs / 2;
+        static_assert(!kSliceDQKV || DqPairLink::kVecs == kH / 2, "an exchange moves half of a dQ^T half slice");
         auto dq_send = [&](auto slice) {
           constexpr int kBegin = decltype(slice)::value * kH;
           if (!paired_row) {
             dq_atomics(Int<kBegin>{}, Int<kBegin + kH>{});
-          } else if (pair_link.partner == 1) {
+          } else if (pair_link.is_rank0()) {
             pair_link.template send<kBegin + kH / 2>(thread_in_wg, dq_vec);
           } else {
             pair_link.template send<kBegin>(thread_in_wg, dq_vec);
@@ -1007,7 +1011,7 @@ struct MainloopBwdSm90 {
             tdQrdQ(4 * i + 3) += v.w;
           };
           if (paired_row) {
-            if (pair_link.partner == 1) {
+            if (pair_link.is_rank0()) {
               pair_link.template receive<kBegin>(thread_in_wg, add);
               dq_atomics(Int<kBegin>{}, Int<kBegin + kH / 2>{});
             } else {
