@@ -202,6 +202,9 @@ struct BwdParams {
   // Whether the sliced hdim256 kernels pair their CTAs for dQ, a BwdDqPairs value. From
   // CUFLASH_BWD_DQ_PAIRS.
   int dq_pairs = 0;
+  // Deterministic runs of the kernels with dQ by atomics: which warps keep the dQ order, a
+  // BwdDqOrder value. From CUFLASH_BWD_DQ_ORDER.
+  int dq_order = 0;
   // Rows per step of the backward tile that dispatch laid the workspace out for (the tile
   // depends on whether the kernel has a per-element score derivative); the launcher refuses to
   // run a kernel whose tile differs.
@@ -241,6 +244,10 @@ enum class BwdLaunchOrder : int { kAuto = 0, kColumns = 1, kHeads = 2 };
 // (the launcher's kDqPairsByDefault); kOn / kOff force it for kernels that have them (not
 // deterministic, not with the heads launch order).
 enum class BwdDqPairs : int { kAuto = 0, kOn = 1, kOff = 2 };
+// Deterministic dQ by atomics (BwdParams::dq_order): kMma: the MMA warpgroups wait for each row
+// block's turn and release it (a fence, a barrier and a semaphore increment per step); kWarp: a
+// producer warp does both ahead of them; kAuto: the launcher's kDqOrderWarpByDefault.
+enum class BwdDqOrder : int { kAuto = 0, kMma = 1, kWarp = 2 };
 struct BwdLaunchChoice {
   BwdLaunchOrder order = BwdLaunchOrder::kAuto;
   int head_group = 0;  // kHeads: heads launched together; 0: all of a batch's
@@ -248,7 +255,7 @@ struct BwdLaunchChoice {
 
 // The layout version: bumped with every change to the members of FwdParams, BwdParams or
 // ModParams, since a member added into tail padding leaves the sizes below as they were.
-constexpr std::uint64_t kParamsLayoutVersion = 7;
+constexpr std::uint64_t kParamsLayoutVersion = 8;
 
 // Whether a call needs the flex kernels (variants::FlexVariant): a score_mod, a mask_mod or block
 // lists. FwdParams and BwdParams alike.

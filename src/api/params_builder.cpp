@@ -417,6 +417,18 @@ BwdDqPairs bwd_dq_pairs() {
   return pairs;
 }
 
+BwdDqOrder parse_bwd_dq_order(const char* value) {
+  return parse_setting<BwdDqOrder>("CUFLASH_BWD_DQ_ORDER", value,
+                                   {{"auto", BwdDqOrder::kAuto}, {"mma", BwdDqOrder::kMma}, {"warp", BwdDqOrder::kWarp}});
+}
+
+BwdDqOrder bwd_dq_order() {
+  // CUFLASH_BWD_DQ_ORDER: which warps keep the deterministic dQ order of the kernels with dQ by
+  // atomics, so that both can be timed in one binary. Read once per process.
+  static const BwdDqOrder order = parse_bwd_dq_order(std::getenv("CUFLASH_BWD_DQ_ORDER"));
+  return order;
+}
+
 BwdLaunchChoice bwd_launch_order() {
   // CUFLASH_BWD_ORDER picks the order in which the sm90 backward launches the CTAs of causal /
   // local calls, so that they can be timed in one binary: columns: grid (column blocks, heads,

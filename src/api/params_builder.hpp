@@ -67,6 +67,12 @@ BwdDqPairs parse_bwd_dq_pairs(const char* value);
 // The process's choice, from CUFLASH_BWD_DQ_PAIRS, read once.
 BwdDqPairs bwd_dq_pairs();
 
+// The deterministic dQ order of the kernels with dQ by atomics (BwdParams::dq_order): "auto" (or
+// null / empty), "mma" or "warp". Throws kInvalidArgument otherwise.
+BwdDqOrder parse_bwd_dq_order(const char* value);
+// The process's choice, from CUFLASH_BWD_DQ_ORDER, read once.
+BwdDqOrder bwd_dq_order();
+
 // The forward's whole workspace: the split-KV buffers, then (tiles of unequal cost, dynamic
 // scheduling) the tile counter in a 256-byte slot of its own.
 std::size_t forward_workspace_bytes(const FwdParams& params, FwdScheduler scheduler);

@@ -1,7 +1,7 @@
 // Backward main kernel for sm90: one CTA per (column block, query head, batch); the grid's x is
 // the column block, or a head of a head group (launch order, see the launcher).
-// Warpgroup 0 is the producer (warp 0: TMA loads; warp 1: dQ bulk reduce-add), the other
-// warpgroups run the MMAs and the dK / dV epilogue.
+// Warpgroup 0 is the producer (warp 0: TMA loads; warp 1: dQ bulk reduce-add, or with dQ by
+// atomics the deterministic order), the other warpgroups run the MMAs and the dK / dV epilogue.
 #pragma once
 
 #include <cutlass/arch/reg_reconfig.h>
@@ -167,6 +167,8 @@ struct FlashBwdKernelSm90 {
                                               uint32_t(BwdBarrier::kDqEmpty) + wg);
         }
         Mainloop::store_dq(params.mainloop, ss.tensors, c.seq, c.n_block, c.head, c.batch);
+      } else if (warp_idx_in_wg == 1 && params.mainloop.deterministic && params.mainloop.dq_order_warp) {
+        Mainloop::order_dq(params.mainloop, c.seq, c.n_block, c.head, c.batch);
       }
     } else {
       cutlass::arch::warpgroup_reg_alloc<kMmaRegs>();

@@ -33,6 +33,10 @@ inline void check_launch(char const* what) {
 // of the unpaired kernel at hdim256, 1k-16k (bench/NOTES.md, "dQ pairs for the hdim256 backward").
 inline constexpr bool kDqPairsByDefault = false;
 
+// The deterministic dQ order warp with CUFLASH_BWD_DQ_ORDER=auto (the default): off until run on
+// the device.
+inline constexpr bool kDqOrderWarpByDefault = false;
+
 template <class Element, int kHeadDim, int kHeadDimV, bool HasWindow, bool HasSoftcap,
           class Variant = variants::NoVariant>
 void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
@@ -168,6 +172,10 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // Rotated walks make a column block wait on ones launched after it: only safe when all of a
   // head's column blocks fit on the GPU at once (one CTA per SM at least). Dispatch sets num_sm;
   // without it the walks keep the ascending order, which never waits on a later launch.
+  // Deterministic dQ by atomics: who waits for a row block's turn and releases it (order_dq).
+  ml.dq_order_warp = params.deterministic && !Mainloop::kDqViaSmem &&
+                     (BwdDqOrder(params.dq_order) == BwdDqOrder::kWarp ||
+                      (BwdDqOrder(params.dq_order) == BwdDqOrder::kAuto && kDqOrderWarpByDefault));
   ml.dq_rotate = params.deterministic && !HasWindow && !Mainloop::kIsFlex && params.num_sm > 0 &&
                  num_n_blocks <= params.num_sm;
   // Heads inner (BwdLaunchOrder::kHeads): column blocks of unequal work launched longest first

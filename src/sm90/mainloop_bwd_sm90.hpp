@@ -39,6 +39,9 @@ enum class BwdBarrier : uint32_t {
   kEpilogue = 1,  // MMA warpgroups: dK / dV staging and dQ / dK / dV atomics ordering
   kDqEmpty = 2,   // + warpgroup index (3 at most): dQ smem free for the MMA warpgroup
   kDqFull = 5,    // + warpgroup index: dQ smem filled, the reduce warp may issue the copy
+  // Kernels with dQ by atomics (no dQ smem), deterministic with the dQ order warp:
+  kDqReady = 2,  // the order warp found the row block's turn: the MMA warpgroups may add
+  kDqDone = 3,   // the MMA warpgroups issued the row block's atomics: the order warp releases it
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -141,7 +144,8 @@ CUTE_DEVICE void semaphore_wait_eq(int const* ptr, int value) {
   } while (current != value);
 }
 
-// Release the writes of this thread's block (made visible by the caller's fence) to the next.
+// Release this block's writes to the next: this thread's, and by cumulativity those of the
+// threads it synchronized with (a named barrier) or that made theirs visible with a fence.
 CUTE_DEVICE void semaphore_increment(int* ptr) {
   asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(ptr) : "memory");
 }
@@ -427,6 +431,10 @@ struct MainloopBwdSm90 {
     // num_head_groups * batch), heads g * (z % num_head_groups) + x (those past num_heads idle).
     int head_group;
     int num_head_groups;
+    // Deterministic dQ by atomics (no dQ smem): the second producer warp waits for each row
+    // block's turn and releases it (order_dq), off the MMA warpgroups' path; otherwise the MMA
+    // warpgroups do both.
+    bool dq_order_warp;
     // Deterministic without a window: column block n starts its walk at row block n * M / N
     // (dq_rank). The host sets it only when every column block of a head can be resident at
     // once, since a column block then waits on ones launched after it.
@@ -668,6 +676,29 @@ struct MainloopBwdSm90 {
         }
       }
       if (lane0) { cute::tma_store_wait<0>(); }
+    }
+  }
+
+  // Second producer warp of the kernels with dQ by atomics, deterministic with dq_order_warp: per
+  // row block of the walk, wait (ahead of the MMA warpgroups) until the column blocks before this
+  // one have added their dQ, let the MMA warpgroups add (kDqReady), and once they have issued
+  // their atomics (kDqDone) pass the row block on. The release is ordered after every MMA
+  // thread's atomics by the named barrier (each arrive synchronizes with this warp's sync) and the
+  // cumulativity of the release, as CUTLASS's semaphores order a CTA's stores.
+  CUTE_DEVICE static void order_dq(Params const& p, BwdSeqlen const& seq, int n_block, int head, int batch) {
+    if constexpr (!kDqViaSmem) {
+      auto walk = make_walk(p, seq, n_block, head, batch);
+      int* semaphore = p.dq_semaphore + (int64_t(batch) * p.num_heads + head) * p.num_m_blocks;
+      bool const lane0 = cute::elect_one_sync();
+      for (; walk.valid(); walk.next()) {
+        int const m_block = walk.m_block;
+        if (lane0) { semaphore_wait_eq(semaphore + m_block, dq_rank(p, seq, n_block, m_block)); }
+        __syncwarp();
+        cutlass::arch::NamedBarrier::arrive(NumMmaThreads + cutlass::NumThreadsPerWarp, uint32_t(BwdBarrier::kDqReady));
+        cutlass::arch::NamedBarrier::sync(NumMmaThreads + cutlass::NumThreadsPerWarp, uint32_t(BwdBarrier::kDqDone));
+        if (lane0) { semaphore_increment(semaphore + m_block); }
+        __syncwarp();
+      }
     }
   }
 
@@ -946,7 +977,9 @@ struct MainloopBwdSm90 {
       constexpr int kDqVecs = decltype(size(tdQrdQ))::value / 4;
       auto dq_vec = [&](int i) { return make_float4(tdQrdQ(4 * i), tdQrdQ(4 * i + 1), tdQrdQ(4 * i + 2), tdQrdQ(4 * i + 3)); };
       auto dq_atomics_wait = [&]() {
-        if (p.deterministic) {
+        if (p.deterministic && p.dq_order_warp) {
+          cutlass::arch::NamedBarrier::sync(NumMmaThreads + cutlass::NumThreadsPerWarp, uint32_t(BwdBarrier::kDqReady));
+        } else if (p.deterministic) {
           if (thread_idx == 0) {
             int const rank = dq_rank(p, seq, n_block, m_block);
             semaphore_wait_eq(dq_semaphore + m_block, rank);
@@ -962,7 +995,9 @@ struct MainloopBwdSm90 {
         }
       };
       auto dq_atomics_release = [&]() {
-        if (p.deterministic) {
+        if (p.deterministic && p.dq_order_warp) {
+          cutlass::arch::NamedBarrier::arrive(NumMmaThreads + cutlass::NumThreadsPerWarp, uint32_t(BwdBarrier::kDqDone));
+        } else if (p.deterministic) {
           __threadfence();
           cutlass::arch::NamedBarrier::sync(NumMmaThreads, uint32_t(BwdBarrier::kEpilogue));
           if (thread_idx == 0) { semaphore_increment(dq_semaphore + m_block); }
@@ -1037,10 +1072,9 @@ struct MainloopBwdSm90 {
         pipeline_do.consumer_release(read_do);
         wgmma_gemm_m_slice<true, 0, dQ_swapAB, 1, 2>(tiled_mma_dQ, tdQrdS_cur, tdQrK, tdQrdQ);
         dq_send(Int<1>{});
+        dq_atomics_release();
         wgmma_gemm_m_slice<false, -1, dKV_swapAB, 1, 2>(tiled_mma_dK, tdKrdS, tdKrQ_cur, tdKrdK);
         dq_receive(Int<1>{});
-        // Deterministic: the release waits for the atomics to land, while dK_1 runs.
-        dq_atomics_release();
       } else {
         // dV += P^T dO
         if constexpr (Mma_dKV_is_RS) {

@@ -372,6 +372,17 @@ TEST(ParamsBackward, DqPairsChoice) {
   }
 }
 
+TEST(ParamsBackward, DqOrderChoice) {
+  EXPECT_EQ(parse_bwd_dq_order(nullptr), BwdDqOrder::kAuto);
+  EXPECT_EQ(parse_bwd_dq_order(""), BwdDqOrder::kAuto);
+  EXPECT_EQ(parse_bwd_dq_order("auto"), BwdDqOrder::kAuto);
+  EXPECT_EQ(parse_bwd_dq_order("mma"), BwdDqOrder::kMma);
+  EXPECT_EQ(parse_bwd_dq_order("warp"), BwdDqOrder::kWarp);
+  for (const char* bad : {"on", "warps", "Warp"}) {
+    expect_setting_refused(parse_bwd_dq_order, bad, "CUFLASH_BWD_DQ_ORDER");
+  }
+}
+
 TEST(ParamsForward, NarrowTileCostModel) {
   using sm90::fwd_narrow_tile_pays;
   // Non-causal: 192-row tiles pad 512 and 1024 rows by an eighth, which costs less than the

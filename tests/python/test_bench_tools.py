@@ -1,4 +1,5 @@
-"""The benchmark helpers that run without a GPU: bench/ncu_stall_top.py on a small source page."""
+"""The benchmark helpers that run without a GPU: bench/ncu_stall_top.py on a small source page,
+bench/det_order_model.py on small launches."""
 
 import importlib.util
 import pathlib
@@ -49,3 +50,18 @@ def test_stall_top_without_a_table(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["ncu_stall_top.py", str(page)])
     assert stall_top.main() == 1
     assert "no source table" in capsys.readouterr().out
+
+
+def test_det_order_model_small_launches():
+    model = load("det_order_model")
+    # Without the deterministic waits the makespan is the work over the slots: 4 heads of 8
+    # column blocks, 10 row blocks each, on 16 slots.
+    plain = model.makespan(640, False, False, sms=16, heads=4, batch=1)
+    assert plain == (4 * 8 * 10) / 16
+    # Rotated starts with every head's column blocks resident together cost nothing ...
+    assert model.makespan(640, False, True, sms=16, heads=4, batch=1) == plain
+    # ... a fixed order from row block 0 makes the column blocks wait for one another.
+    assert model.makespan(640, False, True, order="ascending", sms=16, heads=4, batch=1) > plain
+    # Causal: the descending order follows the column blocks' own arrival.
+    causal = model.makespan(640, True, False, sms=16, heads=4, batch=1)
+    assert model.makespan(640, True, True, sms=16, heads=4, batch=1) == causal
