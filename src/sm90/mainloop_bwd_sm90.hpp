@@ -775,9 +775,8 @@ struct MainloopBwdSm90 {
     int* dq_semaphore = p.dq_semaphore + (int64_t(batch) * p.num_heads + head) * p.num_m_blocks;
 
     // dQ pairs (kSliceDQKV): the exchange with the partner CTA, on column block n_block ^ 1 (the
-    // cluster's x is the column block, so the pair's rank is its parity; the launcher keeps the
-    // grid's x the column block whenever pairs are on).
-    // The walk takes the shared row blocks first: `paired_steps` counts those left.
+    // launcher keeps the grid's x the column block whenever pairs are on). The walk takes the
+    // row blocks both visit first: `paired_steps` counts those left.
     int paired_steps = 0;
     DqPairLink pair_link{};
     if constexpr (kSliceDQKV) {
