@@ -10,10 +10,12 @@ released it, and releases the row block itself at the end of the step. The ratio
 makespans is the model's deterministic / non-deterministic speed.
 
     python3 bench/det_order_model.py                 # hdim256 tile, the benchmark's shapes
-    python3 bench/det_order_model.py --orders current,ascending
+    python3 bench/det_order_model.py --orders current,one_head,ascending
 
 Orders (non-causal; causal always takes the descending order of the kernel):
-  current    rotated starts (column block n at row block n * M / N) when N <= sms, else ascending
+  current    the launcher's: rotated starts (column block n at row block n * M / N) when the
+             column blocks of two heads fit on the GPU at once (2 N <= sms), else ascending
+  one_head   rotated whenever one head's column blocks fit (N <= sms), the rule before
   ascending  every column block from row block 0, adding in column order
 """
 
@@ -38,7 +40,8 @@ def walks_and_ranks(m_blocks, n_blocks, causal, order, sms, block_m, block_n):
             walks.append(walk)
             ranks.append(rank)
         return walks, ranks, list(range(n_blocks - 1, -1, -1))
-    rotate = order == "current" and n_blocks <= sms and n_blocks <= m_blocks
+    heads_at_once = {"current": 2, "one_head": 1}.get(order)
+    rotate = heads_at_once is not None and heads_at_once * n_blocks <= sms and n_blocks <= m_blocks
     for n in range(n_blocks):
         start = n * m_blocks // n_blocks if rotate else 0
         walk = [(start + i) % m_blocks for i in range(m_blocks)]

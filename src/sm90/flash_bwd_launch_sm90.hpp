@@ -169,15 +169,19 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
     ml.softcap_val = HasSoftcap ? params.softmax_scale / params.softcap : 0.f;
   }
   ml.deterministic = params.deterministic;
-  // Rotated walks make a column block wait on ones launched after it: only safe when all of a
-  // head's column blocks fit on the GPU at once (one CTA per SM at least). Dispatch sets num_sm;
-  // without it the walks keep the ascending order, which never waits on a later launch.
   // Deterministic dQ by atomics: who waits for a row block's turn and releases it (order_dq).
   ml.dq_order_warp = params.deterministic && !Mainloop::kDqViaSmem &&
                      (BwdDqOrder(params.dq_order) == BwdDqOrder::kWarp ||
                       (BwdDqOrder(params.dq_order) == BwdDqOrder::kAuto && kDqOrderWarpByDefault));
+  // Rotated walks make a column block wait on ones launched after it: only safe when all of a
+  // head's column blocks fit on the GPU at once (one CTA per SM at least), and only worth it when
+  // two heads' do: each wave of CTAs also holds part of a head, whose blocks then wait for the
+  // rest of their head to launch a wave later (bench/det_order_model.py: hdim256 8k, 103 column
+  // blocks on 132 SMs, 0.91 of the non-deterministic speed rotated, 0.98 ascending; measured at
+  // hdim128 16k, 128 column blocks: 0.93 rotated, 0.95 ascending). Dispatch sets num_sm; without
+  // it the walks keep the ascending order, which never waits on a later launch.
   ml.dq_rotate = params.deterministic && !HasWindow && !Mainloop::kIsFlex && params.num_sm > 0 &&
-                 num_n_blocks <= params.num_sm;
+                 2 * num_n_blocks <= params.num_sm;
   // Heads inner (BwdLaunchOrder::kHeads): column blocks of unequal work launched longest first
   // across the heads of a batch. Measured on the H200 (bench/NOTES.md, "Backward launch order"):
   // hdim128 causal +2-3.5%; hdim256 causal +3.5% at 2k but -9% at 8k, where the column order's

@@ -436,8 +436,8 @@ struct MainloopBwdSm90 {
     // warpgroups do both.
     bool dq_order_warp;
     // Deterministic without a window: column block n starts its walk at row block n * M / N
-    // (dq_rank). The host sets it only when every column block of a head can be resident at
-    // once, since a column block then waits on ones launched after it.
+    // (dq_rank). The host sets it only when the column blocks of two heads can be resident at
+    // once, since a column block then waits on ones launched after it (the launcher).
     bool dq_rotate;
     // dQ pairs (sliced kernels, not deterministic): the grid runs in clusters of two CTAs on
     // column blocks n, n ^ 1 (dq_pairs_sm90.hpp).
