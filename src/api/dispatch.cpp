@@ -82,7 +82,7 @@ BwdParams device_bwd_params(const BackwardArgs& args, const detail::AttentionSha
   BwdLaunchChoice const launch = detail::bwd_launch_order();
   params.launch_order = static_cast<int>(launch.order);
   params.launch_head_group = launch.head_group;
-  params.dq_pairs = static_cast<int>(detail::bwd_dq_pairs());
+  params.dq_path = static_cast<int>(detail::bwd_dq_path());
   params.dq_order = static_cast<int>(detail::bwd_dq_order());
   return params;
 }

@@ -199,9 +199,9 @@ struct BwdParams {
   // (0: all of a batch's). From CUFLASH_BWD_ORDER.
   int launch_order = 0;
   int launch_head_group = 0;
-  // Whether the sliced hdim256 kernels pair their CTAs for dQ, a BwdDqPairs value. From
-  // CUFLASH_BWD_DQ_PAIRS.
-  int dq_pairs = 0;
+  // How the sliced hdim256 kernels add dQ to global memory when not deterministic, a BwdDqPath
+  // value. From CUFLASH_BWD_DQ.
+  int dq_path = 0;
   // Deterministic runs of the kernels with dQ by atomics: which warps keep the dQ order, a
   // BwdDqOrder value. From CUFLASH_BWD_DQ_ORDER.
   int dq_order = 0;
@@ -239,11 +239,12 @@ struct CombineParams {
 // groups of g (column block n of the group's heads before n + 1, one group after another), which
 // bounds the Q / dO the running CTAs stream from L2; kAuto: by head dim (the launcher).
 enum class BwdLaunchOrder : int { kAuto = 0, kColumns = 1, kHeads = 2 };
-// dQ pairs of the sm90 backward's sliced hdim256 kernels (BwdParams::dq_pairs): clusters of two
-// CTAs on adjacent column blocks sum their dQ partials before the atomics. kAuto: as measured
-// (the launcher's kDqPairsByDefault); kOn / kOff force it for kernels that have them (not
-// deterministic, not with the heads launch order).
-enum class BwdDqPairs : int { kAuto = 0, kOn = 1, kOff = 2 };
+// How the sm90 backward's sliced hdim256 kernels add dQ to global memory when not deterministic
+// (BwdParams::dq_path): kAtomics: fp32 atomics from registers; kPairs: clusters of two CTAs on
+// adjacent column blocks sum their partials in distributed shared memory first (not with the
+// heads launch order); kBulk: through shared memory, 8 KB per bulk reduce-add; kAuto: the
+// launcher's kDqPathByDefault.
+enum class BwdDqPath : int { kAuto = 0, kAtomics = 1, kPairs = 2, kBulk = 3 };
 // Deterministic dQ by atomics (BwdParams::dq_order): kMma: the MMA warpgroups wait for each row
 // block's turn and release it (a fence, a barrier and a semaphore increment per step); kWarp: a
 // producer warp does both ahead of them; kAuto: the launcher's kDqOrderWarpByDefault.

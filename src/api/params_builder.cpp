@@ -405,16 +405,19 @@ BwdLaunchChoice parse_bwd_order(const char* value) {
   return choice;
 }
 
-BwdDqPairs parse_bwd_dq_pairs(const char* value) {
-  return parse_setting<BwdDqPairs>("CUFLASH_BWD_DQ_PAIRS", value,
-                                   {{"auto", BwdDqPairs::kAuto}, {"on", BwdDqPairs::kOn}, {"off", BwdDqPairs::kOff}});
+BwdDqPath parse_bwd_dq_path(const char* value) {
+  return parse_setting<BwdDqPath>("CUFLASH_BWD_DQ", value,
+                                  {{"auto", BwdDqPath::kAuto},
+                                   {"atomics", BwdDqPath::kAtomics},
+                                   {"pairs", BwdDqPath::kPairs},
+                                   {"bulk", BwdDqPath::kBulk}});
 }
 
-BwdDqPairs bwd_dq_pairs() {
-  // CUFLASH_BWD_DQ_PAIRS: whether the sliced hdim256 backward runs its CTAs in dQ pairs, so that
-  // both can be timed in one binary. Read once per process.
-  static const BwdDqPairs pairs = parse_bwd_dq_pairs(std::getenv("CUFLASH_BWD_DQ_PAIRS"));
-  return pairs;
+BwdDqPath bwd_dq_path() {
+  // CUFLASH_BWD_DQ: how the sliced hdim256 backward adds dQ to global memory, so that the paths
+  // can be timed in one binary. Read once per process.
+  static const BwdDqPath path = parse_bwd_dq_path(std::getenv("CUFLASH_BWD_DQ"));
+  return path;
 }
 
 BwdDqOrder parse_bwd_dq_order(const char* value) {

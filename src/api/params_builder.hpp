@@ -61,11 +61,11 @@ BwdLaunchChoice parse_bwd_order(const char* value);
 // The process's choice, from CUFLASH_BWD_ORDER, read once.
 BwdLaunchChoice bwd_launch_order();
 
-// dQ pairs of the sliced hdim256 backward (BwdParams::dq_pairs): "auto" (or null / empty), "on"
-// or "off". Throws kInvalidArgument otherwise.
-BwdDqPairs parse_bwd_dq_pairs(const char* value);
-// The process's choice, from CUFLASH_BWD_DQ_PAIRS, read once.
-BwdDqPairs bwd_dq_pairs();
+// The dQ path of the sliced hdim256 backward (BwdParams::dq_path): "auto" (or null / empty),
+// "atomics", "pairs" or "bulk". Throws kInvalidArgument otherwise.
+BwdDqPath parse_bwd_dq_path(const char* value);
+// The process's choice, from CUFLASH_BWD_DQ, read once.
+BwdDqPath bwd_dq_path();
 
 // The deterministic dQ order of the kernels with dQ by atomics (BwdParams::dq_order): "auto" (or
 // null / empty), "mma" or "warp". Throws kInvalidArgument otherwise.

@@ -169,6 +169,8 @@ struct FlashBwdKernelSm90 {
         Mainloop::store_dq(params.mainloop, ss.tensors, c.seq, c.n_block, c.head, c.batch);
       } else if (warp_idx_in_wg == 1 && params.mainloop.deterministic && params.mainloop.dq_order_warp) {
         Mainloop::order_dq(params.mainloop, c.seq, c.n_block, c.head, c.batch);
+      } else if (warp_idx_in_wg == 1 && params.mainloop.dq_bulk) {
+        Mainloop::store_dq_bulk(params.mainloop, ss.dq_pair, c.seq, c.n_block, c.head, c.batch);
       }
     } else {
       cutlass::arch::warpgroup_reg_alloc<kMmaRegs>();

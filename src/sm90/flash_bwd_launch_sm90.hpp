@@ -29,9 +29,10 @@ inline void check_launch(char const* what) {
   }
 }
 
-// dQ pairs with CUFLASH_BWD_DQ_PAIRS=auto (the default): off. Measured on the H200 within -3..+3%
-// of the unpaired kernel at hdim256, 1k-16k (bench/NOTES.md, "dQ pairs for the hdim256 backward").
-inline constexpr bool kDqPairsByDefault = false;
+// The sliced hdim256 kernels' dQ path with CUFLASH_BWD_DQ=auto (the default): atomics. The pairs
+// measured on the H200 within -3..+3% of them at 1k-16k (bench/NOTES.md, "dQ pairs for the hdim256
+// backward"); the bulk path has not run yet.
+inline constexpr BwdDqPath kDqPathByDefault = BwdDqPath::kAtomics;
 
 // The deterministic dQ order warp with CUFLASH_BWD_DQ_ORDER=auto (the default): off until run on
 // the device.
@@ -202,13 +203,14 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // Grid y holds the column blocks and z the head groups of every batch: both at most 65535.
   bool const heads_inner = heads_wanted && HasWindow && unequal_columns && !params.deterministic &&
                            num_n_blocks <= 65535 && std::int64_t(num_head_groups) * batch <= 65535;
-  // dQ pairs (the sliced hdim256 kernels): clusters of two CTAs on column blocks n, n ^ 1 sum
-  // their dQ partials of the row blocks both visit before the atomics (dq_pairs_sm90.hpp). The
-  // grid's x must then be the column block; deterministic runs keep their dQ order by atomics.
-  BwdDqPairs const pairs_choice = BwdDqPairs(params.dq_pairs);
-  bool const dq_pairs = Mainloop::kSliceDQKV && !params.deterministic && !heads_inner &&
-                        (pairs_choice == BwdDqPairs::kOn || (pairs_choice == BwdDqPairs::kAuto && kDqPairsByDefault));
+  // The dQ path of the sliced hdim256 kernels (dq_out_sm90.hpp); deterministic runs keep their
+  // dQ order by atomics. Pairs: clusters of two CTAs on column blocks n, n ^ 1 sum their dQ
+  // partials of the row blocks both visit before the atomics; the grid's x must then be the
+  // column block. Bulk: each warpgroup's dQ through 8 KB of shared memory and bulk reduce-adds.
+  BwdDqPath const dq_path = BwdDqPath(params.dq_path) == BwdDqPath::kAuto ? kDqPathByDefault : BwdDqPath(params.dq_path);
+  bool const dq_pairs = Mainloop::kSliceDQKV && !params.deterministic && !heads_inner && dq_path == BwdDqPath::kPairs;
   ml.dq_pairs = dq_pairs;
+  ml.dq_bulk = Mainloop::kSliceDQKV && !params.deterministic && dq_path == BwdDqPath::kBulk;
   ml.head_group = heads_inner ? head_group : 0;
   ml.num_head_groups = heads_inner ? num_head_groups : 1;
   ml.cu_seqlens_q = params.cu_seqlens_q;
@@ -277,9 +279,9 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
         return n;
       }();
       if (max_clusters == 0) {
-        throw Error(Error::Kind::kNotSupported, "CUFLASH_BWD_DQ_PAIRS",
+        throw Error(Error::Kind::kNotSupported, "CUFLASH_BWD_DQ",
                     "cuflash backward: the device cannot run clusters of two backward CTAs of " + std::to_string(kSmem) +
-                        " bytes of shared memory; set CUFLASH_BWD_DQ_PAIRS=off");
+                        " bytes of shared memory; set CUFLASH_BWD_DQ=atomics");
       }
       err = cudaLaunchKernelEx(&config, kernel, kernel_params);
       if (err != cudaSuccess) {

@@ -19,7 +19,7 @@
 
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
 
-#include "sm90/dq_pairs_sm90.hpp"
+#include "sm90/dq_out_sm90.hpp"
 #include "sm90/flex_bwd_sm90.hpp"
 #include "sm90/tile_size_bwd_sm90.hpp"
 #include "variants/variant.hpp"
@@ -43,6 +43,8 @@ enum class BwdBarrier : uint32_t {
   kDqReady = 2,  // the order warp found the row block's turn: the MMA warpgroups may add
   kDqDone = 3,   // the MMA warpgroups issued the row block's atomics: the order warp releases it
 };
+// The sliced kernels with dQ through shared memory (CUFLASH_BWD_DQ=bulk, never deterministic)
+// take kDqEmpty / kDqFull for their warpgroups' slots.
 
 // ---------------------------------------------------------------------------------------------
 // Small register-tensor helpers.
@@ -142,6 +144,16 @@ CUTE_DEVICE void semaphore_wait_eq(int const* ptr, int value) {
   do {
     asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(current) : "l"(ptr) : "memory");
   } while (current != value);
+}
+
+// Spin until *ptr == value by one thread, polling without ordering and then acquiring once (an
+// acquire load per poll would also discard the L1 lines of the CTA's other warps each time).
+CUTE_DEVICE void semaphore_poll_eq(int const* ptr, int value) {
+  int current;
+  do {
+    asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];\n" : "=r"(current) : "l"(ptr) : "memory");
+  } while (current != value);
+  asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
 }
 
 // Release this block's writes to the next: this thread's, and by cumulativity those of the
@@ -378,7 +390,7 @@ struct MainloopBwdSm90 {
   static constexpr bool kSliceDQKV = kHeadDim == 256 && kHeadDimV == 256 && NumMmaWG == 2 && dQ_swapAB &&
                                      dKV_swapAB && AtomMdQ == 1 && AtomNdKV == 1 && !Mma_dKV_is_RS && !kDqViaSmem;
 
-  // The sliced kernels may run in clusters of two (dQ pairs, dq_pairs_sm90.hpp), where CUTLASS's
+  // The sliced kernels may run in clusters of two (dQ pairs, dq_out_sm90.hpp), where CUTLASS's
   // release of a cluster-of-one pipeline would arrive on the other CTA's barrier.
   using PipelineQ = std::conditional_t<kSliceDQKV, CtaPipelineTmaAsync<kStagesQ>, cutlass::PipelineTmaAsync<kStagesQ>>;
   using PipelinedO = std::conditional_t<kSliceDQKV, CtaPipelineTmaAsync<kStagesdO>, cutlass::PipelineTmaAsync<kStagesdO>>;
@@ -390,6 +402,7 @@ struct MainloopBwdSm90 {
   struct NoDqPair {};
   using DqPairStorage = std::conditional_t<kSliceDQKV, bwd::DqPairStorage<kDqPairFloats, NumMmaWG>, NoDqPair>;
   using DqPairLink = bwd::DqPairLink<kDqPairFloats, cutlass::NumThreadsPerWarpGroup>;
+  using DqBulkStage = bwd::DqBulkStage<kDqPairFloats, cutlass::NumThreadsPerWarpGroup>;
 
   // --- TMA ---
   using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;  // (rows, d, head, batch)
@@ -440,8 +453,10 @@ struct MainloopBwdSm90 {
     // once, since a column block then waits on ones launched after it (the launcher).
     bool dq_rotate;
     // dQ pairs (sliced kernels, not deterministic): the grid runs in clusters of two CTAs on
-    // column blocks n, n ^ 1 (dq_pairs_sm90.hpp).
+    // column blocks n, n ^ 1 (dq_out_sm90.hpp).
     bool dq_pairs;
+    // dQ through shared memory and bulk reduce-adds (sliced kernels, not deterministic).
+    bool dq_bulk;
     int const* cu_seqlens_q;
     int const* cu_seqlens_k;
     int const* seqused_q;
@@ -692,13 +707,53 @@ struct MainloopBwdSm90 {
       bool const lane0 = cute::elect_one_sync();
       for (; walk.valid(); walk.next()) {
         int const m_block = walk.m_block;
-        if (lane0) { semaphore_wait_eq(semaphore + m_block, dq_rank(p, seq, n_block, m_block)); }
+        if (lane0) { semaphore_poll_eq(semaphore + m_block, dq_rank(p, seq, n_block, m_block)); }
         __syncwarp();
         cutlass::arch::NamedBarrier::arrive(NumMmaThreads + cutlass::NumThreadsPerWarp, uint32_t(BwdBarrier::kDqReady));
         cutlass::arch::NamedBarrier::sync(NumMmaThreads + cutlass::NumThreadsPerWarp, uint32_t(BwdBarrier::kDqDone));
         if (lane0) { semaphore_increment(semaphore + m_block); }
         __syncwarp();
       }
+    }
+  }
+
+  // Second producer warp of the sliced kernels with dQ through shared memory (dq_bulk): per row
+  // block, the four quarters of each MMA warpgroup's dQ^T chunk in the order they are stored
+  // (two per head-dim slice), each from the warpgroup's slot by one bulk reduce-add; a slot is
+  // freed once its copy has read it.
+  CUTE_DEVICE static void store_dq_bulk(Params const& p, DqPairStorage& pair_storage, BwdSeqlen const& seq, int n_block,
+                                        int head, int batch) {
+    if constexpr (kSliceDQKV) {
+      auto walk = make_walk(p, seq, n_block, head, batch);
+      constexpr int kBarrierThreads = cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp;
+      float* dq_accum = p.dq_accum + (int64_t(head) * p.q_rows_padded + seq.offset_q_padded) * kHeadDim;
+      bool const lane0 = cute::elect_one_sync();
+      CUTLASS_PRAGMA_UNROLL
+      for (int wg = 0; wg < NumMmaWG; ++wg) {
+        cutlass::arch::NamedBarrier::arrive(kBarrierThreads, uint32_t(BwdBarrier::kDqEmpty) + wg);
+      }
+      for (; walk.valid(); walk.next()) {
+        float* dq_row = dq_accum + int64_t(walk.m_block) * kDqChunk;
+        CUTLASS_PRAGMA_NO_UNROLL
+        for (int quarter = 0; quarter < 4; ++quarter) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int wg = 0; wg < NumMmaWG; ++wg) {
+            cutlass::arch::NamedBarrier::sync(kBarrierThreads, uint32_t(BwdBarrier::kDqFull) + wg);
+            if (lane0) {
+              bulk_reduce_add_f32(pair_storage.slot[wg].buffer,
+                                  dq_row + wg * (kDqChunk / NumMmaWG) + quarter * kDqPairFloats,
+                                  kDqPairFloats * int(sizeof(float)));
+              cute::tma_store_arrive();
+            }
+          }
+          for_each(make_int_sequence<NumMmaWG>{}, [&](auto wg) {
+            if (lane0) { cute::tma_store_wait<NumMmaWG - 1 - decltype(wg)::value>(); }
+            __syncwarp();
+            cutlass::arch::NamedBarrier::arrive(kBarrierThreads, uint32_t(BwdBarrier::kDqEmpty) + decltype(wg)::value);
+          });
+        }
+      }
+      if (lane0) { cute::tma_store_wait<0>(); }
     }
   }
 
@@ -995,6 +1050,7 @@ struct MainloopBwdSm90 {
       };
       auto dq_atomics_release = [&]() {
         if (p.deterministic && p.dq_order_warp) {
+          asm volatile("" ::: "memory");  // the atomics stay before the arrive
           cutlass::arch::NamedBarrier::arrive(NumMmaThreads + cutlass::NumThreadsPerWarp, uint32_t(BwdBarrier::kDqDone));
         } else if (p.deterministic) {
           __threadfence();
@@ -1025,10 +1081,21 @@ struct MainloopBwdSm90 {
         bool const paired_row = paired_steps > 0;
         --paired_steps;
         constexpr int kH = kDqVecs / 2;
-        static_assert(!kSliceDQKV || DqPairLink::kVecs == kH / 2, "an exchange moves half of a dQ^T half slice");
+        static_assert(!kSliceDQKV || (DqPairLink::kVecs == kH / 2 && DqBulkStage::kVecs == kH / 2),
+                      "an exchange or a bulk copy moves half of a dQ^T half slice");
+        // Bulk (p.dq_bulk): the slice in two stores into the warpgroup's slot, which the second
+        // producer warp adds to global memory (store_dq_bulk).
+        auto dq_bulk = [&](auto begin) {
+          DqBulkStage::template store<decltype(begin)::value>(
+              cute::cast_smem_ptr_to_uint(&pair_storage.slot[wg_idx]), thread_in_wg, uint32_t(BwdBarrier::kDqEmpty) + uint32_t(wg_idx),
+              uint32_t(BwdBarrier::kDqFull) + uint32_t(wg_idx), dq_vec);
+        };
         auto dq_send = [&](auto slice) {
           constexpr int kBegin = decltype(slice)::value * kH;
-          if (!paired_row) {
+          if (!paired_row && p.dq_bulk) {
+            dq_bulk(Int<kBegin>{});
+            dq_bulk(Int<kBegin + kH / 2>{});
+          } else if (!paired_row) {
             dq_atomics(Int<kBegin>{}, Int<kBegin + kH>{});
           } else if (pair_link.is_rank0()) {
             pair_link.template send<kBegin + kH / 2>(thread_in_wg, dq_vec);
@@ -1071,6 +1138,7 @@ struct MainloopBwdSm90 {
         pipeline_do.consumer_release(read_do);
         wgmma_gemm_m_slice<true, 0, dQ_swapAB, 1, 2>(tiled_mma_dQ, tdQrdS_cur, tdQrK, tdQrdQ);
         dq_send(Int<1>{});
+        // Deterministic runs have no pairs, so their last atomics of the row block are above.
         dq_atomics_release();
         wgmma_gemm_m_slice<false, -1, dKV_swapAB, 1, 2>(tiled_mma_dK, tdKrdS, tdKrQ_cur, tdKrdK);
         dq_receive(Int<1>{});

@@ -428,7 +428,7 @@ std::vector<BwdCase> backward_cases() {
   c.label = "head_dim_200_causal_gqa", c.batch = 2, c.seqlen_q = 333, c.seqlen_k = 410, c.heads = 4,
   c.heads_kv = 2, c.head_dim = 200, c.head_dim_v = 200, c.causal = true, c.seed = seed++;
   cases.push_back(c);
-  // dQ pairs of the sliced hdim256 kernel (CUFLASH_BWD_DQ_PAIRS): a local window whose
+  // dQ pairs of the sliced hdim256 kernel (CUFLASH_BWD_DQ=pairs): a local window whose
   // neighbouring column blocks share only some row blocks, with an odd number of column blocks
   // (the last one's partner is past the keys); packed causal sequences capped by seqused, where
   // a pair's walks differ in length and some column blocks see no row.

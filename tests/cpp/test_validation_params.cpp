@@ -361,14 +361,15 @@ TEST(ParamsBackward, LaunchOrderChoice) {
   }
 }
 
-TEST(ParamsBackward, DqPairsChoice) {
-  EXPECT_EQ(parse_bwd_dq_pairs(nullptr), BwdDqPairs::kAuto);
-  EXPECT_EQ(parse_bwd_dq_pairs(""), BwdDqPairs::kAuto);
-  EXPECT_EQ(parse_bwd_dq_pairs("auto"), BwdDqPairs::kAuto);
-  EXPECT_EQ(parse_bwd_dq_pairs("on"), BwdDqPairs::kOn);
-  EXPECT_EQ(parse_bwd_dq_pairs("off"), BwdDqPairs::kOff);
-  for (const char* bad : {"1", "yes", "On", "pairs"}) {
-    expect_setting_refused(parse_bwd_dq_pairs, bad, "CUFLASH_BWD_DQ_PAIRS");
+TEST(ParamsBackward, DqPathChoice) {
+  EXPECT_EQ(parse_bwd_dq_path(nullptr), BwdDqPath::kAuto);
+  EXPECT_EQ(parse_bwd_dq_path(""), BwdDqPath::kAuto);
+  EXPECT_EQ(parse_bwd_dq_path("auto"), BwdDqPath::kAuto);
+  EXPECT_EQ(parse_bwd_dq_path("atomics"), BwdDqPath::kAtomics);
+  EXPECT_EQ(parse_bwd_dq_path("pairs"), BwdDqPath::kPairs);
+  EXPECT_EQ(parse_bwd_dq_path("bulk"), BwdDqPath::kBulk);
+  for (const char* bad : {"on", "off", "Pairs", "smem"}) {
+    expect_setting_refused(parse_bwd_dq_path, bad, "CUFLASH_BWD_DQ");
   }
 }
 

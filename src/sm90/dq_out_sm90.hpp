@@ -1,10 +1,13 @@
-// dQ pairs of the sliced hdim256 backward: two CTAs of a cluster on adjacent column blocks
-// (n, n ^ 1) sum their dQ partials of the row blocks both visit through distributed shared
-// memory, so that only one of them adds each value to the fp32 accumulator in global memory:
-// half the dQ atomics. Measured on the H200 within -3..+3% of the unpaired kernel, so off by
-// default (bench/NOTES.md, "dQ pairs for the hdim256 backward").
+// dQ out of the sliced hdim256 backward, besides fp32 atomics from registers (CUFLASH_BWD_DQ):
+//  - pairs: two CTAs of a cluster on adjacent column blocks (n, n ^ 1) sum their dQ partials of
+//    the row blocks both visit through distributed shared memory, so that only one of them adds
+//    each value to the fp32 accumulator in global memory: half the dQ atomics. Measured on the
+//    H200 within -3..+3% of the atomics (bench/NOTES.md, "dQ pairs for the hdim256 backward").
+//  - bulk: each warpgroup stages its dQ through its 8 KB slot of the same storage, and the second
+//    producer warp adds each slot to global memory with a bulk reduce-add (DqBulkStage), as the
+//    kernels whose whole dQ tile fits in shared memory do.
 //
-// Per exchange (one half slice of dQ^T of one warpgroup: 64 head dims x 64 rows, 16 KB) the
+// Pairs, per exchange (one half slice of dQ^T of one warpgroup: 64 head dims x 64 rows, 16 KB) the
 // warpgroups of the same index in the two CTAs split the slice: CTA r keeps half r. Each stores
 // the other half into the partner's 8 KB buffer with st.async, which counts the bytes on the
 // partner's `full` transaction barrier; then waits on its own `full` for the partner's half,
@@ -173,6 +176,32 @@ struct DqPairLink {
   // to this CTA's shared memory is left in flight).
   CUTE_DEVICE void drain() const {
     if (exchanges > 0) { wait_partner_phase(slot + kEmpty, uint32_t((exchanges & 1) ^ 1)); }
+  }
+};
+
+// dQ through a warpgroup's slot (CUFLASH_BWD_DQ=bulk): the MMA warpgroup stores 4 float4 per
+// thread (the slot's 8 KB) in fragment order and signals the second producer warp, which adds
+// the slot to global memory with one bulk reduce-add and frees it once the copy has read it
+// (MainloopBwdSm90::store_dq_bulk); the warpgroup waits for that before its next store.
+template <int kFloats, int kThreads>
+struct DqBulkStage {
+  static constexpr int kVecs = kFloats / kThreads / 4;
+
+  // MMA warpgroup: values [kBegin, kBegin + kVecs) of `vec(i)` into the slot once it is free
+  // (named barrier `empty`, synced with the producer warp), then `full` (arrive only).
+  template <int kBegin, class Vec>
+  CUTE_DEVICE static void store(uint32_t slot, int thread_in_wg, uint32_t empty, uint32_t full, Vec const& vec) {
+    cutlass::arch::NamedBarrier::sync(kThreads + cutlass::NumThreadsPerWarp, empty);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kVecs; ++i) {
+      float4 const v = vec(kBegin + i);
+      asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(slot + uint32_t((i * kThreads + thread_in_wg) * 16)),
+                   "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
+                   : "memory");
+    }
+    // The bulk copy reads through the async proxy.
+    cutlass::arch::fence_view_async_shared();
+    cutlass::arch::NamedBarrier::arrive(kThreads + cutlass::NumThreadsPerWarp, full);
   }
 };
 
