@@ -1,7 +1,8 @@
 // Backward main kernel for sm90: one CTA per (column block, query head, batch); the grid's x is
 // the column block, or a head of a head group (launch order, see the launcher).
-// Warpgroup 0 is the producer (warp 0: TMA loads; warp 1: dQ bulk reduce-add, or with dQ by
-// atomics the deterministic order), the other warpgroups run the MMAs and the dK / dV epilogue.
+// Warpgroup 0 is the producer (warp 0: TMA loads; warp 1: dQ bulk reduce-adds, or with dQ by
+// atomics the deterministic order or the sliced kernels' bulk path), the other warpgroups run the
+// MMAs and the dK / dV epilogue.
 #pragma once
 
 #include <cutlass/arch/reg_reconfig.h>

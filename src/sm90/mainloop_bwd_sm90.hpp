@@ -3,7 +3,9 @@
 //   S = Q K^T,  dP = dO V^T,  P = exp2(S * scale_log2 - lse_log2),  dS = P (dP - dPsum),
 //   dV += P^T dO,  dK += dS^T Q,  dQ = dS K
 // per row block. dQ goes to an fp32 accumulator in global memory: through smem and a bulk
-// reduce-add issued by a second producer warp, or (when smem is short) by atomics from registers.
+// reduce-add issued by a second producer warp, or (when smem is short: hdim256) by atomics from
+// registers, or in the sliced hdim256 kernels optionally in 8 KB quarters through smem and bulk
+// reduce-adds or summed by CTA pairs first (dq_out_sm90.hpp).
 // The fp32 accumulators in global memory hold each row block as one chunk in MMA-fragment order
 // (value i of thread t of warpgroup w at w * chunk / NumMmaWG + (i / 4) * 512 + t * 4 + i % 4),
 // which the postprocess kernel reads back with the same MMA partitioning.
@@ -745,6 +747,7 @@ struct MainloopBwdSm90 {
                                   kDqPairFloats * int(sizeof(float)));
               cute::tma_store_arrive();
             }
+            __syncwarp();
           }
           for_each(make_int_sequence<NumMmaWG>{}, [&](auto wg) {
             if (lane0) { cute::tma_store_wait<NumMmaWG - 1 - decltype(wg)::value>(); }
