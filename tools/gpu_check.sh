@@ -8,9 +8,9 @@
 #   STEPS=build,bench_bwd BENCH_BWD_ARGS="--hdims 128" tools/gpu_check.sh
 #
 # Environment: KERNEL_SET (ci|all|custom), HDIMS / DTYPES (for custom), FEATURES (CUFLASH_FEATURES), STEPS (comma list of
-# build,test,test_each,pytest,sanitize,sass,bench,bench_bwd,bench_gqa,bench_flex,profile), GTEST_FILTER (default *Gpu*), TEST_TIMEOUT, TEST_ENV_B / GTEST_FILTER_B (the tests again under extra settings), SANITIZE_FILTER (memcheck),
+# build,test,test_each,pytest,sanitize,sass,bench,bench_bwd,bench_gqa,bench_flex,profile), GTEST_FILTER (default *Gpu*), TEST_TIMEOUT, TEST_ENV_B / GTEST_FILTER_B and TEST_ENV_C / GTEST_FILTER_C (the tests again under extra settings), SANITIZE_FILTER (memcheck),
 # RACECHECK_FILTER, PER_TEST_TIMEOUT (test_each), PYTEST_K (a -k expression), PYTEST_ARGS, JIT_MODULES (0: do not build the GPU tests' callable modules first), PYTEST_TIMEOUT, BENCH_ARGS, BENCH_ENV_B (run the
-# benchmark a second time with these VAR=value settings), BENCH_BWD_ARGS (bench/bench_bwd.py), BENCH_BWD_ARGS_B / BENCH_BWD_ENV_B (a second pass with these arguments / VAR=value settings, tagged _b),
+# benchmark a second time with these VAR=value settings), BENCH_BWD_ARGS (bench/bench_bwd.py), BENCH_BWD_ARGS_B / BENCH_BWD_ENV_B and _C (more passes with these arguments / VAR=value settings, tagged _b / _c),
 # BENCH_BWD_TIMEOUT (seconds, default 300: a hung backward kernel ends the step, not the call), PROFILE
 # (ncu targets for the profile step, see there), BUILD_DIR, CMAKE_EXTRA, BENCH_FLEX_ARGS, BENCH_FLEX_TIMEOUT, BENCH_GQA_ARGS, BENCH_GQA_TIMEOUT, JOBS.
 # Carry `.cutlass` (CUTLASS headers) and, where the machine has no GoogleTest, `.deps` (a
@@ -47,7 +47,7 @@ make_pkg() { rm -rf "$pkg" && mkdir -p "$pkg" && cp -r "$ROOT/python/cuflash" "$
 note "gpu_check $(date -u +%FT%TZ) kernel_set=$KERNEL_SET hdims=$HDIMS dtypes=$DTYPES steps=$STEPS"
 # The second passes' settings are VAR=value lists: checked before the build, so that a typo
 # costs no device time.
-for list_name in TEST_ENV_B BENCH_ENV_B BENCH_BWD_ENV_B; do
+for list_name in TEST_ENV_B TEST_ENV_C BENCH_ENV_B BENCH_BWD_ENV_B BENCH_BWD_ENV_C; do
   for setting in ${!list_name:-}; do
     [[ $setting =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] || { note "$list_name: '$setting' is not VAR=value"; exit 2; }
   done
@@ -111,19 +111,24 @@ if has_step test; then
   note "tests ($GTEST_FILTER): rc=$rc in $(( $(date +%s) - start )) s; $(grep -E '^\[  PASSED  \]|^\[  FAILED  \]|^\[  SKIPPED \]' "$OUT/tests.log" | tr '\n' ' ')"
   grep -E "^\[  FAILED  \]|Failure|error" "$OUT/tests.log" | head -30 | tee -a "$SUMMARY"
   [[ $rc -ne 0 ]] && status=1
-  if [[ -n ${TEST_ENV_B:-} ]]; then
-    # The tests again under extra VAR=value settings (a launch-time switch such as
-    # CUFLASH_FWD_HDIM64_ROWS=128), over GTEST_FILTER_B (default GTEST_FILTER).
+  # The tests again under extra VAR=value settings (a launch-time switch such as
+  # CUFLASH_FWD_HDIM64_ROWS=128): TEST_ENV_B over GTEST_FILTER_B, TEST_ENV_C over GTEST_FILTER_C
+  # (each defaulting to GTEST_FILTER), logs tests_b.log / tests_c.log.
+  for pass in B C; do
+    env_var=TEST_ENV_$pass filter_var=GTEST_FILTER_$pass
+    settings=${!env_var:-}
+    [[ -z $settings ]] && continue
+    filter=${!filter_var:-$GTEST_FILTER}
+    log="$OUT/tests_${pass,,}.log"
     start=$(date +%s)
     # shellcheck disable=SC2086
-    env $TEST_ENV_B timeout "${TEST_TIMEOUT:-420}" "$TESTS" --gtest_filter="${GTEST_FILTER_B:-$GTEST_FILTER}" \
-      --gtest_brief=1 >"$OUT/tests_b.log" 2>&1
+    env $settings timeout "${TEST_TIMEOUT:-420}" "$TESTS" --gtest_filter="$filter" --gtest_brief=1 >"$log" 2>&1
     rc=$?
-    [[ $rc -eq 124 ]] && note "tests ($TEST_ENV_B): timed out (hang?); last test started: $(grep -E '^\[ RUN' "$OUT/tests_b.log" | tail -1)"
-    note "tests ($TEST_ENV_B, ${GTEST_FILTER_B:-$GTEST_FILTER}): rc=$rc in $(( $(date +%s) - start )) s; $(grep -E '^\[  PASSED  \]|^\[  FAILED  \]' "$OUT/tests_b.log" | tr '\n' ' ')"
-    grep -E "^\[  FAILED  \]" "$OUT/tests_b.log" | head -30 | tee -a "$SUMMARY"
+    [[ $rc -eq 124 ]] && note "tests ($settings): timed out (hang?); last test started: $(grep -E '^\[ RUN' "$log" | tail -1)"
+    note "tests ($settings, $filter): rc=$rc in $(( $(date +%s) - start )) s; $(grep -E '^\[  PASSED  \]|^\[  FAILED  \]' "$log" | tr '\n' ' ')"
+    grep -E "^\[  FAILED  \]" "$log" | head -30 | tee -a "$SUMMARY"
     [[ $rc -ne 0 ]] && status=1
-  fi
+  done
 fi
 
 if has_step pytest; then
@@ -203,15 +208,18 @@ if has_step bench_bwd; then
   [[ $rc -eq 124 ]] && note "bench_bwd: timed out after $BENCH_BWD_TIMEOUT s (what it measured is in bwd_sm90.json)"
   skipped=$(grep -c '"skipped": "' "$OUT/bwd_sm90.json" 2>/dev/null || true)
   note "bench_bwd: rc=$rc in $(( $(date +%s) - start )) s; skipped records: ${skipped:-no bwd_sm90.json}"
-  if [[ -n ${BENCH_BWD_ARGS_B:-}${BENCH_BWD_ENV_B:-} ]]; then
-    # A second pass with other arguments (e.g. --softcap 30) and/or under extra environment (an
-    # A/B of a launch-time switch), tagged _b.
-    args_b=${BENCH_BWD_ARGS_B:-$BENCH_BWD_ARGS}
+  # More passes with other arguments (e.g. --softcap 30) and/or under extra environment (an A/B
+  # of a launch-time switch): BENCH_BWD_ARGS_B / BENCH_BWD_ENV_B tagged _b, the same with C.
+  for pass in B C; do
+    args_var=BENCH_BWD_ARGS_$pass env_var=BENCH_BWD_ENV_$pass
+    [[ -z ${!args_var:-}${!env_var:-} ]] && continue
+    args=${!args_var:-$BENCH_BWD_ARGS}
+    tag=_${pass,,}
     # shellcheck disable=SC2086
-    env ${BENCH_BWD_ENV_B:-} PYTHONUNBUFFERED=1 PYTHONPATH="$pkg" timeout "$BENCH_BWD_TIMEOUT" python3 \
-      "$ROOT/bench/bench_bwd.py" --out "$OUT" --tag _b $args_b 2>&1 | tee "$OUT/bench_bwd_b.log"
-    note "bench_bwd (B: ${BENCH_BWD_ENV_B:-} $args_b): rc=${PIPESTATUS[0]}"
-  fi
+    env ${!env_var:-} PYTHONUNBUFFERED=1 PYTHONPATH="$pkg" timeout "$BENCH_BWD_TIMEOUT" python3 \
+      "$ROOT/bench/bench_bwd.py" --out "$OUT" --tag "$tag" $args 2>&1 | tee "$OUT/bench_bwd$tag.log"
+    note "bench_bwd ($pass: ${!env_var:-} $args): rc=${PIPESTATUS[0]}"
+  done
 fi
 
 # run_bench NAME TIMEOUT ARGS: bench/bench_NAME.py under a timeout, its output in bench_NAME.log.
