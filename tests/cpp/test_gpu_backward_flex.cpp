@@ -577,6 +577,16 @@ std::vector<FlexBwdCase> flex_cases() {
   c.softcap = 20.f, c.mask_mod = MaskModKind::kSlidingWindow, c.mask_scalars = {90, 40},
   c.sparse_heads = 2;
   add(c);
+  // hdim 256 adds dQ by atomics: the deterministic order there (with the MMA warpgroups or the
+  // dQ order warp, CUFLASH_BWD_DQ_ORDER) over mask_mod-narrowed windows.
+  c = {};
+  c.label = "deterministic_alibi_window", c.batch = 2, c.seqlen_q = 500, c.seqlen_k = 560, c.head_dim = 256,
+  c.window_left = 150, c.window_right = 30, c.score_mod = ScoreModKind::kAlibi, c.deterministic = true;
+  add(c);
+  c = {};
+  c.label = "deterministic_document_causal", c.batch = 2, c.seqlen_q = 420, c.seqlen_k = 420, c.head_dim = 256,
+  c.causal = true, c.mask_mod = MaskModKind::kDocument, c.deterministic = true;
+  add(c);
   c = {};
   c.label = "mask_causal_relative_bias", c.seqlen_q = 300, c.seqlen_k = 300, c.head_dim = 192,
   c.score_mod = ScoreModKind::kRelativeBias, c.mask_mod = MaskModKind::kCausal;
