@@ -206,11 +206,12 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // The dQ path of the sliced hdim256 kernels (dq_out_sm90.hpp); deterministic runs keep their
   // dQ order by atomics. Pairs: clusters of two CTAs on column blocks n, n ^ 1 sum their dQ
   // partials of the row blocks both visit before the atomics; the grid's x must then be the
-  // column block. Bulk: each warpgroup's dQ through 8 KB of shared memory and bulk reduce-adds.
+  // column block. Bulk: each warpgroup's dQ through 8 KB of shared memory and bulk reduce-adds
+  // (the kernels without softcap: kHasDqBulk).
   BwdDqPath const dq_path = BwdDqPath(params.dq_path) == BwdDqPath::kAuto ? kDqPathByDefault : BwdDqPath(params.dq_path);
   bool const dq_pairs = Mainloop::kSliceDQKV && !params.deterministic && !heads_inner && dq_path == BwdDqPath::kPairs;
   ml.dq_pairs = dq_pairs;
-  ml.dq_bulk = Mainloop::kSliceDQKV && !params.deterministic && dq_path == BwdDqPath::kBulk;
+  ml.dq_bulk = Mainloop::kHasDqBulk && !params.deterministic && dq_path == BwdDqPath::kBulk;
   ml.head_group = heads_inner ? head_group : 0;
   ml.num_head_groups = heads_inner ? num_head_groups : 1;
   ml.cu_seqlens_q = params.cu_seqlens_q;

@@ -405,6 +405,9 @@ struct MainloopBwdSm90 {
   using DqPairStorage = std::conditional_t<kSliceDQKV, bwd::DqPairStorage<kDqPairFloats, NumMmaWG>, NoDqPair>;
   using DqPairLink = bwd::DqPairLink<kDqPairFloats, cutlass::NumThreadsPerWarpGroup>;
   using DqBulkStage = bwd::DqBulkStage<kDqPairFloats, cutlass::NumThreadsPerWarpGroup>;
+  // The bulk dQ path is compiled into the sliced kernels without a score derivative only: with
+  // softcap its code makes ptxas spill (4-8 bytes) on every path of the kernel.
+  static constexpr bool kHasDqBulk = kSliceDQKV && !kHasScoreGrad;
 
   // --- TMA ---
   using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;  // (rows, d, head, batch)
@@ -725,7 +728,7 @@ struct MainloopBwdSm90 {
   // freed once its copy has read it.
   CUTE_DEVICE static void store_dq_bulk(Params const& p, DqPairStorage& pair_storage, BwdSeqlen const& seq, int n_block,
                                         int head, int batch) {
-    if constexpr (kSliceDQKV) {
+    if constexpr (kHasDqBulk) {
       auto walk = make_walk(p, seq, n_block, head, batch);
       constexpr int kBarrierThreads = cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp;
       float* dq_accum = p.dq_accum + (int64_t(head) * p.q_rows_padded + seq.offset_q_padded) * kHeadDim;
@@ -1095,7 +1098,7 @@ struct MainloopBwdSm90 {
         };
         auto dq_send = [&](auto slice) {
           constexpr int kBegin = decltype(slice)::value * kH;
-          if (!paired_row && p.dq_bulk) {
+          if (kHasDqBulk && !paired_row && p.dq_bulk) {
             dq_bulk(Int<kBegin>{});
             dq_bulk(Int<kBegin + kH / 2>{});
           } else if (!paired_row) {
