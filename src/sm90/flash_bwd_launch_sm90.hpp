@@ -270,7 +270,8 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
       cluster.val.clusterDim.z = 1;
       config.attrs = &cluster;
       config.numAttrs = 1;
-      // Whether two of these CTAs fit side by side in one GPC (asked once per kernel).
+      // Whether two of these CTAs fit side by side in one GPC (asked once per kernel: every H100 /
+      // H200 fits them).
       static int const max_clusters = [&] {
         int n = 0;
         if (cudaOccupancyMaxActiveClusters(&n, kernel, &config) != cudaSuccess) {
