@@ -399,12 +399,13 @@ struct MainloopBwdSm90 {
   using PipelineStateQ = typename PipelineQ::PipelineState;
   using PipelineStatedO = typename PipelinedO::PipelineState;
 
-  // dQ pairs: each warpgroup receives half of one half slice of its dQ^T per exchange.
-  static constexpr int kDqPairFloats = kSliceDQKV ? kDqChunk / NumMmaWG / 4 : 0;
+  // Each MMA warpgroup's dQ slot (dq_out_sm90.hpp): half of one half slice of its dQ^T, what a
+  // pair exchange receives or a bulk copy adds.
+  static constexpr int kDqSlotFloats = kSliceDQKV ? kDqChunk / NumMmaWG / 4 : 0;
   struct NoDqPair {};
-  using DqPairStorage = std::conditional_t<kSliceDQKV, bwd::DqPairStorage<kDqPairFloats, NumMmaWG>, NoDqPair>;
-  using DqPairLink = bwd::DqPairLink<kDqPairFloats, cutlass::NumThreadsPerWarpGroup>;
-  using DqBulkStage = bwd::DqBulkStage<kDqPairFloats, cutlass::NumThreadsPerWarpGroup>;
+  using DqPairStorage = std::conditional_t<kSliceDQKV, bwd::DqPairStorage<kDqSlotFloats, NumMmaWG>, NoDqPair>;
+  using DqPairLink = bwd::DqPairLink<kDqSlotFloats, cutlass::NumThreadsPerWarpGroup>;
+  using DqBulkStage = bwd::DqBulkStage<kDqSlotFloats, cutlass::NumThreadsPerWarpGroup>;
   // The bulk dQ path is compiled into the sliced kernels without a score derivative only: with
   // softcap its code makes ptxas spill (4-8 bytes) on every path of the kernel.
   static constexpr bool kHasDqBulk = kSliceDQKV && !kHasScoreGrad;
@@ -644,6 +645,31 @@ struct MainloopBwdSm90 {
     pipeline_do.producer_tail(write_do);
   }
 
+  // Second producer warp, dQ through smem: one bulk reduce-add per MMA warpgroup of `bytes` from
+  // src(wg) to dst(wg), each issued once the warpgroup has filled its buffer (kDqFull + wg).
+  template <class Src, class Dst>
+  CUTE_DEVICE static void issue_dq_reductions(bool lane0, Src const& src, Dst const& dst, int bytes) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int wg = 0; wg < NumMmaWG; ++wg) {
+      cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp,
+                                        uint32_t(BwdBarrier::kDqFull) + wg);
+      if (lane0) {
+        bulk_reduce_add_f32(src(wg), dst(wg), bytes);
+        cute::tma_store_arrive();
+      }
+      __syncwarp();
+    }
+  }
+  // ... and each warpgroup's buffer freed (kDqEmpty + wg) as soon as its copy has read it.
+  CUTE_DEVICE static void free_dq_buffers_when_read(bool lane0) {
+    for_each(make_int_sequence<NumMmaWG>{}, [&](auto wg) {
+      if (lane0) { cute::tma_store_wait<NumMmaWG - 1 - decltype(wg)::value>(); }
+      __syncwarp();
+      cutlass::arch::NamedBarrier::arrive(cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp,
+                                          uint32_t(BwdBarrier::kDqEmpty) + decltype(wg)::value);
+    });
+  }
+
   // Second producer warp: bulk reduce-add of each warpgroup's dQ smem into dq_accum, in
   // column-block order per row block when deterministic.
   CUTE_DEVICE static void store_dq(Params const& p, TensorStorage& smem, BwdSeqlen const& seq, int n_block, int head,
@@ -663,16 +689,9 @@ struct MainloopBwdSm90 {
           }
           __syncwarp();
         }
-        CUTLASS_PRAGMA_UNROLL
-        for (int wg = 0; wg < NumMmaWG; ++wg) {
-          cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp,
-                                            uint32_t(BwdBarrier::kDqFull) + wg);
-          if (lane0) {
-            bulk_reduce_add_f32(smem.dq.data() + wg * kWgChunk, dq_accum + int64_t(m_block) * kDqChunk + wg * kWgChunk,
-                                kWgChunk * int(sizeof(float)));
-            cute::tma_store_arrive();
-          }
-        }
+        issue_dq_reductions(
+            lane0, [&](int wg) { return smem.dq.data() + wg * kWgChunk; },
+            [&](int wg) { return dq_accum + int64_t(m_block) * kDqChunk + wg * kWgChunk; }, kWgChunk * int(sizeof(float)));
         if (p.deterministic) {
           // The next column block may only add once this block's sums have landed.
           if (lane0) {
@@ -687,12 +706,7 @@ struct MainloopBwdSm90 {
                                                 uint32_t(BwdBarrier::kDqEmpty) + wg);
           }
         } else {
-          for_each(make_int_sequence<NumMmaWG>{}, [&](auto wg) {
-            if (lane0) { cute::tma_store_wait<NumMmaWG - 1 - decltype(wg)::value>(); }
-            __syncwarp();
-            cutlass::arch::NamedBarrier::arrive(cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp,
-                                                uint32_t(BwdBarrier::kDqEmpty) + decltype(wg)::value);
-          });
+          free_dq_buffers_when_read(lane0);
         }
       }
       if (lane0) { cute::tma_store_wait<0>(); }
@@ -730,33 +744,17 @@ struct MainloopBwdSm90 {
                                         int head, int batch) {
     if constexpr (kHasDqBulk) {
       auto walk = make_walk(p, seq, n_block, head, batch);
-      constexpr int kBarrierThreads = cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp;
       float* dq_accum = p.dq_accum + (int64_t(head) * p.q_rows_padded + seq.offset_q_padded) * kHeadDim;
       bool const lane0 = cute::elect_one_sync();
-      CUTLASS_PRAGMA_UNROLL
-      for (int wg = 0; wg < NumMmaWG; ++wg) {
-        cutlass::arch::NamedBarrier::arrive(kBarrierThreads, uint32_t(BwdBarrier::kDqEmpty) + wg);
-      }
       for (; walk.valid(); walk.next()) {
         float* dq_row = dq_accum + int64_t(walk.m_block) * kDqChunk;
         CUTLASS_PRAGMA_NO_UNROLL
         for (int quarter = 0; quarter < 4; ++quarter) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int wg = 0; wg < NumMmaWG; ++wg) {
-            cutlass::arch::NamedBarrier::sync(kBarrierThreads, uint32_t(BwdBarrier::kDqFull) + wg);
-            if (lane0) {
-              bulk_reduce_add_f32(pair_storage.slot[wg].buffer,
-                                  dq_row + wg * (kDqChunk / NumMmaWG) + quarter * kDqPairFloats,
-                                  kDqPairFloats * int(sizeof(float)));
-              cute::tma_store_arrive();
-            }
-            __syncwarp();
-          }
-          for_each(make_int_sequence<NumMmaWG>{}, [&](auto wg) {
-            if (lane0) { cute::tma_store_wait<NumMmaWG - 1 - decltype(wg)::value>(); }
-            __syncwarp();
-            cutlass::arch::NamedBarrier::arrive(kBarrierThreads, uint32_t(BwdBarrier::kDqEmpty) + decltype(wg)::value);
-          });
+          issue_dq_reductions(
+              lane0, [&](int wg) { return pair_storage.slot[wg].buffer; },
+              [&](int wg) { return dq_row + wg * (kDqChunk / NumMmaWG) + quarter * kDqSlotFloats; },
+              kDqSlotFloats * int(sizeof(float)));
+          free_dq_buffers_when_read(lane0);
         }
       }
       if (lane0) { cute::tma_store_wait<0>(); }

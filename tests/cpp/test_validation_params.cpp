@@ -361,27 +361,28 @@ TEST(ParamsBackward, LaunchOrderChoice) {
   }
 }
 
+// A setting of named choices: unset and empty give the first, each name its value, and the
+// others are refused naming the variable.
+template <class Parse, class T>
+void expect_setting_choices(Parse parse, const char* variable, std::initializer_list<std::pair<const char*, T>> choices,
+                            std::initializer_list<const char*> refused) {
+  EXPECT_EQ(parse(nullptr), choices.begin()->second);
+  EXPECT_EQ(parse(""), choices.begin()->second);
+  for (const auto& [name, value] : choices) EXPECT_EQ(parse(name), value) << name;
+  for (const char* bad : refused) expect_setting_refused(parse, bad, variable);
+}
+
 TEST(ParamsBackward, DqPathChoice) {
-  EXPECT_EQ(parse_bwd_dq_path(nullptr), BwdDqPath::kAuto);
-  EXPECT_EQ(parse_bwd_dq_path(""), BwdDqPath::kAuto);
-  EXPECT_EQ(parse_bwd_dq_path("auto"), BwdDqPath::kAuto);
-  EXPECT_EQ(parse_bwd_dq_path("atomics"), BwdDqPath::kAtomics);
-  EXPECT_EQ(parse_bwd_dq_path("pairs"), BwdDqPath::kPairs);
-  EXPECT_EQ(parse_bwd_dq_path("bulk"), BwdDqPath::kBulk);
-  for (const char* bad : {"on", "off", "Pairs", "smem"}) {
-    expect_setting_refused(parse_bwd_dq_path, bad, "CUFLASH_BWD_DQ");
-  }
+  expect_setting_choices<decltype(&parse_bwd_dq_path), BwdDqPath>(
+      parse_bwd_dq_path, "CUFLASH_BWD_DQ",
+      {{"auto", BwdDqPath::kAuto}, {"atomics", BwdDqPath::kAtomics}, {"pairs", BwdDqPath::kPairs}, {"bulk", BwdDqPath::kBulk}},
+      {"on", "off", "Pairs", "smem"});
 }
 
 TEST(ParamsBackward, DqOrderChoice) {
-  EXPECT_EQ(parse_bwd_dq_order(nullptr), BwdDqOrder::kAuto);
-  EXPECT_EQ(parse_bwd_dq_order(""), BwdDqOrder::kAuto);
-  EXPECT_EQ(parse_bwd_dq_order("auto"), BwdDqOrder::kAuto);
-  EXPECT_EQ(parse_bwd_dq_order("mma"), BwdDqOrder::kMma);
-  EXPECT_EQ(parse_bwd_dq_order("warp"), BwdDqOrder::kWarp);
-  for (const char* bad : {"on", "warps", "Warp"}) {
-    expect_setting_refused(parse_bwd_dq_order, bad, "CUFLASH_BWD_DQ_ORDER");
-  }
+  expect_setting_choices<decltype(&parse_bwd_dq_order), BwdDqOrder>(
+      parse_bwd_dq_order, "CUFLASH_BWD_DQ_ORDER",
+      {{"auto", BwdDqOrder::kAuto}, {"mma", BwdDqOrder::kMma}, {"warp", BwdDqOrder::kWarp}}, {"on", "warps", "Warp"});
 }
 
 TEST(ParamsForward, NarrowTileCostModel) {
