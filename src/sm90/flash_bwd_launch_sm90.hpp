@@ -29,14 +29,18 @@ inline void check_launch(char const* what) {
   }
 }
 
-// The sliced hdim256 kernels' dQ path with CUFLASH_BWD_DQ=auto (the default): atomics. The pairs
-// measured on the H200 within -3..+3% of them at 1k-16k (bench/NOTES.md, "dQ pairs for the hdim256
-// backward"); the bulk path has not run yet.
-inline constexpr BwdDqPath kDqPathByDefault = BwdDqPath::kAtomics;
+// The sliced hdim256 kernels' dQ path with CUFLASH_BWD_DQ=auto (the default): bulk, in the kernels
+// that have it (no softcap). Measured on the H200 against atomics at 1k-16k, bf16: +12-17%, causal
+// and not (bench/NOTES.md, "Bulk dQ for the hdim256 backward"); the pairs were within -3..+3%.
+// Deterministic runs have their own default, so that the two can be chosen apart.
+inline constexpr BwdDqPath kDqPathByDefault = BwdDqPath::kBulk;
+inline constexpr BwdDqPath kDqPathDeterministicByDefault = BwdDqPath::kBulk;
 
-// The deterministic dQ order warp with CUFLASH_BWD_DQ_ORDER=auto (the default): off until run on
-// the device.
-inline constexpr bool kDqOrderWarpByDefault = false;
+// The deterministic dQ order warp with CUFLASH_BWD_DQ_ORDER=auto (the default), for the kernels
+// whose dQ goes by atomics (softcap at hdim256, the flex hdim256 kernel, or CUFLASH_BWD_DQ=atomics):
+// measured at hdim256 0.85-0.96 of the non-deterministic speed against 0.76-0.87 with the order
+// kept by the MMA warpgroups (bench/NOTES.md, "Deterministic dQ order off the MMA warpgroups").
+inline constexpr bool kDqOrderWarpByDefault = true;
 
 template <class Element, int kHeadDim, int kHeadDimV, bool HasWindow, bool HasSoftcap,
           class Variant = variants::NoVariant>
@@ -170,8 +174,18 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
     ml.softcap_val = HasSoftcap ? params.softmax_scale / params.softcap : 0.f;
   }
   ml.deterministic = params.deterministic;
+  // The dQ path of the sliced hdim256 kernels (dq_out_sm90.hpp). Pairs: clusters of two CTAs on
+  // column blocks n, n ^ 1 sum their dQ partials of the row blocks both visit before the atomics;
+  // the grid's x must then be the column block (not with heads inner, below, nor deterministic).
+  // Bulk: each warpgroup's dQ through 8 KB of shared memory and bulk reduce-adds by the second
+  // producer warp, which also keeps the deterministic order (the kernels without softcap:
+  // kHasDqBulk). Elsewhere dQ goes by atomics.
+  BwdDqPath const dq_path = BwdDqPath(params.dq_path) != BwdDqPath::kAuto ? BwdDqPath(params.dq_path)
+                            : params.deterministic                       ? kDqPathDeterministicByDefault
+                                                                         : kDqPathByDefault;
+  ml.dq_bulk = Mainloop::kHasDqBulk && dq_path == BwdDqPath::kBulk;
   // Deterministic dQ by atomics: who waits for a row block's turn and releases it (order_dq).
-  ml.dq_order_warp = params.deterministic && !Mainloop::kDqViaSmem &&
+  ml.dq_order_warp = params.deterministic && !Mainloop::kDqViaSmem && !ml.dq_bulk &&
                      (BwdDqOrder(params.dq_order) == BwdDqOrder::kWarp ||
                       (BwdDqOrder(params.dq_order) == BwdDqOrder::kAuto && kDqOrderWarpByDefault));
   // Rotated walks make a column block wait on ones launched after it: only safe when all of a
@@ -203,15 +217,8 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // Grid y holds the column blocks and z the head groups of every batch: both at most 65535.
   bool const heads_inner = heads_wanted && HasWindow && unequal_columns && !params.deterministic &&
                            num_n_blocks <= 65535 && std::int64_t(num_head_groups) * batch <= 65535;
-  // The dQ path of the sliced hdim256 kernels (dq_out_sm90.hpp); deterministic runs keep their
-  // dQ order by atomics. Pairs: clusters of two CTAs on column blocks n, n ^ 1 sum their dQ
-  // partials of the row blocks both visit before the atomics; the grid's x must then be the
-  // column block. Bulk: each warpgroup's dQ through 8 KB of shared memory and bulk reduce-adds
-  // (the kernels without softcap: kHasDqBulk).
-  BwdDqPath const dq_path = BwdDqPath(params.dq_path) == BwdDqPath::kAuto ? kDqPathByDefault : BwdDqPath(params.dq_path);
   bool const dq_pairs = Mainloop::kSliceDQKV && !params.deterministic && !heads_inner && dq_path == BwdDqPath::kPairs;
   ml.dq_pairs = dq_pairs;
-  ml.dq_bulk = Mainloop::kHasDqBulk && !params.deterministic && dq_path == BwdDqPath::kBulk;
   ml.head_group = heads_inner ? head_group : 0;
   ml.num_head_groups = heads_inner ? num_head_groups : 1;
   ml.cu_seqlens_q = params.cu_seqlens_q;

@@ -739,15 +739,24 @@ struct MainloopBwdSm90 {
   // Second producer warp of the sliced kernels with dQ through shared memory (dq_bulk): per row
   // block, the four quarters of each MMA warpgroup's dQ^T chunk in the order they are stored
   // (two per head-dim slice), each from the warpgroup's slot by one bulk reduce-add; a slot is
-  // freed once its copy has read it.
+  // freed once its copy has read it. Deterministic runs add each row block in column-block
+  // order, as store_dq does.
   CUTE_DEVICE static void store_dq_bulk(Params const& p, DqPairStorage& pair_storage, BwdSeqlen const& seq, int n_block,
                                         int head, int batch) {
     if constexpr (kHasDqBulk) {
       auto walk = make_walk(p, seq, n_block, head, batch);
       float* dq_accum = p.dq_accum + (int64_t(head) * p.q_rows_padded + seq.offset_q_padded) * kHeadDim;
+      int* semaphore = p.dq_semaphore + (int64_t(batch) * p.num_heads + head) * p.num_m_blocks;
       bool const lane0 = cute::elect_one_sync();
       for (; walk.valid(); walk.next()) {
-        float* dq_row = dq_accum + int64_t(walk.m_block) * kDqChunk;
+        int const m_block = walk.m_block;
+        // Deterministic: the row block's turn is awaited while the MMA warpgroups still compute
+        // its dQ (their first quarter waits in the slot meanwhile).
+        if (p.deterministic) {
+          if (lane0) { semaphore_poll_eq(semaphore + m_block, dq_rank(p, seq, n_block, m_block)); }
+          __syncwarp();
+        }
+        float* dq_row = dq_accum + int64_t(m_block) * kDqChunk;
         CUTLASS_PRAGMA_NO_UNROLL
         for (int quarter = 0; quarter < 4; ++quarter) {
           issue_dq_reductions(
@@ -755,6 +764,16 @@ struct MainloopBwdSm90 {
               [&](int wg) { return dq_row + wg * (kDqChunk / NumMmaWG) + quarter * kDqSlotFloats; },
               kDqSlotFloats * int(sizeof(float)));
           free_dq_buffers_when_read(lane0);
+        }
+        if (p.deterministic) {
+          // The next column block may only add once this block's sums have landed; the slots are
+          // already free (their copies have read them), so the MMA warpgroups go on meanwhile.
+          if (lane0) {
+            asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+            __threadfence();
+            semaphore_increment(semaphore + m_block);
+          }
+          __syncwarp();
         }
       }
       if (lane0) { cute::tma_store_wait<0>(); }
@@ -1034,10 +1053,13 @@ struct MainloopBwdSm90 {
       static_assert(decltype(size(tdQrdQ))::value % 4 == 0);
       constexpr int kDqVecs = decltype(size(tdQrdQ))::value / 4;
       auto dq_vec = [&](int i) { return make_float4(tdQrdQ(4 * i), tdQrdQ(4 * i + 1), tdQrdQ(4 * i + 2), tdQrdQ(4 * i + 3)); };
+      // Deterministic runs order the atomics here; with dQ by bulk copies the copying warp does.
+      bool const order_atomics = p.deterministic && !(kHasDqBulk && p.dq_bulk);
       auto dq_atomics_wait = [&]() {
-        if (p.deterministic && p.dq_order_warp) {
+        if (!order_atomics) { return; }
+        if (p.dq_order_warp) {
           cutlass::arch::NamedBarrier::sync(NumMmaThreads + cutlass::NumThreadsPerWarp, uint32_t(BwdBarrier::kDqReady));
-        } else if (p.deterministic) {
+        } else {
           if (thread_idx == 0) {
             int const rank = dq_rank(p, seq, n_block, m_block);
             semaphore_wait_eq(dq_semaphore + m_block, rank);
@@ -1053,10 +1075,11 @@ struct MainloopBwdSm90 {
         }
       };
       auto dq_atomics_release = [&]() {
-        if (p.deterministic && p.dq_order_warp) {
+        if (!order_atomics) { return; }
+        if (p.dq_order_warp) {
           asm volatile("" ::: "memory");  // the atomics stay before the arrive
           cutlass::arch::NamedBarrier::arrive(NumMmaThreads + cutlass::NumThreadsPerWarp, uint32_t(BwdBarrier::kDqDone));
-        } else if (p.deterministic) {
+        } else {
           __threadfence();
           cutlass::arch::NamedBarrier::sync(NumMmaThreads, uint32_t(BwdBarrier::kEpilogue));
           if (thread_idx == 0) { semaphore_increment(dq_semaphore + m_block); }
