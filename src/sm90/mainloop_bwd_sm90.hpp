@@ -1111,9 +1111,7 @@ struct MainloopBwdSm90 {
         static_assert(!kSliceDQKV || (DqPairLink::kVecs == kH / 2 && DqBulkStage::kVecs == kH / 2),
                       "an exchange or a bulk copy moves half of a dQ^T half slice");
         // Bulk (p.dq_bulk): the slice in two stores into the warpgroup's slot, which the second
-        // producer warp adds to global memory (store_dq_bulk). The second store waits until the
-        // first has been read out of the slot, so it comes after the next MMA is issued (at the
-        // receive), where the wait overlaps that MMA.
+        // producer warp adds to global memory (store_dq_bulk).
         auto dq_bulk = [&](auto begin) {
           DqBulkStage::template store<decltype(begin)::value>(
               cute::cast_smem_ptr_to_uint(&pair_storage.slot[wg_idx]), thread_in_wg, uint32_t(BwdBarrier::kDqEmpty) + uint32_t(wg_idx),
@@ -1123,6 +1121,7 @@ struct MainloopBwdSm90 {
           constexpr int kBegin = decltype(slice)::value * kH;
           if (kHasDqBulk && !paired_row && p.dq_bulk) {
             dq_bulk(Int<kBegin>{});
+            dq_bulk(Int<kBegin + kH / 2>{});
           } else if (!paired_row) {
             dq_atomics(Int<kBegin>{}, Int<kBegin + kH>{});
           } else if (pair_link.is_rank0()) {
@@ -1139,9 +1138,7 @@ struct MainloopBwdSm90 {
             tdQrdQ(4 * i + 2) += v.z;
             tdQrdQ(4 * i + 3) += v.w;
           };
-          if (kHasDqBulk && !paired_row && p.dq_bulk) {
-            dq_bulk(Int<kBegin + kH / 2>{});
-          } else if (paired_row) {
+          if (paired_row) {
             if (pair_link.is_rank0()) {
               pair_link.template receive<kBegin>(thread_in_wg, add);
               dq_atomics(Int<kBegin>{}, Int<kBegin + kH / 2>{});
