@@ -161,17 +161,19 @@ struct FlashBwdKernelSm90 {
       if (warp_idx_in_wg == 0) {
         Mainloop::load(params.mainloop, ss.tensors, pipeline_q, pipeline_do, ss.barrier_kv, c.seq, c.n_block, c.head,
                        c.batch);
-      } else if (warp_idx_in_wg == 1 && (Mainloop::kDqViaSmem || params.mainloop.dq_bulk)) {
+      } else if (warp_idx_in_wg == 1 && Mainloop::kDqViaSmem) {
         // Every MMA warpgroup starts with an empty dQ buffer.
         for (int wg = 0; wg < NumMmaWG; ++wg) {
           cutlass::arch::NamedBarrier::arrive(cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp,
                                               uint32_t(BwdBarrier::kDqEmpty) + wg);
         }
-        if constexpr (Mainloop::kDqViaSmem) {
-          Mainloop::store_dq(params.mainloop, ss.tensors, c.seq, c.n_block, c.head, c.batch);
-        } else {
-          Mainloop::store_dq_bulk(params.mainloop, ss.dq_pair, c.seq, c.n_block, c.head, c.batch);
-        }
+        Mainloop::store_dq(params.mainloop, ss.tensors, c.seq, c.n_block, c.head, c.batch);
+      } else if (params.mainloop.dq_bulk && warp_idx_in_wg >= 1 && warp_idx_in_wg <= NumMmaWG) {
+        // Warp 1 + wg copies warpgroup wg's dQ; its slot starts empty.
+        int const wg = warp_idx_in_wg - 1;
+        cutlass::arch::NamedBarrier::arrive(cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp,
+                                            uint32_t(BwdBarrier::kDqEmpty) + wg);
+        Mainloop::store_dq_bulk(params.mainloop, ss.dq_pair, c.seq, c.n_block, c.head, c.batch, wg);
       } else if (warp_idx_in_wg == 1 && params.mainloop.deterministic && params.mainloop.dq_order_warp) {
         Mainloop::order_dq(params.mainloop, c.seq, c.n_block, c.head, c.batch);
       }

@@ -44,9 +44,10 @@ enum class BwdBarrier : uint32_t {
   // Kernels with dQ by atomics (no dQ smem), deterministic with the dQ order warp:
   kDqReady = 2,  // the order warp found the row block's turn: the MMA warpgroups may add
   kDqDone = 3,   // the MMA warpgroups issued the row block's atomics: the order warp releases it
+  // The sliced kernels with dQ through shared memory (CUFLASH_BWD_DQ=bulk) take kDqEmpty / kDqFull
+  // for their two warpgroups' slots, and kDqEmpty + 2 for:
+  kDqLanded = 4,  // deterministic: both dQ warps' copies of the row block have landed
 };
-// The sliced kernels with dQ through shared memory (CUFLASH_BWD_DQ=bulk, never deterministic)
-// take kDqEmpty / kDqFull for their warpgroups' slots.
 
 // ---------------------------------------------------------------------------------------------
 // Small register-tensor helpers.
@@ -736,22 +737,28 @@ struct MainloopBwdSm90 {
     }
   }
 
-  // Second producer warp of the sliced kernels with dQ through shared memory (dq_bulk): per row
-  // block, the four quarters of each MMA warpgroup's dQ^T chunk in the order they are stored
-  // (two per head-dim slice), each from the warpgroup's slot by one bulk reduce-add; a slot is
-  // freed once its copy has read it. Deterministic runs add each row block in column-block
-  // order, as store_dq does.
+  // Producer warp 1 + wg of the sliced kernels with dQ through shared memory (dq_bulk), one per
+  // MMA warpgroup so that neither waits for the other's stores: per row block, the four quarters
+  // of warpgroup wg's dQ^T chunk in the order they are stored (two per head-dim slice), each
+  // from the warpgroup's slot by one bulk reduce-add; the slot is freed once its copy has read
+  // it. Deterministic runs add each row block in column-block order, as store_dq does: both warps
+  // await the turn while the MMA warpgroups compute the block's dQ, and once the copies of both
+  // have landed the first warp passes the row block on.
   CUTE_DEVICE static void store_dq_bulk(Params const& p, DqPairStorage& pair_storage, BwdSeqlen const& seq, int n_block,
-                                        int head, int batch) {
+                                        int head, int batch, int wg) {
     if constexpr (kHasDqBulk) {
+      static_assert(NumMmaWG == 2, "kDqLanded takes the id of a third warpgroup's kDqEmpty");
       auto walk = make_walk(p, seq, n_block, head, batch);
-      float* dq_accum = p.dq_accum + (int64_t(head) * p.q_rows_padded + seq.offset_q_padded) * kHeadDim;
+      float* dq_accum = p.dq_accum + (int64_t(head) * p.q_rows_padded + seq.offset_q_padded) * kHeadDim +
+                        wg * (kDqChunk / NumMmaWG);
       int* semaphore = p.dq_semaphore + (int64_t(batch) * p.num_heads + head) * p.num_m_blocks;
+      float const* slot = pair_storage.slot[wg].buffer;
+      uint32_t const full = uint32_t(BwdBarrier::kDqFull) + wg;
+      uint32_t const empty = uint32_t(BwdBarrier::kDqEmpty) + wg;
+      constexpr int kSlotThreads = cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp;
       bool const lane0 = cute::elect_one_sync();
       for (; walk.valid(); walk.next()) {
         int const m_block = walk.m_block;
-        // Deterministic: the row block's turn is awaited while the MMA warpgroups still compute
-        // its dQ (their first quarter waits in the slot meanwhile).
         if (p.deterministic) {
           if (lane0) { semaphore_poll_eq(semaphore + m_block, dq_rank(p, seq, n_block, m_block)); }
           __syncwarp();
@@ -759,24 +766,27 @@ struct MainloopBwdSm90 {
         float* dq_row = dq_accum + int64_t(m_block) * kDqChunk;
         CUTLASS_PRAGMA_NO_UNROLL
         for (int quarter = 0; quarter < 4; ++quarter) {
-          issue_dq_reductions(
-              lane0, [&](int wg) { return pair_storage.slot[wg].buffer; },
-              [&](int wg) { return dq_row + wg * (kDqChunk / NumMmaWG) + quarter * kDqSlotFloats; },
-              kDqSlotFloats * int(sizeof(float)));
-          free_dq_buffers_when_read(lane0);
+          cutlass::arch::NamedBarrier::sync(kSlotThreads, full);
+          if (lane0) {
+            bulk_reduce_add_f32(slot, dq_row + quarter * kDqSlotFloats, kDqSlotFloats * int(sizeof(float)));
+            cute::tma_store_arrive();
+            cute::tma_store_wait<0>();
+          }
+          __syncwarp();
+          cutlass::arch::NamedBarrier::arrive(kSlotThreads, empty);
         }
         if (p.deterministic) {
-          // The next column block may only add once this block's sums have landed; the slots are
-          // already free (their copies have read them), so the MMA warpgroups go on meanwhile.
+          // The next column block may only add once this block's sums have landed.
           if (lane0) {
             asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
             __threadfence();
-            semaphore_increment(semaphore + m_block);
           }
+          __syncwarp();
+          cutlass::arch::NamedBarrier::sync(NumMmaWG * cutlass::NumThreadsPerWarp, uint32_t(BwdBarrier::kDqLanded));
+          if (wg == 0 && lane0) { semaphore_increment(semaphore + m_block); }
           __syncwarp();
         }
       }
-      if (lane0) { cute::tma_store_wait<0>(); }
     }
   }
 
