@@ -83,7 +83,6 @@ BwdParams device_bwd_params(const BackwardArgs& args, const detail::AttentionSha
   params.launch_order = static_cast<int>(launch.order);
   params.launch_head_group = launch.head_group;
   params.dq_path = static_cast<int>(detail::bwd_dq_path());
-  params.dq_order = static_cast<int>(detail::bwd_dq_order());
   return params;
 }
 

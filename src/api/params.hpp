@@ -199,12 +199,9 @@ struct BwdParams {
   // (0: all of a batch's). From CUFLASH_BWD_ORDER.
   int launch_order = 0;
   int launch_head_group = 0;
-  // How the sliced hdim256 kernels add dQ to global memory when not deterministic, a BwdDqPath
-  // value. From CUFLASH_BWD_DQ.
+  // How the sliced hdim256 kernels add dQ to global memory, a BwdDqPath value. From
+  // CUFLASH_BWD_DQ.
   int dq_path = 0;
-  // Deterministic runs of the kernels with dQ by atomics: which warps keep the dQ order, a
-  // BwdDqOrder value. From CUFLASH_BWD_DQ_ORDER.
-  int dq_order = 0;
   // Rows per step of the backward tile that dispatch laid the workspace out for (the tile
   // depends on whether the kernel has a per-element score derivative); the launcher refuses to
   // run a kernel whose tile differs.
@@ -239,16 +236,11 @@ struct CombineParams {
 // groups of g (column block n of the group's heads before n + 1, one group after another), which
 // bounds the Q / dO the running CTAs stream from L2; kAuto: by head dim (the launcher).
 enum class BwdLaunchOrder : int { kAuto = 0, kColumns = 1, kHeads = 2 };
-// How the sm90 backward's sliced hdim256 kernels add dQ to global memory when not deterministic
-// (BwdParams::dq_path): kAtomics: fp32 atomics from registers; kPairs: clusters of two CTAs on
-// adjacent column blocks sum their partials in distributed shared memory first (not with the
-// heads launch order); kBulk: through shared memory, 8 KB per bulk reduce-add; kAuto: the
-// launcher's kDqPathByDefault.
-enum class BwdDqPath : int { kAuto = 0, kAtomics = 1, kPairs = 2, kBulk = 3 };
-// Deterministic dQ by atomics (BwdParams::dq_order): kMma: the MMA warpgroups wait for each row
-// block's turn and release it (a fence, a barrier and a semaphore increment per step); kWarp: a
-// producer warp does both ahead of them; kAuto: the launcher's kDqOrderWarpByDefault.
-enum class BwdDqOrder : int { kAuto = 0, kMma = 1, kWarp = 2 };
+// How the sm90 backward's sliced hdim256 kernels add dQ to global memory (BwdParams::dq_path):
+// kAtomics: fp32 atomics from registers; kBulk: through shared memory, 8 KB per bulk reduce-add
+// (the kernels without softcap); kAuto: the launcher's kDqPathByDefault (deterministic:
+// kDqPathDeterministicByDefault).
+enum class BwdDqPath : int { kAuto = 0, kAtomics = 1, kBulk = 2 };
 struct BwdLaunchChoice {
   BwdLaunchOrder order = BwdLaunchOrder::kAuto;
   int head_group = 0;  // kHeads: heads launched together; 0: all of a batch's
@@ -256,7 +248,7 @@ struct BwdLaunchChoice {
 
 // The layout version: bumped with every change to the members of FwdParams, BwdParams or
 // ModParams, since a member added into tail padding leaves the sizes below as they were.
-constexpr std::uint64_t kParamsLayoutVersion = 8;
+constexpr std::uint64_t kParamsLayoutVersion = 9;
 
 // Whether a call needs the flex kernels (variants::FlexVariant): a score_mod, a mask_mod or block
 // lists. FwdParams and BwdParams alike.

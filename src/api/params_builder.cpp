@@ -407,10 +407,7 @@ BwdLaunchChoice parse_bwd_order(const char* value) {
 
 BwdDqPath parse_bwd_dq_path(const char* value) {
   return parse_setting<BwdDqPath>("CUFLASH_BWD_DQ", value,
-                                  {{"auto", BwdDqPath::kAuto},
-                                   {"atomics", BwdDqPath::kAtomics},
-                                   {"pairs", BwdDqPath::kPairs},
-                                   {"bulk", BwdDqPath::kBulk}});
+                                  {{"auto", BwdDqPath::kAuto}, {"atomics", BwdDqPath::kAtomics}, {"bulk", BwdDqPath::kBulk}});
 }
 
 BwdDqPath bwd_dq_path() {
@@ -418,18 +415,6 @@ BwdDqPath bwd_dq_path() {
   // can be timed in one binary. Read once per process.
   static const BwdDqPath path = parse_bwd_dq_path(std::getenv("CUFLASH_BWD_DQ"));
   return path;
-}
-
-BwdDqOrder parse_bwd_dq_order(const char* value) {
-  return parse_setting<BwdDqOrder>("CUFLASH_BWD_DQ_ORDER", value,
-                                   {{"auto", BwdDqOrder::kAuto}, {"mma", BwdDqOrder::kMma}, {"warp", BwdDqOrder::kWarp}});
-}
-
-BwdDqOrder bwd_dq_order() {
-  // CUFLASH_BWD_DQ_ORDER: which warps keep the deterministic dQ order of the kernels with dQ by
-  // atomics, so that both can be timed in one binary. Read once per process.
-  static const BwdDqOrder order = parse_bwd_dq_order(std::getenv("CUFLASH_BWD_DQ_ORDER"));
-  return order;
 }
 
 BwdLaunchChoice bwd_launch_order() {

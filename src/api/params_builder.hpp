@@ -62,16 +62,10 @@ BwdLaunchChoice parse_bwd_order(const char* value);
 BwdLaunchChoice bwd_launch_order();
 
 // The dQ path of the sliced hdim256 backward (BwdParams::dq_path): "auto" (or null / empty),
-// "atomics", "pairs" or "bulk". Throws kInvalidArgument otherwise.
+// "atomics" or "bulk". Throws kInvalidArgument otherwise.
 BwdDqPath parse_bwd_dq_path(const char* value);
 // The process's choice, from CUFLASH_BWD_DQ, read once.
 BwdDqPath bwd_dq_path();
-
-// The deterministic dQ order of the kernels with dQ by atomics (BwdParams::dq_order): "auto" (or
-// null / empty), "mma" or "warp". Throws kInvalidArgument otherwise.
-BwdDqOrder parse_bwd_dq_order(const char* value);
-// The process's choice, from CUFLASH_BWD_DQ_ORDER, read once.
-BwdDqOrder bwd_dq_order();
 
 // The forward's whole workspace: the split-KV buffers, then (tiles of unequal cost, dynamic
 // scheduling) the tile counter in a 256-byte slot of its own.

@@ -56,7 +56,7 @@ struct FlashBwdKernelSm90 {
     alignas(16) typename Mainloop::PipelineQ::SharedStorage pipeline_q;
     alignas(16) typename Mainloop::PipelinedO::SharedStorage pipeline_do;
     alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_kv;
-    typename Mainloop::DqPairStorage dq_pair;
+    typename Mainloop::DqSlotStorage dq_slots;
   };
   static constexpr int kSharedStorageSize = sizeof(SharedStorage);
   static_assert(kSharedStorageSize <= 227 * 1024, "shared memory of the backward tile exceeds 227 KB");
@@ -85,9 +85,7 @@ struct FlashBwdKernelSm90 {
     using PipelinedO = typename Mainloop::PipelinedO;
     SharedStorage& ss = *reinterpret_cast<SharedStorage*>(smem_buf);
 
-    int const warp_idx = cutlass::canonical_warp_idx_sync();
     int const warp_group_idx = cutlass::canonical_warp_group_idx();
-    int const warp_idx_in_wg = warp_idx % cutlass::NumWarpsPerWarpGroup;
     // The grid is (column blocks, heads, batch), or with a head group (heads of a group, column
     // blocks, groups x batch): block_coords. Only kernels with a window launch heads inner (the
     // launcher); the others keep the plain mapping at compile time (the sliced hdim256 kernels
@@ -100,7 +98,6 @@ struct FlashBwdKernelSm90 {
     if (threadIdx.x == 0) {
       Mainloop::prefetch_tma_descriptors(params.mainloop);
       ss.barrier_kv.init(1);
-      if constexpr (Mainloop::kSliceDQKV) { Mainloop::DqPairLink::init(ss.dq_pair); }
     }
 
     typename PipelineQ::Params pipeline_params_q;
@@ -117,15 +114,7 @@ struct FlashBwdKernelSm90 {
     pipeline_params_do.num_consumers = Mainloop::NumMmaThreads;
     PipelinedO pipeline_do(ss.pipeline_do, pipeline_params_do, Shape<_1, _1, _1>{});
 
-    if constexpr (Mainloop::kSliceDQKV) {
-      // The partner CTA of a dQ pair (if any) writes into this CTA's buffer and barriers: both
-      // CTAs' barriers are initialised before either goes on (a cluster of one without pairs).
-      cutlass::arch::fence_barrier_init();
-      cute::cluster_arrive_relaxed();
-      cute::cluster_wait();
-    } else {
-      __syncthreads();
-    }
+    __syncthreads();
 
     BwdSeqlen const seq = BwdSeqlen::make<Mainloop::kBlockM, Mainloop::kBlockN>(params.mainloop, batch);
     // Grids are sized for the longest sequence; this block has no key rows of this batch (or,
@@ -158,6 +147,9 @@ struct FlashBwdKernelSm90 {
     if (warp_group_idx == 0) {
       cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
       Coords const c = coords();
+      // Taken here, not kept from the start: held across the setup it spilled in the plain
+      // sliced hdim256 kernel.
+      int const warp_idx_in_wg = cutlass::canonical_warp_idx_sync() % cutlass::NumWarpsPerWarpGroup;
       if (warp_idx_in_wg == 0) {
         Mainloop::load(params.mainloop, ss.tensors, pipeline_q, pipeline_do, ss.barrier_kv, c.seq, c.n_block, c.head,
                        c.batch);
@@ -173,7 +165,7 @@ struct FlashBwdKernelSm90 {
         int const wg = warp_idx_in_wg - 1;
         cutlass::arch::NamedBarrier::arrive(cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp,
                                             uint32_t(BwdBarrier::kDqEmpty) + wg);
-        Mainloop::store_dq_bulk(params.mainloop, ss.dq_pair, c.seq, c.n_block, c.head, c.batch, wg);
+        Mainloop::store_dq_bulk(params.mainloop, ss.dq_slots, c.seq, c.n_block, c.head, c.batch, wg);
       } else if (warp_idx_in_wg == 1 && params.mainloop.deterministic && params.mainloop.dq_order_warp) {
         Mainloop::order_dq(params.mainloop, c.seq, c.n_block, c.head, c.batch);
       }
@@ -183,7 +175,7 @@ struct FlashBwdKernelSm90 {
       Tensor tdKrdK = partition_fragment_C(typename Mainloop::TiledMmadK{}, typename Epilogue::ShapedKAcc{});
       Tensor tdVrdV = partition_fragment_C(typename Mainloop::TiledMmadV{}, typename Epilogue::ShapedVAcc{});
       bool const any_rows = Mainloop::mma(params.mainloop, ss.tensors, pipeline_q, pipeline_do, ss.barrier_kv, c.seq,
-                                          tdKrdK, tdVrdV, ss.dq_pair, c.thread_idx, c.n_block, c.head, c.batch);
+                                          tdKrdK, tdVrdV, ss.dq_slots, c.thread_idx, c.n_block, c.head, c.batch);
       if (!any_rows) {
         clear(tdKrdK);
         clear(tdVrdV);

@@ -30,17 +30,12 @@ inline void check_launch(char const* what) {
 }
 
 // The sliced hdim256 kernels' dQ path with CUFLASH_BWD_DQ=auto (the default): bulk, in the kernels
-// that have it (no softcap). Measured on the H200 against atomics at 1k-16k, bf16: +12-17%, causal
-// and not (bench/NOTES.md, "Bulk dQ for the hdim256 backward"); the pairs were within -3..+3%.
-// Deterministic runs have their own default, so that the two can be chosen apart.
+// that have it (no softcap). Measured on the H200 against atomics at 1k-16k, bf16: +14-20%, causal
+// and not, and deterministic +8-24% (bench/NOTES.md, "Bulk dQ, the order warp and the rotation
+// rule measured" and after). Deterministic runs have their own default, so that the two can be
+// chosen apart.
 inline constexpr BwdDqPath kDqPathByDefault = BwdDqPath::kBulk;
 inline constexpr BwdDqPath kDqPathDeterministicByDefault = BwdDqPath::kBulk;
-
-// The deterministic dQ order warp with CUFLASH_BWD_DQ_ORDER=auto (the default), for the kernels
-// whose dQ goes by atomics (softcap at hdim256, the flex hdim256 kernel, or CUFLASH_BWD_DQ=atomics):
-// measured at hdim256 0.85-0.96 of the non-deterministic speed against 0.76-0.87 with the order
-// kept by the MMA warpgroups (bench/NOTES.md, "Deterministic dQ order off the MMA warpgroups").
-inline constexpr bool kDqOrderWarpByDefault = true;
 
 template <class Element, int kHeadDim, int kHeadDimV, bool HasWindow, bool HasSoftcap,
           class Variant = variants::NoVariant>
@@ -174,20 +169,17 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
     ml.softcap_val = HasSoftcap ? params.softmax_scale / params.softcap : 0.f;
   }
   ml.deterministic = params.deterministic;
-  // The dQ path of the sliced hdim256 kernels (dq_out_sm90.hpp). Pairs: clusters of two CTAs on
-  // column blocks n, n ^ 1 sum their dQ partials of the row blocks both visit before the atomics;
-  // the grid's x must then be the column block (not with heads inner, below, nor deterministic).
-  // Bulk: each warpgroup's dQ through 8 KB of shared memory and bulk reduce-adds by the second
-  // producer warp, which also keeps the deterministic order (the kernels without softcap:
-  // kHasDqBulk). Elsewhere dQ goes by atomics.
+  // The dQ path of the sliced hdim256 kernels (dq_out_sm90.hpp). Bulk: each warpgroup's dQ
+  // through 8 KB of shared memory and bulk reduce-adds by a producer warp per warpgroup, which
+  // also keep the deterministic order (the kernels without softcap: kHasDqBulk). Elsewhere dQ
+  // goes by atomics.
   BwdDqPath const dq_path = BwdDqPath(params.dq_path) != BwdDqPath::kAuto ? BwdDqPath(params.dq_path)
                             : params.deterministic                       ? kDqPathDeterministicByDefault
                                                                          : kDqPathByDefault;
   ml.dq_bulk = Mainloop::kHasDqBulk && dq_path == BwdDqPath::kBulk;
-  // Deterministic dQ by atomics: who waits for a row block's turn and releases it (order_dq).
-  ml.dq_order_warp = params.deterministic && !Mainloop::kDqViaSmem && !ml.dq_bulk &&
-                     (BwdDqOrder(params.dq_order) == BwdDqOrder::kWarp ||
-                      (BwdDqOrder(params.dq_order) == BwdDqOrder::kAuto && kDqOrderWarpByDefault));
+  // Deterministic dQ by atomics: the second producer warp waits for each row block's turn and
+  // releases it (order_dq).
+  ml.dq_order_warp = params.deterministic && !Mainloop::kDqViaSmem && !ml.dq_bulk;
   // Rotated walks make a column block wait on ones launched after it: only safe when all of a
   // head's column blocks fit on the GPU at once (one CTA per SM at least), and only worth it when
   // two heads' do: each wave of CTAs also holds part of a head, whose blocks then wait for the
@@ -217,8 +209,6 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // Grid y holds the column blocks and z the head groups of every batch: both at most 65535.
   bool const heads_inner = heads_wanted && HasWindow && unequal_columns && !params.deterministic &&
                            num_n_blocks <= 65535 && std::int64_t(num_head_groups) * batch <= 65535;
-  bool const dq_pairs = Mainloop::kSliceDQKV && !params.deterministic && !heads_inner && dq_path == BwdDqPath::kPairs;
-  ml.dq_pairs = dq_pairs;
   ml.head_group = heads_inner ? head_group : 0;
   ml.num_head_groups = heads_inner ? num_head_groups : 1;
   ml.cu_seqlens_q = params.cu_seqlens_q;
@@ -262,45 +252,8 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // zero dK / dV, so the main kernel runs whenever there are keys.
   if (num_n_blocks > 0) {
     dim3 const grid = heads_inner ? dim3(head_group, num_n_blocks, num_head_groups * batch)
-                                  : dim3(dq_pairs ? (num_n_blocks + 1) / 2 * 2 : num_n_blocks, num_heads, batch);
-    if (dq_pairs) {
-      // An odd last column block's partner is past the keys and only takes part in the start-up.
-      cudaLaunchConfig_t config{};
-      config.gridDim = grid;
-      config.blockDim = dim3(Kernel::NumThreads);
-      config.dynamicSmemBytes = kSmem;
-      config.stream = stream;
-      cudaLaunchAttribute cluster{};
-      cluster.id = cudaLaunchAttributeClusterDimension;
-      cluster.val.clusterDim.x = 2;
-      cluster.val.clusterDim.y = 1;
-      cluster.val.clusterDim.z = 1;
-      config.attrs = &cluster;
-      config.numAttrs = 1;
-      // Whether two of these CTAs fit side by side in one GPC (asked once per kernel: every H100 /
-      // H200 fits them).
-      static int const max_clusters = [&] {
-        int n = 0;
-        if (cudaOccupancyMaxActiveClusters(&n, kernel, &config) != cudaSuccess) {
-          (void)cudaGetLastError();
-          return 0;
-        }
-        return n;
-      }();
-      if (max_clusters == 0) {
-        throw Error(Error::Kind::kNotSupported, "CUFLASH_BWD_DQ",
-                    "cuflash backward: the device cannot run clusters of two backward CTAs of " + std::to_string(kSmem) +
-                        " bytes of shared memory; set CUFLASH_BWD_DQ=atomics");
-      }
-      err = cudaLaunchKernelEx(&config, kernel, kernel_params);
-      if (err != cudaSuccess) {
-        (void)cudaGetLastError();
-        throw Error(Error::Kind::kCuda, "", std::string("cuflash backward: launching the backward main kernel in "
-                                                        "clusters of two failed: ") + cudaGetErrorString(err));
-      }
-    } else {
-      kernel<<<grid, Kernel::NumThreads, kSmem, stream>>>(kernel_params);
-    }
+                                  : dim3(num_n_blocks, num_heads, batch);
+    kernel<<<grid, Kernel::NumThreads, kSmem, stream>>>(kernel_params);
     check_launch("the backward main kernel");
   }
 

@@ -15,8 +15,7 @@ namespace cuflash::sm90::bwd {
 
 // [m_block_min, m_block_max) upwards from `start`, wrapping around to m_block_min when kWrap:
 // the deterministic backward without a window starts each column block at a different row block
-// (MainloopBwdSm90::dq_rank), and the sliced hdim256 kernels start a dQ pair's walks at the row
-// blocks both CTAs share (MainloopBwdSm90::dq_pair_rows). Without kWrap, start is m_block_min and the walk holds no more than
+// (MainloopBwdSm90::dq_rank). Without kWrap, start is m_block_min and the walk holds no more than
 // the two bounds.
 template <bool kWrap>
 struct MBlockRange;

@@ -4,8 +4,8 @@
 //   dV += P^T dO,  dK += dS^T Q,  dQ = dS K
 // per row block. dQ goes to an fp32 accumulator in global memory: through smem and a bulk
 // reduce-add issued by a second producer warp, or (when smem is short: hdim256) by atomics from
-// registers, or in the sliced hdim256 kernels optionally in 8 KB quarters through smem and bulk
-// reduce-adds or summed by CTA pairs first (dq_out_sm90.hpp).
+// registers; the sliced hdim256 kernels without softcap pass it in 8 KB quarters through smem to
+// bulk reduce-adds instead (dq_out_sm90.hpp).
 // The fp32 accumulators in global memory hold each row block as one chunk in MMA-fragment order
 // (value i of thread t of warpgroup w at w * chunk / NumMmaWG + (i / 4) * 512 + t * 4 + i % 4),
 // which the postprocess kernel reads back with the same MMA partitioning.
@@ -38,7 +38,7 @@ static_assert(is_same_v<decltype(GMMA::ss_op_selector<cutlass::half_t, cutlass::
 // Named barriers of the backward kernel (CUTLASS offsets the ids past its reserved ones).
 enum class BwdBarrier : uint32_t {
   kPdS = 0,       // MMA warpgroups: P / dS written to smem
-  kEpilogue = 1,  // MMA warpgroups: dK / dV staging and dQ / dK / dV atomics ordering
+  kEpilogue = 1,  // MMA warpgroups: dK / dV staging and dK / dV atomics ordering
   kDqEmpty = 2,   // + warpgroup index (3 at most): dQ smem free for the MMA warpgroup
   kDqFull = 5,    // + warpgroup index: dQ smem filled, the reduce warp may issue the copy
   // Kernels with dQ by atomics (no dQ smem), deterministic with the dQ order warp:
@@ -393,23 +393,21 @@ struct MainloopBwdSm90 {
   static constexpr bool kSliceDQKV = kHeadDim == 256 && kHeadDimV == 256 && NumMmaWG == 2 && dQ_swapAB &&
                                      dKV_swapAB && AtomMdQ == 1 && AtomNdKV == 1 && !Mma_dKV_is_RS && !kDqViaSmem;
 
-  // The sliced kernels may run in clusters of two (dQ pairs, dq_out_sm90.hpp), where CUTLASS's
-  // release of a cluster-of-one pipeline would arrive on the other CTA's barrier.
-  using PipelineQ = std::conditional_t<kSliceDQKV, CtaPipelineTmaAsync<kStagesQ>, cutlass::PipelineTmaAsync<kStagesQ>>;
-  using PipelinedO = std::conditional_t<kSliceDQKV, CtaPipelineTmaAsync<kStagesdO>, cutlass::PipelineTmaAsync<kStagesdO>>;
+  // The bulk dQ path is compiled into the sliced kernels without a score derivative only: with
+  // softcap its code makes ptxas spill (4-8 bytes) on every path of the kernel.
+  static constexpr bool kHasDqBulk = kSliceDQKV && !kHasScoreGrad;
+
+  using PipelineQ = cutlass::PipelineTmaAsync<kStagesQ>;
+  using PipelinedO = cutlass::PipelineTmaAsync<kStagesdO>;
   using PipelineStateQ = typename PipelineQ::PipelineState;
   using PipelineStatedO = typename PipelinedO::PipelineState;
 
   // Each MMA warpgroup's dQ slot (dq_out_sm90.hpp): half of one half slice of its dQ^T, what a
-  // pair exchange receives or a bulk copy adds.
-  static constexpr int kDqSlotFloats = kSliceDQKV ? kDqChunk / NumMmaWG / 4 : 0;
-  struct NoDqPair {};
-  using DqPairStorage = std::conditional_t<kSliceDQKV, bwd::DqPairStorage<kDqSlotFloats, NumMmaWG>, NoDqPair>;
-  using DqPairLink = bwd::DqPairLink<kDqSlotFloats, cutlass::NumThreadsPerWarpGroup>;
+  // bulk copy adds.
+  static constexpr int kDqSlotFloats = kHasDqBulk ? kDqChunk / NumMmaWG / 4 : 0;
+  struct NoDqSlots {};
+  using DqSlotStorage = std::conditional_t<kHasDqBulk, bwd::DqSlotStorage<kDqSlotFloats, NumMmaWG>, NoDqSlots>;
   using DqBulkStage = bwd::DqBulkStage<kDqSlotFloats, cutlass::NumThreadsPerWarpGroup>;
-  // The bulk dQ path is compiled into the sliced kernels without a score derivative only: with
-  // softcap its code makes ptxas spill (4-8 bytes) on every path of the kernel.
-  static constexpr bool kHasDqBulk = kSliceDQKV && !kHasScoreGrad;
 
   // --- TMA ---
   using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;  // (rows, d, head, batch)
@@ -452,17 +450,14 @@ struct MainloopBwdSm90 {
     int head_group;
     int num_head_groups;
     // Deterministic dQ by atomics (no dQ smem): the second producer warp waits for each row
-    // block's turn and releases it (order_dq), off the MMA warpgroups' path; otherwise the MMA
-    // warpgroups do both.
+    // block's turn and releases it (order_dq), off the MMA warpgroups' path.
     bool dq_order_warp;
     // Deterministic without a window: column block n starts its walk at row block n * M / N
     // (dq_rank). The host sets it only when the column blocks of two heads can be resident at
     // once, since a column block then waits on ones launched after it (the launcher).
     bool dq_rotate;
-    // dQ pairs (sliced kernels, not deterministic): the grid runs in clusters of two CTAs on
-    // column blocks n, n ^ 1 (dq_out_sm90.hpp).
-    bool dq_pairs;
-    // dQ through shared memory and bulk reduce-adds (sliced kernels, not deterministic).
+    // dQ through shared memory and bulk reduce-adds (sliced kernels without softcap), also
+    // keeping the deterministic order (store_dq_bulk).
     bool dq_bulk;
     int const* cu_seqlens_q;
     int const* cu_seqlens_k;
@@ -529,26 +524,8 @@ struct MainloopBwdSm90 {
     } else {
       int num_m = 0, num_n = 1;
       int start = m_block_min < m_block_max && rotated(p, seq, num_m, num_n) ? n_block * num_m / num_n : m_block_min;
-      if constexpr (kSliceDQKV) {
-        // dQ pairs: the row blocks both CTAs visit first, in the same order, then the CTA's own
-        // (so that the shorter walk of a causal pair ends early rather than waiting).
-        auto const [pair_lo, pair_hi] = dq_pair_rows(p, seq, n_block);
-        if (pair_lo < pair_hi) { start = pair_lo; }
-      }
-      return MBlockRange<!HasWindow || kSliceDQKV>::make(m_block_min, m_block_max, start);
+      return MBlockRange<!HasWindow>::make(m_block_min, m_block_max, start);
     }
-  }
-
-  // dQ pairs: the row blocks [lo, hi) that column block n_block and its partner n_block ^ 1 both
-  // visit (empty without pairs, or when either has no rows).
-  CUTE_DEVICE static cute::tuple<int, int> dq_pair_rows(Params const& p, BwdSeqlen const& seq, int n_block) {
-    // A partner past the batch's keys returned before its mainloop (even if seqused_k claims
-    // more keys than the sequence has).
-    if (!kSliceDQKV || !p.dq_pairs || (n_block ^ 1) * kBlockN >= seq.capacity_k) { return {0, 0}; }
-    auto const [lo, hi] = m_block_range<kBlockM, kBlockN, HasWindow>(seq, n_block, p.window_left, p.window_right);
-    auto const [partner_lo, partner_hi] =
-        m_block_range<kBlockM, kBlockN, HasWindow>(seq, n_block ^ 1, p.window_left, p.window_right);
-    return {cute::max(lo, partner_lo), cute::min(hi, partner_hi)};
   }
 
   // Deterministic dQ: the place of column block n_block among the contributors to row block
@@ -744,7 +721,7 @@ struct MainloopBwdSm90 {
   // it. Deterministic runs add each row block in column-block order, as store_dq does: both warps
   // await the turn while the MMA warpgroups compute the block's dQ, and once the copies of both
   // have landed the first warp passes the row block on.
-  CUTE_DEVICE static void store_dq_bulk(Params const& p, DqPairStorage& pair_storage, BwdSeqlen const& seq, int n_block,
+  CUTE_DEVICE static void store_dq_bulk(Params const& p, DqSlotStorage& slot_storage, BwdSeqlen const& seq, int n_block,
                                         int head, int batch, int wg) {
     if constexpr (kHasDqBulk) {
       static_assert(NumMmaWG == 2, "kDqLanded takes the id of a third warpgroup's kDqEmpty");
@@ -752,7 +729,7 @@ struct MainloopBwdSm90 {
       float* dq_accum = p.dq_accum + (int64_t(head) * p.q_rows_padded + seq.offset_q_padded) * kHeadDim +
                         wg * (kDqChunk / NumMmaWG);
       int* semaphore = p.dq_semaphore + (int64_t(batch) * p.num_heads + head) * p.num_m_blocks;
-      float const* slot = pair_storage.slot[wg].buffer;
+      float const* slot = slot_storage.slot[wg].buffer;
       uint32_t const full = uint32_t(BwdBarrier::kDqFull) + wg;
       uint32_t const empty = uint32_t(BwdBarrier::kDqEmpty) + wg;
       constexpr int kSlotThreads = cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp;
@@ -794,7 +771,7 @@ struct MainloopBwdSm90 {
   template <class FragdK, class FragdV>
   CUTE_DEVICE static bool mma(Params const& p, TensorStorage& smem, PipelineQ pipeline_q, PipelinedO pipeline_do,
                               cutlass::arch::ClusterTransactionBarrier& barrier_kv, BwdSeqlen const& seq,
-                              FragdK& tdKrdK, FragdV& tdVrdV, DqPairStorage& pair_storage, int thread_idx,
+                              FragdK& tdKrdK, FragdV& tdVrdV, DqSlotStorage& slot_storage, int thread_idx,
                               int n_block, int head, int batch) {
     auto walk = make_walk(p, seq, n_block, head, batch);
     if (!walk.valid()) { return false; }
@@ -860,18 +837,6 @@ struct MainloopBwdSm90 {
     constexpr int kCols = decltype(size<1>(tScS_rc))::value;
 
     float* dq_accum = p.dq_accum + (int64_t(head) * p.q_rows_padded + seq.offset_q_padded) * kHeadDim;
-    int* dq_semaphore = p.dq_semaphore + (int64_t(batch) * p.num_heads + head) * p.num_m_blocks;
-
-    // dQ pairs (kSliceDQKV): the exchange with the partner CTA, on column block n_block ^ 1 (the
-    // launcher keeps the grid's x the column block whenever pairs are on). The walk takes the
-    // row blocks both visit first: `paired_steps` counts those left.
-    int paired_steps = 0;
-    DqPairLink pair_link{};
-    if constexpr (kSliceDQKV) {
-      auto const [pair_lo, pair_hi] = dq_pair_rows(p, seq, n_block);
-      paired_steps = cute::max(pair_hi - pair_lo, 0);
-      pair_link = DqPairLink::make(pair_storage, wg_idx);
-    }
 
     // Column masking: key columns past seqlen_k always; the window band when HasWindow.
     int const col_limit = seq.seqlen_k - n_block * kBlockN - col_base;  // in col_offset terms
@@ -1063,18 +1028,11 @@ struct MainloopBwdSm90 {
       static_assert(decltype(size(tdQrdQ))::value % 4 == 0);
       constexpr int kDqVecs = decltype(size(tdQrdQ))::value / 4;
       auto dq_vec = [&](int i) { return make_float4(tdQrdQ(4 * i), tdQrdQ(4 * i + 1), tdQrdQ(4 * i + 2), tdQrdQ(4 * i + 3)); };
-      // Deterministic runs order the atomics here; with dQ by bulk copies the copying warp does.
-      bool const order_atomics = p.deterministic && !(kHasDqBulk && p.dq_bulk);
+      // Deterministic dQ by atomics: the order warp (order_dq) found the row block's turn before
+      // the atomics and releases it after them.
       auto dq_atomics_wait = [&]() {
-        if (!order_atomics) { return; }
         if (p.dq_order_warp) {
           cutlass::arch::NamedBarrier::sync(NumMmaThreads + cutlass::NumThreadsPerWarp, uint32_t(BwdBarrier::kDqReady));
-        } else {
-          if (thread_idx == 0) {
-            int const rank = dq_rank(p, seq, n_block, m_block);
-            semaphore_wait_eq(dq_semaphore + m_block, rank);
-          }
-          cutlass::arch::NamedBarrier::sync(NumMmaThreads, uint32_t(BwdBarrier::kEpilogue));
         }
       };
       auto dq_atomics = [&](auto begin, auto end) {
@@ -1085,14 +1043,9 @@ struct MainloopBwdSm90 {
         }
       };
       auto dq_atomics_release = [&]() {
-        if (!order_atomics) { return; }
         if (p.dq_order_warp) {
           asm volatile("" ::: "memory");  // the atomics stay before the arrive
           cutlass::arch::NamedBarrier::arrive(NumMmaThreads + cutlass::NumThreadsPerWarp, uint32_t(BwdBarrier::kDqDone));
-        } else {
-          __threadfence();
-          cutlass::arch::NamedBarrier::sync(NumMmaThreads, uint32_t(BwdBarrier::kEpilogue));
-          if (thread_idx == 0) { semaphore_increment(dq_semaphore + m_block); }
         }
       };
 
@@ -1111,52 +1064,24 @@ struct MainloopBwdSm90 {
         Tensor tdKrdS_all = mma_operand_fragment<!dKV_swapAB>(wg_mma_dK, sdSt);
         Tensor tdKrdS = tdKrdS_all(_, _, _, stage_ds);
         Tensor tdKrQ_cur = tdKrQ(_, _, _, stage_q);
-        // dQ^T slice h out: on a row block the partner CTA visits too, the sum of both CTAs'
-        // halves [h * H + r * H / 2, ...) by this CTA (rank r): its other half is sent before the
-        // next MMA is issued, and the partner's half received (with the atomics) while it runs;
-        // else all of it by atomics.
-        bool const paired_row = paired_steps > 0;
-        --paired_steps;
+        // dQ^T slice h out: its values [h * H, h * H + H), by atomics or through the slot.
         constexpr int kH = kDqVecs / 2;
-        static_assert(!kSliceDQKV || (DqPairLink::kVecs == kH / 2 && DqBulkStage::kVecs == kH / 2),
-                      "an exchange or a bulk copy moves half of a dQ^T half slice");
-        // Bulk (p.dq_bulk): the slice in two stores into the warpgroup's slot, which the second
-        // producer warp adds to global memory (store_dq_bulk).
-        auto dq_bulk = [&](auto begin) {
-          DqBulkStage::template store<decltype(begin)::value>(
-              cute::cast_smem_ptr_to_uint(&pair_storage.slot[wg_idx]), thread_in_wg, uint32_t(BwdBarrier::kDqEmpty) + uint32_t(wg_idx),
-              uint32_t(BwdBarrier::kDqFull) + uint32_t(wg_idx), dq_vec);
-        };
-        auto dq_send = [&](auto slice) {
+        static_assert(!kHasDqBulk || DqBulkStage::kVecs == kH / 2, "a bulk copy moves half of a dQ^T half slice");
+        // Bulk (p.dq_bulk): the slice in two stores into the warpgroup's slot, which its producer
+        // warp adds to global memory (store_dq_bulk).
+        auto dq_out = [&](auto slice) {
           constexpr int kBegin = decltype(slice)::value * kH;
-          if (kHasDqBulk && !paired_row && p.dq_bulk) {
-            dq_bulk(Int<kBegin>{});
-            dq_bulk(Int<kBegin + kH / 2>{});
-          } else if (!paired_row) {
-            dq_atomics(Int<kBegin>{}, Int<kBegin + kH>{});
-          } else if (pair_link.is_rank0()) {
-            pair_link.template send<kBegin + kH / 2>(thread_in_wg, dq_vec);
-          } else {
-            pair_link.template send<kBegin>(thread_in_wg, dq_vec);
-          }
-        };
-        auto dq_receive = [&](auto slice) {
-          constexpr int kBegin = decltype(slice)::value * kH;
-          auto add = [&](int i, float4 v) {
-            tdQrdQ(4 * i) += v.x;
-            tdQrdQ(4 * i + 1) += v.y;
-            tdQrdQ(4 * i + 2) += v.z;
-            tdQrdQ(4 * i + 3) += v.w;
-          };
-          if (paired_row) {
-            if (pair_link.is_rank0()) {
-              pair_link.template receive<kBegin>(thread_in_wg, add);
-              dq_atomics(Int<kBegin>{}, Int<kBegin + kH / 2>{});
-            } else {
-              pair_link.template receive<kBegin + kH / 2>(thread_in_wg, add);
-              dq_atomics(Int<kBegin + kH / 2>{}, Int<kBegin + kH>{});
+          if constexpr (kHasDqBulk) {
+            if (p.dq_bulk) {
+              uint32_t const slot = cute::cast_smem_ptr_to_uint(&slot_storage.slot[wg_idx]);
+              uint32_t const empty = uint32_t(BwdBarrier::kDqEmpty) + uint32_t(wg_idx);
+              uint32_t const full = uint32_t(BwdBarrier::kDqFull) + uint32_t(wg_idx);
+              DqBulkStage::template store<kBegin>(slot, thread_in_wg, empty, full, dq_vec);
+              DqBulkStage::template store<kBegin + kH / 2>(slot, thread_in_wg, empty, full, dq_vec);
+              return;
             }
           }
+          dq_atomics(Int<kBegin>{}, Int<kBegin + kH>{});
         };
         // dV_0 += P^T dO (first half)
         wgmma_gemm_m_slice<false, -1, dKV_swapAB, 0, 2>(tiled_mma_dV, tdVrP, tdVrdO_cur, tdVrdV);
@@ -1167,18 +1092,15 @@ struct MainloopBwdSm90 {
         // dV_1; waiting for all but it completes dV_0 and dQ_0.
         wgmma_gemm_m_slice<false, 1, dKV_swapAB, 1, 2>(tiled_mma_dV, tdVrP, tdVrdO_cur, tdVrdV);
         dq_atomics_wait();
-        dq_send(Int<0>{});
+        dq_out(Int<0>{});
         // dK_0 += dS^T Q; waiting for all but it completes dV_1 (the dV MMA is done with dO).
         wgmma_gemm_m_slice<false, -1, dKV_swapAB, 0, 2>(tiled_mma_dK, tdKrdS, tdKrQ_cur, tdKrdK);
-        dq_receive(Int<0>{});
         warpgroup_wait<1>();
         pipeline_do.consumer_release(read_do);
         wgmma_gemm_m_slice<true, 0, dQ_swapAB, 1, 2>(tiled_mma_dQ, tdQrdS_cur, tdQrK, tdQrdQ);
-        dq_send(Int<1>{});
-        // Deterministic runs have no pairs, so their last atomics of the row block are above.
+        dq_out(Int<1>{});
         dq_atomics_release();
         wgmma_gemm_m_slice<false, -1, dKV_swapAB, 1, 2>(tiled_mma_dK, tdKrdS, tdKrQ_cur, tdKrdK);
-        dq_receive(Int<1>{});
       } else {
         // dV += P^T dO
         if constexpr (Mma_dKV_is_RS) {
@@ -1226,7 +1148,6 @@ struct MainloopBwdSm90 {
       ++read_q;
       ++read_do;
     }
-    if constexpr (kSliceDQKV) { pair_link.drain(); }
     return true;
   }
 };

@@ -428,16 +428,15 @@ std::vector<BwdCase> backward_cases() {
   c.label = "head_dim_200_causal_gqa", c.batch = 2, c.seqlen_q = 333, c.seqlen_k = 410, c.heads = 4,
   c.heads_kv = 2, c.head_dim = 200, c.head_dim_v = 200, c.causal = true, c.seed = seed++;
   cases.push_back(c);
-  // dQ pairs of the sliced hdim256 kernel (CUFLASH_BWD_DQ=pairs): a local window whose
-  // neighbouring column blocks share only some row blocks, with an odd number of column blocks
-  // (the last one's partner is past the keys); packed causal sequences capped by seqused, where
-  // a pair's walks differ in length and some column blocks see no row.
+  // The sliced hdim256 kernel's dQ by bulk copies: a local window whose column blocks see row
+  // blocks in different numbers, with an odd number of column blocks; packed causal sequences
+  // capped by seqused, where walks differ in length and some column blocks see no row.
   c = {};
-  c.label = "pairs_local_odd_columns", c.batch = 2, c.seqlen_q = 450, c.seqlen_k = 390, c.heads = 2,
+  c.label = "local_odd_columns", c.batch = 2, c.seqlen_q = 450, c.seqlen_k = 390, c.heads = 2,
   c.heads_kv = 2, c.head_dim = 256, c.head_dim_v = 256, c.window_left = 100, c.window_right = 30, c.seed = seed++;
   cases.push_back(c);
   c = {};
-  c.label = "pairs_varlen_seqused_causal", c.batch = 4, c.seqlen_q = 380, c.seqlen_k = 410, c.heads = 3,
+  c.label = "varlen_seqused_causal", c.batch = 4, c.seqlen_q = 380, c.seqlen_k = 410, c.heads = 3,
   c.heads_kv = 1, c.head_dim = 256, c.head_dim_v = 256, c.varlen = true, c.seqused = true, c.causal = true,
   c.seed = seed++;
   cases.push_back(c);

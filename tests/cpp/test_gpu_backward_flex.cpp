@@ -577,8 +577,8 @@ std::vector<FlexBwdCase> flex_cases() {
   c.softcap = 20.f, c.mask_mod = MaskModKind::kSlidingWindow, c.mask_scalars = {90, 40},
   c.sparse_heads = 2;
   add(c);
-  // hdim 256 adds dQ by atomics: the deterministic order there (with the MMA warpgroups or the
-  // dQ order warp, CUFLASH_BWD_DQ_ORDER) over mask_mod-narrowed windows.
+  // hdim 256 adds dQ by atomics: the deterministic order there (kept by the dQ order warp) over
+  // mask_mod-narrowed windows.
   c = {};
   c.label = "deterministic_alibi_window", c.batch = 2, c.seqlen_q = 500, c.seqlen_k = 560, c.head_dim = 256,
   c.window_left = 150, c.window_right = 30, c.score_mod = ScoreModKind::kAlibi, c.deterministic = true;

@@ -375,14 +375,8 @@ void expect_setting_choices(Parse parse, const char* variable, std::initializer_
 TEST(ParamsBackward, DqPathChoice) {
   expect_setting_choices<decltype(&parse_bwd_dq_path), BwdDqPath>(
       parse_bwd_dq_path, "CUFLASH_BWD_DQ",
-      {{"auto", BwdDqPath::kAuto}, {"atomics", BwdDqPath::kAtomics}, {"pairs", BwdDqPath::kPairs}, {"bulk", BwdDqPath::kBulk}},
-      {"on", "off", "Pairs", "smem"});
-}
-
-TEST(ParamsBackward, DqOrderChoice) {
-  expect_setting_choices<decltype(&parse_bwd_dq_order), BwdDqOrder>(
-      parse_bwd_dq_order, "CUFLASH_BWD_DQ_ORDER",
-      {{"auto", BwdDqOrder::kAuto}, {"mma", BwdDqOrder::kMma}, {"warp", BwdDqOrder::kWarp}}, {"on", "warps", "Warp"});
+      {{"auto", BwdDqPath::kAuto}, {"atomics", BwdDqPath::kAtomics}, {"bulk", BwdDqPath::kBulk}},
+      {"on", "off", "pairs", "Bulk", "smem"});
 }
 
 TEST(ParamsForward, NarrowTileCostModel) {
