@@ -235,14 +235,15 @@ has_step bench_gqa && run_bench gqa "${BENCH_GQA_TIMEOUT:-180}" "${BENCH_GQA_ARG
 has_step bench_flex && run_bench flex "${BENCH_FLEX_TIMEOUT:-300}" "${BENCH_FLEX_ARGS:-}"
 
 if has_step profile; then
-  # Nsight Compute on single launches: PROFILE is a list of kind:hdim:seqlen:causal (kind fwd or
-  # bwd), e.g. "bwd:256:4096:0 fwd:128:2048:0"; one text report per entry.
+  # Nsight Compute on single launches: PROFILE is a list of kind:hdim:seqlen:causal[:det] (kind
+  # fwd or bwd; det 1 for a deterministic backward), e.g. "bwd:256:4096:0 bwd:256:4096:0:1
+  # fwd:128:2048:0"; one text report per entry.
   make_pkg
   for spec in ${PROFILE:-bwd:256:4096:0 bwd:128:4096:0}; do
-    IFS=: read -r kind hdim seqlen causal <<<"$spec"
-    if [[ $kind == fwd ]]; then kernel=regex:flash_fwd_kernel; extra=--no-backward; else kernel=regex:flash_bwd_kernel_sm90; extra=; fi
+    IFS=: read -r kind hdim seqlen causal det <<<"$spec"
+    if [[ $kind == fwd ]]; then kernel=regex:flash_fwd_kernel; extra=--no-backward; else kernel=regex:flash_bwd_kernel_sm90; extra="--deterministic ${det:-0}"; fi
     start=$(date +%s)
-    name="ncu_${kind}_d${hdim}_s${seqlen}_c${causal}"
+    name="ncu_${kind}_d${hdim}_s${seqlen}_c${causal}${det:+_det$det}"
     rm -f "/tmp/$name.ncu-rep"  # a failed run must not report an older profile
     PYTHONPATH="$pkg" timeout "${PROFILE_TIMEOUT:-120}" ncu --set full -o "/tmp/$name" -f -k "$kernel" -s 1 -c 1 \
       python3 "$ROOT/bench/profile_kernel.py" --hdim "$hdim" --seqlen "$seqlen" --causal "$causal" $extra \

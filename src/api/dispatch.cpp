@@ -83,6 +83,7 @@ BwdParams device_bwd_params(const BackwardArgs& args, const detail::AttentionSha
   params.launch_order = static_cast<int>(launch.order);
   params.launch_head_group = launch.head_group;
   params.dq_path = static_cast<int>(detail::bwd_dq_path());
+  params.det_walk = static_cast<int>(detail::bwd_det_walk());
   return params;
 }
 

@@ -202,6 +202,9 @@ struct BwdParams {
   // How the sliced hdim256 kernels add dQ to global memory, a BwdDqPath value. From
   // CUFLASH_BWD_DQ.
   int dq_path = 0;
+  // Deterministic runs without a window: where the column blocks' walks start, a BwdDetWalk
+  // value. From CUFLASH_BWD_DET_WALK.
+  int det_walk = 0;
   // Rows per step of the backward tile that dispatch laid the workspace out for (the tile
   // depends on whether the kernel has a per-element score derivative); the launcher refuses to
   // run a kernel whose tile differs.
@@ -241,6 +244,12 @@ enum class BwdLaunchOrder : int { kAuto = 0, kColumns = 1, kHeads = 2 };
 // (the kernels without softcap); kAuto: the launcher's kDqPathByDefault (deterministic:
 // kDqPathDeterministicByDefault).
 enum class BwdDqPath : int { kAuto = 0, kAtomics = 1, kBulk = 2 };
+// Where the deterministic backward's column blocks start their walks over the row blocks
+// (BwdParams::det_walk; plain kernels without a window): kRotated: column block n at row block
+// n * M / N, so that the column blocks of a head rarely reach a row block together (only where
+// all of a head's column blocks fit on the GPU at once: otherwise ascending); kAscending: every
+// one at the first row block; kAuto: rotated where the column blocks of two heads fit at once.
+enum class BwdDetWalk : int { kAuto = 0, kRotated = 1, kAscending = 2 };
 struct BwdLaunchChoice {
   BwdLaunchOrder order = BwdLaunchOrder::kAuto;
   int head_group = 0;  // kHeads: heads launched together; 0: all of a batch's

@@ -410,6 +410,19 @@ BwdDqPath parse_bwd_dq_path(const char* value) {
                                   {{"auto", BwdDqPath::kAuto}, {"atomics", BwdDqPath::kAtomics}, {"bulk", BwdDqPath::kBulk}});
 }
 
+BwdDetWalk parse_bwd_det_walk(const char* value) {
+  return parse_setting<BwdDetWalk>(
+      "CUFLASH_BWD_DET_WALK", value,
+      {{"auto", BwdDetWalk::kAuto}, {"rotated", BwdDetWalk::kRotated}, {"ascending", BwdDetWalk::kAscending}});
+}
+
+BwdDetWalk bwd_det_walk() {
+  // CUFLASH_BWD_DET_WALK: where the deterministic backward's walks start, so that the orders can
+  // be timed in one binary. Read once per process.
+  static const BwdDetWalk walk = parse_bwd_det_walk(std::getenv("CUFLASH_BWD_DET_WALK"));
+  return walk;
+}
+
 BwdDqPath bwd_dq_path() {
   // CUFLASH_BWD_DQ: how the sliced hdim256 backward adds dQ to global memory, so that the paths
   // can be timed in one binary. Read once per process.

@@ -67,6 +67,12 @@ BwdDqPath parse_bwd_dq_path(const char* value);
 // The process's choice, from CUFLASH_BWD_DQ, read once.
 BwdDqPath bwd_dq_path();
 
+// Where the deterministic backward's walks start (BwdParams::det_walk): "auto" (or null /
+// empty), "rotated" or "ascending". Throws kInvalidArgument otherwise.
+BwdDetWalk parse_bwd_det_walk(const char* value);
+// The process's choice, from CUFLASH_BWD_DET_WALK, read once.
+BwdDetWalk bwd_det_walk();
+
 // The forward's whole workspace: the split-KV buffers, then (tiles of unequal cost, dynamic
 // scheduling) the tile counter in a 256-byte slot of its own.
 std::size_t forward_workspace_bytes(const FwdParams& params, FwdScheduler scheduler);

@@ -187,8 +187,12 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // blocks on 132 SMs, 0.91 of the non-deterministic speed rotated, 0.98 ascending; measured at
   // hdim128 16k, 128 column blocks: 0.93 rotated, 0.95 ascending). Dispatch sets num_sm; without
   // it the walks keep the ascending order, which never waits on a later launch.
-  ml.dq_rotate = params.deterministic && !HasWindow && !Mainloop::kIsFlex && params.num_sm > 0 &&
-                 2 * num_n_blocks <= params.num_sm;
+  // CUFLASH_BWD_DET_WALK=rotated / ascending overrides the second condition, not the first.
+  BwdDetWalk const det_walk = BwdDetWalk(params.det_walk);
+  bool const rotation_safe = params.num_sm > 0 && num_n_blocks <= params.num_sm;
+  bool const rotation_pays = det_walk == BwdDetWalk::kRotated ||
+                             (det_walk == BwdDetWalk::kAuto && 2 * num_n_blocks <= params.num_sm);
+  ml.dq_rotate = params.deterministic && !HasWindow && !Mainloop::kIsFlex && rotation_safe && rotation_pays;
   // Heads inner (BwdLaunchOrder::kHeads): column blocks of unequal work launched longest first
   // across the heads of a batch. Measured on the H200 (bench/NOTES.md, "Backward launch order"):
   // hdim128 causal +2-3.5%; hdim256 causal +3.5% at 2k but -9% at 8k, where the column order's

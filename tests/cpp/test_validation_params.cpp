@@ -379,6 +379,13 @@ TEST(ParamsBackward, DqPathChoice) {
       {"on", "off", "pairs", "Bulk", "smem"});
 }
 
+TEST(ParamsBackward, DetWalkChoice) {
+  expect_setting_choices<decltype(&parse_bwd_det_walk), BwdDetWalk>(
+      parse_bwd_det_walk, "CUFLASH_BWD_DET_WALK",
+      {{"auto", BwdDetWalk::kAuto}, {"rotated", BwdDetWalk::kRotated}, {"ascending", BwdDetWalk::kAscending}},
+      {"on", "rotate", "Ascending"});
+}
+
 TEST(ParamsForward, NarrowTileCostModel) {
   using sm90::fwd_narrow_tile_pays;
   // Non-causal: 192-row tiles pad 512 and 1024 rows by an eighth, which costs less than the
