@@ -1,8 +1,8 @@
 // Backward main kernel for sm90: one CTA per (column block, query head, batch); the grid's x is
 // the column block, or a head of a head group (launch order, see the launcher).
 // Warpgroup 0 is the producer (warp 0: TMA loads; warp 1: dQ bulk reduce-adds, or with dQ by
-// atomics the deterministic order or the sliced kernels' bulk path), the other warpgroups run the
-// MMAs and the dK / dV epilogue.
+// atomics the deterministic order; in the sliced kernels' bulk path warps 1 and 2, one per MMA
+// warpgroup), the other warpgroups run the MMAs and the dK / dV epilogue.
 #pragma once
 
 #include <cutlass/arch/reg_reconfig.h>
@@ -160,13 +160,13 @@ struct FlashBwdKernelSm90 {
                                               uint32_t(BwdBarrier::kDqEmpty) + wg);
         }
         Mainloop::store_dq(params.mainloop, ss.tensors, c.seq, c.n_block, c.head, c.batch);
-      } else if (params.mainloop.dq_bulk && warp_idx_in_wg >= 1 && warp_idx_in_wg <= NumMmaWG) {
+      } else if (Mainloop::kHasDqBulk && params.mainloop.dq_bulk && warp_idx_in_wg >= 1 && warp_idx_in_wg <= NumMmaWG) {
         // Warp 1 + wg copies warpgroup wg's dQ; its slot starts empty.
         int const wg = warp_idx_in_wg - 1;
         cutlass::arch::NamedBarrier::arrive(cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp,
                                             uint32_t(BwdBarrier::kDqEmpty) + wg);
         Mainloop::store_dq_bulk(params.mainloop, ss.dq_slots, c.seq, c.n_block, c.head, c.batch, wg);
-      } else if (warp_idx_in_wg == 1 && params.mainloop.deterministic && params.mainloop.dq_order_warp) {
+      } else if (warp_idx_in_wg == 1 && params.mainloop.dq_order_warp) {
         Mainloop::order_dq(params.mainloop, c.seq, c.n_block, c.head, c.batch);
       }
     } else {

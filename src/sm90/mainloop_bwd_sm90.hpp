@@ -512,7 +512,7 @@ struct MainloopBwdSm90 {
     }
   }
 
-  // The m-blocks that column block n_block visits; the producer, the dQ warp and the MMA
+  // The m-blocks that column block n_block visits; the producer, the dQ warps and the MMA
   // warpgroups each make the same walk.
   CUTE_DEVICE static auto make_walk(Params const& p, BwdSeqlen const& seq, int n_block, int head, int batch) {
     auto [m_block_min, m_block_max] = m_block_range<kBlockM, kBlockN, HasWindow>(seq, n_block, p.window_left, p.window_right);

@@ -429,7 +429,7 @@ std::vector<BwdCase> backward_cases() {
   c.heads_kv = 2, c.head_dim = 200, c.head_dim_v = 200, c.causal = true, c.seed = seed++;
   cases.push_back(c);
   // The sliced hdim256 kernel's dQ by bulk copies: a local window whose column blocks see row
-  // blocks in different numbers, with an odd number of column blocks; packed causal sequences
+  // blocks in different numbers and whose last column block is partial; packed causal sequences
   // capped by seqused, where walks differ in length and some column blocks see no row.
   c = {};
   c.label = "local_odd_columns", c.batch = 2, c.seqlen_q = 450, c.seqlen_k = 390, c.heads = 2,
