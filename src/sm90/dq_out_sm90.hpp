@@ -1,5 +1,5 @@
-// dQ out of the sliced hdim256 backward by bulk copies (CUFLASH_BWD_DQ=bulk, the default where
-// compiled; fp32 atomics from registers otherwise): each MMA warpgroup stages its dQ through an
+// dQ out of the sliced hdim256 backward by bulk copies (CUFLASH_BWD_DQ=bulk, the default without
+// softcap; fp32 atomics from registers otherwise): each MMA warpgroup stages its dQ through an
 // 8 KB slot of shared memory, and a producer warp per warpgroup adds the slot to global memory
 // with a bulk reduce-add (DqBulkStage), as the kernels whose whole dQ tile fits in shared memory
 // do. Measured on the H200 +14-20% over the atomics (bench/NOTES.md, "Bulk dQ, the order warp and

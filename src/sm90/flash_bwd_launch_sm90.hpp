@@ -36,6 +36,9 @@ inline void check_launch(char const* what) {
 // chosen apart.
 inline constexpr BwdDqPath kDqPathByDefault = BwdDqPath::kBulk;
 inline constexpr BwdDqPath kDqPathDeterministicByDefault = BwdDqPath::kBulk;
+// The sliced softcap kernels have the bulk path too, not yet run on the device: `auto` keeps
+// their atomics until it has (CUFLASH_BWD_DQ=bulk takes it).
+inline constexpr BwdDqPath kDqPathSoftcapByDefault = BwdDqPath::kAtomics;
 
 template <class Element, int kHeadDim, int kHeadDimV, bool HasWindow, bool HasSoftcap,
           class Variant = variants::NoVariant>
@@ -171,9 +174,10 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   ml.deterministic = params.deterministic;
   // The dQ path of the sliced hdim256 kernels (dq_out_sm90.hpp). Bulk: each warpgroup's dQ
   // through 8 KB of shared memory and bulk reduce-adds by a producer warp per warpgroup, which
-  // also keep the deterministic order (the kernels without softcap: kHasDqBulk). Elsewhere dQ
-  // goes by atomics.
+  // also keep the deterministic order (kHasDqBulk; with softcap only when asked for). Elsewhere
+  // dQ goes by atomics.
   BwdDqPath const dq_path = BwdDqPath(params.dq_path) != BwdDqPath::kAuto ? BwdDqPath(params.dq_path)
+                            : HasSoftcap                                 ? kDqPathSoftcapByDefault
                             : params.deterministic                       ? kDqPathDeterministicByDefault
                                                                          : kDqPathByDefault;
   ml.dq_bulk = Mainloop::kHasDqBulk && dq_path == BwdDqPath::kBulk;
