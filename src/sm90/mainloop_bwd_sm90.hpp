@@ -4,8 +4,8 @@
 //   dV += P^T dO,  dK += dS^T Q,  dQ = dS K
 // per row block. dQ goes to an fp32 accumulator in global memory: through smem and a bulk
 // reduce-add issued by a second producer warp, or (when smem is short: hdim256) by atomics from
-// registers; the sliced hdim256 kernels without softcap pass it in 8 KB quarters through smem to
-// bulk reduce-adds instead (dq_out_sm90.hpp).
+// registers; the sliced hdim256 kernels pass it in 8 KB quarters through smem to bulk
+// reduce-adds instead (by default without softcap; dq_out_sm90.hpp).
 // The fp32 accumulators in global memory hold each row block as one chunk in MMA-fragment order
 // (value i of thread t of warpgroup w at w * chunk / NumMmaWG + (i / 4) * 512 + t * 4 + i % 4),
 // which the postprocess kernel reads back with the same MMA partitioning.
@@ -453,11 +453,12 @@ struct MainloopBwdSm90 {
     // block's turn and releases it (order_dq), off the MMA warpgroups' path.
     bool dq_order_warp;
     // Deterministic without a window: column block n starts its walk at row block n * M / N
-    // (dq_rank). The host sets it only when the column blocks of two heads can be resident at
-    // once, since a column block then waits on ones launched after it (the launcher).
+    // (dq_rank). The host sets it only when all of a head's column blocks can be resident at
+    // once, since a column block then waits on ones launched after it, and by default only when
+    // two heads' can (the launcher; CUFLASH_BWD_DET_WALK).
     bool dq_rotate;
-    // dQ through shared memory and bulk reduce-adds (sliced kernels without softcap), also
-    // keeping the deterministic order (store_dq_bulk).
+    // dQ through shared memory and bulk reduce-adds (sliced kernels), also keeping the
+    // deterministic order (store_dq_bulk).
     bool dq_bulk;
     int const* cu_seqlens_q;
     int const* cu_seqlens_k;
