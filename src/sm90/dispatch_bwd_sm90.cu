@@ -93,18 +93,17 @@ WorkspaceLayout workspace_layout(const BwdParams& p) {
 
   WorkspaceLayout layout;
   WorkspaceLayoutBuilder buffers;
-  auto take = [&](std::size_t bytes) { return buffers.take(bytes); };
-  layout.lse_log2 = take(sizeof(float) * p.num_heads * q_rows);
-  layout.dpsum = take(sizeof(float) * p.num_heads * q_rows);
-  layout.dq_accum = take(sizeof(float) * p.num_heads * q_rows * dims.head_dim);
+  layout.lse_log2 = buffers.take(sizeof(float) * p.num_heads * q_rows);
+  layout.dpsum = buffers.take(sizeof(float) * p.num_heads * q_rows);
+  layout.dq_accum = buffers.take(sizeof(float) * p.num_heads * q_rows * dims.head_dim);
   if (gqa) {
-    layout.dk_accum = take(sizeof(float) * p.num_heads_kv * k_rows * dims.head_dim);
-    layout.dv_accum = take(sizeof(float) * p.num_heads_kv * k_rows * dims.head_dim_v);
+    layout.dk_accum = buffers.take(sizeof(float) * p.num_heads_kv * k_rows * dims.head_dim);
+    layout.dv_accum = buffers.take(sizeof(float) * p.num_heads_kv * k_rows * dims.head_dim_v);
   }
   // dQ semaphores per (batch, head, row block), then dK / dV ones per (batch, kv head, column block).
-  layout.semaphore = take(p.deterministic ? sizeof(int) * (std::size_t(p.batch) * p.num_heads * num_m_blocks +
-                                                           std::size_t(p.batch) * p.num_heads_kv * num_n_blocks)
-                                          : 0);
+  std::size_t const num_semaphores =
+      std::size_t(p.batch) * p.num_heads * num_m_blocks + std::size_t(p.batch) * p.num_heads_kv * num_n_blocks;
+  layout.semaphore = buffers.take(p.deterministic ? sizeof(int) * num_semaphores : 0);
   layout.total = buffers.total();
   return layout;
 }

@@ -197,7 +197,6 @@ PagedLayout paged_layout(BwdParams const& p, char* base) {
   l.dense.v_head_stride = l.dense.dv_head_stride = p.head_dim_v;
 
   WorkspaceLayoutBuilder buffers;
-  auto take = [&](std::size_t bytes) { return buffers.take(bytes); };
   // The dense backward's own checks (dtype, head dims, alignment, built kernels) run here,
   // before anything is launched, with 256-byte aligned placeholders for the buffers it will read
   // and write in the workspace (the pages themselves need no alignment: gather and scatter read
@@ -205,21 +204,21 @@ PagedLayout paged_layout(BwdParams const& p, char* base) {
   l.dense.k = l.dense.v = reinterpret_cast<void const*>(std::uintptr_t{kWorkspaceAlignment});
   l.dense.dk = l.dense.dv = reinterpret_cast<void*>(std::uintptr_t{kWorkspaceAlignment});
   std::size_t const dense_bytes = backward_workspace_bytes(l.dense);
-  l.dense_workspace = take(dense_bytes);
-  l.k = take(sizeof(std::uint16_t) * rows * k_width);
-  l.v = take(sizeof(std::uint16_t) * rows * v_width);
-  l.dk = take(sizeof(std::uint16_t) * rows * k_width);
-  l.dv = take(sizeof(std::uint16_t) * rows * v_width);
-  l.keys = take(sizeof(int) * num_entries);
-  l.entries = take(sizeof(int) * num_entries);
-  l.sorted_keys = take(sizeof(int) * num_entries);
-  l.sorted_entries = take(sizeof(int) * num_entries);
+  l.dense_workspace = buffers.take(dense_bytes);
+  l.k = buffers.take(sizeof(std::uint16_t) * rows * k_width);
+  l.v = buffers.take(sizeof(std::uint16_t) * rows * v_width);
+  l.dk = buffers.take(sizeof(std::uint16_t) * rows * k_width);
+  l.dv = buffers.take(sizeof(std::uint16_t) * rows * v_width);
+  l.keys = buffers.take(sizeof(int) * num_entries);
+  l.entries = buffers.take(sizeof(int) * num_entries);
+  l.sorted_keys = buffers.take(sizeof(int) * num_entries);
+  l.sorted_entries = buffers.take(sizeof(int) * num_entries);
   if (num_entries > 0) {
     cub::DeviceRadixSort::SortPairs(nullptr, l.sort_scratch_bytes, static_cast<int const*>(nullptr),
                                     static_cast<int*>(nullptr), static_cast<int const*>(nullptr),
                                     static_cast<int*>(nullptr), num_entries, 0, key_bits(c.num_pages));
   }
-  l.sort_scratch = take(l.sort_scratch_bytes);
+  l.sort_scratch = buffers.take(l.sort_scratch_bytes);
   l.total = buffers.total();
 
   if (base != nullptr) {
