@@ -14,7 +14,8 @@ from kernel_generator_common import write_instantiations
 # decoding with a score_mod or mask_mod.
 # paged: k/v read through a page table (TMA or gathered loads, picked at run time from the page
 # size); with split-KV too, for decoding from a paged cache, and with softcap (decoding softcapped
-# models from a paged cache). Flex is not paged.
+# models from a paged cache); with flex (score_mod / mask_mod / block sparsity over a paged cache),
+# with and without split-KV.
 # packgqa: packed GQA tiles (sm90/pack_gqa_sm90.hpp), a GQA group's query heads in one tile;
 # separate kernels because their per-row Q gathering, stores and masking would cost the others
 # registers (the hdim 256 consumers spill). Not with flex, nor with softcap and split or paged.
@@ -25,6 +26,8 @@ FEATURES = {
     "softcap_split": ("true", "true", "variants::NoVariant", "false", "false"),
     "flex": ("false", "false", "variants::FlexVariant", "false", "false"),
     "flex_split": ("false", "true", "variants::FlexVariant", "false", "false"),
+    "flex_paged": ("false", "false", "variants::FlexVariant", "true", "false"),
+    "flex_paged_split": ("false", "true", "variants::FlexVariant", "true", "false"),
     "paged": ("false", "false", "variants::NoVariant", "true", "false"),
     "paged_split": ("false", "true", "variants::NoVariant", "true", "false"),
     "softcap_paged": ("true", "false", "variants::NoVariant", "true", "false"),

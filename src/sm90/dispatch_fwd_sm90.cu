@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -56,7 +57,11 @@ std::string fwd_kernel_name(const FwdParams& p) {
   std::string name = "flash_fwd_hdim" + std::to_string(hdim);
   if (hdim_v != hdim) name += "x" + std::to_string(hdim_v);
   name += DType(p.dtype) == DType::kBFloat16 ? "_bf16" : "_fp16";
-  if (needs_flex(p)) return name + (p.num_splits > 1 ? "_flex_split_sm90" : "_flex_sm90");  // softcap is a runtime choice in it
+  if (needs_flex(p)) {  // softcap is a runtime choice in it
+    if (p.page_table != nullptr) name += "_flex_paged";
+    else name += "_flex";
+    return name + (p.num_splits > 1 ? "_split_sm90" : "_sm90");
+  }
   if (p.softcap > 0.f) name += "_softcap";
   if (p.page_table != nullptr) name += "_paged";
   if (p.num_splits > 1) name += "_split";
@@ -93,12 +98,31 @@ void check_flex(const FwdParams& p) {
   }
 }
 
-// What the paged kernels (_paged, _paged_split) cannot do, refused by name before any launch.
+// Paged K/V with score_mod / mask_mod / block sparsity (the _flex_paged kernels): compiled, and
+// taken only with CUFLASH_FWD_PAGED_FLEX=1 until their GPU tests have run (GpuForwardPaged's
+// mod cases); the callables compiled at run time have no paged form.
+bool paged_flex_enabled() {
+  char const* value = std::getenv("CUFLASH_FWD_PAGED_FLEX");
+  if (value == nullptr || *value == '\0' || std::strcmp(value, "0") == 0) return false;
+  if (std::strcmp(value, "1") == 0) return true;
+  throw Error(Error::Kind::kInvalidArgument, "CUFLASH_FWD_PAGED_FLEX",
+              std::string("CUFLASH_FWD_PAGED_FLEX: expected 0 or 1, got '") + value + "'");
+}
+
+// What the paged kernels cannot do, refused by name before any launch.
 void check_paged(const FwdParams& p) {
-  if (needs_flex(p)) {
+  if (!needs_flex(p)) return;
+  if (p.expression_kernel != 0) {
     not_supported("page_table",
-                  "paged KV cannot be combined with score_mod, mask_mod or block sparsity in the "
-                  "sm90 forward kernel");
+                  "paged KV cannot be combined with score_mod / mask_mod callables compiled at "
+                  "run time in the sm90 forward kernel (the built-in score_mods and mask_mods "
+                  "take it)");
+  }
+  if (!paged_flex_enabled()) {
+    not_supported("page_table",
+                  "paged KV with score_mod, mask_mod or block sparsity runs in the sm90 forward "
+                  "kernels built for it only with CUFLASH_FWD_PAGED_FLEX=1 until they have been "
+                  "checked on the GPU");
   }
 }
 

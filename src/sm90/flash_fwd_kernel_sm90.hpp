@@ -72,7 +72,6 @@ struct FlashFwdKernelSm90 {
   static constexpr bool kIsPaged = Config::kIsPaged;
   static constexpr bool kPackGqa = Config::kPackGqa;
   static_assert(!(kIsFlex && Config::kHasSoftcap), "the flex variant has softcap built in");
-  static_assert(!(kIsFlex && kIsPaged), "the flex variant reads dense or packed k/v");
   static_assert(kNumMmaWarpGroups == 2 || kNumMmaWarpGroups == 3,
                 "register split and pingpong below: two or three MMA warpgroups");
   // 64K registers per SM and one CTA per SM: the launch gives each thread 65536 / kNumThreads

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <numeric>
 #include <optional>
@@ -42,6 +43,11 @@ struct PagedCase {
   bool shared_pages = false;  // sequence 1 starts with sequence 0's pages (a shared prefix)
   int num_splits = 1;         // split-KV; <= 0 lets cuflash choose
   float softcap = 0.f;
+  // Built-in mods (the flex_paged kernels): ALiBi slopes drawn per head; mask scalars as
+  // MaskMod::scalars.
+  ScoreModKind score_mod = ScoreModKind::kNone;
+  MaskModKind mask_mod = MaskModKind::kNone;
+  std::vector<double> mask_scalars;
   unsigned seed = 1;
 };
 
@@ -59,6 +65,7 @@ struct Problem {
   int rows_q = 0, num_pages = 0;
   std::vector<int> page_table;  // (B, max_pages)
   std::vector<float> q, k, v;   // values already rounded to the input dtype
+  std::vector<float> slopes;    // ALiBi, (H,)
   float scale = 1.f;
 
   explicit Problem(const PagedCase& pc) : c(pc) {
@@ -100,6 +107,23 @@ struct Problem {
     fill_normal(k, pool_rows * c.heads_kv * c.head_dim, c.dtype, normal, rng);
     fill_normal(v, pool_rows * c.heads_kv * c.head_dim_v, c.dtype, normal, rng);
     scale = 1.f / std::sqrt(float(c.head_dim));
+    std::uniform_real_distribution<float> slope(-0.5f, 0.5f);
+    for (int h = 0; h < c.heads; ++h) slopes.push_back(slope(rng));
+  }
+
+  // The built-in mods at query i, key j of head h (positions in their sequence).
+  float modded(float s, int h, int i, int j) const {
+    return c.score_mod == ScoreModKind::kAlibi ? s + slopes[h] * float(j - i) : s;
+  }
+  bool mask_mod_keeps(int i, int j) const {
+    switch (c.mask_mod) {
+      case MaskModKind::kSlidingWindow:
+        return i - j <= c.mask_scalars[0] && j - i <= c.mask_scalars[1];
+      case MaskModKind::kPrefixLM:
+        return j <= i || j < c.mask_scalars[0];
+      default:
+        return true;
+    }
   }
 
   // Row of the pool that holds key j of sequence b.
@@ -150,12 +174,15 @@ Result naive_low_precision(const Problem& pb) {
           const int diag = i + sk - sq;
           if ((right >= 0 && j > diag + right) || (c.window_left >= 0 && j < diag - c.window_left))
             continue;
+          if (!pb.mask_mod_keeps(i, j)) continue;
           const float* krow = &pb.k[(pb.key_row(b, j) * c.heads_kv + hk) * c.head_dim];
           float dot = 0.f;
           for (int d = 0; d < c.head_dim; ++d) dot += qs[d] * krow[d];
           scores[j] = gpu_testing::round_to(dot, c.dtype);
           if (c.softcap > 0.f)
             scores[j] = gpu_testing::round_to(c.softcap * std::tanh(scores[j] / c.softcap), c.dtype);
+          if (c.score_mod != ScoreModKind::kNone)
+            scores[j] = gpu_testing::round_to(pb.modded(scores[j], h, i, j), c.dtype);
           row_max = std::max(row_max, scores[j]);
         }
         if (row_max == kNegInf) continue;  // nothing visible: out 0, lse -inf
@@ -177,10 +204,10 @@ Result naive_low_precision(const Problem& pb) {
   return result;
 }
 
-// ForwardArgs for data at `device`: q/out/lse/k/v pointers and the int arrays page_table,
-// cu_seqlens_q, seqused_k.
+// ForwardArgs for data at `device`: q/out/lse/k/v pointers, the int arrays page_table,
+// cu_seqlens_q, seqused_k, and the ALiBi slopes.
 struct ArgPointers {
-  void *q, *k, *v, *out, *lse, *page_table, *cu_seqlens_q, *seqused_k;
+  void *q, *k, *v, *out, *lse, *page_table, *cu_seqlens_q, *seqused_k, *slopes;
 };
 
 ForwardArgs make_args(const Problem& pb, DType dtype, Device device, const ArgPointers& ptr) {
@@ -203,17 +230,44 @@ ForwardArgs make_args(const Problem& pb, DType dtype, Device device, const ArgPo
   args.seq.page_table = TensorView(ptr.page_table, DType::kInt32, {B, c.max_pages}, device);
   if (c.seqused) args.seq.seqused_k = TensorView(ptr.seqused_k, DType::kInt32, {B}, device);
   gpu_testing::set_window_options(args.opts, c);
+  args.opts.score_mod.kind = c.score_mod;
+  if (c.score_mod == ScoreModKind::kAlibi)
+    args.opts.score_mod.aux = {TensorView(ptr.slopes, DType::kFloat32, {H}, device)};
+  args.opts.mask_mod.kind = c.mask_mod;
+  args.opts.mask_mod.scalars = c.mask_scalars;
   return args;
 }
+
+// The flex_paged kernels run only with CUFLASH_FWD_PAGED_FLEX=1 until these cases have passed on
+// the GPU (dispatch_fwd_sm90.cu): set for the call, then put back.
+class PagedFlexSetting {
+ public:
+  explicit PagedFlexSetting(const char* value) {
+    const char* old = std::getenv("CUFLASH_FWD_PAGED_FLEX");
+    if (old != nullptr) saved_ = old;
+    had_ = old != nullptr;
+    if (value != nullptr) setenv("CUFLASH_FWD_PAGED_FLEX", value, 1);
+    else unsetenv("CUFLASH_FWD_PAGED_FLEX");
+  }
+  ~PagedFlexSetting() {
+    if (had_) setenv("CUFLASH_FWD_PAGED_FLEX", saved_.c_str(), 1);
+    else unsetenv("CUFLASH_FWD_PAGED_FLEX");
+  }
+
+ private:
+  std::string saved_;
+  bool had_ = false;
+};
 
 Result run_reference(const Problem& pb) {
   std::vector<float> q = pb.q, k = pb.k, v = pb.v;
   std::vector<float> out(std::size_t(pb.rows_q) * pb.c.heads * pb.c.head_dim_v, std::nanf(""));
   std::vector<float> lse(pb.lse_size(), std::nanf(""));
   std::vector<int> page_table = pb.page_table, cu_q = pb.cu_seqlens_q(), used_k = pb.used_k;
+  std::vector<float> slopes = pb.slopes;
   forward(make_args(pb, DType::kFloat32, kCpu,
                     {q.data(), k.data(), v.data(), out.data(), lse.data(), page_table.data(),
-                     cu_q.data(), used_k.data()}));
+                     cu_q.data(), used_k.data(), slopes.data()}));
   return {std::vector<double>(out.begin(), out.end()), std::vector<double>(lse.begin(), lse.end())};
 }
 
@@ -227,10 +281,13 @@ Result run_gpu(const Problem& pb) {
   DeviceBuffer page_table = DeviceBuffer::from(pb.page_table);
   DeviceBuffer cu_q = DeviceBuffer::from(pb.cu_seqlens_q());
   DeviceBuffer used_k = DeviceBuffer::from(pb.used_k);
+  DeviceBuffer slopes = DeviceBuffer::from(pb.slopes);
   ForwardArgs args = make_args(pb, c.dtype, kCuda,
                                {q.data(), k.data(), v.data(), out.data(), lse.data(),
-                                page_table.data(), cu_q.data(), used_k.data()});
+                                page_table.data(), cu_q.data(), used_k.data(), slopes.data()});
   args.num_splits = c.num_splits;
+  const bool mods = c.score_mod != ScoreModKind::kNone || c.mask_mod != MaskModKind::kNone;
+  PagedFlexSetting setting(mods ? "1" : std::getenv("CUFLASH_FWD_PAGED_FLEX"));
   forward(args);
   gpu_testing::check_cuda(cudaDeviceSynchronize(), "paged forward kernel");
   Result result;
@@ -311,6 +368,25 @@ std::vector<PagedCase> paged_cases() {
     c.page_size = page_size, c.max_pages = pages_for(1500), c.seqused = true, c.shared_pages = true,
     c.num_splits = 3, c.softcap = 30.f;
     add(c);
+    // Built-in mods (the flex_paged and flex_paged_split kernels): ALiBi with a sliding-window
+    // mask_mod over shared pages, a prefix-LM mask with softcap and seqused, and ALiBi decode
+    // split three ways.
+    c = {};
+    c.label = "alibi_sliding_shared_pages", c.batch = 2, c.seqlen_q = 140, c.heads = 4, c.heads_kv = 2,
+    c.page_size = page_size, c.max_pages = pages_for(400), c.shared_pages = true,
+    c.score_mod = ScoreModKind::kAlibi, c.mask_mod = MaskModKind::kSlidingWindow,
+    c.mask_scalars = {120, 20};
+    add(c);
+    c = {};
+    c.label = "prefix_lm_softcap_seqused", c.batch = 3, c.seqlen_q = 200, c.heads = 2, c.heads_kv = 2,
+    c.page_size = page_size, c.max_pages = pages_for(260), c.seqused = true, c.softcap = 20.f,
+    c.mask_mod = MaskModKind::kPrefixLM, c.mask_scalars = {50};
+    add(c);
+    c = {};
+    c.label = "alibi_decode_split3", c.batch = 2, c.seqlen_q = 2, c.heads = 8, c.heads_kv = 1,
+    c.page_size = page_size, c.max_pages = pages_for(1500), c.seqused = true, c.causal = true,
+    c.score_mod = ScoreModKind::kAlibi, c.num_splits = 3;
+    add(c);
   }
   // The other head dims (and fp16), when built: a gathered and a TMA page size for each
   // (whole n-blocks: 128 rows for d64, 160 for d96, 128 for d192x128, 112 for d192, 80 for d256;
@@ -382,11 +458,14 @@ TEST(GpuForwardPagedUnsupported, PackedGqaWithSoftcapIsRefused) {
   expect_not_supported(call.args, "pack_gqa");
 }
 
-TEST(GpuForwardPagedUnsupported, ScoreModIsRefused) {
+// Until the flex_paged kernels have been checked on the GPU, a mod over paged K/V is refused
+// unless CUFLASH_FWD_PAGED_FLEX=1.
+TEST(GpuForwardPagedUnsupported, ModWithoutTheSettingIsRefused) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
-  if (!is_built("fwd bf16 hdim128 paged")) GTEST_SKIP() << "hdim128 bf16 paged not built";
+  if (!is_built("fwd bf16 hdim128 flex paged")) GTEST_SKIP() << "hdim128 bf16 flex paged not built";
   SmallPagedCall call;
   call.args.opts.mask_mod.kind = MaskModKind::kCausal;
+  PagedFlexSetting setting(nullptr);
   expect_not_supported(call.args, "page_table");
 }
 
