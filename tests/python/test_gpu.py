@@ -110,6 +110,38 @@ def test_torch_paged_kv_backward(rng, deterministic):
             assert torch.equal(a, b), f"{name} differs between two deterministic runs"
 
 
+def test_torch_paged_kv_builtin_mods(rng, monkeypatch):
+    """Paged KV with a built-in score_mod under autograd on the GPU (the flex_paged forward
+    kernel, then the paged backward over the flex backward) against the CPU reference: ALiBi
+    with a local window, shuffled pages, a partly used last page and GQA."""
+    torch = torch_cuda()
+    # The flex_paged kernels are taken only with this setting until checked on the GPU.
+    monkeypatch.setenv("CUFLASH_FWD_PAGED_FLEX", "1")
+    batch, seqlen_q, heads, heads_kv, dim, page_size, max_pages = 2, 130, 4, 2, 128, 16, 20
+    num_pages = batch * max_pages + 3
+    table = rng.permutation(num_pages)[: batch * max_pages].reshape(batch, max_pages).astype(np.int32)
+    seqused_k = np.array([max_pages * page_size, max_pages * page_size - 45], np.int32)
+    q = rng.standard_normal((batch, seqlen_q, heads, dim)).astype(np.float32)
+    k_cache, v_cache = (rng.standard_normal((num_pages, page_size, heads_kv, dim)).astype(np.float32)
+                        for _ in range(2))
+    dout = rng.standard_normal((batch, seqlen_q, heads, dim)).astype(np.float32)
+    slopes = cuflash.scores.alibi_slopes(heads)  # NumPy: moved to q's device
+
+    def run(device):
+        tensors = [torch.from_numpy(x).to(device).bfloat16().requires_grad_(True) for x in (q, k_cache, v_cache)]
+        out, _ = cuflash.flash_attn_varlen_func(
+            *tensors, seqused_k=torch.from_numpy(seqused_k).to(device), page_table=torch.from_numpy(table).to(device),
+            window_size=(100, 10), score_mod=cuflash.scores.alibi(slopes))
+        grads = torch.autograd.grad(out, tensors, torch.from_numpy(dout).to(device).bfloat16())
+        return [to_f64(out)] + [to_f64(g) for g in grads]
+
+    expected = run("cpu")
+    with skip_if_not_built():
+        actual = run("cuda")
+    for name, a, e in zip(("out", "dq", "dk_cache", "dv_cache"), actual, expected):
+        assert_close(a, e, "bfloat16", scale=max(1.0, np.abs(e).max()), what=name)
+
+
 def test_torch_side_stream(rng):
     torch = torch_cuda()
     q, k, v = (torch.from_numpy(x.astype(np.float32)).cuda().bfloat16() for x in reference_inputs(rng, "bfloat16"))
