@@ -98,7 +98,8 @@ void check_flex(const FwdParams& p) {
   }
 }
 
-// Paged K/V with score_mod / mask_mod / block sparsity (the _flex_paged kernels): compiled, and
+// Paged K/V with a built-in score_mod / mask_mod (the _flex_paged kernels; block sparsity with
+// a page table is refused by validation): compiled, and
 // taken only with CUFLASH_FWD_PAGED_FLEX=1 until their GPU tests have run (GpuForwardPaged's
 // mod cases); the callables compiled at run time have no paged form.
 bool paged_flex_enabled() {
@@ -120,9 +121,9 @@ void check_paged(const FwdParams& p) {
   }
   if (!paged_flex_enabled()) {
     not_supported("page_table",
-                  "paged KV with score_mod, mask_mod or block sparsity runs in the sm90 forward "
-                  "kernels built for it only with CUFLASH_FWD_PAGED_FLEX=1 until they have been "
-                  "checked on the GPU");
+                  "paged KV with a score_mod or mask_mod runs in the sm90 forward kernels built "
+                  "for it only with CUFLASH_FWD_PAGED_FLEX=1 until they have been checked on the "
+                  "GPU");
   }
 }
 

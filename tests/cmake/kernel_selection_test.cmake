@@ -30,11 +30,11 @@ function(expect_selection kernel_set features expected_count must_have must_not_
 endfunction()
 
 # ci: hdim128 bf16, every feature but the paged split-KV ones.
-expect_selection(ci "softcap;split;flex;paged" 10
-  "flash_fwd_hdim128_bf16_sm90;flash_fwd_hdim128_bf16_softcap_split_sm90;flash_bwd_hdim128_bf16_sm90;flash_fwd_hdim128_bf16_flex_split_sm90;flash_fwd_hdim128_bf16_softcap_paged_sm90"
-  "flash_fwd_hdim128_bf16_paged_split_sm90;flash_fwd_hdim128_bf16_softcap_paged_split_sm90;flash_fwd_hdim64_bf16_sm90;flash_fwd_hdim128_fp16_sm90")
+expect_selection(ci "softcap;split;flex;paged" 11
+  "flash_fwd_hdim128_bf16_sm90;flash_fwd_hdim128_bf16_softcap_split_sm90;flash_bwd_hdim128_bf16_sm90;flash_fwd_hdim128_bf16_flex_split_sm90;flash_fwd_hdim128_bf16_softcap_paged_sm90;flash_fwd_hdim128_bf16_flex_paged_sm90"
+  "flash_fwd_hdim128_bf16_paged_split_sm90;flash_fwd_hdim128_bf16_softcap_paged_split_sm90;flash_fwd_hdim128_bf16_flex_paged_split_sm90;flash_fwd_hdim64_bf16_sm90;flash_fwd_hdim128_fp16_sm90")
 # packgqa in ci: the plain packed kernel only.
-expect_selection(ci "softcap;split;flex;paged;packgqa" 11 "flash_fwd_hdim128_bf16_packgqa_sm90"
+expect_selection(ci "softcap;split;flex;paged;packgqa" 12 "flash_fwd_hdim128_bf16_packgqa_sm90"
   "flash_fwd_hdim128_bf16_split_packgqa_sm90;flash_fwd_hdim128_bf16_paged_packgqa_sm90")
 # No features: the plain forward and backward kernels only.
 expect_selection(ci "" 2 "flash_fwd_hdim128_bf16_sm90;flash_bwd_hdim128_bf16_sm90"

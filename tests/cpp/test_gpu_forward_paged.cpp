@@ -107,8 +107,10 @@ struct Problem {
     fill_normal(k, pool_rows * c.heads_kv * c.head_dim, c.dtype, normal, rng);
     fill_normal(v, pool_rows * c.heads_kv * c.head_dim_v, c.dtype, normal, rng);
     scale = 1.f / std::sqrt(float(c.head_dim));
-    std::uniform_real_distribution<float> slope(-0.5f, 0.5f);
-    for (int h = 0; h < c.heads; ++h) slopes.push_back(slope(rng));
+    // Small slopes (2^-7 .. 2^-10): over the decode cases' 1500 keys a larger bias would leave the
+    // dtype-rounded naive scores with an error so large that the accuracy rule could not catch a
+    // wrong kernel.
+    for (int h = 0; h < c.heads; ++h) slopes.push_back(std::ldexp(1.f, -(h % 4) - 7));
   }
 
   // The built-in mods at query i, key j of head h (positions in their sequence).
@@ -242,6 +244,8 @@ ForwardArgs make_args(const Problem& pb, DType dtype, Device device, const ArgPo
 // the GPU (dispatch_fwd_sm90.cu): set for the call, then put back.
 class PagedFlexSetting {
  public:
+  PagedFlexSetting(const PagedFlexSetting&) = delete;
+  PagedFlexSetting& operator=(const PagedFlexSetting&) = delete;
   explicit PagedFlexSetting(const char* value) {
     const char* old = std::getenv("CUFLASH_FWD_PAGED_FLEX");
     if (old != nullptr) saved_ = old;
@@ -287,7 +291,8 @@ Result run_gpu(const Problem& pb) {
                                 page_table.data(), cu_q.data(), used_k.data(), slopes.data()});
   args.num_splits = c.num_splits;
   const bool mods = c.score_mod != ScoreModKind::kNone || c.mask_mod != MaskModKind::kNone;
-  PagedFlexSetting setting(mods ? "1" : std::getenv("CUFLASH_FWD_PAGED_FLEX"));
+  std::optional<PagedFlexSetting> setting;
+  if (mods) setting.emplace("1");
   forward(args);
   gpu_testing::check_cuda(cudaDeviceSynchronize(), "paged forward kernel");
   Result result;
@@ -368,25 +373,6 @@ std::vector<PagedCase> paged_cases() {
     c.page_size = page_size, c.max_pages = pages_for(1500), c.seqused = true, c.shared_pages = true,
     c.num_splits = 3, c.softcap = 30.f;
     add(c);
-    // Built-in mods (the flex_paged and flex_paged_split kernels): ALiBi with a sliding-window
-    // mask_mod over shared pages, a prefix-LM mask with softcap and seqused, and ALiBi decode
-    // split three ways.
-    c = {};
-    c.label = "alibi_sliding_shared_pages", c.batch = 2, c.seqlen_q = 140, c.heads = 4, c.heads_kv = 2,
-    c.page_size = page_size, c.max_pages = pages_for(400), c.shared_pages = true,
-    c.score_mod = ScoreModKind::kAlibi, c.mask_mod = MaskModKind::kSlidingWindow,
-    c.mask_scalars = {120, 20};
-    add(c);
-    c = {};
-    c.label = "prefix_lm_softcap_seqused", c.batch = 3, c.seqlen_q = 200, c.heads = 2, c.heads_kv = 2,
-    c.page_size = page_size, c.max_pages = pages_for(260), c.seqused = true, c.softcap = 20.f,
-    c.mask_mod = MaskModKind::kPrefixLM, c.mask_scalars = {50};
-    add(c);
-    c = {};
-    c.label = "alibi_decode_split3", c.batch = 2, c.seqlen_q = 2, c.heads = 8, c.heads_kv = 1,
-    c.page_size = page_size, c.max_pages = pages_for(1500), c.seqused = true, c.causal = true,
-    c.score_mod = ScoreModKind::kAlibi, c.num_splits = 3;
-    add(c);
   }
   // The other head dims (and fp16), when built: a gathered and a TMA page size for each
   // (whole n-blocks: 128 rows for d64, 160 for d96, 128 for d192x128, 112 for d192, 80 for d256;
@@ -423,6 +409,45 @@ std::vector<PagedCase> paged_cases() {
     c.head_dim = 80, c.head_dim_v = 80, c.page_size = page_size,
     c.max_pages = (300 + page_size - 1) / page_size, c.causal = true;
     add(c);
+  }
+  // Built-in mods (the flex_paged and flex_paged_split kernels): ALiBi with a sliding-window
+  // mask_mod over shared pages, a prefix-LM mask with softcap and seqused, and ALiBi decode split
+  // three ways; at every head dim (and fp16 at 128), with gathered pages and with pages of whole
+  // flex n-blocks (128 keys, 64 at head dims 192 and 256), which go through TMA.
+  const struct {
+    int d, dv;
+    DType dtype;
+    std::vector<int> page_sizes;
+  } mod_kernels[] = {{128, 128, DType::kBFloat16, {1, 3, 16, 128, 256}},
+                     {128, 128, DType::kFloat16, {16, 128}},
+                     {64, 64, DType::kBFloat16, {16, 128}},
+                     {96, 96, DType::kBFloat16, {16, 128}},
+                     {192, 128, DType::kBFloat16, {16, 128}},
+                     {192, 192, DType::kBFloat16, {16, 64}},
+                     {256, 256, DType::kBFloat16, {16, 64}}};
+  for (const auto& kernel : mod_kernels) {
+    for (int page_size : kernel.page_sizes) {
+      auto pages_for = [&](int keys) { return (keys + page_size - 1) / page_size; };
+      PagedCase c;
+      c.label = "alibi_sliding_shared_pages", c.batch = 2, c.seqlen_q = 140, c.heads = 4,
+      c.heads_kv = 2, c.page_size = page_size, c.max_pages = pages_for(400), c.shared_pages = true,
+      c.score_mod = ScoreModKind::kAlibi, c.mask_mod = MaskModKind::kSlidingWindow,
+      c.mask_scalars = {120, 20};
+      c.head_dim = kernel.d, c.head_dim_v = kernel.dv, c.dtype = kernel.dtype;
+      add(c);
+      c = {};
+      c.label = "prefix_lm_softcap_seqused", c.batch = 3, c.seqlen_q = 200, c.heads = 2,
+      c.heads_kv = 2, c.page_size = page_size, c.max_pages = pages_for(260), c.seqused = true,
+      c.softcap = 20.f, c.mask_mod = MaskModKind::kPrefixLM, c.mask_scalars = {50};
+      c.head_dim = kernel.d, c.head_dim_v = kernel.dv, c.dtype = kernel.dtype;
+      add(c);
+      c = {};
+      c.label = "alibi_decode_split3", c.batch = 2, c.seqlen_q = 2, c.heads = 8, c.heads_kv = 1,
+      c.page_size = page_size, c.max_pages = pages_for(1500), c.seqused = true, c.causal = true,
+      c.score_mod = ScoreModKind::kAlibi, c.num_splits = 3;
+      c.head_dim = kernel.d, c.head_dim_v = kernel.dv, c.dtype = kernel.dtype;
+      add(c);
+    }
   }
   return cases;
 }

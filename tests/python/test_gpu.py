@@ -136,8 +136,12 @@ def test_torch_paged_kv_builtin_mods(rng, monkeypatch):
         return [to_f64(out)] + [to_f64(g) for g in grads]
 
     expected = run("cpu")
-    with skip_if_not_built():
+    try:
         actual = run("cuda")
+    except NotImplementedError as error:  # only a kernel missing from the build skips
+        if "is not in this build" not in str(error):
+            raise
+        pytest.skip(f"not in this build: {error}")
     for name, a, e in zip(("out", "dq", "dk_cache", "dv_cache"), actual, expected):
         assert_close(a, e, "bfloat16", scale=max(1.0, np.abs(e).max()), what=name)
 
