@@ -10,7 +10,7 @@ struct SeqlenInfo {
   int offset_k = 0;
   int seqlen_q = 0;        // query rows that attend (capped by seqused_q)
   int seqlen_q_range = 0;  // rows this sequence owns in out/lse; rows past seqlen_q get 0 / -inf
-  int seqlen_k = 0;        // keys that can be attended (capped by seqused_k)
+  int seqlen_k = 0;        // keys that can be attended (capped by seqused_k, itself capped)
 
   CUTLASS_DEVICE SeqlenInfo(int batch_idx, int max_seqlen_q, int max_seqlen_k,
                             const int* cu_seqlens_q, const int* cu_seqlens_k, const int* seqused_q,
@@ -29,7 +29,9 @@ struct SeqlenInfo {
     } else {
       seqlen_k = max_seqlen_k;
     }
-    if (seqused_k != nullptr) seqlen_k = seqused_k[batch_idx];
+    // seqused_k past the sequence's keys (or a paged sequence's max_pages * page_size) is capped,
+    // as the reference does, so that no key row or page-table entry past them is read.
+    if (seqused_k != nullptr) seqlen_k = min(seqused_k[batch_idx], seqlen_k);
   }
 };
 
