@@ -48,7 +48,8 @@ CUTE_DEVICE void preprocess_rows(int const* cu_seqlens_q, int const* seqused_q, 
   offset = varlen ? cu_seqlens_q[batch] : 0;
   offset_padded = varlen ? (offset + batch * kBlockM) / kBlockM * kBlockM
                          : batch * ((seqlen_q_dense + kBlockM - 1) / kBlockM * kBlockM);
-  seqlen = seqused_q ? seqused_q[batch] : (varlen ? cu_seqlens_q[batch + 1] - offset : seqlen_q_dense);
+  int const capacity = varlen ? cu_seqlens_q[batch + 1] - offset : seqlen_q_dense;
+  seqlen = seqused_q ? min(seqused_q[batch], capacity) : capacity;  // capped as in BwdSeqlen
 }
 
 // Grid (ceil(seqlen_q / kBlockM), H, B), one warp per row at a time, 8 elements per lane.

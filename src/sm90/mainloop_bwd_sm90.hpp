@@ -194,8 +194,9 @@ struct BwdSeqlen {
                                  : b * ((p.seqlen_k + kBlockN - 1) / kBlockN * kBlockN);
     s.capacity_q = varlen_q ? p.cu_seqlens_q[b + 1] - s.offset_q : p.seqlen_q;
     s.capacity_k = varlen_k ? p.cu_seqlens_k[b + 1] - s.offset_k : p.seqlen_k;
-    s.seqlen_q = p.seqused_q ? p.seqused_q[b] : s.capacity_q;
-    s.seqlen_k = p.seqused_k ? p.seqused_k[b] : s.capacity_k;
+    // seqused past the batch's rows is capped, as the reference does (no row past them is read).
+    s.seqlen_q = p.seqused_q ? min(p.seqused_q[b], s.capacity_q) : s.capacity_q;
+    s.seqlen_k = p.seqused_k ? min(p.seqused_k[b], s.capacity_k) : s.capacity_k;
     return s;
   }
 };
