@@ -31,7 +31,7 @@ inline void check_launch(char const* what) {
 
 // The sliced hdim256 kernels' dQ path with CUFLASH_BWD_DQ=auto (the default): bulk (with softcap,
 // kDqPathSoftcapByDefault below). Measured on the H200 against atomics at 1k-16k, bf16: +14-20%, causal
-// and not, and deterministic +8-24% (bench/NOTES.md, "Bulk dQ, the order warp and the rotation
+// and not, and deterministic +6-24% (bench/NOTES.md, "Bulk dQ, the order warp and the rotation
 // rule measured" and after). Deterministic runs have their own default, so that the two can be
 // chosen apart.
 inline constexpr BwdDqPath kDqPathByDefault = BwdDqPath::kBulk;
