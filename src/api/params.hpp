@@ -120,6 +120,9 @@ struct FwdParams {
   // GQA kernels, which calls take when the heuristics pick them); 0: the launcher picks by
   // fwd_narrow_tile_pays (sm90/tile_size_sm90.hpp). From CUFLASH_FWD_HDIM64_ROWS.
   int tile_rows = 0;
+  // Paged K/V with a built-in score_mod / mask_mod may take the flex_paged kernels, which have
+  // not yet run on the GPU (else the call is refused). From CUFLASH_FWD_PAGED_FLEX.
+  bool paged_flex = false;
 };
 
 // Whether the forward's tiles differ in cost: causal/local windows, packed or seqused sequences
@@ -241,8 +244,7 @@ struct CombineParams {
 enum class BwdLaunchOrder : int { kAuto = 0, kColumns = 1, kHeads = 2 };
 // How the sm90 backward's sliced hdim256 kernels add dQ to global memory (BwdParams::dq_path):
 // kAtomics: fp32 atomics from registers; kBulk: through shared memory, 8 KB per bulk reduce-add;
-// kAuto: the launcher's kDqPathByDefault (deterministic: kDqPathDeterministicByDefault; softcap:
-// kDqPathSoftcapByDefault).
+// kAuto: the launcher's kDqPathByDefault (with softcap: kDqPathSoftcapByDefault).
 enum class BwdDqPath : int { kAuto = 0, kAtomics = 1, kBulk = 2 };
 // Where the deterministic backward's column blocks start their walks over the row blocks
 // (BwdParams::det_walk; plain kernels without a window): kRotated: column block n at row block

@@ -4,7 +4,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -98,19 +97,10 @@ void check_flex(const FwdParams& p) {
   }
 }
 
-// Paged K/V with a built-in score_mod / mask_mod (the _flex_paged kernels; block sparsity with
-// a page table is refused by validation): compiled, and
-// taken only with CUFLASH_FWD_PAGED_FLEX=1 until their GPU tests have run (GpuForwardPaged's
-// mod cases); the callables compiled at run time have no paged form.
-bool paged_flex_enabled() {
-  char const* value = std::getenv("CUFLASH_FWD_PAGED_FLEX");
-  if (value == nullptr || *value == '\0' || std::strcmp(value, "0") == 0) return false;
-  if (std::strcmp(value, "1") == 0) return true;
-  throw Error(Error::Kind::kInvalidArgument, "CUFLASH_FWD_PAGED_FLEX",
-              std::string("CUFLASH_FWD_PAGED_FLEX: expected 0 or 1, got '") + value + "'");
-}
-
-// What the paged kernels cannot do, refused by name before any launch.
+// What the paged kernels cannot do, refused by name before any launch. Paged K/V with a built-in
+// score_mod / mask_mod (the _flex_paged kernels; block sparsity with a page table is refused by
+// validation) is taken only with CUFLASH_FWD_PAGED_FLEX=1 (FwdParams::paged_flex) until their
+// GPU tests have run; the callables compiled at run time have no paged form.
 void check_paged(const FwdParams& p) {
   if (!needs_flex(p)) return;
   if (p.expression_kernel != 0) {
@@ -119,7 +109,7 @@ void check_paged(const FwdParams& p) {
                   "run time in the sm90 forward kernel (the built-in score_mods and mask_mods "
                   "take it)");
   }
-  if (!paged_flex_enabled()) {
+  if (!p.paged_flex) {
     not_supported("page_table",
                   "paged KV with a score_mod or mask_mod runs in the sm90 forward kernels built "
                   "for it only with CUFLASH_FWD_PAGED_FLEX=1 until they have been checked on the "

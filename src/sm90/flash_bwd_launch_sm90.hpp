@@ -32,10 +32,8 @@ inline void check_launch(char const* what) {
 // The sliced hdim256 kernels' dQ path with CUFLASH_BWD_DQ=auto (the default): bulk (with softcap,
 // kDqPathSoftcapByDefault below). Measured on the H200 against atomics at 1k-16k, bf16: +14-20%, causal
 // and not, and deterministic +6-24% (bench/NOTES.md, "Bulk dQ, the order warp and the rotation
-// rule measured" and after). Deterministic runs have their own default, so that the two can be
-// chosen apart.
+// rule measured" and after).
 inline constexpr BwdDqPath kDqPathByDefault = BwdDqPath::kBulk;
-inline constexpr BwdDqPath kDqPathDeterministicByDefault = BwdDqPath::kBulk;
 // The sliced softcap kernels have the bulk path too, not yet run on the device: `auto` keeps
 // their atomics until it has (CUFLASH_BWD_DQ=bulk takes it).
 inline constexpr BwdDqPath kDqPathSoftcapByDefault = BwdDqPath::kAtomics;
@@ -177,9 +175,8 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // also keep the deterministic order (kHasDqBulk; with softcap only when asked for). Elsewhere
   // dQ goes by atomics.
   BwdDqPath const dq_path = BwdDqPath(params.dq_path) != BwdDqPath::kAuto ? BwdDqPath(params.dq_path)
-                            : HasSoftcap                                 ? kDqPathSoftcapByDefault
-                            : params.deterministic                       ? kDqPathDeterministicByDefault
-                                                                         : kDqPathByDefault;
+                            : HasSoftcap ? kDqPathSoftcapByDefault
+                                         : kDqPathByDefault;
   ml.dq_bulk = Mainloop::kHasDqBulk && dq_path == BwdDqPath::kBulk;
   // Deterministic dQ by atomics: the second producer warp waits for each row block's turn and
   // releases it (order_dq).

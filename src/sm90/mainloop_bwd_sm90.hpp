@@ -625,31 +625,6 @@ struct MainloopBwdSm90 {
     pipeline_do.producer_tail(write_do);
   }
 
-  // Second producer warp, dQ through smem: one bulk reduce-add per MMA warpgroup of `bytes` from
-  // src(wg) to dst(wg), each issued once the warpgroup has filled its buffer (kDqFull + wg).
-  template <class Src, class Dst>
-  CUTE_DEVICE static void issue_dq_reductions(bool lane0, Src const& src, Dst const& dst, int bytes) {
-    CUTLASS_PRAGMA_UNROLL
-    for (int wg = 0; wg < NumMmaWG; ++wg) {
-      cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp,
-                                        uint32_t(BwdBarrier::kDqFull) + wg);
-      if (lane0) {
-        bulk_reduce_add_f32(src(wg), dst(wg), bytes);
-        cute::tma_store_arrive();
-      }
-      __syncwarp();
-    }
-  }
-  // ... and each warpgroup's buffer freed (kDqEmpty + wg) as soon as its copy has read it.
-  CUTE_DEVICE static void free_dq_buffers_when_read(bool lane0) {
-    for_each(make_int_sequence<NumMmaWG>{}, [&](auto wg) {
-      if (lane0) { cute::tma_store_wait<NumMmaWG - 1 - decltype(wg)::value>(); }
-      __syncwarp();
-      cutlass::arch::NamedBarrier::arrive(cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp,
-                                          uint32_t(BwdBarrier::kDqEmpty) + decltype(wg)::value);
-    });
-  }
-
   // Second producer warp: bulk reduce-add of each warpgroup's dQ smem into dq_accum, in
   // column-block order per row block when deterministic.
   CUTE_DEVICE static void store_dq(Params const& p, TensorStorage& smem, BwdSeqlen const& seq, int n_block, int head,
@@ -669,9 +644,16 @@ struct MainloopBwdSm90 {
           }
           __syncwarp();
         }
-        issue_dq_reductions(
-            lane0, [&](int wg) { return smem.dq.data() + wg * kWgChunk; },
-            [&](int wg) { return dq_accum + int64_t(m_block) * kDqChunk + wg * kWgChunk; }, kWgChunk * int(sizeof(float)));
+        CUTLASS_PRAGMA_UNROLL
+        for (int wg = 0; wg < NumMmaWG; ++wg) {
+          cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp,
+                                            uint32_t(BwdBarrier::kDqFull) + wg);
+          if (lane0) {
+            bulk_reduce_add_f32(smem.dq.data() + wg * kWgChunk, dq_accum + int64_t(m_block) * kDqChunk + wg * kWgChunk,
+                                kWgChunk * int(sizeof(float)));
+            cute::tma_store_arrive();
+          }
+        }
         if (p.deterministic) {
           // The next column block may only add once this block's sums have landed.
           if (lane0) {
@@ -686,7 +668,12 @@ struct MainloopBwdSm90 {
                                                 uint32_t(BwdBarrier::kDqEmpty) + wg);
           }
         } else {
-          free_dq_buffers_when_read(lane0);
+          for_each(make_int_sequence<NumMmaWG>{}, [&](auto wg) {
+            if (lane0) { cute::tma_store_wait<NumMmaWG - 1 - decltype(wg)::value>(); }
+            __syncwarp();
+            cutlass::arch::NamedBarrier::arrive(cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp,
+                                                uint32_t(BwdBarrier::kDqEmpty) + decltype(wg)::value);
+          });
         }
       }
       if (lane0) { cute::tma_store_wait<0>(); }

@@ -386,6 +386,11 @@ TEST(ParamsBackward, DetWalkChoice) {
       {"on", "rotate", "Ascending"});
 }
 
+TEST(ParamsForward, PagedFlexChoice) {
+  expect_setting_choices<decltype(&parse_fwd_paged_flex), bool>(
+      parse_fwd_paged_flex, "CUFLASH_FWD_PAGED_FLEX", {{"0", false}, {"1", true}}, {"on", "true", "2"});
+}
+
 TEST(ParamsForward, NarrowTileCostModel) {
   using sm90::fwd_narrow_tile_pays;
   // Non-causal: 192-row tiles pad 512 and 1024 rows by an eighth, which costs less than the
