@@ -43,7 +43,7 @@ struct PagedCase {
   bool shared_pages = false;  // sequence 1 starts with sequence 0's pages (a shared prefix)
   int num_splits = 1;         // split-KV; <= 0 lets cuflash choose
   float softcap = 0.f;
-  // Built-in mods (the flex_paged kernels): ALiBi slopes drawn per head; mask scalars as
+  // Built-in mods (the flex_paged kernels): ALiBi with fixed small slopes per head; mask scalars as
   // MaskMod::scalars.
   ScoreModKind score_mod = ScoreModKind::kNone;
   MaskModKind mask_mod = MaskModKind::kNone;
