@@ -30,9 +30,9 @@ inline void check_launch(char const* what) {
 }
 
 // The sliced hdim256 kernels' dQ path with CUFLASH_BWD_DQ=auto (the default): bulk (with softcap,
-// kDqPathSoftcapByDefault below). Measured on the H200 against atomics at 1k-16k, bf16: +14-20%, causal
-// and not, and deterministic +6-24% (bench/NOTES.md, "Bulk dQ, the order warp and the rotation
-// rule measured" and after).
+// kDqPathSoftcapByDefault below). Measured on the H200 against atomics at 1k-16k, bf16, in one
+// call: +13-17% non-causal, +11-12% causal; one dQ warp per warpgroup added 1-4% in a later call
+// (bench/NOTES.md, "Bulk dQ, the order warp and the rotation rule measured" and after).
 inline constexpr BwdDqPath kDqPathByDefault = BwdDqPath::kBulk;
 // The sliced softcap kernels have the bulk path too, not yet run on the device: `auto` keeps
 // their atomics until it has (CUFLASH_BWD_DQ=bulk takes it).
