@@ -10,7 +10,7 @@
 # Environment: KERNEL_SET (ci|all|custom), HDIMS / DTYPES (for custom), FEATURES (CUFLASH_FEATURES), STEPS (comma list of
 # build,test,test_each,pytest,sanitize,sass,bench,bench_bwd,bench_gqa,bench_flex,profile), GTEST_FILTER (default *Gpu*), TEST_TIMEOUT, TEST_ENV_B / GTEST_FILTER_B and TEST_ENV_C / GTEST_FILTER_C (the tests again under extra settings), SANITIZE_FILTER (memcheck),
 # RACECHECK_FILTER, PER_TEST_TIMEOUT (test_each), PYTEST_K (a -k expression), PYTEST_ARGS, JIT_MODULES (0: do not build the GPU tests' callable modules first), PYTEST_TIMEOUT, BENCH_ARGS, BENCH_ENV_B (run the
-# benchmark a second time with these VAR=value settings), BENCH_BWD_ARGS (bench/bench_bwd.py), BENCH_BWD_ARGS_B / BENCH_BWD_ENV_B and _C (more passes with these arguments / VAR=value settings, tagged _b / _c),
+# benchmark a second time with these VAR=value settings), BENCH_BWD_ARGS (bench/bench_bwd.py), BENCH_BWD_ARGS_B / BENCH_BWD_ENV_B, _C and _D (more passes with these arguments / VAR=value settings, tagged _b / _c / _d),
 # BENCH_BWD_TIMEOUT (seconds, default 300: a hung backward kernel ends the step, not the call), PROFILE
 # (ncu targets for the profile step, see there), BUILD_DIR, CMAKE_EXTRA, BENCH_FLEX_ARGS, BENCH_FLEX_TIMEOUT, BENCH_GQA_ARGS, BENCH_GQA_TIMEOUT, JOBS.
 # Carry `.cutlass` (CUTLASS headers) and, where the machine has no GoogleTest, `.deps` (a
@@ -47,7 +47,7 @@ make_pkg() { rm -rf "$pkg" && mkdir -p "$pkg" && cp -r "$ROOT/python/cuflash" "$
 note "gpu_check $(date -u +%FT%TZ) kernel_set=$KERNEL_SET hdims=$HDIMS dtypes=$DTYPES steps=$STEPS"
 # The second passes' settings are VAR=value lists: checked before the build, so that a typo
 # costs no device time.
-for list_name in TEST_ENV_B TEST_ENV_C BENCH_ENV_B BENCH_BWD_ENV_B BENCH_BWD_ENV_C; do
+for list_name in TEST_ENV_B TEST_ENV_C BENCH_ENV_B BENCH_BWD_ENV_B BENCH_BWD_ENV_C BENCH_BWD_ENV_D; do
   for setting in ${!list_name:-}; do
     [[ $setting =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] || { note "$list_name: '$setting' is not VAR=value"; exit 2; }
   done
@@ -209,8 +209,8 @@ if has_step bench_bwd; then
   skipped=$(grep -c '"skipped": "' "$OUT/bwd_sm90.json" 2>/dev/null || true)
   note "bench_bwd: rc=$rc in $(( $(date +%s) - start )) s; skipped records: ${skipped:-no bwd_sm90.json}"
   # More passes with other arguments (e.g. --softcap 30) and/or under extra environment (an A/B
-  # of a launch-time switch): BENCH_BWD_ARGS_B / BENCH_BWD_ENV_B tagged _b, the same with C.
-  for pass in B C; do
+  # of a launch-time switch): BENCH_BWD_ARGS_B / BENCH_BWD_ENV_B tagged _b, the same with C and D.
+  for pass in B C D; do
     args_var=BENCH_BWD_ARGS_$pass env_var=BENCH_BWD_ENV_$pass
     [[ -z ${!args_var:-}${!env_var:-} ]] && continue
     args=${!args_var:-$BENCH_BWD_ARGS}

@@ -46,8 +46,12 @@ struct RowLayout {
   bool varlen = false;   // packed rows with cu_seqlens; lengths drawn up to seqlen_q / seqlen_k
   bool seqused = false;  // seqused_q / seqused_k cap each sequence below its length
   bool keyless_sequence = false;  // varlen: sequence 2 has no keys (every row fully masked)
+  // seqused: even sequences hand the kernel their length plus this many rows, which it must cap
+  // at the length (the reference sees the capped count).
+  int seqused_past = 0;
   std::vector<int> len_q, len_k;    // rows each sequence owns
   std::vector<int> used_q, used_k;  // rows that take part (seqused caps)
+  std::vector<int> given_q, given_k;  // seqused as handed to the kernel
   std::vector<int> start_q, start_k;
   int rows_q = 0, rows_k = 0;
 
@@ -76,6 +80,10 @@ struct RowLayout {
       len_k.push_back(lk);
       used_q.push_back(seqused ? std::uniform_int_distribution<int>(0, lq)(rng) : lq);
       used_k.push_back(seqused ? std::uniform_int_distribution<int>(0, lk)(rng) : lk);
+      const bool past = seqused_past > 0 && b % 2 == 0;
+      if (past) used_q.back() = lq, used_k.back() = lk;
+      given_q.push_back(past ? lq + seqused_past : used_q.back());
+      given_k.push_back(past ? lk + seqused_past : used_k.back());
       start_q.push_back(rows_q);
       start_k.push_back(rows_k);
       rows_q += lq;
@@ -155,14 +163,15 @@ struct HostSequences {
   SequencePointers pointers() { return {cu_q.data(), cu_k.data(), used_q.data(), used_k.data()}; }
 };
 
-// Device copies of a layout's sequence arrays for a kernel call.
+// Device copies of a layout's sequence arrays for a kernel call (seqused as given, which may
+// run past a sequence's rows: the kernels cap it).
 struct DeviceSequences {
   DeviceBuffer cu_q, cu_k, used_q, used_k;
   explicit DeviceSequences(const RowLayout& rows)
       : cu_q(DeviceBuffer::from(rows.cu_seqlens_q())),
         cu_k(DeviceBuffer::from(rows.cu_seqlens_k())),
-        used_q(DeviceBuffer::from(rows.used_q)),
-        used_k(DeviceBuffer::from(rows.used_k)) {}
+        used_q(DeviceBuffer::from(rows.given_q)),
+        used_k(DeviceBuffer::from(rows.given_k)) {}
   SequencePointers pointers() const {
     return {cu_q.data(), cu_k.data(), used_q.data(), used_k.data()};
   }

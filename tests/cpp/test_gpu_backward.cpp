@@ -36,6 +36,7 @@ struct BwdCase {
   std::optional<DType> sink;
   bool varlen = false;   // packed rows with cu_seqlens; lengths drawn up to seqlen_q/k
   bool seqused = false;  // seqused_q/k cap each sequence below its length
+  int seqused_past = 0;  // device seqused past the rows on even sequences (capped by the kernel)
   bool strided = false;  // every tensor, gradients included, lives in wider rows
   bool deterministic = false;
   unsigned seed = 1;
@@ -54,6 +55,7 @@ struct Problem : gpu_testing::RowLayout {
   float scale = 1.f;
 
   explicit Problem(const BwdCase& bc) : RowLayout(bc, bc.seqused, true), c(bc) {
+    seqused_past = c.seqused_past;
     std::mt19937 rng(c.seed);
     draw_lengths(rng);
     std::normal_distribution<float> normal(0.f, 1.f);
@@ -406,6 +408,16 @@ std::vector<BwdCase> backward_cases() {
       c = {};
       c.label = "deterministic_causal_tall", c.batch = 2, c.seqlen_q = 900, c.seqlen_k = 300, c.heads = 3,
       c.heads_kv = 3, c.causal = true, c.seqused = true, c.deterministic = true;
+      add(c);
+      // Device seqused past the rows (not checkable on the host): capped at each length.
+      c = {};
+      c.label = "varlen_seqused_past_causal", c.batch = 4, c.seqlen_q = 190, c.seqlen_k = 260,
+      c.heads = 2, c.heads_kv = 1, c.causal = true, c.varlen = true, c.seqused = true,
+      c.seqused_past = 300;
+      add(c);
+      c = {};
+      c.label = "dense_seqused_past_deterministic", c.batch = 3, c.seqlen_q = 150, c.seqlen_k = 230,
+      c.heads = 2, c.heads_kv = 2, c.seqused = true, c.seqused_past = 129, c.deterministic = true;
       add(c);
     }
   }

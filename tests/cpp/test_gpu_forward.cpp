@@ -37,6 +37,7 @@ struct FwdCase {
   std::optional<DType> sink;
   bool varlen = false;   // packed rows with cu_seqlens; per-sequence lengths drawn up to seqlen_q/k
   bool seqused = false;  // seqused_q/k cap each sequence below its length
+  int seqused_past = 0;  // device seqused past the rows on even sequences (capped by the kernel)
   bool strided = false;  // q/k/v live in wider rows (padded head dim): non-contiguous views
   bool with_lse = true;
   std::optional<bool> pack_gqa;
@@ -56,6 +57,7 @@ struct Problem : gpu_testing::RowLayout {
   float scale = 1.f;
 
   explicit Problem(const FwdCase& fc) : RowLayout(fc, fc.seqused, false), c(fc) {
+    seqused_past = c.seqused_past;
     std::mt19937 rng(c.seed);
     draw_lengths(rng);
     std::normal_distribution<float> normal(0.f, 1.f);
@@ -329,6 +331,16 @@ std::vector<FwdCase> forward_cases() {
       c = {};
       c.label = "split5_local_decode", c.batch = 2, c.seqlen_q = 1, c.seqlen_k = 777, c.heads = 8,
       c.heads_kv = 2, c.window_left = 300, c.window_right = 0, c.num_splits = 5;
+      add(c);
+      // Device seqused past the rows (not checkable on the host): capped at each length.
+      c = {};
+      c.label = "varlen_seqused_past_causal", c.batch = 4, c.seqlen_q = 190, c.seqlen_k = 260,
+      c.heads = 2, c.heads_kv = 1, c.causal = true, c.varlen = true, c.seqused = true,
+      c.seqused_past = 300;
+      add(c);
+      c = {};
+      c.label = "dense_seqused_past_split3", c.batch = 3, c.seqlen_q = 70, c.seqlen_k = 400,
+      c.heads = 2, c.heads_kv = 2, c.seqused = true, c.seqused_past = 129, c.num_splits = 3;
       add(c);
     }
   }
