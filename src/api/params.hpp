@@ -120,9 +120,6 @@ struct FwdParams {
   // GQA kernels, which calls take when the heuristics pick them); 0: the launcher picks by
   // fwd_narrow_tile_pays (sm90/tile_size_sm90.hpp). From CUFLASH_FWD_HDIM64_ROWS.
   int tile_rows = 0;
-  // Paged K/V with a built-in score_mod / mask_mod may take the flex_paged kernels, which have
-  // not yet run on the GPU (else the call is refused). From CUFLASH_FWD_PAGED_FLEX.
-  bool paged_flex = false;
 };
 
 // Whether the forward's tiles differ in cost: causal/local windows, packed or seqused sequences
@@ -244,14 +241,14 @@ struct CombineParams {
 enum class BwdLaunchOrder : int { kAuto = 0, kColumns = 1, kHeads = 2 };
 // How the sm90 backward's sliced hdim256 kernels add dQ to global memory (BwdParams::dq_path):
 // kAtomics: fp32 atomics from registers; kBulk: through shared memory, 8 KB per bulk reduce-add;
-// kAuto: the launcher's kDqPathByDefault (with softcap: kDqPathSoftcapByDefault).
+// kAuto: the launcher's kDqPathByDefault.
 enum class BwdDqPath : int { kAuto = 0, kAtomics = 1, kBulk = 2 };
 // Where the deterministic backward's column blocks start their walks over the row blocks
-// (BwdParams::det_walk; plain kernels without a window): kRotated: column block n at row block
-// n * M / N, so that the column blocks of a head rarely reach a row block together (only where
-// all of a head's column blocks fit on the GPU at once: otherwise ascending); kAscending: every
-// one at the first row block; kAuto: rotated where the column blocks of two heads fit at once.
-enum class BwdDetWalk : int { kAuto = 0, kRotated = 1, kAscending = 2 };
+// (BwdParams::det_walk; plain kernels without a window): kWaves: rotated, a head's column blocks
+// launched in one wave of num_sm CTAs spread over the row blocks, so that they rarely reach a
+// row block together; kAscending: every one at the first row block; kAuto: waves where a head's
+// column blocks fit on the GPU at once, else ascending.
+enum class BwdDetWalk : int { kAuto = 0, kWaves = 1, kAscending = 2 };
 struct BwdLaunchChoice {
   BwdLaunchOrder order = BwdLaunchOrder::kAuto;
   int head_group = 0;  // kHeads: heads launched together; 0: all of a batch's
@@ -259,7 +256,7 @@ struct BwdLaunchChoice {
 
 // The layout version: bumped with every change to the members of FwdParams, BwdParams or
 // ModParams, since a member added into tail padding leaves the sizes below as they were.
-constexpr std::uint64_t kParamsLayoutVersion = 9;
+constexpr std::uint64_t kParamsLayoutVersion = 10;
 
 // Whether a call needs the flex kernels (variants::FlexVariant): a score_mod, a mask_mod or block
 // lists. FwdParams and BwdParams alike.

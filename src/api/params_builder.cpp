@@ -376,16 +376,6 @@ int parse_fwd_hdim64_rows(const char* value) {
   return parse_setting<int>("CUFLASH_FWD_HDIM64_ROWS", value, {{"auto", 0}, {"192", 192}, {"128", 128}});
 }
 
-bool parse_fwd_paged_flex(const char* value) {
-  return parse_setting<bool>("CUFLASH_FWD_PAGED_FLEX", value, {{"0", false}, {"1", true}});
-}
-
-bool fwd_paged_flex() {
-  // Until the flex_paged kernels have run on the GPU, paged K/V with a built-in mod is refused
-  // unless CUFLASH_FWD_PAGED_FLEX=1; not cached, so that a test can set it around one call.
-  return parse_fwd_paged_flex(std::getenv("CUFLASH_FWD_PAGED_FLEX"));
-}
-
 int fwd_hdim64_rows() {
   // The plain hdim64 forward has a 192-row tile (three MMA warpgroups) and a 128-row one (two)
   // for short causal sequences, narrow windows and decoding; "auto" (the default) picks by the
@@ -423,7 +413,7 @@ BwdDqPath parse_bwd_dq_path(const char* value) {
 BwdDetWalk parse_bwd_det_walk(const char* value) {
   return parse_setting<BwdDetWalk>(
       "CUFLASH_BWD_DET_WALK", value,
-      {{"auto", BwdDetWalk::kAuto}, {"rotated", BwdDetWalk::kRotated}, {"ascending", BwdDetWalk::kAscending}});
+      {{"auto", BwdDetWalk::kAuto}, {"waves", BwdDetWalk::kWaves}, {"ascending", BwdDetWalk::kAscending}});
 }
 
 BwdDetWalk bwd_det_walk() {

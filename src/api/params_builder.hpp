@@ -54,11 +54,6 @@ int parse_fwd_hdim64_rows(const char* value);
 // The process's choice, from CUFLASH_FWD_HDIM64_ROWS, read once.
 int fwd_hdim64_rows();
 
-// Whether paged K/V with a built-in mod may take the flex_paged kernels (FwdParams::paged_flex):
-// "0" (or null / empty) or "1". Throws kInvalidArgument otherwise.
-bool parse_fwd_paged_flex(const char* value);
-// The choice from CUFLASH_FWD_PAGED_FLEX, read at every call (the GPU tests set it around theirs).
-bool fwd_paged_flex();
 
 // Launch order of the backward main kernel's CTAs (BwdParams::launch_order, launch_head_group):
 // "auto" (or null / empty), "columns", "heads" or "heads:G" (G >= 1 heads at a time). Throws
@@ -74,7 +69,7 @@ BwdDqPath parse_bwd_dq_path(const char* value);
 BwdDqPath bwd_dq_path();
 
 // Where the deterministic backward's walks start (BwdParams::det_walk): "auto" (or null /
-// empty), "rotated" or "ascending". Throws kInvalidArgument otherwise.
+// empty), "waves" or "ascending". Throws kInvalidArgument otherwise.
 BwdDetWalk parse_bwd_det_walk(const char* value);
 // The process's choice, from CUFLASH_BWD_DET_WALK, read once.
 BwdDetWalk bwd_det_walk();

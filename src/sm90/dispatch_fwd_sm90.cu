@@ -98,9 +98,8 @@ void check_flex(const FwdParams& p) {
 }
 
 // What the paged kernels cannot do, refused by name before any launch. Paged K/V with a built-in
-// score_mod / mask_mod (the _flex_paged kernels; block sparsity with a page table is refused by
-// validation) is taken only with CUFLASH_FWD_PAGED_FLEX=1 (FwdParams::paged_flex) until their
-// GPU tests have run; the callables compiled at run time have no paged form.
+// score_mod / mask_mod runs in the _flex_paged kernels (block sparsity with a page table is
+// refused by validation); the callables compiled at run time have no paged form.
 void check_paged(const FwdParams& p) {
   if (!needs_flex(p)) return;
   if (p.expression_kernel != 0) {
@@ -108,12 +107,6 @@ void check_paged(const FwdParams& p) {
                   "paged KV cannot be combined with score_mod / mask_mod callables compiled at "
                   "run time in the sm90 forward kernel (the built-in score_mods and mask_mods "
                   "take it)");
-  }
-  if (!p.paged_flex) {
-    not_supported("page_table",
-                  "paged KV with a score_mod or mask_mod runs in the sm90 forward kernels built "
-                  "for it only with CUFLASH_FWD_PAGED_FLEX=1 until they have been checked on the "
-                  "GPU");
   }
 }
 

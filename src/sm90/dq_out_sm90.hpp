@@ -1,10 +1,10 @@
-// dQ out of the sliced hdim256 backward by bulk copies (CUFLASH_BWD_DQ=bulk, the default without
-// softcap; fp32 atomics from registers otherwise): each MMA warpgroup stages its dQ through an
+// dQ out of the sliced hdim256 backward by bulk copies (CUFLASH_BWD_DQ=bulk, the default; fp32
+// atomics from registers with CUFLASH_BWD_DQ=atomics and in the flex kernels): each MMA warpgroup stages its dQ through an
 // 8 KB slot of shared memory, and a producer warp per warpgroup adds the slot to global memory
 // with a bulk reduce-add (DqBulkStage), as the kernels whose whole dQ tile fits in shared memory
 // do. Measured on the H200 +11-17% over the atomics in one call, then +1-4% with a warp per
 // warpgroup (bench/NOTES.md, "Bulk dQ, the order warp and the rotation rule measured" and
-// "one dQ warp per warpgroup"); summing the partials of two CTAs
+// "one dQ warp per warpgroup"), +12-17% with softcap; summing the partials of two CTAs
 // in distributed shared memory first (dQ pairs) had measured within -3..+3% of the atomics.
 #pragma once
 

@@ -29,14 +29,12 @@ inline void check_launch(char const* what) {
   }
 }
 
-// The sliced hdim256 kernels' dQ path with CUFLASH_BWD_DQ=auto (the default): bulk (with softcap,
-// kDqPathSoftcapByDefault below). Measured on the H200 against atomics at 1k-16k, bf16, in one
-// call: +13-17% non-causal, +11-12% causal; one dQ warp per warpgroup added 1-4% in a later call
-// (bench/NOTES.md, "Bulk dQ, the order warp and the rotation rule measured" and after).
+// The sliced hdim256 kernels' dQ path with CUFLASH_BWD_DQ=auto (the default): bulk. Measured on
+// the H200 against atomics at 1k-16k, bf16, in one call: +13-17% non-causal, +11-12% causal; one
+// dQ warp per warpgroup added 1-4% in a later call; with softcap 50, bulk against atomics at
+// 2k-8k in one call: +12-17% non-causal, +15% causal (bench/NOTES.md, "Bulk dQ, the order warp
+// and the rotation rule measured" and after).
 inline constexpr BwdDqPath kDqPathByDefault = BwdDqPath::kBulk;
-// The sliced softcap kernels have the bulk path too, not yet run on the device: `auto` keeps
-// their atomics until it has (CUFLASH_BWD_DQ=bulk takes it).
-inline constexpr BwdDqPath kDqPathSoftcapByDefault = BwdDqPath::kAtomics;
 
 template <class Element, int kHeadDim, int kHeadDimV, bool HasWindow, bool HasSoftcap,
           class Variant = variants::NoVariant>
@@ -172,28 +170,28 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   ml.deterministic = params.deterministic;
   // The dQ path of the sliced hdim256 kernels (dq_out_sm90.hpp). Bulk: each warpgroup's dQ
   // through 8 KB of shared memory and bulk reduce-adds by a producer warp per warpgroup, which
-  // also keep the deterministic order (kHasDqBulk; with softcap only when asked for). Elsewhere
-  // dQ goes by atomics.
-  BwdDqPath const dq_path = BwdDqPath(params.dq_path) != BwdDqPath::kAuto ? BwdDqPath(params.dq_path)
-                            : HasSoftcap ? kDqPathSoftcapByDefault
-                                         : kDqPathByDefault;
+  // also keep the deterministic order (kHasDqBulk). Elsewhere dQ goes by atomics.
+  BwdDqPath const dq_path =
+      BwdDqPath(params.dq_path) != BwdDqPath::kAuto ? BwdDqPath(params.dq_path) : kDqPathByDefault;
   ml.dq_bulk = Mainloop::kHasDqBulk && dq_path == BwdDqPath::kBulk;
   // Deterministic dQ by atomics: the second producer warp waits for each row block's turn and
   // releases it (order_dq).
   ml.dq_order_warp = params.deterministic && !Mainloop::kDqViaSmem && !ml.dq_bulk;
-  // Rotated walks make a column block wait on ones launched after it: only safe when all of a
-  // head's column blocks fit on the GPU at once (one CTA per SM at least), and only worth it when
-  // two heads' do: each wave of CTAs also holds part of a head, whose blocks then wait for the
-  // rest of their head to launch a wave later (bench/det_order_model.py: hdim256 8k, 103 column
-  // blocks on 132 SMs, 0.91 of the non-deterministic speed rotated, 0.98 ascending; measured at
-  // hdim128 16k, 128 column blocks: 0.93 rotated, 0.95 ascending). Dispatch sets num_sm; without
-  // it the walks keep the ascending order, which never waits on a later launch.
-  // CUFLASH_BWD_DET_WALK=rotated / ascending overrides the second condition, not the first.
+  // Rotated walks (deterministic, no window): a head's column blocks launched in one window of
+  // num_sm consecutive CTAs start their walks spread over the row blocks and add after the
+  // blocks of the windows before (rotation_group), so a wave of CTAs never waits on the next.
+  // auto rotates where a head's column blocks fit on the GPU at once and walks ascending
+  // otherwise, where rotated starts spread a wave's Q / dO reads over more rows than L2 holds.
+  // Measured on the H200, non-causal, deterministic / non-deterministic (bench/NOTES.md, "Run of
+  // 2026-12-02 (fifth)"): hdim256 2k-8k 0.87-0.88 rotated against 0.76-0.87 with one rotation
+  // per head or ascending, 16k 0.90 ascending against 0.82 rotated; hdim128 within 1% at 2k-8k,
+  // +2% at 16k. Dispatch sets num_sm; without it the walks are ascending, which never waits on a
+  // later launch. CUFLASH_BWD_DET_WALK=waves / ascending overrides auto.
   BwdDetWalk const det_walk = BwdDetWalk(params.det_walk);
-  bool const rotation_safe = params.num_sm > 0 && num_n_blocks <= params.num_sm;
-  bool const rotation_pays = det_walk == BwdDetWalk::kRotated ||
-                             (det_walk == BwdDetWalk::kAuto && 2 * num_n_blocks <= params.num_sm);
-  ml.dq_rotate = params.deterministic && !HasWindow && !Mainloop::kIsFlex && rotation_safe && rotation_pays;
+  bool const rotation_applies = params.deterministic && !HasWindow && !Mainloop::kIsFlex && params.num_sm > 0;
+  bool const rotation_wanted = det_walk == BwdDetWalk::kWaves ||
+                               (det_walk == BwdDetWalk::kAuto && num_n_blocks <= params.num_sm);
+  ml.dq_rotate_window = rotation_applies && rotation_wanted ? params.num_sm : 0;
   // Heads inner (BwdLaunchOrder::kHeads): column blocks of unequal work launched longest first
   // across the heads of a batch. Measured on the H200 (bench/NOTES.md, "Backward launch order"):
   // hdim128 causal +2-3.5%; hdim256 causal +3.5% at 2k but -9% at 8k, where the column order's

@@ -453,11 +453,13 @@ struct MainloopBwdSm90 {
     // Deterministic dQ by atomics (no dQ smem): the second producer warp waits for each row
     // block's turn and releases it (order_dq), off the MMA warpgroups' path.
     bool dq_order_warp;
-    // Deterministic without a window: column block n starts its walk at row block n * M / N
-    // (dq_rank). The host sets it only when all of a head's column blocks can be resident at
-    // once, since a column block then waits on ones launched after it, and by default only when
-    // two heads' can (the launcher; CUFLASH_BWD_DET_WALK).
-    bool dq_rotate;
+    // Deterministic without a window: the column blocks of a rotation group start their walks
+    // spread over the row blocks (rotation_group, dq_rank). 0: not rotated (ascending walks);
+    // w > 0: a group is a head's column blocks within one window of w consecutively launched
+    // CTAs (w at most the CTAs resident at once, since a block waits on others of its group
+    // launched after it), so that a head split over two waves of CTAs rotates within each wave
+    // and the later group adds after the earlier one (the launcher; CUFLASH_BWD_DET_WALK).
+    int dq_rotate_window;
     // dQ through shared memory and bulk reduce-adds (sliced kernels), also keeping the
     // deterministic order (store_dq_bulk).
     bool dq_bulk;
@@ -502,16 +504,32 @@ struct MainloopBwdSm90 {
     cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
   }
 
-  // Rotated walks (deterministic, no window): N column blocks with keys over M row blocks.
-  CUTE_DEVICE static bool rotated(Params const& p, BwdSeqlen const& seq, int& num_m_blocks, int& num_n_blocks) {
-    if constexpr (HasWindow || kIsFlex) {
-      return false;
-    } else {
-      num_m_blocks = (seq.seqlen_q + kBlockM - 1) / kBlockM;
-      num_n_blocks = (seq.seqlen_k + kBlockN - 1) / kBlockN;
-      // Start row blocks n * M / N are distinct only when N <= M.
-      return p.dq_rotate && num_n_blocks <= num_m_blocks;
+  // The rotation group of column block n_block (deterministic, no window): column blocks [lo,
+  // lo + size) of its head, whose walks start at row blocks (n - lo) * M / size over the M row
+  // blocks; size 0 where the walks are not rotated. Column blocks of earlier groups add first.
+  struct RotationGroup {
+    int lo = 0, size = 0, num_m_blocks = 0;
+  };
+  CUTE_DEVICE static RotationGroup rotation_group(Params const& p, BwdSeqlen const& seq, int n_block, int head,
+                                                  int batch) {
+    RotationGroup g;
+    if constexpr (!HasWindow && !kIsFlex) {
+      if (p.dq_rotate_window <= 0) { return g; }
+      int const num_m = (seq.seqlen_q + kBlockM - 1) / kBlockM;
+      int const num_n = (seq.seqlen_k + kBlockN - 1) / kBlockN;
+      if (n_block >= num_n) { return g; }
+      // Deterministic launches are (column block, head, batch) grids: the CTA's launch index
+      // (below 2^31: gridDim.y and z are at most 65535 and the blocks a few thousand).
+      int const window = p.dq_rotate_window;
+      int const base = (batch * int(gridDim.y) + head) * int(gridDim.x);
+      int const first = (base + n_block) / window * window;
+      int const lo = cute::max(first - base, 0);
+      int const hi = cute::min(first + window - base, num_n);
+      // Start row blocks (n - lo) * M / size are distinct only when size <= M; otherwise the
+      // group walks ascending (its ranks lo + (n - lo) are the ascending ones too).
+      if (hi - lo <= num_m) { g = {lo, hi - lo, num_m}; }
     }
+    return g;
   }
 
   // The m-blocks that column block n_block visits; the producer, the dQ warps and the MMA
@@ -524,31 +542,33 @@ struct MainloopBwdSm90 {
       return FlexColumnWalk<kBlockM, kBlockN>::make(p.flex, seq.seqlen_k, batch, head, n_block, m_block_min,
                                                      m_block_max, /*narrow=*/!p.deterministic);
     } else {
-      int num_m = 0, num_n = 1;
-      int start = m_block_min < m_block_max && rotated(p, seq, num_m, num_n) ? n_block * num_m / num_n : m_block_min;
+      RotationGroup const g = m_block_min < m_block_max ? rotation_group(p, seq, n_block, head, batch) : RotationGroup{};
+      int const start = g.size > 0 ? (n_block - g.lo) * g.num_m_blocks / g.size : m_block_min;
       return MBlockRange<!HasWindow>::make(m_block_min, m_block_max, start);
     }
   }
 
   // Deterministic dQ: the place of column block n_block among the contributors to row block
   // m_block's sum, which adds in that order (a semaphore per row block counts the adds). The
-  // order is the one in which the column blocks reach the row block when all of a head's column
-  // blocks run side by side, so that a CTA finds its predecessor done rather than waiting:
+  // order is the one in which the column blocks reach the row block when they run side by side,
+  // so that a CTA finds its predecessor done rather than waiting:
   //  - causal / local: the column block that starts on the row block adds first, then the ones
   //    to its left (descending n); the kernel launches a head's column blocks from the last down,
   //    so the blocks waited on are always launched earlier.
-  //  - no window, rotated: block n starts at row block n * M / N; a row block's first adder is the
-  //    block that started closest below it, then the others cyclically downwards.
+  //  - no window, rotated: the groups in order; within a group, the block that started closest
+  //    below the row block first, then the group's others cyclically downwards.
   //  - otherwise (no window, not rotated): ascending n, every block starting at row block 0.
-  CUTE_DEVICE static int dq_rank(Params const& p, BwdSeqlen const& seq, int n_block, int m_block) {
+  // g: rotation_group of the column block, found once per walk.
+  CUTE_DEVICE static int dq_rank(Params const& p, BwdSeqlen const& seq, RotationGroup const& g, int n_block,
+                                 int m_block) {
     if constexpr (HasWindow) {
       return n_block_last<kBlockM, kBlockN, HasWindow>(seq, m_block, p.window_right) - n_block;
     } else {
-      int num_m = 0, num_n = 0;
-      if (!rotated(p, seq, num_m, num_n)) { return n_block; }
-      // Last column block whose start row block n * M / N is <= m_block.
-      int const first = cute::min(num_n - 1, ((m_block + 1) * num_n + num_m - 1) / num_m - 1);
-      return n_block <= first ? first - n_block : first + num_n - n_block;
+      if (g.size == 0) { return n_block; }
+      // The group's last column block whose start row block (n - lo) * M / size is <= m_block.
+      int const first = cute::min(g.size - 1, ((m_block + 1) * g.size + g.num_m_blocks - 1) / g.num_m_blocks - 1);
+      int const local = n_block - g.lo;
+      return g.lo + (local <= first ? first - local : first + g.size - local);
     }
   }
 
@@ -631,6 +651,7 @@ struct MainloopBwdSm90 {
                                    int batch) {
     if constexpr (kDqViaSmem) {
       auto walk = make_walk(p, seq, n_block, head, batch);
+      RotationGroup const rotation = rotation_group(p, seq, n_block, head, batch);
       constexpr int kWgChunk = kDqChunk / NumMmaWG;
       float* dq_accum = p.dq_accum + (int64_t(head) * p.q_rows_padded + seq.offset_q_padded) * kHeadDim;
       int* semaphore = p.dq_semaphore + (int64_t(batch) * p.num_heads + head) * p.num_m_blocks;
@@ -639,7 +660,7 @@ struct MainloopBwdSm90 {
         int const m_block = walk.m_block;
         if (p.deterministic) {
           if (lane0) {
-            int const rank = dq_rank(p, seq, n_block, m_block);
+            int const rank = dq_rank(p, seq, rotation, n_block, m_block);
             semaphore_wait_eq(semaphore + m_block, rank);
           }
           __syncwarp();
@@ -689,11 +710,12 @@ struct MainloopBwdSm90 {
   CUTE_DEVICE static void order_dq(Params const& p, BwdSeqlen const& seq, int n_block, int head, int batch) {
     if constexpr (!kDqViaSmem) {
       auto walk = make_walk(p, seq, n_block, head, batch);
+      RotationGroup const rotation = rotation_group(p, seq, n_block, head, batch);
       int* semaphore = p.dq_semaphore + (int64_t(batch) * p.num_heads + head) * p.num_m_blocks;
       bool const lane0 = cute::elect_one_sync();
       for (; walk.valid(); walk.next()) {
         int const m_block = walk.m_block;
-        if (lane0) { semaphore_poll_eq(semaphore + m_block, dq_rank(p, seq, n_block, m_block)); }
+        if (lane0) { semaphore_poll_eq(semaphore + m_block, dq_rank(p, seq, rotation, n_block, m_block)); }
         __syncwarp();
         cutlass::arch::NamedBarrier::arrive(NumMmaThreads + cutlass::NumThreadsPerWarp, uint32_t(BwdBarrier::kDqReady));
         cutlass::arch::NamedBarrier::sync(NumMmaThreads + cutlass::NumThreadsPerWarp, uint32_t(BwdBarrier::kDqDone));
@@ -718,6 +740,7 @@ struct MainloopBwdSm90 {
       float* dq_accum = p.dq_accum + (int64_t(head) * p.q_rows_padded + seq.offset_q_padded) * kHeadDim +
                         wg * (kDqChunk / NumMmaWG);
       int* semaphore = p.dq_semaphore + (int64_t(batch) * p.num_heads + head) * p.num_m_blocks;
+      RotationGroup const rotation = rotation_group(p, seq, n_block, head, batch);
       float const* slot = slot_storage.slot[wg].buffer;
       uint32_t const full = uint32_t(BwdBarrier::kDqFull) + wg;
       uint32_t const empty = uint32_t(BwdBarrier::kDqEmpty) + wg;
@@ -726,7 +749,7 @@ struct MainloopBwdSm90 {
       for (; walk.valid(); walk.next()) {
         int const m_block = walk.m_block;
         if (p.deterministic) {
-          if (lane0) { semaphore_poll_eq(semaphore + m_block, dq_rank(p, seq, n_block, m_block)); }
+          if (lane0) { semaphore_poll_eq(semaphore + m_block, dq_rank(p, seq, rotation, n_block, m_block)); }
           __syncwarp();
         }
         float* dq_row = dq_accum + int64_t(m_block) * kDqChunk;

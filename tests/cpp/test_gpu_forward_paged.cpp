@@ -240,29 +240,6 @@ ForwardArgs make_args(const Problem& pb, DType dtype, Device device, const ArgPo
   return args;
 }
 
-// The flex_paged kernels run only with CUFLASH_FWD_PAGED_FLEX=1 until these cases have passed on
-// the GPU (dispatch_fwd_sm90.cu): set for the call, then put back.
-class PagedFlexSetting {
- public:
-  PagedFlexSetting(const PagedFlexSetting&) = delete;
-  PagedFlexSetting& operator=(const PagedFlexSetting&) = delete;
-  explicit PagedFlexSetting(const char* value) {
-    const char* old = std::getenv("CUFLASH_FWD_PAGED_FLEX");
-    if (old != nullptr) saved_ = old;
-    had_ = old != nullptr;
-    if (value != nullptr) setenv("CUFLASH_FWD_PAGED_FLEX", value, 1);
-    else unsetenv("CUFLASH_FWD_PAGED_FLEX");
-  }
-  ~PagedFlexSetting() {
-    if (had_) setenv("CUFLASH_FWD_PAGED_FLEX", saved_.c_str(), 1);
-    else unsetenv("CUFLASH_FWD_PAGED_FLEX");
-  }
-
- private:
-  std::string saved_;
-  bool had_ = false;
-};
-
 Result run_reference(const Problem& pb) {
   std::vector<float> q = pb.q, k = pb.k, v = pb.v;
   std::vector<float> out(std::size_t(pb.rows_q) * pb.c.heads * pb.c.head_dim_v, std::nanf(""));
@@ -290,9 +267,6 @@ Result run_gpu(const Problem& pb) {
                                {q.data(), k.data(), v.data(), out.data(), lse.data(),
                                 page_table.data(), cu_q.data(), used_k.data(), slopes.data()});
   args.num_splits = c.num_splits;
-  const bool mods = c.score_mod != ScoreModKind::kNone || c.mask_mod != MaskModKind::kNone;
-  std::optional<PagedFlexSetting> setting;
-  if (mods) setting.emplace("1");
   forward(args);
   gpu_testing::check_cuda(cudaDeviceSynchronize(), "paged forward kernel");
   Result result;
@@ -481,17 +455,6 @@ TEST(GpuForwardPagedUnsupported, PackedGqaWithSoftcapIsRefused) {
   call.args.opts.softcap = 30.f;
   call.args.pack_gqa = true;
   expect_not_supported(call.args, "pack_gqa");
-}
-
-// Until the flex_paged kernels have been checked on the GPU, a mod over paged K/V is refused
-// unless CUFLASH_FWD_PAGED_FLEX=1.
-TEST(GpuForwardPagedUnsupported, ModWithoutTheSettingIsRefused) {
-  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
-  if (!is_built("fwd bf16 hdim128 flex paged")) GTEST_SKIP() << "hdim128 bf16 flex paged not built";
-  SmallPagedCall call;
-  call.args.opts.mask_mod.kind = MaskModKind::kCausal;
-  PagedFlexSetting setting(nullptr);
-  expect_not_supported(call.args, "page_table");
 }
 
 }  // namespace

@@ -382,14 +382,10 @@ TEST(ParamsBackward, DqPathChoice) {
 TEST(ParamsBackward, DetWalkChoice) {
   expect_setting_choices<decltype(&parse_bwd_det_walk), BwdDetWalk>(
       parse_bwd_det_walk, "CUFLASH_BWD_DET_WALK",
-      {{"auto", BwdDetWalk::kAuto}, {"rotated", BwdDetWalk::kRotated}, {"ascending", BwdDetWalk::kAscending}},
-      {"on", "rotate", "Ascending"});
+      {{"auto", BwdDetWalk::kAuto}, {"waves", BwdDetWalk::kWaves}, {"ascending", BwdDetWalk::kAscending}},
+      {"on", "rotated", "Ascending"});
 }
 
-TEST(ParamsForward, PagedFlexChoice) {
-  expect_setting_choices<decltype(&parse_fwd_paged_flex), bool>(
-      parse_fwd_paged_flex, "CUFLASH_FWD_PAGED_FLEX", {{"0", false}, {"1", true}}, {"on", "true", "2"});
-}
 
 TEST(ParamsForward, NarrowTileCostModel) {
   using sm90::fwd_narrow_tile_pays;

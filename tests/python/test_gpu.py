@@ -110,13 +110,11 @@ def test_torch_paged_kv_backward(rng, deterministic):
             assert torch.equal(a, b), f"{name} differs between two deterministic runs"
 
 
-def test_torch_paged_kv_builtin_mods(rng, monkeypatch):
+def test_torch_paged_kv_builtin_mods(rng):
     """Paged KV with a built-in score_mod under autograd on the GPU (the flex_paged forward
     kernel, then the paged backward over the flex backward) against the CPU reference: ALiBi
     with a local window, shuffled pages, a partly used last page and GQA."""
     torch = torch_cuda()
-    # The flex_paged kernels are taken only with this setting until checked on the GPU.
-    monkeypatch.setenv("CUFLASH_FWD_PAGED_FLEX", "1")
     batch, seqlen_q, heads, heads_kv, dim, page_size, max_pages = 2, 130, 4, 2, 128, 16, 20
     num_pages = batch * max_pages + 3
     table = rng.permutation(num_pages)[: batch * max_pages].reshape(batch, max_pages).astype(np.int32)
