@@ -98,6 +98,8 @@ struct FlashBwdKernelSm90 {
     if (threadIdx.x == 0) {
       Mainloop::prefetch_tma_descriptors(params.mainloop);
       ss.barrier_kv.init(1);
+      ss.dq_slots.init();
+      cutlass::arch::fence_barrier_init();
     }
 
     typename PipelineQ::Params pipeline_params_q;
@@ -161,11 +163,8 @@ struct FlashBwdKernelSm90 {
         }
         Mainloop::store_dq(params.mainloop, ss.tensors, c.seq, c.n_block, c.head, c.batch);
       } else if (Mainloop::kHasDqBulk && params.mainloop.dq_bulk && warp_idx_in_wg >= 1 && warp_idx_in_wg <= NumMmaWG) {
-        // Warp 1 + wg copies warpgroup wg's dQ; its slot starts empty.
-        int const wg = warp_idx_in_wg - 1;
-        cutlass::arch::NamedBarrier::arrive(cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp,
-                                            uint32_t(BwdBarrier::kDqEmpty) + wg);
-        Mainloop::store_dq_bulk(params.mainloop, ss.dq_slots, c.seq, c.n_block, c.head, c.batch, wg);
+        // Warp 1 + wg copies warpgroup wg's dQ (its ring starts empty).
+        Mainloop::store_dq_bulk(params.mainloop, ss.dq_slots, c.seq, c.n_block, c.head, c.batch, warp_idx_in_wg - 1);
       } else if (warp_idx_in_wg == 1 && params.mainloop.dq_order_warp) {
         Mainloop::order_dq(params.mainloop, c.seq, c.n_block, c.head, c.batch);
       }

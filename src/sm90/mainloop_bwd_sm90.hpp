@@ -44,8 +44,8 @@ enum class BwdBarrier : uint32_t {
   // Kernels with dQ by atomics (no dQ smem), deterministic with the dQ order warp:
   kDqReady = 2,  // the order warp found the row block's turn: the MMA warpgroups may add
   kDqDone = 3,   // the MMA warpgroups issued the row block's atomics: the order warp releases it
-  // The sliced kernels with dQ through shared memory (CUFLASH_BWD_DQ=bulk) take kDqEmpty / kDqFull
-  // for their two warpgroups' slots, and kDqEmpty + 2 for:
+  // The sliced kernels with dQ through shared memory (CUFLASH_BWD_DQ=bulk) hand their slots over
+  // on mbarriers (dq_out_sm90.hpp), and take kDqEmpty + 2 for:
   kDqLanded = 4,  // deterministic: both dQ warps' copies of the row block have landed
 };
 
@@ -403,11 +403,17 @@ struct MainloopBwdSm90 {
   using PipelineStateQ = typename PipelineQ::PipelineState;
   using PipelineStatedO = typename PipelinedO::PipelineState;
 
-  // Each MMA warpgroup's dQ slot (dq_out_sm90.hpp): half of one half slice of its dQ^T, what a
-  // bulk copy adds.
-  static constexpr int kDqSlotFloats = kHasDqBulk ? kDqChunk / NumMmaWG / 4 : 0;
-  struct NoDqSlots {};
-  using DqSlotStorage = std::conditional_t<kHasDqBulk, bwd::DqSlotStorage<kDqSlotFloats, NumMmaWG>, NoDqSlots>;
+  // Each MMA warpgroup's dQ ring (dq_out_sm90.hpp): kDqSlots slots of a quarter of a half slice
+  // of its dQ^T (two float4 per thread, 4 KB), what a bulk copy adds; kDqPieces per row block.
+  // Three fill the shared memory the tile leaves (227 KB).
+  static constexpr int kDqSlots = 3;
+  static constexpr int kDqPieces = 8;
+  static constexpr int kDqSlotFloats = kHasDqBulk ? kDqChunk / NumMmaWG / kDqPieces : 0;
+  struct NoDqSlots {
+    CUTE_DEVICE void init() {}
+  };
+  using DqSlotStorage =
+      std::conditional_t<kHasDqBulk, bwd::DqSlotStorage<kDqSlotFloats, kDqSlots, NumMmaWG>, NoDqSlots>;
   using DqBulkStage = bwd::DqBulkStage<kDqSlotFloats, cutlass::NumThreadsPerWarpGroup>;
 
   // --- TMA ---
@@ -726,13 +732,14 @@ struct MainloopBwdSm90 {
   }
 
   // Producer warp 1 + wg of the sliced kernels with dQ through shared memory (dq_bulk), one per
-  // MMA warpgroup so that neither waits for the other's stores: per row block, the four quarters
-  // of warpgroup wg's dQ^T chunk in the order they are stored (two per head-dim slice), each
-  // from the warpgroup's slot by one bulk reduce-add; the slot is freed once its copy has read
-  // it. Deterministic runs add each row block in column-block order, as store_dq does: both warps
-  // await the turn while the MMA warpgroups compute the block's dQ, and once the copies of both
-  // have landed the first warp passes the row block on.
-  CUTE_DEVICE static void store_dq_bulk(Params const& p, DqSlotStorage& slot_storage, BwdSeqlen const& seq, int n_block,
+  // MMA warpgroup so that neither waits for the other's stores: per row block, the kDqPieces
+  // pieces of warpgroup wg's dQ^T chunk in the order they are stored, each from its slot of the
+  // ring by one bulk reduce-add. A slot is freed once its copy has read it; the warp keeps one
+  // copy in flight, freeing the previous piece's slot after issuing the next. Deterministic runs
+  // add each row block in column-block order, as store_dq does: both warps await the turn while
+  // the MMA warpgroups compute the block's dQ, and once the copies of both have landed the first
+  // warp passes the row block on.
+  CUTE_DEVICE static void store_dq_bulk(Params const& p, DqSlotStorage& ring, BwdSeqlen const& seq, int n_block,
                                         int head, int batch, int wg) {
     if constexpr (kHasDqBulk) {
       static_assert(NumMmaWG == 2, "kDqLanded takes the id of a third warpgroup's kDqEmpty");
@@ -741,11 +748,9 @@ struct MainloopBwdSm90 {
                         wg * (kDqChunk / NumMmaWG);
       int* semaphore = p.dq_semaphore + (int64_t(batch) * p.num_heads + head) * p.num_m_blocks;
       RotationGroup const rotation = rotation_group(p, seq, n_block, head, batch);
-      float const* slot = slot_storage.slot[wg].buffer;
-      uint32_t const full = uint32_t(BwdBarrier::kDqFull) + wg;
-      uint32_t const empty = uint32_t(BwdBarrier::kDqEmpty) + wg;
-      constexpr int kSlotThreads = cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp;
       bool const lane0 = cute::elect_one_sync();
+      int piece = 0;         // pieces issued
+      bool pending = false;  // the last issued piece's slot is not yet freed
       for (; walk.valid(); walk.next()) {
         int const m_block = walk.m_block;
         if (p.deterministic) {
@@ -754,28 +759,35 @@ struct MainloopBwdSm90 {
         }
         float* dq_row = dq_accum + int64_t(m_block) * kDqChunk;
         CUTLASS_PRAGMA_NO_UNROLL
-        for (int quarter = 0; quarter < 4; ++quarter) {
-          cutlass::arch::NamedBarrier::sync(kSlotThreads, full);
+        for (int j = 0; j < kDqPieces; ++j, ++piece) {
+          int const s = DqSlotStorage::slot_of(piece);
+          ring.full[wg][s].wait(DqSlotStorage::parity_of(piece));
           if (lane0) {
-            bulk_reduce_add_f32(slot, dq_row + quarter * kDqSlotFloats, kDqSlotFloats * int(sizeof(float)));
+            bulk_reduce_add_f32(ring.slot[wg][s].buffer, dq_row + j * kDqSlotFloats, kDqSlotFloats * int(sizeof(float)));
             cute::tma_store_arrive();
-            cute::tma_store_wait<0>();
+            if (pending) {
+              cute::tma_store_wait<1>();
+              ring.empty[wg][DqSlotStorage::slot_of(piece + kDqSlots - 1)].arrive();
+            }
           }
+          pending = true;
           __syncwarp();
-          cutlass::arch::NamedBarrier::arrive(kSlotThreads, empty);
         }
         if (p.deterministic) {
           // The next column block may only add once this block's sums have landed.
           if (lane0) {
             asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
             __threadfence();
+            ring.empty[wg][DqSlotStorage::slot_of(piece + kDqSlots - 1)].arrive();
           }
+          pending = false;
           __syncwarp();
           cutlass::arch::NamedBarrier::sync(NumMmaWG * cutlass::NumThreadsPerWarp, uint32_t(BwdBarrier::kDqLanded));
           if (wg == 0 && lane0) { semaphore_increment(semaphore + m_block); }
           __syncwarp();
         }
       }
+      if (lane0) { cute::tma_store_wait<0>(); }  // no copy reads the ring after the CTA ends
     }
   }
 
@@ -951,6 +963,7 @@ struct MainloopBwdSm90 {
 
     PipelineStateQ read_q;
     PipelineStatedO read_do;
+    int dq_piece = 0;  // bulk dQ: the pieces this warpgroup has put into its ring
 
     CUTLASS_PRAGMA_NO_UNROLL
     for (; walk.valid(); walk.next()) {
@@ -1078,18 +1091,20 @@ struct MainloopBwdSm90 {
         Tensor tdKrQ_cur = tdKrQ(_, _, _, stage_q);
         // dQ^T slice h out: its values [h * H, h * H + H), by atomics or through the slot.
         constexpr int kH = kDqVecs / 2;
-        static_assert(!kHasDqBulk || DqBulkStage::kVecs == kH / 2, "a bulk copy moves half of a dQ^T half slice");
-        // Bulk (p.dq_bulk): the slice in two stores into the warpgroup's slot, which its producer
-        // warp adds to global memory (store_dq_bulk).
+        constexpr int kPiecesPerSlice = kDqPieces / 2;
+        static_assert(!kHasDqBulk || DqBulkStage::kVecs * kPiecesPerSlice == kH,
+                      "the ring's pieces tile each dQ^T half slice");
+        // Bulk (p.dq_bulk): the slice in kPiecesPerSlice stores into the warpgroup's ring, which
+        // its producer warp adds to global memory (store_dq_bulk).
         auto dq_out = [&](auto slice) {
           constexpr int kBegin = decltype(slice)::value * kH;
           if constexpr (kHasDqBulk) {
             if (p.dq_bulk) {
-              uint32_t const slot = cute::cast_smem_ptr_to_uint(&slot_storage.slot[wg_idx]);
-              uint32_t const empty = uint32_t(BwdBarrier::kDqEmpty) + uint32_t(wg_idx);
-              uint32_t const full = uint32_t(BwdBarrier::kDqFull) + uint32_t(wg_idx);
-              DqBulkStage::template store<kBegin>(slot, thread_in_wg, empty, full, dq_vec);
-              DqBulkStage::template store<kBegin + kH / 2>(slot, thread_in_wg, empty, full, dq_vec);
+              for_each(make_int_sequence<kPiecesPerSlice>{}, [&](auto j) {
+                DqBulkStage::template store<kBegin + decltype(j)::value * DqBulkStage::kVecs>(
+                    slot_storage, wg_idx, dq_piece + decltype(slice)::value * kPiecesPerSlice + decltype(j)::value,
+                    thread_in_wg, dq_vec);
+              });
               return;
             }
           }
@@ -1111,6 +1126,7 @@ struct MainloopBwdSm90 {
         pipeline_do.consumer_release(read_do);
         wgmma_gemm_m_slice<true, 0, dQ_swapAB, 1, 2>(tiled_mma_dQ, tdQrdS_cur, tdQrK, tdQrdQ);
         dq_out(Int<1>{});
+        dq_piece += kDqPieces;
         dq_atomics_release();
         wgmma_gemm_m_slice<false, -1, dKV_swapAB, 1, 2>(tiled_mma_dK, tdKrdS, tdKrQ_cur, tdKrdK);
       } else {
