@@ -2,11 +2,12 @@
 // atomics from registers with CUFLASH_BWD_DQ=atomics and in the flex kernels): each MMA
 // warpgroup stages its dQ through a ring of three 4 KB slots of shared memory, and a producer
 // warp per warpgroup adds each slot to global memory with a bulk reduce-add (DqBulkStage), as the
-// kernels whose whole dQ tile fits in shared memory do. It had one 8 KB slot per warpgroup,
-// which the warpgroup waited on for a full copy round trip per piece. Measured on the H200 +11-17% over the atomics in one call, then +1-4% with a warp per
-// warpgroup (bench/NOTES.md, "Bulk dQ, the order warp and the rotation rule measured" and
-// "one dQ warp per warpgroup"), +12-17% with softcap; summing the partials of two CTAs
-// in distributed shared memory first (dQ pairs) had measured within -3..+3% of the atomics.
+// kernels whose whole dQ tile fits in shared memory do. Measured on the H200 against the
+// atomics in one call: +17-23% non-causal, +18-19% causal, +16-20% with softcap (bench/NOTES.md,
+// "a ring of three dQ slots per warpgroup"); one 8 KB slot per warpgroup, which the warpgroup
+// waited on for a full copy round trip per piece, had given +13-17% and +11-12%. Summing the
+// partials of two CTAs in distributed shared memory first (dQ pairs) had measured within
+// -3..+3% of the atomics.
 #pragma once
 
 #include <cutlass/arch/barrier.h>

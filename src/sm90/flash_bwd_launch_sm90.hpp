@@ -30,10 +30,9 @@ inline void check_launch(char const* what) {
 }
 
 // The sliced hdim256 kernels' dQ path with CUFLASH_BWD_DQ=auto (the default): bulk. Measured on
-// the H200 against atomics at 1k-16k, bf16, in one call: +13-17% non-causal, +11-12% causal; one
-// dQ warp per warpgroup added 1-4% in a later call; with softcap 50, bulk against atomics at
-// 2k-8k in one call: +12-17% non-causal, +15% causal (bench/NOTES.md, "Bulk dQ, the order warp
-// and the rotation rule measured" and after).
+// the H200 against atomics at 2k-8k, bf16, in one call: +17-23% non-causal, +18-19% causal, with
+// softcap 50 +16-20% (dq_out_sm90.hpp; bench/NOTES.md, "a ring of three dQ slots per
+// warpgroup").
 inline constexpr BwdDqPath kDqPathByDefault = BwdDqPath::kBulk;
 
 template <class Element, int kHeadDim, int kHeadDimV, bool HasWindow, bool HasSoftcap,
