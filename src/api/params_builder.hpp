@@ -54,7 +54,6 @@ int parse_fwd_hdim64_rows(const char* value);
 // The process's choice, from CUFLASH_FWD_HDIM64_ROWS, read once.
 int fwd_hdim64_rows();
 
-
 // Launch order of the backward main kernel's CTAs (BwdParams::launch_order, launch_head_group):
 // "auto" (or null / empty), "columns", "heads" or "heads:G" (G >= 1 heads at a time). Throws
 // kInvalidArgument otherwise.

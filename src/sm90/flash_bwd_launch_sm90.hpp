@@ -168,7 +168,7 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   }
   ml.deterministic = params.deterministic;
   // The dQ path of the sliced hdim256 kernels (dq_out_sm90.hpp). Bulk: each warpgroup's dQ
-  // through 8 KB of shared memory and bulk reduce-adds by a producer warp per warpgroup, which
+  // through a ring of shared-memory slots and bulk reduce-adds by a producer warp per warpgroup, which
   // also keep the deterministic order (kHasDqBulk). Elsewhere dQ goes by atomics.
   BwdDqPath const dq_path =
       BwdDqPath(params.dq_path) != BwdDqPath::kAuto ? BwdDqPath(params.dq_path) : kDqPathByDefault;
@@ -187,7 +187,8 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // +2% at 16k. Dispatch sets num_sm; without it the walks are ascending, which never waits on a
   // later launch. CUFLASH_BWD_DET_WALK=waves / ascending overrides auto.
   BwdDetWalk const det_walk = BwdDetWalk(params.det_walk);
-  bool const rotation_applies = params.deterministic && !HasWindow && !Mainloop::kIsFlex && params.num_sm > 0;
+  bool const rotation_applies = params.deterministic && !HasWindow && !Mainloop::kIsFlex && params.num_sm > 0 &&
+                                std::int64_t(num_n_blocks) * num_heads * batch < (std::int64_t(1) << 31);
   bool const rotation_wanted = det_walk == BwdDetWalk::kWaves ||
                                (det_walk == BwdDetWalk::kAuto && num_n_blocks <= params.num_sm);
   ml.dq_rotate_window = rotation_applies && rotation_wanted ? params.num_sm : 0;

@@ -4,8 +4,8 @@
 //   dV += P^T dO,  dK += dS^T Q,  dQ = dS K
 // per row block. dQ goes to an fp32 accumulator in global memory: through smem and a bulk
 // reduce-add issued by a second producer warp, or (when smem is short: hdim256) by atomics from
-// registers; the sliced hdim256 kernels pass it in 8 KB quarters through smem to bulk
-// reduce-adds instead (by default without softcap; dq_out_sm90.hpp).
+// registers; the sliced hdim256 kernels pass it in 4 KB pieces through a ring of smem slots to
+// bulk reduce-adds instead (by default; dq_out_sm90.hpp).
 // The fp32 accumulators in global memory hold each row block as one chunk in MMA-fragment order
 // (value i of thread t of warpgroup w at w * chunk / NumMmaWG + (i / 4) * 512 + t * 4 + i % 4),
 // which the postprocess kernel reads back with the same MMA partitioning.
@@ -525,7 +525,7 @@ struct MainloopBwdSm90 {
       int const num_n = (seq.seqlen_k + kBlockN - 1) / kBlockN;
       if (n_block >= num_n) { return g; }
       // Deterministic launches are (column block, head, batch) grids: the CTA's launch index
-      // (below 2^31: gridDim.y and z are at most 65535 and the blocks a few thousand).
+      // (the launcher rotates only grids of fewer than 2^31 CTAs).
       int const window = p.dq_rotate_window;
       int const base = (batch * int(gridDim.y) + head) * int(gridDim.x);
       int const first = (base + n_block) / window * window;

@@ -409,10 +409,12 @@ std::vector<BwdCase> backward_cases() {
       c.label = "deterministic_causal_tall", c.batch = 2, c.seqlen_q = 900, c.seqlen_k = 300, c.heads = 3,
       c.heads_kv = 3, c.causal = true, c.seqused = true, c.deterministic = true;
       add(c);
-      // More CTAs than SMs: some head's column blocks split over two launch windows and rotate
-      // within each (the rotated walks that auto takes here).
+      // More CTAs than SMs (160-256: 5-8 column blocks per head, none dividing 132): on 132 SMs
+      // some head's column blocks split over two launch windows and rotate within each (the
+      // rotated walks auto takes here; as many rows as keys, so that no group has more column
+      // blocks than row blocks).
       c = {};
-      c.label = "deterministic_many_ctas", c.batch = 8, c.seqlen_q = 256, c.seqlen_k = 640, c.heads = 4,
+      c.label = "deterministic_many_ctas", c.batch = 4, c.seqlen_q = 600, c.seqlen_k = 600, c.heads = 8,
       c.heads_kv = 2, c.deterministic = true;
       add(c);
       // Device seqused past the rows (not checkable on the host): capped at each length.
