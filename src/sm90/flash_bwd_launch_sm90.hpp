@@ -194,10 +194,12 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   ml.dq_rotate_window = rotation_applies && rotation_wanted ? params.num_sm : 0;
   // Heads inner (BwdLaunchOrder::kHeads): column blocks of unequal work launched longest first
   // across the heads of a batch. Measured on the H200 (bench/NOTES.md, "Backward launch order"):
-  // hdim128 causal +2-3.5%; hdim256 causal +3.5% at 2k but -9% at 8k, where the column order's
-  // L2 reuse (every running CTA streams the same head's Q / dO) hides the load latency of its one
-  // dO stage; so auto takes it at hdim128 without mods and without GQA (a group's heads would
-  // add their dK / dV into the same rows at once) only until the other cases are measured. It
+  // hdim128 causal +2-3.5%; hdim256 causal with dQ by atomics +3.5% at 2k but -9% at 8k, where
+  // the column order's L2 reuse (every running CTA streams the same head's Q / dO) hid the load
+  // latency of its one dO stage, and with bulk dQ +4-5% at 2k-8k (bench/NOTES.md, "Run of
+  // 2026-12-02 (sixth)"); so auto takes it at hdim128 and at hdim256 with bulk dQ, without mods
+  // and without GQA (a group's heads would add their dK / dV into the same rows at once) until
+  // the other cases are measured. It
   // applies to column blocks of unequal work: causal, local, a mask_mod or block lists (the flex
   // kernels have HasWindow for their mods, not because the call has a window). Deterministic
   // runs keep the column order their dQ ranks and rotations were laid out for.
@@ -206,7 +208,8 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
       params.is_causal || params.is_local || params.mask_mod.kind != 0 || params.block_sparse.enabled;
   bool const heads_wanted =
       order == BwdLaunchOrder::kHeads ||
-      (order == BwdLaunchOrder::kAuto && kHeadDim == 128 && !Mainloop::kIsFlex && num_heads == num_heads_kv);
+      (order == BwdLaunchOrder::kAuto && (kHeadDim == 128 || (kHeadDim == 256 && ml.dq_bulk)) && !Mainloop::kIsFlex &&
+       num_heads == num_heads_kv);
   int const head_group = params.launch_head_group > 0 ? std::min(params.launch_head_group, num_heads) : num_heads;
   int const num_head_groups = (num_heads + head_group - 1) / head_group;
   // Grid y holds the column blocks and z the head groups of every batch: both at most 65535.
