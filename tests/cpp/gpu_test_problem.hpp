@@ -152,6 +152,16 @@ struct RowLayout {
   }
 };
 
+// A varlen causal GQA case whose device seqused_q / seqused_k run 300 rows past every even
+// sequence (the forward and backward lists both hold it).
+template <class Case>
+Case varlen_seqused_past_case() {
+  Case c;
+  c.label = "varlen_seqused_past_causal", c.batch = 4, c.seqlen_q = 190, c.seqlen_k = 260, c.heads = 2,
+  c.heads_kv = 1, c.causal = true, c.varlen = true, c.seqused = true, c.seqused_past = 300;
+  return c;
+}
+
 // Host copies of a layout's sequence arrays for a reference call (views need non-const data).
 struct HostSequences {
   std::vector<int> cu_q, cu_k, used_q, used_k;

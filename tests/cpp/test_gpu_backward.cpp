@@ -418,11 +418,7 @@ std::vector<BwdCase> backward_cases() {
       c.heads_kv = 2, c.deterministic = true;
       add(c);
       // Device seqused past the rows (not checkable on the host): capped at each length.
-      c = {};
-      c.label = "varlen_seqused_past_causal", c.batch = 4, c.seqlen_q = 190, c.seqlen_k = 260,
-      c.heads = 2, c.heads_kv = 1, c.causal = true, c.varlen = true, c.seqused = true,
-      c.seqused_past = 300;
-      add(c);
+      add(gpu_testing::varlen_seqused_past_case<BwdCase>());
       c = {};
       c.label = "dense_seqused_past_deterministic", c.batch = 3, c.seqlen_q = 150, c.seqlen_k = 230,
       c.heads = 2, c.heads_kv = 2, c.seqused = true, c.seqused_past = 129, c.deterministic = true;

@@ -333,11 +333,7 @@ std::vector<FwdCase> forward_cases() {
       c.heads_kv = 2, c.window_left = 300, c.window_right = 0, c.num_splits = 5;
       add(c);
       // Device seqused past the rows (not checkable on the host): capped at each length.
-      c = {};
-      c.label = "varlen_seqused_past_causal", c.batch = 4, c.seqlen_q = 190, c.seqlen_k = 260,
-      c.heads = 2, c.heads_kv = 1, c.causal = true, c.varlen = true, c.seqused = true,
-      c.seqused_past = 300;
-      add(c);
+      add(gpu_testing::varlen_seqused_past_case<FwdCase>());
       c = {};
       c.label = "dense_seqused_past_split3", c.batch = 3, c.seqlen_q = 70, c.seqlen_k = 400,
       c.heads = 2, c.heads_kv = 2, c.seqused = true, c.seqused_past = 129, c.num_splits = 3;
