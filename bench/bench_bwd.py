@@ -318,17 +318,20 @@ def main():
 
     common.write_json(records, json_path)
     names = wanted
-    lines = common.table_lines(f"backward TFLOP/s, {args.dtype}, {gpu}, {date}; {METHOD[args.cuflash_call]}", records,
+    settings = common.run_settings(args, [f"softcap {args.softcap:g}"] if args.softcap > 0 else [])
+    title = common.titled(f"backward TFLOP/s, {args.dtype}, {gpu}, {date}", settings)
+    lines = common.table_lines(f"{title}; {METHOD[args.cuflash_call]}", records,
                                "bwd_tflops", names,
                                [("cuflash/cudnn", "cuflash", "cudnn"), ("det/cuflash", "cuflash_det", "cuflash")],
                                label=label, ratio_width=13)
+    # The skipped columns' reasons go into the table file too, so that a pass without numbers
+    # says why.
+    skipped = sorted({r["skipped"] for r in records if r["skipped"]})
+    if skipped:
+        lines.append(f"{sum(1 for r in records if r['skipped'])} skipped (reasons in bwd_sm90{args.tag}.json), e.g.:")
+        lines += [f"  {reason}" for reason in skipped[:8]]
     text = "\n".join(lines)
     print("\n" + text)
-    skipped = [r for r in records if r["skipped"]]
-    if skipped:
-        print(f"\n{len(skipped)} skipped (reasons in bwd_sm90{args.tag}.json), e.g.:")
-        for reason in sorted({r["skipped"] for r in skipped})[:8]:
-            print(f"  {reason}")
     with open(common.out_path(args, "bwd_sm90_table", "txt"), "w") as f:
         f.write(text + "\n")
     common.plot(common.out_path(args, "bwd_sm90", "png"), f"backward, {args.dtype}, {gpu}, {date}", records,

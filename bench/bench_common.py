@@ -162,6 +162,20 @@ def plot(path, suptitle, records, value_key, names, label=by_impl):
         print(f"plot skipped: {error}")
 
 
+def run_settings(args, extra=(), environ=None):
+    """What tells one pass of a call from another, for a table's title: the file tag, `extra`
+    options, and the CUFLASH_* settings of the environment."""
+    environ = os.environ if environ is None else environ
+    parts = [f"tag {args.tag}"] if args.tag else []
+    parts += list(extra)
+    parts += sorted(f"{k}={v}" for k, v in environ.items() if k.startswith("CUFLASH_"))
+    return "; ".join(parts)
+
+
+def titled(title, settings):
+    return f"{title}; {settings}" if settings else title
+
+
 def out_path(args, stem, ext):
     os.makedirs(args.out, exist_ok=True)
     return os.path.join(args.out, f"{stem}{args.tag}.{ext}")

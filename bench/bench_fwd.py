@@ -78,9 +78,11 @@ def main():
     common.write_json(records, common.out_path(args, "fwd_sm90", "json"))
 
     names = list(impls)
-    lines = common.table_lines(f"forward TFLOP/s, {args.dtype}, {gpu}, {date}", records, "fwd_tflops", names,
-                               [("cuflash/cudnn", "cuflash", "cudnn")])
+    title = common.titled(f"forward TFLOP/s, {args.dtype}, {gpu}, {date}", common.run_settings(args))
+    lines = common.table_lines(title, records, "fwd_tflops", names, [("cuflash/cudnn", "cuflash", "cudnn")])
     print("\n" + "\n".join(lines))
+    with open(common.out_path(args, "fwd_sm90_table", "txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
     common.plot(common.out_path(args, "fwd_sm90", "png"), f"forward, {args.dtype}, {gpu}, {date}", records,
                 "fwd_tflops", names)
 

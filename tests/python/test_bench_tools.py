@@ -65,3 +65,18 @@ def test_det_order_model_small_launches():
     # Causal: the descending order follows the column blocks' own arrival.
     causal = model.makespan(640, True, False, sms=16, heads=4, batch=1)
     assert model.makespan(640, True, True, sms=16, heads=4, batch=1) == causal
+
+
+def test_run_settings_names_the_pass():
+    """A table's title says which pass of a call it is: tag, options and CUFLASH_* settings."""
+    common = load("bench_common")
+
+    class Args:
+        tag = "_b"
+
+    settings = common.run_settings(Args(), ["softcap 50"], environ={"CUFLASH_BWD_DQ": "atomics", "PATH": "/bin"})
+    assert settings == "tag _b; softcap 50; CUFLASH_BWD_DQ=atomics"
+    assert common.titled("backward TFLOP/s", settings) == "backward TFLOP/s; " + settings
+    Args.tag = ""
+    assert common.titled("forward TFLOP/s", common.run_settings(Args(), environ={})) == "forward TFLOP/s"
+
