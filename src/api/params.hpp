@@ -120,6 +120,10 @@ struct FwdParams {
   // GQA kernels, which calls take when the heuristics pick them); 0: the launcher picks by
   // fwd_narrow_tile_pays (sm90/tile_size_sm90.hpp). From CUFLASH_FWD_HDIM64_ROWS.
   int tile_rows = 0;
+  // The sm90 forward zeroes the V rows past the sequence's keys in each tile's boundary block
+  // before the P V GEMM: their P is 0, but memory past seqused_k (a cache's unused tail) may hold
+  // NaN or Inf, and 0 * NaN is NaN. From CUFLASH_FWD_ZERO_V_TAIL (off until measured).
+  bool zero_v_tail = false;
 };
 
 // Whether the forward's tiles differ in cost: causal/local windows, packed or seqused sequences
@@ -256,7 +260,7 @@ struct BwdLaunchChoice {
 
 // The layout version: bumped with every change to the members of FwdParams, BwdParams or
 // ModParams, since a member added into tail padding leaves the sizes below as they were.
-constexpr std::uint64_t kParamsLayoutVersion = 10;
+constexpr std::uint64_t kParamsLayoutVersion = 11;
 
 // Whether a call needs the flex kernels (variants::FlexVariant): a score_mod, a mask_mod or block
 // lists. FwdParams and BwdParams alike.

@@ -372,6 +372,15 @@ FwdScheduler fwd_scheduler() {
   return scheduler;
 }
 
+bool parse_fwd_zero_v_tail(const char* value) {
+  return parse_setting<bool>("CUFLASH_FWD_ZERO_V_TAIL", value, {{"0", false}, {"1", true}});
+}
+
+bool fwd_zero_v_tail() {
+  // Not cached, so that a test can set it around one call.
+  return parse_fwd_zero_v_tail(std::getenv("CUFLASH_FWD_ZERO_V_TAIL"));
+}
+
 int parse_fwd_hdim64_rows(const char* value) {
   return parse_setting<int>("CUFLASH_FWD_HDIM64_ROWS", value, {{"auto", 0}, {"192", 192}, {"128", 128}});
 }

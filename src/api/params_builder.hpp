@@ -48,6 +48,12 @@ FwdScheduler parse_fwd_scheduler(const char* value);
 // The process's choice, from CUFLASH_FWD_SCHEDULER, read once.
 FwdScheduler fwd_scheduler();
 
+// Whether the sm90 forward zeroes the V rows past the keys of each tile's boundary block
+// (FwdParams::zero_v_tail): "0" (or null / empty) or "1". Throws kInvalidArgument otherwise.
+bool parse_fwd_zero_v_tail(const char* value);
+// The choice from CUFLASH_FWD_ZERO_V_TAIL, read at every call.
+bool fwd_zero_v_tail();
+
 // Rows per tile of the plain hdim64 forward (FwdParams::tile_rows): "auto" (or null / empty;
 // 0: by the sequence lengths), "192" or "128". Throws kInvalidArgument otherwise.
 int parse_fwd_hdim64_rows(const char* value);

@@ -82,6 +82,12 @@ void check_flex(const FwdParams& p) {
                       ") cannot be combined with score_mod / mask_mod callables compiled at run "
                       "time; use num_splits = 1 (the built-in score_mods and mask_mods take it)");
   }
+  if (p.zero_v_tail && kernel_head_dims(p).head_dim > 192) {
+    not_supported("CUFLASH_FWD_ZERO_V_TAIL",
+                  "the sm90 forward kernels with score_mod / mask_mod / block sparsity at head dim "
+                  "256 do not zero the V rows past the keys (their registers are spent); unset "
+                  "CUFLASH_FWD_ZERO_V_TAIL and keep the memory past seqused_k finite");
+  }
   if (!p.block_sparse.enabled) return;
   // A kernel tile must lie inside one BlockMask row block, and a BlockMask column block must
   // be a whole number of kernel n-blocks.

@@ -357,7 +357,8 @@ struct FlashFwdKernelSm90 {
           Mainloop::mma(storage.tensors, storage.barrier_q, q_loads, /*q_by_tma=*/!packed,
                         /*release_q=*/kSeparateO && !packed, pipeline_k, pipeline_v,
                         smem_pipe_read, tOrO, softmax, work.mask, params.softcap_scale,
-                        thread_idx, tile.m_block, work.walk, tile_mods(params, tile, work.seqlen));
+                        thread_idx, tile.m_block, work.walk, tile_mods(params, tile, work.seqlen),
+                        p.zero_v_tail);
         } else {
           clear(tOrO);
           CUTLASS_PRAGMA_UNROLL

@@ -526,13 +526,15 @@ struct MainloopFwdSm90 {
   // with work this CTA has done before this one. Hands Q's buffer back when release_q is set;
   // otherwise the caller does (when O reuses that buffer). The flex variant applies `mods`
   // (FlexTileMods: final scores, mask_mod on the blocks the walk marks); NoTileMods elsewhere.
+  // zero_v_tail: zero the V rows past mask.seqlen_k in the boundary block (clear_v_tail).
   template <class TensorO, class Softmax, class Walk, class TileMods>
   CUTLASS_DEVICE static void mma(TensorStorage& storage, QBarriers& barrier_q, int q_loads,
                                  bool q_by_tma, bool release_q, PipelineK& pipeline_k,
                                  PipelineV& pipeline_v,
                                  PipelineState& smem_pipe_read, TensorO& tOrO, Softmax& softmax,
                                  FwdMask<kBlockM, kBlockN> const& mask, float softcap_scale,
-                                 int thread_idx, int m_block, Walk walk, TileMods const& mods) {
+                                 int thread_idx, int m_block, Walk walk, TileMods const& mods,
+                                 bool zero_v_tail) {
     using namespace cute;
     Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
@@ -562,6 +564,40 @@ struct MainloopFwdSm90 {
     int n_block = walk.first();
     float scores_scale[Softmax::kNumRows];
 
+    // Keys past the sequence in a boundary block have P = 0, but the V rows behind them (memory
+    // past seqused_k, such as a cache's unused tail, or a paged cache's last page) may hold NaN or
+    // Inf, and 0 * NaN is NaN in the P V GEMM. With zero_v_tail each warpgroup zeroes those rows
+    // of block n_block's stage once its softmax is done, before the next iteration's P V GEMM
+    // reads it (outside the warp scheduler's turn; it waits for V a little earlier than the GEMM
+    // would). Both warpgroups write the same zeros, each before its own read, so neither can
+    // read anything but zero there.
+    // The one n-block with keys past the sequence, if it needs zeroing; -1 if none. Not compiled
+    // into the score_mod / mask_mod kernels at head dim 256, where ptxas then spilled 42 bytes
+    // instead of 4 (dispatch refuses the setting there).
+    constexpr bool kZeroVTailBuilt = std::is_same_v<TileMods, NoTileMods> || kHeadDim <= 192;
+    int const v_tail_block = zero_v_tail && mask.seqlen_k % kBlockN != 0 ? mask.seqlen_k / kBlockN : -1;
+    auto clear_v_tail = [&](PipelineState const& stage_v) {
+      if constexpr (!kZeroVTailBuilt) return;
+      if (n_block != v_tail_block) return;
+      int const valid = mask.seqlen_k - n_block * kBlockN;
+      pipeline_v.consumer_wait(stage_v);
+      int const stage = stage_v.index();
+      Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});
+      // 16-byte chunks: the swizzle moves whole chunks, so 8 consecutive elements of a row stay
+      // together.
+      constexpr int kChunksPerRow = kHeadDimV / 8;
+      int const thread_in_wg = thread_idx % cutlass::NumThreadsPerWarpGroup;
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (int i = thread_in_wg; i < (kBlockN - valid) * kChunksPerRow; i += cutlass::NumThreadsPerWarpGroup) {
+        uint32_t const chunk = cute::cast_smem_ptr_to_uint(
+            &sV(valid + i / kChunksPerRow, (i % kChunksPerRow) * 8, stage));
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(chunk), "r"(0) : "memory");
+      }
+      cutlass::arch::fence_view_async_shared();  // the GEMM reads through the async proxy
+      cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup,
+                                        int(FwdNamedBarrier::kWarpGroupLocalWG0) + warp_group);
+    };
+
     pipeline_k.consumer_wait(smem_pipe_read);
     if (q_by_tma) barrier_q.full.wait(q_loads & 1);
     warp_scheduler_barrier_sync(warp_group);
@@ -580,6 +616,7 @@ struct MainloopFwdSm90 {
     convert_into(tSrS, tOrP);
     clear(tOrO);
 
+    clear_v_tail(smem_pipe_read);
     PipelineState smem_pipe_read_v = smem_pipe_read;
     ++smem_pipe_read;
     while (walk.next(n_block)) {
@@ -604,6 +641,7 @@ struct MainloopFwdSm90 {
       warpgroup_wait<0>();
       pipeline_v.consumer_release(smem_pipe_read_v);
       convert_into(tSrS, tOrP);
+      clear_v_tail(smem_pipe_read);
       smem_pipe_read_v = smem_pipe_read;
       ++smem_pipe_read;
     }

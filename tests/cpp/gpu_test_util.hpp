@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <optional>
 #include <sstream>
@@ -25,6 +26,28 @@ namespace cuflash::gpu_testing {
 inline const Device kCpu{};
 inline const Device kCuda{DeviceType::kCUDA, 0};
 inline constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// An environment setting for one scope (a per-call switch such as CUFLASH_FWD_ZERO_V_TAIL), put
+// back as it was afterwards.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* old = std::getenv(name);
+    had_ = old != nullptr;
+    if (had_) saved_ = old;
+    setenv(name, value, 1);
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+  ~ScopedEnv() {
+    if (had_) setenv(name_.c_str(), saved_.c_str(), 1);
+    else unsetenv(name_.c_str());
+  }
+
+ private:
+  std::string name_, saved_;
+  bool had_ = false;
+};
 
 // The dtype as test names spell it.
 inline const char* dtype_name(DType dtype) { return dtype == DType::kBFloat16 ? "bf16" : "fp16"; }

@@ -38,6 +38,9 @@ struct FwdCase {
   bool varlen = false;   // packed rows with cu_seqlens; per-sequence lengths drawn up to seqlen_q/k
   bool seqused = false;  // seqused_q/k cap each sequence below its length
   int seqused_past = 0;  // device seqused past the rows on even sequences (capped by the kernel)
+  // K / V rows past each sequence's seqused_k hold NaN (memory a cache has not filled), which
+  // the kernel must not let into the output (CUFLASH_FWD_ZERO_V_TAIL=1 around the call).
+  bool nan_tail = false;
   bool strided = false;  // q/k/v live in wider rows (padded head dim): non-contiguous views
   bool with_lse = true;
   std::optional<bool> pack_gqa;
@@ -72,6 +75,16 @@ struct Problem : gpu_testing::RowLayout {
         x = gpu_testing::round_to(normal(rng), *c.sink == DType::kFloat32 ? c.dtype : *c.sink);
     }
     scale = 1.f / std::sqrt(float(c.head_dim));
+    if (c.nan_tail) {
+      const float nan = std::numeric_limits<float>::quiet_NaN();
+      for (int b = 0; b < batch; ++b) {
+        for (int j = used_k[b]; j < len_k[b]; ++j) {
+          const std::size_t row = varlen ? std::size_t(start_k[b] + j) : std::size_t(b) * seqlen_k + j;
+          std::fill_n(k.begin() + row * c.heads_kv * c.head_dim, c.heads_kv * c.head_dim, nan);
+          std::fill_n(v.begin() + row * c.heads_kv * c.head_dim_v, c.heads_kv * c.head_dim_v, nan);
+        }
+      }
+    }
   }
 };
 
@@ -187,6 +200,8 @@ Result run_gpu(const Problem& pb) {
   pb.set_sequences(args.seq, kCuda, sequences.pointers());
   set_options(args, c);
   args.num_splits = c.num_splits;
+  std::optional<gpu_testing::ScopedEnv> zero_v_tail;
+  if (c.nan_tail) zero_v_tail.emplace("CUFLASH_FWD_ZERO_V_TAIL", "1");
   forward(args);
   gpu_testing::check_cuda(cudaDeviceSynchronize(), "forward kernel");
 
@@ -337,6 +352,15 @@ std::vector<FwdCase> forward_cases() {
       c = {};
       c.label = "dense_seqused_past_split3", c.batch = 3, c.seqlen_q = 70, c.seqlen_k = 400,
       c.heads = 2, c.heads_kv = 2, c.seqused = true, c.seqused_past = 129, c.num_splits = 3;
+      add(c);
+      // NaN in the keys' rows past seqused_k (a cache's unfilled tail).
+      c = {};
+      c.label = "varlen_seqused_nan_tail", c.batch = 4, c.seqlen_q = 100, c.seqlen_k = 300,
+      c.heads = 4, c.heads_kv = 2, c.varlen = true, c.seqused = true, c.nan_tail = true;
+      add(c);
+      c = {};
+      c.label = "dense_seqused_nan_tail_causal_split2", c.batch = 3, c.seqlen_q = 50, c.seqlen_k = 333,
+      c.heads = 2, c.heads_kv = 1, c.causal = true, c.seqused = true, c.nan_tail = true, c.num_splits = 2;
       add(c);
     }
   }

@@ -41,6 +41,9 @@ struct PagedCase {
   bool seqused = false;       // seqused_k caps each sequence's keys (some mid-page, one empty)
   bool packed_q = false;      // q packed with cu_seqlens_q, lengths drawn up to seqlen_q
   bool shared_pages = false;  // sequence 1 starts with sequence 0's pages (a shared prefix)
+  // Every pool row that holds no used key is NaN (the unfilled tail of a sequence's last page,
+  // spare pages): the kernel must not let it into the output (CUFLASH_FWD_ZERO_V_TAIL=1).
+  bool nan_tail = false;
   int num_splits = 1;         // split-KV; <= 0 lets cuflash choose
   float softcap = 0.f;
   // Built-in mods (the flex_paged kernels): ALiBi with fixed small slopes per head; mask scalars as
@@ -106,6 +109,17 @@ struct Problem {
     const std::size_t pool_rows = std::size_t(num_pages) * c.page_size;
     fill_normal(k, pool_rows * c.heads_kv * c.head_dim, c.dtype, normal, rng);
     fill_normal(v, pool_rows * c.heads_kv * c.head_dim_v, c.dtype, normal, rng);
+    if (c.nan_tail) {
+      std::vector<bool> used(pool_rows, false);
+      for (int b = 0; b < c.batch; ++b)
+        for (int j = 0; j < used_k[b]; ++j) used[key_row(b, j)] = true;
+      const float nan = std::numeric_limits<float>::quiet_NaN();
+      for (std::size_t row = 0; row < pool_rows; ++row) {
+        if (used[row]) continue;
+        std::fill_n(k.begin() + row * c.heads_kv * c.head_dim, c.heads_kv * c.head_dim, nan);
+        std::fill_n(v.begin() + row * c.heads_kv * c.head_dim_v, c.heads_kv * c.head_dim_v, nan);
+      }
+    }
     scale = 1.f / std::sqrt(float(c.head_dim));
     // Small slopes (2^-7 .. 2^-10): over the decode cases' 1500 keys a larger bias would leave the
     // dtype-rounded naive scores with an error so large that the accuracy rule could not catch a
@@ -267,6 +281,8 @@ Result run_gpu(const Problem& pb) {
                                {q.data(), k.data(), v.data(), out.data(), lse.data(),
                                 page_table.data(), cu_q.data(), used_k.data(), slopes.data()});
   args.num_splits = c.num_splits;
+  std::optional<gpu_testing::ScopedEnv> zero_v_tail;
+  if (c.nan_tail) zero_v_tail.emplace("CUFLASH_FWD_ZERO_V_TAIL", "1");
   forward(args);
   gpu_testing::check_cuda(cudaDeviceSynchronize(), "paged forward kernel");
   Result result;
@@ -422,6 +438,23 @@ std::vector<PagedCase> paged_cases() {
       c.head_dim = kernel.d, c.head_dim_v = kernel.dv, c.dtype = kernel.dtype;
       add(c);
     }
+  }
+  // NaN in every pool row that holds no used key (a last page's unfilled tail, spare pages):
+  // gathered pages (16) zero-fill them, whole pages (128, 256) go through TMA; plain, split
+  // three ways and with ALiBi (flex_paged).
+  for (int page_size : {16, 128, 256}) {
+    auto pages_for = [&](int keys) { return (keys + page_size - 1) / page_size; };
+    PagedCase c;
+    c.label = "nan_tail_seqused", c.batch = 3, c.seqlen_q = 70, c.heads = 4, c.heads_kv = 2,
+    c.page_size = page_size, c.max_pages = pages_for(333), c.seqused = true, c.nan_tail = true;
+    add(c);
+    c.label = "nan_tail_seqused_split3", c.seqlen_q = 3, c.num_splits = 3, c.causal = true;
+    add(c);
+    c = {};
+    c.label = "nan_tail_alibi", c.batch = 2, c.seqlen_q = 90, c.heads = 2, c.heads_kv = 2,
+    c.page_size = page_size, c.max_pages = pages_for(300), c.seqused = true, c.nan_tail = true,
+    c.score_mod = ScoreModKind::kAlibi;
+    add(c);
   }
   return cases;
 }

@@ -387,6 +387,11 @@ TEST(ParamsBackward, DetWalkChoice) {
 }
 
 
+TEST(ParamsForward, ZeroVTailChoice) {
+  expect_setting_choices<decltype(&parse_fwd_zero_v_tail), bool>(
+      parse_fwd_zero_v_tail, "CUFLASH_FWD_ZERO_V_TAIL", {{"0", false}, {"1", true}}, {"on", "true", "2"});
+}
+
 TEST(ParamsForward, NarrowTileCostModel) {
   using sm90::fwd_narrow_tile_pays;
   // Non-causal: 192-row tiles pad 512 and 1024 rows by an eighth, which costs less than the
