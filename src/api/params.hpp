@@ -244,7 +244,7 @@ struct CombineParams {
 // bounds the Q / dO the running CTAs stream from L2; kAuto: by head dim (the launcher).
 enum class BwdLaunchOrder : int { kAuto = 0, kColumns = 1, kHeads = 2 };
 // How the sm90 backward's sliced hdim256 kernels add dQ to global memory (BwdParams::dq_path):
-// kAtomics: fp32 atomics from registers; kBulk: through shared memory, 8 KB per bulk reduce-add;
+// kAtomics: fp32 atomics from registers; kBulk: through shared memory, 4 KB per bulk reduce-add;
 // kAuto: the launcher's kDqPathByDefault.
 enum class BwdDqPath : int { kAuto = 0, kAtomics = 1, kBulk = 2 };
 // Where the deterministic backward's column blocks start their walks over the row blocks
