@@ -56,7 +56,7 @@ FwdParams device_fwd_params(const ForwardArgs& args, const detail::AttentionShap
   FwdParams params = detail::make_fwd_params(args, shape);
   params.num_sm = sm90::device_sm_count(shape.device.index);
   params.tile_rows = detail::fwd_hdim64_rows();
-  params.zero_v_tail = detail::fwd_zero_v_tail();
+  params.zero_v_tail = detail::fwd_zero_v_tail(params);
   params.num_splits = detail::choose_num_splits(params, args.num_splits, params.num_sm);
   // The heuristics may only pick kernels the build has; an explicit request that the build
   // cannot run still fails by name in run_forward. Splits left to the heuristic whose packed

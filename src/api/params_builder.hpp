@@ -49,10 +49,16 @@ FwdScheduler parse_fwd_scheduler(const char* value);
 FwdScheduler fwd_scheduler();
 
 // Whether the sm90 forward zeroes the V rows past the keys of each tile's boundary block
-// (FwdParams::zero_v_tail): "0" (or null / empty) or "1". Throws kInvalidArgument otherwise.
-bool parse_fwd_zero_v_tail(const char* value);
-// The choice from CUFLASH_FWD_ZERO_V_TAIL, read at every call.
-bool fwd_zero_v_tail();
+// (FwdParams::zero_v_tail): kAuto where the kernel reads memory past the keys that the caller
+// does not own as keys (seqused_k, paged KV), kOff, kOn.
+enum class FwdZeroVTail { kAuto, kOff, kOn };
+// "auto" (or null / empty), "0" or "1". Throws kInvalidArgument otherwise.
+FwdZeroVTail parse_fwd_zero_v_tail(const char* value);
+// FwdParams::zero_v_tail for a call under `setting`: kAuto zeroes with seqused_k or a page
+// table, except in the kernels that do not have it (score_mod / mask_mod at head dim 256).
+bool resolve_fwd_zero_v_tail(FwdZeroVTail setting, const FwdParams& params);
+// The choice from CUFLASH_FWD_ZERO_V_TAIL (read at every call) resolved for `params`.
+bool fwd_zero_v_tail(const FwdParams& params);
 
 // Rows per tile of the plain hdim64 forward (FwdParams::tile_rows): "auto" (or null / empty;
 // 0: by the sequence lengths), "192" or "128". Throws kInvalidArgument otherwise.

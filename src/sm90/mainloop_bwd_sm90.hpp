@@ -24,6 +24,7 @@
 #include "sm90/dq_out_sm90.hpp"
 #include "sm90/flex_bwd_sm90.hpp"
 #include "sm90/tile_size_bwd_sm90.hpp"
+#include "sm90/utils_sm90.hpp"
 #include "variants/variant.hpp"
 
 namespace cuflash::sm90::bwd {
@@ -961,6 +962,29 @@ struct MainloopBwdSm90 {
     clear(tdVrdV);
     barrier_kv.wait(0);
 
+    // Rows past seqused (a cache's or a batch's unused tail, up to the end of the block) may
+    // hold NaN or Inf, and the masks and lse = +inf only make their P and dS 0: 0 * NaN is NaN
+    // in dS = P (dP - dPsum) and in every GEMM that reads them (dQ = dS K, dK = dS^T Q,
+    // dV = P^T dO). So the MMA warpgroups zero those rows of the boundary blocks before use:
+    // K and V once (they stay resident), Q and dO at the boundary row block. Rows past the
+    // batch's own rows are either zero-filled by TMA (dense) or the next sequence's (cu_seqlens),
+    // so only a seqused cut needs it.
+    auto zero_rows = [&](auto const& tile, auto rows, auto cols, int row_begin) {
+      zero_smem_rows<decltype(rows)::value, decltype(cols)::value>(tile, row_begin, thread_idx, NumMmaThreads);
+    };
+    auto sync_zeroed_rows = [&] {
+      cutlass::arch::fence_view_async_shared();  // the WGMMAs read through the async proxy
+      cutlass::arch::NamedBarrier::sync(NumMmaThreads, uint32_t(BwdBarrier::kPdS));
+    };
+    int const keys_in_block = seq.seqlen_k - n_block * kBlockN;
+    if (seq.seqlen_k < seq.capacity_k && keys_in_block < kBlockN) {
+      zero_rows([&](int r, int c) { return &sK(r, c); }, Int<kBlockN>{}, Int<kHeadDim>{}, keys_in_block);
+      zero_rows([&](int r, int c) { return &sV(r, c); }, Int<kBlockN>{}, Int<kHeadDimV>{}, keys_in_block);
+      sync_zeroed_rows();
+    }
+    int const q_tail_block =
+        seq.seqlen_q < seq.capacity_q && seq.seqlen_q % kBlockM != 0 ? seq.seqlen_q / kBlockM : -1;
+
     PipelineStateQ read_q;
     PipelineStatedO read_do;
     int dq_piece = 0;  // bulk dQ: the pieces this warpgroup has put into its ring
@@ -971,6 +995,15 @@ struct MainloopBwdSm90 {
       int const stage_q = read_q.index();
       int const stage_do = read_do.index();
       int const stage_ds = kStagesdS == 1 ? 0 : stage_q;
+
+      if (m_block == q_tail_block) {
+        pipeline_q.consumer_wait(read_q);
+        pipeline_do.consumer_wait(read_do);
+        int const rows_in_block = seq.seqlen_q - m_block * kBlockM;
+        zero_rows([&](int r, int c) { return &sQ(r, c, stage_q); }, Int<kBlockM>{}, Int<kHeadDim>{}, rows_in_block);
+        zero_rows([&](int r, int c) { return &sdO(r, c, stage_do); }, Int<kBlockM>{}, Int<kHeadDimV>{}, rows_in_block);
+        sync_zeroed_rows();
+      }
 
       // S = Q K^T
       Tensor tSrS = partition_fragment_C(tiled_mma_SdP, ShapeSAcc{});

@@ -583,16 +583,9 @@ struct MainloopFwdSm90 {
       pipeline_v.consumer_wait(stage_v);
       int const stage = stage_v.index();
       Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});
-      // 16-byte chunks: the swizzle moves whole chunks, so 8 consecutive elements of a row stay
-      // together.
-      constexpr int kChunksPerRow = kHeadDimV / 8;
-      int const thread_in_wg = thread_idx % cutlass::NumThreadsPerWarpGroup;
-      CUTLASS_PRAGMA_NO_UNROLL
-      for (int i = thread_in_wg; i < (kBlockN - valid) * kChunksPerRow; i += cutlass::NumThreadsPerWarpGroup) {
-        uint32_t const chunk = cute::cast_smem_ptr_to_uint(
-            &sV(valid + i / kChunksPerRow, (i % kChunksPerRow) * 8, stage));
-        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(chunk), "r"(0) : "memory");
-      }
+      zero_smem_rows<kBlockN, kHeadDimV>([&](int row, int col) { return &sV(row, col, stage); }, valid,
+                                         thread_idx % cutlass::NumThreadsPerWarpGroup,
+                                         cutlass::NumThreadsPerWarpGroup);
       cutlass::arch::fence_view_async_shared();  // the GEMM reads through the async proxy
       cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup,
                                         int(FwdNamedBarrier::kWarpGroupLocalWG0) + warp_group);

@@ -1,5 +1,5 @@
 // Small device helpers shared by the sm90 kernels: WGMMA issue, accumulator layout views,
-// register conversions. Everything is force-inlined: a call boundary inside a WGMMA
+// register conversions, shared-memory row clearing. Everything is force-inlined: a call boundary inside a WGMMA
 // sequence serialises it (ptxas warning C7510).
 #pragma once
 
@@ -70,6 +70,22 @@ CUTLASS_DEVICE float tanh_approx(float x) {
   float y;
   asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+}
+
+// Zeroes rows [row_begin, kRows) of a kRows x kCols tile of 16-bit elements in shared memory,
+// shared out among num_threads threads from `thread`. element(r, c) is the address of element
+// (r, c). By 16-byte chunks: the tiles are loaded with the head dim contiguous, and their
+// swizzles move whole chunks, so 8 consecutive elements of a row stay together. The caller
+// fences for the async proxy (a WGMMA reads it next) and synchronizes the readers.
+template <int kRows, int kCols, class ElementAddress>
+CUTLASS_DEVICE void zero_smem_rows(ElementAddress const& element, int row_begin, int thread, int num_threads) {
+  static_assert(kCols % 8 == 0, "rows of whole 16-byte chunks");
+  constexpr int kChunksPerRow = kCols / 8;
+  CUTLASS_PRAGMA_NO_UNROLL
+  for (int i = thread; i < (kRows - row_begin) * kChunksPerRow; i += num_threads) {
+    uint32_t const chunk = cute::cast_smem_ptr_to_uint(element(row_begin + i / kChunksPerRow, (i % kChunksPerRow) * 8));
+    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(chunk), "r"(0) : "memory");
+  }
 }
 
 }  // namespace cuflash::sm90

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -88,6 +89,20 @@ struct RowLayout {
       start_k.push_back(rows_k);
       rows_q += lq;
       rows_k += lk;
+    }
+  }
+
+  // NaN in the rows each sequence owns past its used ones (a cache's unfilled tail), in a
+  // (rows, heads, dim) tensor over the query rows (`query`) or the key rows.
+  void fill_unused_rows_with_nan(std::vector<float>& x, bool query, int heads_of_x, int dim) const {
+    const std::vector<int>& len = query ? len_q : len_k;
+    const std::vector<int>& used = query ? used_q : used_k;
+    const std::vector<int>& start = query ? start_q : start_k;
+    const std::size_t width = std::size_t(heads_of_x) * dim;
+    for (int b = 0; b < batch; ++b) {
+      for (int j = used[b]; j < len[b]; ++j) {
+        std::fill_n(x.begin() + std::size_t(start[b] + j) * width, width, std::numeric_limits<float>::quiet_NaN());
+      }
     }
   }
 

@@ -37,6 +37,7 @@ struct BwdCase {
   bool varlen = false;   // packed rows with cu_seqlens; lengths drawn up to seqlen_q/k
   bool seqused = false;  // seqused_q/k cap each sequence below its length
   int seqused_past = 0;  // device seqused past the rows on even sequences (capped by the kernel)
+  bool nan_tail = false;  // seqused: NaN in q, k, v, out and dout past each sequence's used rows
   bool strided = false;  // every tensor, gradients included, lives in wider rows
   bool deterministic = false;
   unsigned seed = 1;
@@ -70,6 +71,13 @@ struct Problem : gpu_testing::RowLayout {
     }
     scale = 1.f / std::sqrt(float(c.head_dim));
     run_forward();
+    if (c.nan_tail) {
+      fill_unused_rows_with_nan(q, /*query=*/true, c.heads, c.head_dim);
+      fill_unused_rows_with_nan(out, /*query=*/true, c.heads, c.head_dim_v);
+      fill_unused_rows_with_nan(dout, /*query=*/true, c.heads, c.head_dim_v);
+      fill_unused_rows_with_nan(k, /*query=*/false, c.heads_kv, c.head_dim);
+      fill_unused_rows_with_nan(v, /*query=*/false, c.heads_kv, c.head_dim_v);
+    }
   }
 
   // out and lse of the reference forward; out rounded to the dtype as a kernel would store it.
@@ -419,6 +427,16 @@ std::vector<BwdCase> backward_cases() {
       add(c);
       // Device seqused past the rows (not checkable on the host): capped at each length.
       add(gpu_testing::varlen_seqused_past_case<BwdCase>());
+      // NaN in the rows past seqused (unfilled cache tails): the kernel must not read them into
+      // any gradient (0 * NaN is NaN).
+      c = {};
+      c.label = "varlen_seqused_nan_tail", c.batch = 4, c.seqlen_q = 300, c.seqlen_k = 333, c.heads = 4,
+      c.heads_kv = 2, c.varlen = true, c.seqused = true, c.nan_tail = true;
+      add(c);
+      c = {};
+      c.label = "dense_seqused_nan_tail_causal_deterministic", c.batch = 3, c.seqlen_q = 190, c.seqlen_k = 250,
+      c.heads = 2, c.heads_kv = 1, c.causal = true, c.seqused = true, c.nan_tail = true, c.deterministic = true;
+      add(c);
       c = {};
       c.label = "dense_seqused_past_deterministic", c.batch = 3, c.seqlen_q = 150, c.seqlen_k = 230,
       c.heads = 2, c.heads_kv = 2, c.seqused = true, c.seqused_past = 129, c.deterministic = true;

@@ -76,14 +76,8 @@ struct Problem : gpu_testing::RowLayout {
     }
     scale = 1.f / std::sqrt(float(c.head_dim));
     if (c.nan_tail) {
-      const float nan = std::numeric_limits<float>::quiet_NaN();
-      for (int b = 0; b < batch; ++b) {
-        for (int j = used_k[b]; j < len_k[b]; ++j) {
-          const std::size_t row = varlen ? std::size_t(start_k[b] + j) : std::size_t(b) * seqlen_k + j;
-          std::fill_n(k.begin() + row * c.heads_kv * c.head_dim, c.heads_kv * c.head_dim, nan);
-          std::fill_n(v.begin() + row * c.heads_kv * c.head_dim_v, c.heads_kv * c.head_dim_v, nan);
-        }
-      }
+      fill_unused_rows_with_nan(k, /*query=*/false, c.heads_kv, c.head_dim);
+      fill_unused_rows_with_nan(v, /*query=*/false, c.heads_kv, c.head_dim_v);
     }
   }
 };
@@ -201,7 +195,8 @@ Result run_gpu(const Problem& pb) {
   set_options(args, c);
   args.num_splits = c.num_splits;
   std::optional<gpu_testing::ScopedEnv> zero_v_tail;
-  if (c.nan_tail) zero_v_tail.emplace("CUFLASH_FWD_ZERO_V_TAIL", "1");
+  // The default: seqused_k and page tables get the V tail zeroed.
+  if (c.nan_tail) zero_v_tail.emplace("CUFLASH_FWD_ZERO_V_TAIL", "auto");
   forward(args);
   gpu_testing::check_cuda(cudaDeviceSynchronize(), "forward kernel");
 

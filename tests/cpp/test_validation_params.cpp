@@ -388,8 +388,33 @@ TEST(ParamsBackward, DetWalkChoice) {
 
 
 TEST(ParamsForward, ZeroVTailChoice) {
-  expect_setting_choices<decltype(&parse_fwd_zero_v_tail), bool>(
-      parse_fwd_zero_v_tail, "CUFLASH_FWD_ZERO_V_TAIL", {{"0", false}, {"1", true}}, {"on", "true", "2"});
+  expect_setting_choices<decltype(&parse_fwd_zero_v_tail), FwdZeroVTail>(
+      parse_fwd_zero_v_tail, "CUFLASH_FWD_ZERO_V_TAIL",
+      {{"auto", FwdZeroVTail::kAuto}, {"0", FwdZeroVTail::kOff}, {"1", FwdZeroVTail::kOn}},
+      {"on", "true", "2"});
+}
+
+TEST(ParamsForward, ZeroVTailByDefaultWhereRowsPastTheKeysAreRead) {
+  int const used = 0, pages = 0;
+  FwdParams dense;
+  dense.head_dim = dense.head_dim_v = 128;
+  FwdParams seqused = dense, paged = dense;
+  seqused.seqused_k = &used;
+  paged.page_table = &pages;
+  EXPECT_FALSE(resolve_fwd_zero_v_tail(FwdZeroVTail::kAuto, dense));
+  EXPECT_TRUE(resolve_fwd_zero_v_tail(FwdZeroVTail::kAuto, seqused));
+  EXPECT_TRUE(resolve_fwd_zero_v_tail(FwdZeroVTail::kAuto, paged));
+  EXPECT_TRUE(resolve_fwd_zero_v_tail(FwdZeroVTail::kOn, dense));
+  EXPECT_FALSE(resolve_fwd_zero_v_tail(FwdZeroVTail::kOff, paged));
+  // The score_mod / mask_mod kernels at head dim 256 do not have it: auto leaves it off there
+  // (an explicit "1" is refused by dispatch), and keeps it at head dim 192.
+  FwdParams flex = paged;
+  flex.mask_mod.kind = static_cast<int>(MaskModKind::kCausal);
+  ASSERT_TRUE(needs_flex(flex));
+  EXPECT_TRUE(resolve_fwd_zero_v_tail(FwdZeroVTail::kAuto, flex));
+  flex.head_dim = flex.head_dim_v = 256;
+  EXPECT_FALSE(resolve_fwd_zero_v_tail(FwdZeroVTail::kAuto, flex));
+  EXPECT_TRUE(resolve_fwd_zero_v_tail(FwdZeroVTail::kOn, flex));
 }
 
 TEST(ParamsForward, NarrowTileCostModel) {
