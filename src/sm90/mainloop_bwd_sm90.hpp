@@ -166,16 +166,6 @@ CUTE_DEVICE void semaphore_increment(int* ptr) {
   asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(ptr) : "memory");
 }
 
-// Between a full bulk-group wait on dQ reduce-adds and the semaphore's release: the wait makes
-// the adds visible to this thread, and the release (red.release.gpu, cumulative) to whoever
-// acquires the semaphore, as for any store of this thread. CUFLASH_DQ_SC_FENCE (an A/B build
-// switch) puts the former sequentially consistent fence back.
-CUTE_DEVICE void dq_landed_fence() {
-#ifdef CUFLASH_DQ_SC_FENCE
-  __threadfence();
-#endif
-}
-
 // fp32 add of `bytes` from smem into global memory, completed asynchronously (bulk group).
 CUTE_DEVICE void bulk_reduce_add_f32(float const* smem_src, float* gmem_dst, int bytes) {
   uint32_t const smem = cute::cast_smem_ptr_to_uint(smem_src);
@@ -695,8 +685,9 @@ struct MainloopBwdSm90 {
         if (p.deterministic) {
           // The next column block may only add once this block's sums have landed.
           if (lane0) {
+            // The full wait makes the adds visible to this thread; the release is cumulative
+            // over them (no fence.sc between: it cost a tenth of the deterministic speed).
             asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-            dq_landed_fence();
             semaphore_increment(semaphore + m_block);
           }
           __syncwarp();
@@ -787,8 +778,8 @@ struct MainloopBwdSm90 {
         if (p.deterministic) {
           // The next column block may only add once this block's sums have landed.
           if (lane0) {
+            // Visible to this thread once fully waited; the release below is cumulative.
             asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-            dq_landed_fence();
             ring.empty[wg][DqSlotStorage::slot_of(piece + kDqSlots - 1)].arrive();
           }
           pending = false;
