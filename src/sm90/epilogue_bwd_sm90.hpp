@@ -104,7 +104,7 @@ struct EpilogueBwdSm90 {
       int const head_kv = head / p.qhead_per_kvhead;
       int* semaphore = p.dkv_semaphore + (int64_t(batch) * p.num_heads_kv + head_kv) * p.num_n_blocks + n_block;
       if (p.deterministic) {
-        if (thread_idx == 0) { semaphore_wait_eq(semaphore, head - head_kv * p.qhead_per_kvhead); }
+        if (thread_idx == 0) { semaphore_poll_eq(semaphore, head - head_kv * p.qhead_per_kvhead); }
         cutlass::arch::NamedBarrier::sync(NumMmaThreads, uint32_t(BwdBarrier::kEpilogue));
       }
       if (any_rows) {
@@ -113,7 +113,8 @@ struct EpilogueBwdSm90 {
         atomic_add_chunk(tdVrdV, p.dv_accum + row0 * kHeadDimV, thread_idx);
       }
       if (p.deterministic) {
-        __threadfence();
+        // The barrier orders every thread's atomics before thread 0's release, which is
+        // cumulative over them (as a CTA's stores before a CUTLASS semaphore release).
         cutlass::arch::NamedBarrier::sync(NumMmaThreads, uint32_t(BwdBarrier::kEpilogue));
         if (thread_idx == 0) { semaphore_increment(semaphore); }
       }

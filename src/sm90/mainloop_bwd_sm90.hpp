@@ -142,14 +142,6 @@ CUTE_DEVICE void wgmma_gemm_m_slice(TiledMma tiled_mma, TA const& tCrA, TB const
   }
 }
 
-// Spin until *ptr == value (acquire), by one thread.
-CUTE_DEVICE void semaphore_wait_eq(int const* ptr, int value) {
-  int current;
-  do {
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(current) : "l"(ptr) : "memory");
-  } while (current != value);
-}
-
 // Spin until *ptr == value by one thread, polling without ordering and then acquiring once (an
 // acquire load per poll would also discard the L1 lines of the CTA's other warps each time).
 CUTE_DEVICE void semaphore_poll_eq(int const* ptr, int value) {
@@ -668,7 +660,7 @@ struct MainloopBwdSm90 {
         if (p.deterministic) {
           if (lane0) {
             int const rank = dq_rank(p, seq, rotation, n_block, m_block);
-            semaphore_wait_eq(semaphore + m_block, rank);
+            semaphore_poll_eq(semaphore + m_block, rank);
           }
           __syncwarp();
         }
