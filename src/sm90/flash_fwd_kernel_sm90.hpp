@@ -97,7 +97,6 @@ struct FlashFwdKernelSm90 {
       cute::cosize_v<typename Epilogue::SmemLayoutO> * int(sizeof(Element));
   static constexpr bool kSeparateO =
       int(sizeof(typename Mainloop::TensorStorage)) + kSmemBytesO + 1024 <= 227 * 1024;
-  static_assert(Mainloop::kQSlots == 1 || kSeparateO, "a second Q buffer only beside O's own");
   // Dynamic tile scheduling (tile_scheduler_sm90.hpp) for tiles of unequal cost, where it pays:
   // - not in the paged kernels: their producer warpgroup, which may gather K/V with every
   //   thread, is at its register limit, and the handoff's state spills there;
@@ -267,7 +266,8 @@ struct FlashFwdKernelSm90 {
     if (warp_idx == 0 && lane_predicate) {
       Mainloop::prefetch_descriptors(params.mainloop);
       Epilogue::prefetch_descriptors(params.epilogue);
-      storage.barrier_q.init(kNumMmaThreads);
+      storage.barrier_q.full.init(/*arrive_count=*/1);
+      storage.barrier_q.empty.init(/*arrive_count=*/kNumMmaThreads);
       // Readers of the tile handoff: every thread that walks the tiles but the writer (the
       // producer's leader).
       storage.tile_handoff.init(kNumMmaThreads + (gathers ? Mainloop::kNumGatherThreads - 1 : 0));
@@ -396,7 +396,7 @@ struct FlashFwdKernelSm90 {
             out(m, n) = row_valid ? out(m, n) * out_scale[m] : 0.f;
         }
         cutlass::arch::ClusterBarrier* smem_release =
-            !kSeparateO && work.has_keys() && !packed ? &storage.barrier_q.empty_of(q_loads) : nullptr;
+            !kSeparateO && work.has_keys() && !packed ? &storage.barrier_q.empty : nullptr;
         if constexpr (kIsSplit) {
           Epilogue::store_partial(p, tOrO, lse, tiled_mma_pv, thread_idx, work.seqlen, tile.m_block,
                                   params.packing, tile.head, tile.batch, tile.split);

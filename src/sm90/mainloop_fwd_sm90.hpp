@@ -136,26 +136,8 @@ struct MainloopFwdSm90 {
   using PipelineV = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename PipelineK::PipelineState;
 
-  // Q buffers: two where they fit beside K, V and a separate O buffer (head dims up to 128), so
-  // that the producer loads the next tile's Q as soon as that tile's first K is on its way
-  // (one tile ahead) instead of after every Q K^T of this tile; one otherwise, and for packed GQA
-  // tiles, whose Q the MMA warpgroups gather. CUFLASH_FWD_Q_SLOTS_MAX=1 (a build switch) keeps
-  // one everywhere, for A/B timing.
-#ifndef CUFLASH_FWD_Q_SLOTS_MAX
-#define CUFLASH_FWD_Q_SLOTS_MAX 2
-#endif
-  static constexpr int kSmemBytesQ = cute::cosize_v<SmemLayoutQ> * int(sizeof(Element));
-  static constexpr int kSmemBytesKV =
-      (cute::cosize_v<SmemLayoutK> + cute::cosize_v<SmemLayoutV>) * int(sizeof(Element));
-  static constexpr int kSmemBytesO = kBlockM * kHeadDimV * int(sizeof(Element));
-  static constexpr int kQSlots =
-      CUFLASH_FWD_Q_SLOTS_MAX >= 2 && !Config::kPackGqa &&
-              2 * kSmemBytesQ + kSmemBytesKV + kSmemBytesO + 2048 <= 227 * 1024
-          ? 2
-          : 1;
-
   struct TensorStorage {
-    cute::array_aligned<Element, kQSlots * cute::cosize_v<SmemLayoutQ>, 1024> smem_q;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> smem_q;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> smem_k;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutV>, 1024> smem_v;
   };
@@ -264,34 +246,12 @@ struct MainloopFwdSm90 {
     cute::prefetch_tma_descriptor(params.tma_load_v.get_tma_descriptor());
   }
 
-  // Q's buffers are handed back by the consumers once per tile (empty, all MMA threads arrive);
-  // q_loads counts the tiles whose Q this CTA has loaded so far, tile q_loads uses slot
-  // q_loads % kQSlots for the (q_loads / kQSlots)-th time.
+  // Q's buffer is handed back by the consumers once per tile (barrier_q_empty, all MMA threads
+  // arrive); q_loads counts the tiles whose Q this CTA has loaded so far.
   struct QBarriers {
-    cutlass::arch::ClusterTransactionBarrier full[kQSlots];
-    cutlass::arch::ClusterBarrier empty[kQSlots];
-
-    CUTLASS_DEVICE void init(int num_consumers) {
-      for (int slot = 0; slot < kQSlots; ++slot) {
-        full[slot].init(/*arrive_count=*/1);
-        empty[slot].init(uint32_t(num_consumers));
-      }
-    }
-    // The producer: tile q_loads's slot, once the consumers have handed back its last use.
-    CUTLASS_DEVICE cutlass::arch::ClusterTransactionBarrier& acquire(int q_loads) {
-      int const slot = q_loads % kQSlots;
-      if (q_loads >= kQSlots) empty[slot].wait(uint32_t((q_loads / kQSlots - 1) & 1));
-      return full[slot];
-    }
-    // The consumers: tile q_loads's Q has landed.
-    CUTLASS_DEVICE void wait_full(int q_loads) {
-      full[q_loads % kQSlots].wait(uint32_t((q_loads / kQSlots) & 1));
-    }
-    CUTLASS_DEVICE cutlass::arch::ClusterBarrier& empty_of(int q_loads) { return empty[q_loads % kQSlots]; }
+    cutlass::arch::ClusterTransactionBarrier full;
+    cutlass::arch::ClusterBarrier empty;
   };
-  CUTLASS_DEVICE static Element* q_buffer(TensorStorage& storage, int q_loads) {
-    return storage.smem_q.data() + (q_loads % kQSlots) * cute::cosize_v<SmemLayoutQ>;
-  }
 
   // Producer: called by one elected thread of the producer warp, once per tile with work;
   // `walk` (NBlockRange, FlexBlockWalk) gives the n-blocks in the order the consumers use them.
@@ -303,7 +263,7 @@ struct MainloopFwdSm90 {
                                   SeqlenInfo const& seqlen, int m_block, int head, int head_kv,
                                   int batch, Walk walk) {
     using namespace cute;
-    Tensor sQ = make_tensor(make_smem_ptr(q_buffer(storage, q_loads)), SmemLayoutQ{});
+    Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});
     int const batch_q = get<3>(params.shape_q) == 1 ? 0 : batch;
@@ -344,9 +304,9 @@ struct MainloopFwdSm90 {
     int n_block = walk.first();
     load_k(n_block);
     if (load_q) {
-      auto& q_full = barrier_q.acquire(q_loads);
-      q_full.arrive_and_expect_tx(kTmaBytesQ);
-      copy(params.tma_load_q.with(reinterpret_cast<BarrierType&>(q_full), 0), tQgQ, tQsQ);
+      if (q_loads > 0) barrier_q.empty.wait((q_loads - 1) & 1);
+      barrier_q.full.arrive_and_expect_tx(kTmaBytesQ);
+      copy(params.tma_load_q.with(reinterpret_cast<BarrierType&>(barrier_q.full), 0), tQgQ, tQsQ);
     }
     load_v(n_block);
     ++smem_pipe_write;
@@ -418,7 +378,7 @@ struct MainloopFwdSm90 {
                                         bool leader) {
     using namespace cute;
     PagedKV const& paged = params.paged;
-    Tensor sQ = make_tensor(make_smem_ptr(q_buffer(storage, q_loads)), SmemLayoutQ{});
+    Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});
     int const batch_q = get<3>(params.shape_q) == 1 ? 0 : batch;
@@ -477,10 +437,11 @@ struct MainloopFwdSm90 {
     int n_block = walk.first();
     load_k(n_block);
     if (load_q) {
-      auto& q_full = barrier_q.acquire(q_loads);
+      if (q_loads > 0) barrier_q.empty.wait((q_loads - 1) & 1);
       if (leader) {
-        q_full.arrive_and_expect_tx(kTmaBytesQ);
-        copy(params.tma_load_q.with(reinterpret_cast<BarrierType&>(q_full), 0), tQgQ, tQsQ);
+        barrier_q.full.arrive_and_expect_tx(kTmaBytesQ);
+        copy(params.tma_load_q.with(reinterpret_cast<BarrierType&>(barrier_q.full), 0), tQgQ,
+             tQsQ);
       }
     }
     load_v(n_block);
@@ -500,7 +461,6 @@ struct MainloopFwdSm90 {
                                            SeqlenInfo const& seqlen, int m_block, int head_kv,
                                            int batch, PackGqa const& packing, int thread_idx) {
     using namespace cute;
-    static_assert(kQSlots == 1, "packed tiles gather Q into the one buffer");
     Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
     constexpr int kElemsPerChunk = 16 / int(sizeof(Element));
     constexpr int kChunksPerRow = kHeadDim / kElemsPerChunk;
@@ -576,7 +536,7 @@ struct MainloopFwdSm90 {
                                  int thread_idx, int m_block, Walk walk, TileMods const& mods,
                                  bool zero_v_tail) {
     using namespace cute;
-    Tensor sQ = make_tensor(make_smem_ptr(q_buffer(storage, q_loads)), SmemLayoutQ{});
+    Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
     Tensor sVt = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutVt{});
     int const warp_group = thread_idx / cutlass::NumThreadsPerWarpGroup;
@@ -632,7 +592,7 @@ struct MainloopFwdSm90 {
     };
 
     pipeline_k.consumer_wait(smem_pipe_read);
-    if (q_by_tma) barrier_q.wait_full(q_loads);
+    if (q_by_tma) barrier_q.full.wait(q_loads & 1);
     warp_scheduler_barrier_sync(warp_group);
     gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_qk, tSrQ,
                                            tSrK(_, _, _, smem_pipe_read.index()), tSrS);
@@ -678,7 +638,7 @@ struct MainloopFwdSm90 {
       smem_pipe_read_v = smem_pipe_read;
       ++smem_pipe_read;
     }
-    if (release_q) barrier_q.empty_of(q_loads).arrive();  // every Q K^T of this tile has completed
+    if (release_q) barrier_q.empty.arrive();  // every Q K^T of this tile has completed
     softmax.rescale_o(tOrO, scores_scale);
     pipeline_v.consumer_wait(smem_pipe_read_v);
     gemm</*kZeroInit=*/false, /*kWait=*/0>(tiled_mma_pv, tOrP,
