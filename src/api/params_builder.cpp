@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "api/workspace_layout.hpp"
+#include "cuflash/cuflash.hpp"
 #include "cuflash/error.hpp"
 
 namespace cuflash::detail {
@@ -380,13 +381,15 @@ FwdZeroVTail parse_fwd_zero_v_tail(const char* value) {
 
 bool resolve_fwd_zero_v_tail(FwdZeroVTail setting, const FwdParams& params) {
   if (setting != FwdZeroVTail::kAuto) return setting == FwdZeroVTail::kOn;
-  // Dense and cu_seqlens keys end where the K/V tensor's rows do (TMA fills past them with
-  // zeros) or run into the next sequence's keys, which are the caller's finite data; seqused_k
-  // leaves a tail the caller may never have written, and a page table a last page's rest.
-  // The dense case is where zeroing would only cost: 1.6-1.8% non-causal at hdim128.
-  bool const reads_unowned_rows = params.seqused_k != nullptr || params.page_table != nullptr;
+  // Dense keys end where the K/V tensor's rows do (TMA fills past them with zeros); there
+  // zeroing would only cost (1.6-1.8% non-causal at hdim128). seqused_k leaves a tail the caller
+  // may never have written, a page table a last page's rest, and cu_seqlens_k rows past the last
+  // sequence (the kernel zeroes only that sequence's tiles then: the others run into the next
+  // sequence's keys).
+  bool const reads_unowned_rows =
+      params.seqused_k != nullptr || params.page_table != nullptr || params.cu_seqlens_k != nullptr;
   // The score_mod / mask_mod kernels at head dim 256 are compiled without it (registers).
-  bool const built = !(needs_flex(params) && params.head_dim > 192);
+  bool const built = !(needs_flex(params) && kernel_head_dims(params.head_dim, params.head_dim_v).head_dim > 192);
   return reads_unowned_rows && built;
 }
 

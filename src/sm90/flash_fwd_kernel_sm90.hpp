@@ -55,6 +55,13 @@ struct FwdConfig {
   static constexpr int kNumMmaWarpGroups = kBlockM / 64;
 };
 
+// Whether this tile's boundary block needs its V rows past the keys zeroed: with seqused_k or
+// pages every sequence's may be unfilled; with cu_seqlens alone the rows past a sequence are the
+// next one's keys, and only the last sequence runs past them into rows the caller may not own.
+CUTLASS_DEVICE bool zero_v_tail(FwdParams const& p, FwdTile const& tile) {
+  return p.zero_v_tail && (p.seqused_k != nullptr || p.page_table != nullptr || tile.batch == p.batch - 1);
+}
+
 template <class Config>
 struct FlashFwdKernelSm90 {
   using Element = typename Config::Element;
@@ -358,7 +365,7 @@ struct FlashFwdKernelSm90 {
                         /*release_q=*/kSeparateO && !packed, pipeline_k, pipeline_v,
                         smem_pipe_read, tOrO, softmax, work.mask, params.softcap_scale,
                         thread_idx, tile.m_block, work.walk, tile_mods(params, tile, work.seqlen),
-                        p.zero_v_tail);
+                        zero_v_tail(p, tile));
         } else {
           clear(tOrO);
           CUTLASS_PRAGMA_UNROLL

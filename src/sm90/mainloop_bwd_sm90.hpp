@@ -955,13 +955,13 @@ struct MainloopBwdSm90 {
     clear(tdVrdV);
     barrier_kv.wait(0);
 
-    // Rows past seqused (a cache's or a batch's unused tail, up to the end of the block) may
-    // hold NaN or Inf, and the masks and lse = +inf only make their P and dS 0: 0 * NaN is NaN
-    // in dS = P (dP - dPsum) and in every GEMM that reads them (dQ = dS K, dK = dS^T Q,
-    // dV = P^T dO). So the MMA warpgroups zero those rows of the boundary blocks before use:
-    // K and V once (they stay resident), Q and dO at the boundary row block. Rows past the
-    // batch's own rows are either zero-filled by TMA (dense) or the next sequence's (cu_seqlens),
-    // so only a seqused cut needs it.
+    // Rows past the sequence in a boundary block may hold NaN or Inf: a cache's unused tail past
+    // seqused, or with cu_seqlens the next sequence's rows (its own unused tail, if it has
+    // seqused) or rows past the last sequence that the caller never filled. The masks and
+    // lse = +inf only make their P and dS 0, and 0 * NaN is NaN in dS = P (dP - dPsum) and in
+    // every GEMM that reads them (dQ = dS K, dK = dS^T Q, dV = P^T dO). So the MMA warpgroups
+    // zero those rows of the boundary blocks before use: K and V once (they stay resident), Q
+    // and dO at the boundary row block. Dense rows past the tensor are zero-filled by TMA.
     auto zero_rows = [&](auto const& tile, auto rows, auto cols, int row_begin) {
       zero_smem_rows<decltype(rows)::value, decltype(cols)::value>(tile, row_begin, thread_idx, NumMmaThreads);
     };
@@ -970,13 +970,14 @@ struct MainloopBwdSm90 {
       cutlass::arch::NamedBarrier::sync(NumMmaThreads, uint32_t(BwdBarrier::kPdS));
     };
     int const keys_in_block = seq.seqlen_k - n_block * kBlockN;
-    if (seq.seqlen_k < seq.capacity_k && keys_in_block < kBlockN) {
+    bool const keys_unowned = p.seqused_k != nullptr || p.cu_seqlens_k != nullptr;
+    if (keys_unowned && keys_in_block < kBlockN) {
       zero_rows([&](int r, int c) { return &sK(r, c); }, Int<kBlockN>{}, Int<kHeadDim>{}, keys_in_block);
       zero_rows([&](int r, int c) { return &sV(r, c); }, Int<kBlockN>{}, Int<kHeadDimV>{}, keys_in_block);
       sync_zeroed_rows();
     }
-    int const q_tail_block =
-        seq.seqlen_q < seq.capacity_q && seq.seqlen_q % kBlockM != 0 ? seq.seqlen_q / kBlockM : -1;
+    bool const rows_unowned = p.seqused_q != nullptr || p.cu_seqlens_q != nullptr;
+    int const q_tail_block = rows_unowned && seq.seqlen_q % kBlockM != 0 ? seq.seqlen_q / kBlockM : -1;
 
     PipelineStateQ read_q;
     PipelineStatedO read_do;

@@ -37,7 +37,10 @@ struct BwdCase {
   bool varlen = false;   // packed rows with cu_seqlens; lengths drawn up to seqlen_q/k
   bool seqused = false;  // seqused_q/k cap each sequence below its length
   int seqused_past = 0;  // device seqused past the rows on even sequences (capped by the kernel)
-  bool nan_tail = false;  // seqused: NaN in q, k, v, out and dout past each sequence's used rows
+  // seqused: NaN in q, k, v, out and dout past each sequence's used rows. With seqused_past too,
+  // the odd sequences use none of their rows, so that the full even ones' boundary blocks run
+  // into NaN rows of the next sequence.
+  bool nan_tail = false;
   bool strided = false;  // every tensor, gradients included, lives in wider rows
   bool deterministic = false;
   unsigned seed = 1;
@@ -59,6 +62,9 @@ struct Problem : gpu_testing::RowLayout {
     seqused_past = c.seqused_past;
     std::mt19937 rng(c.seed);
     draw_lengths(rng);
+    if (c.nan_tail && c.seqused_past > 0) {
+      for (int b = 1; b < batch; b += 2) used_q[b] = used_k[b] = given_q[b] = given_k[b] = 0;
+    }
     std::normal_distribution<float> normal(0.f, 1.f);
     using gpu_testing::fill_normal;
     fill_normal(q, std::size_t(rows_q) * c.heads * c.head_dim, c.dtype, normal, rng);
@@ -432,6 +438,10 @@ std::vector<BwdCase> backward_cases() {
       c = {};
       c.label = "varlen_seqused_nan_tail", c.batch = 4, c.seqlen_q = 300, c.seqlen_k = 333, c.heads = 4,
       c.heads_kv = 2, c.varlen = true, c.seqused = true, c.nan_tail = true;
+      add(c);
+      c = {};
+      c.label = "varlen_full_then_nan_tail", c.batch = 5, c.seqlen_q = 300, c.seqlen_k = 333, c.heads = 2,
+      c.heads_kv = 1, c.varlen = true, c.seqused = true, c.seqused_past = 7, c.nan_tail = true;
       add(c);
       c = {};
       c.label = "dense_seqused_nan_tail_causal_deterministic", c.batch = 3, c.seqlen_q = 190, c.seqlen_k = 250,

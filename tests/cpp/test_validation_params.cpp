@@ -415,6 +415,13 @@ TEST(ParamsForward, ZeroVTailByDefaultWhereRowsPastTheKeysAreRead) {
   flex.head_dim = flex.head_dim_v = 256;
   EXPECT_FALSE(resolve_fwd_zero_v_tail(FwdZeroVTail::kAuto, flex));
   EXPECT_TRUE(resolve_fwd_zero_v_tail(FwdZeroVTail::kOn, flex));
+  // The kernel's head dim is the larger of the two: (128, 256) runs the hdim256 flex kernel.
+  flex.head_dim = 128;
+  EXPECT_FALSE(resolve_fwd_zero_v_tail(FwdZeroVTail::kAuto, flex));
+  // cu_seqlens_k alone: rows past the last sequence (the kernel zeroes that sequence's tiles).
+  FwdParams packed = dense;
+  packed.cu_seqlens_k = &used;
+  EXPECT_TRUE(resolve_fwd_zero_v_tail(FwdZeroVTail::kAuto, packed));
 }
 
 TEST(ParamsForward, NarrowTileCostModel) {
