@@ -123,7 +123,8 @@ struct FwdParams {
   // The sm90 forward zeroes the V rows past the sequence's keys in each tile's boundary block
   // before the P V GEMM: their P is 0, but memory past seqused_k (a cache's unused tail) may hold
   // NaN or Inf, and 0 * NaN is NaN. From CUFLASH_FWD_ZERO_V_TAIL (resolve_fwd_zero_v_tail: by
-  // default with seqused_k or paged KV).
+  // default with seqused_k, paged KV or cu_seqlens_k; the kernel's zero_v_tail narrows the last
+  // to the last sequence's tiles).
   bool zero_v_tail = false;
 };
 

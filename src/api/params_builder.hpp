@@ -49,13 +49,14 @@ FwdScheduler parse_fwd_scheduler(const char* value);
 FwdScheduler fwd_scheduler();
 
 // Whether the sm90 forward zeroes the V rows past the keys of each tile's boundary block
-// (FwdParams::zero_v_tail): kAuto where the kernel reads memory past the keys that the caller
-// does not own as keys (seqused_k, paged KV), kOff, kOn.
+// (FwdParams::zero_v_tail): kAuto where the kernel may read rows past the keys that the caller
+// never filled (seqused_k, paged KV, cu_seqlens_k), kOff, kOn.
 enum class FwdZeroVTail { kAuto, kOff, kOn };
 // "auto" (or null / empty), "0" or "1". Throws kInvalidArgument otherwise.
 FwdZeroVTail parse_fwd_zero_v_tail(const char* value);
-// FwdParams::zero_v_tail for a call under `setting`: kAuto zeroes with seqused_k or a page
-// table, except in the kernels that do not have it (score_mod / mask_mod at head dim 256).
+// FwdParams::zero_v_tail for a call under `setting`: kAuto zeroes with seqused_k, a page table
+// or cu_seqlens_k, except in the kernels that do not have it (score_mod / mask_mod at head dim
+// 256).
 bool resolve_fwd_zero_v_tail(FwdZeroVTail setting, const FwdParams& params);
 // The choice from CUFLASH_FWD_ZERO_V_TAIL (read at every call) resolved for `params`.
 bool fwd_zero_v_tail(const FwdParams& params);

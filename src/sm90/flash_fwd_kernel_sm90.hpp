@@ -366,31 +366,29 @@ struct FlashFwdKernelSm90 {
             Mainloop::load_q_packed(p, storage.tensors, work.seqlen, tile.m_block, tile.head,
                                     tile.batch, params.packing, thread_idx);
           }
-          if constexpr (Mainloop::kCanChain) {
-            // The next tile of the static order, when it runs mma too: its first Q K^T goes out
-            // with this tile's last P V.
-            bool issue_next = false;
-            if (!scheduler.is_dynamic()) {
-              int const next_index = tile_index + int(gridDim.x);
-              if (next_index < num_tiles) {
-                TileWork const next = tile_work(params, scheduler.tile(next_index));
-                issue_next = next.has_rows && next.has_keys();
+          // Chained tiles: the next tile of the static order, when it runs mma too, has its
+          // first Q K^T issued with this tile's last P V.
+          auto const chain = [&] {
+            if constexpr (Mainloop::kCanChain) {
+              bool issue_next = false;
+              if (!scheduler.is_dynamic()) {
+                int const next_index = tile_index + int(gridDim.x);
+                if (next_index < num_tiles) {
+                  TileWork const next = tile_work(params, scheduler.tile(next_index));
+                  issue_next = next.has_rows && next.has_keys();
+                }
               }
+              return typename Mainloop::template TileChain<decltype(chain_s)>{chain_s, first_issued, issue_next};
+            } else {
+              return typename Mainloop::NoTileChain{};
             }
-            Mainloop::mma(storage.tensors, storage.barrier_q, q_loads, /*q_by_tma=*/true,
-                          /*release_q=*/true, pipeline_k, pipeline_v, smem_pipe_read, tOrO,
-                          softmax, work.mask, params.softcap_scale, thread_idx, tile.m_block,
-                          work.walk, tile_mods(params, tile, work.seqlen), zero_v_tail(p, tile),
-                          typename Mainloop::template TileChain<decltype(chain_s)>{
-                              chain_s, first_issued, issue_next});
-            first_issued = issue_next;
-          } else {
-            Mainloop::mma(storage.tensors, storage.barrier_q, q_loads, /*q_by_tma=*/!packed,
-                          /*release_q=*/kSeparateO && !packed, pipeline_k, pipeline_v,
-                          smem_pipe_read, tOrO, softmax, work.mask, params.softcap_scale,
-                          thread_idx, tile.m_block, work.walk, tile_mods(params, tile, work.seqlen),
-                          zero_v_tail(p, tile));
-          }
+          }();
+          Mainloop::mma(storage.tensors, storage.barrier_q, q_loads, /*q_by_tma=*/!packed,
+                        /*release_q=*/kSeparateO && !packed, pipeline_k, pipeline_v,
+                        smem_pipe_read, tOrO, softmax, work.mask, params.softcap_scale,
+                        thread_idx, tile.m_block, work.walk, tile_mods(params, tile, work.seqlen),
+                        zero_v_tail(p, tile), chain);
+          if constexpr (Mainloop::kCanChain) first_issued = chain.issue_next;
         } else {
           clear(tOrO);
           CUTLASS_PRAGMA_UNROLL
