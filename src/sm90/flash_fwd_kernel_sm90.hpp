@@ -104,7 +104,6 @@ struct FlashFwdKernelSm90 {
       cute::cosize_v<typename Epilogue::SmemLayoutO> * int(sizeof(Element));
   static constexpr bool kSeparateO =
       int(sizeof(typename Mainloop::TensorStorage)) + kSmemBytesO + 1024 <= 227 * 1024;
-  static_assert(Mainloop::kQSlots == 1 || kSeparateO, "a second Q buffer only beside O's own");
   // Dynamic tile scheduling (tile_scheduler_sm90.hpp) for tiles of unequal cost, where it pays:
   // - not in the paged kernels: their producer warpgroup, which may gather K/V with every
   //   thread, is at its register limit, and the handoff's state spills there;
@@ -274,7 +273,8 @@ struct FlashFwdKernelSm90 {
     if (warp_idx == 0 && lane_predicate) {
       Mainloop::prefetch_descriptors(params.mainloop);
       Epilogue::prefetch_descriptors(params.epilogue);
-      storage.barrier_q.init(kNumMmaThreads);
+      storage.barrier_q.full.init(/*arrive_count=*/1);
+      storage.barrier_q.empty.init(/*arrive_count=*/kNumMmaThreads);
       // Readers of the tile handoff: every thread that walks the tiles but the writer (the
       // producer's leader).
       storage.tile_handoff.init(kNumMmaThreads + (gathers ? Mainloop::kNumGatherThreads - 1 : 0));
@@ -340,11 +340,6 @@ struct FlashFwdKernelSm90 {
       typename Mainloop::TiledMmaPV tiled_mma_pv;
       PipelineState smem_pipe_read;
       int q_loads = 0;
-      // Chained tiles (Mainloop::kCanChain): the S accumulator that one tile's mma leaves the
-      // next tile's first Q K^T in, and whether it did (unused, and compiled away, otherwise).
-      Tensor chain_s = partition_fragment_C(typename Mainloop::TiledMmaQK{},
-                                            select<0, 1>(typename Mainloop::TileShapeQK{}));
-      bool first_issued = false;
       Mainloop::mma_init(thread_idx / cutlass::NumThreadsPerWarpGroup);
       for (int tile_index = int(blockIdx.x), handoff = 0; tile_index < num_tiles;
            tile_index = scheduler.next_tile<kDynamicScheduling>(
@@ -366,29 +361,11 @@ struct FlashFwdKernelSm90 {
             Mainloop::load_q_packed(p, storage.tensors, work.seqlen, tile.m_block, tile.head,
                                     tile.batch, params.packing, thread_idx);
           }
-          // Chained tiles: the next tile of the static order, when it runs mma too, has its
-          // first Q K^T issued with this tile's last P V.
-          auto const chain = [&] {
-            if constexpr (Mainloop::kCanChain) {
-              bool issue_next = false;
-              if (!scheduler.is_dynamic()) {
-                int const next_index = tile_index + int(gridDim.x);
-                if (next_index < num_tiles) {
-                  TileWork const next = tile_work(params, scheduler.tile(next_index));
-                  issue_next = next.has_rows && next.has_keys();
-                }
-              }
-              return typename Mainloop::template TileChain<decltype(chain_s)>{chain_s, first_issued, issue_next};
-            } else {
-              return typename Mainloop::NoTileChain{};
-            }
-          }();
           Mainloop::mma(storage.tensors, storage.barrier_q, q_loads, /*q_by_tma=*/!packed,
                         /*release_q=*/kSeparateO && !packed, pipeline_k, pipeline_v,
                         smem_pipe_read, tOrO, softmax, work.mask, params.softcap_scale,
                         thread_idx, tile.m_block, work.walk, tile_mods(params, tile, work.seqlen),
-                        zero_v_tail(p, tile), chain);
-          if constexpr (Mainloop::kCanChain) first_issued = chain.issue_next;
+                        zero_v_tail(p, tile));
         } else {
           clear(tOrO);
           CUTLASS_PRAGMA_UNROLL
@@ -426,7 +403,7 @@ struct FlashFwdKernelSm90 {
             out(m, n) = row_valid ? out(m, n) * out_scale[m] : 0.f;
         }
         cutlass::arch::ClusterBarrier* smem_release =
-            !kSeparateO && work.has_keys() && !packed ? &storage.barrier_q.empty_of(q_loads) : nullptr;
+            !kSeparateO && work.has_keys() && !packed ? &storage.barrier_q.empty : nullptr;
         if constexpr (kIsSplit) {
           Epilogue::store_partial(p, tOrO, lse, tiled_mma_pv, thread_idx, work.seqlen, tile.m_block,
                                   params.packing, tile.head, tile.batch, tile.split);

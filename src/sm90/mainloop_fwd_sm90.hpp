@@ -24,7 +24,6 @@
 #include <cute/tensor.hpp>
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
 #include <cutlass/pipeline/pipeline.hpp>
-#include <type_traits>
 
 #include "api/params.hpp"
 #include "sm90/mask.hpp"
@@ -137,27 +136,8 @@ struct MainloopFwdSm90 {
   using PipelineV = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename PipelineK::PipelineState;
 
-  // Chained tiles (CUFLASH_FWD_CHAIN_TILES, a build switch, off until measured): the plain
-  // kernels with a separate O buffer issue the next tile's first Q K^T right behind this tile's
-  // last P V (mma's TileChain), so that the tensor cores go from one tile to the next without
-  // waiting for the epilogue, for tiles in a static persistent order (the dynamic order's next
-  // tile is handed over only after the producer's last load of this one). The next tile's Q
-  // must have landed by then: a second Q buffer, loaded one tile ahead (alone, measured: no
-  // gain at hdim128 and -1-2.5% at hdim64, so only with the chaining).
-#ifndef CUFLASH_FWD_CHAIN_TILES
-#define CUFLASH_FWD_CHAIN_TILES 0
-#endif
-  static constexpr int kSmemBytesQ = cute::cosize_v<SmemLayoutQ> * int(sizeof(Element));
-  static constexpr int kSmemBytesKV =
-      (cute::cosize_v<SmemLayoutK> + cute::cosize_v<SmemLayoutV>) * int(sizeof(Element));
-  static constexpr int kSmemBytesO = kBlockM * kHeadDimV * int(sizeof(Element));
-  static constexpr bool kCanChain =
-      CUFLASH_FWD_CHAIN_TILES != 0 && !kIsFlex && !kIsPaged && !Config::kPackGqa && !Config::kIsSplit &&
-      2 * kSmemBytesQ + kSmemBytesKV + kSmemBytesO + 2048 <= 227 * 1024;
-  static constexpr int kQSlots = kCanChain ? 2 : 1;
-
   struct TensorStorage {
-    cute::array_aligned<Element, kQSlots * cute::cosize_v<SmemLayoutQ>, 1024> smem_q;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> smem_q;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> smem_k;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutV>, 1024> smem_v;
   };
@@ -266,34 +246,12 @@ struct MainloopFwdSm90 {
     cute::prefetch_tma_descriptor(params.tma_load_v.get_tma_descriptor());
   }
 
-  // Q's buffers are handed back by the consumers once per tile (empty, all MMA threads arrive);
-  // q_loads counts the tiles whose Q this CTA has loaded so far, tile q_loads uses slot
-  // q_loads % kQSlots for the (q_loads / kQSlots)-th time.
+  // Q's buffer is handed back by the consumers once per tile (barrier_q_empty, all MMA threads
+  // arrive); q_loads counts the tiles whose Q this CTA has loaded so far.
   struct QBarriers {
-    cutlass::arch::ClusterTransactionBarrier full[kQSlots];
-    cutlass::arch::ClusterBarrier empty[kQSlots];
-
-    CUTLASS_DEVICE void init(int num_consumers) {
-      for (int slot = 0; slot < kQSlots; ++slot) {
-        full[slot].init(/*arrive_count=*/1);
-        empty[slot].init(uint32_t(num_consumers));
-      }
-    }
-    // The producer: tile q_loads's slot, once the consumers have handed back its last use.
-    CUTLASS_DEVICE cutlass::arch::ClusterTransactionBarrier& acquire(int q_loads) {
-      int const slot = q_loads % kQSlots;
-      if (q_loads >= kQSlots) empty[slot].wait(uint32_t((q_loads / kQSlots - 1) & 1));
-      return full[slot];
-    }
-    // The consumers: tile q_loads's Q has landed.
-    CUTLASS_DEVICE void wait_full(int q_loads) {
-      full[q_loads % kQSlots].wait(uint32_t((q_loads / kQSlots) & 1));
-    }
-    CUTLASS_DEVICE cutlass::arch::ClusterBarrier& empty_of(int q_loads) { return empty[q_loads % kQSlots]; }
+    cutlass::arch::ClusterTransactionBarrier full;
+    cutlass::arch::ClusterBarrier empty;
   };
-  CUTLASS_DEVICE static Element* q_buffer(TensorStorage& storage, int q_loads) {
-    return storage.smem_q.data() + (q_loads % kQSlots) * cute::cosize_v<SmemLayoutQ>;
-  }
 
   // Producer: called by one elected thread of the producer warp, once per tile with work;
   // `walk` (NBlockRange, FlexBlockWalk) gives the n-blocks in the order the consumers use them.
@@ -305,7 +263,7 @@ struct MainloopFwdSm90 {
                                   SeqlenInfo const& seqlen, int m_block, int head, int head_kv,
                                   int batch, Walk walk) {
     using namespace cute;
-    Tensor sQ = make_tensor(make_smem_ptr(q_buffer(storage, q_loads)), SmemLayoutQ{});
+    Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});
     int const batch_q = get<3>(params.shape_q) == 1 ? 0 : batch;
@@ -346,9 +304,9 @@ struct MainloopFwdSm90 {
     int n_block = walk.first();
     load_k(n_block);
     if (load_q) {
-      auto& q_full = barrier_q.acquire(q_loads);
-      q_full.arrive_and_expect_tx(kTmaBytesQ);
-      copy(params.tma_load_q.with(reinterpret_cast<BarrierType&>(q_full), 0), tQgQ, tQsQ);
+      if (q_loads > 0) barrier_q.empty.wait((q_loads - 1) & 1);
+      barrier_q.full.arrive_and_expect_tx(kTmaBytesQ);
+      copy(params.tma_load_q.with(reinterpret_cast<BarrierType&>(barrier_q.full), 0), tQgQ, tQsQ);
     }
     load_v(n_block);
     ++smem_pipe_write;
@@ -420,7 +378,7 @@ struct MainloopFwdSm90 {
                                         bool leader) {
     using namespace cute;
     PagedKV const& paged = params.paged;
-    Tensor sQ = make_tensor(make_smem_ptr(q_buffer(storage, q_loads)), SmemLayoutQ{});
+    Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});
     int const batch_q = get<3>(params.shape_q) == 1 ? 0 : batch;
@@ -479,10 +437,11 @@ struct MainloopFwdSm90 {
     int n_block = walk.first();
     load_k(n_block);
     if (load_q) {
-      auto& q_full = barrier_q.acquire(q_loads);
+      if (q_loads > 0) barrier_q.empty.wait((q_loads - 1) & 1);
       if (leader) {
-        q_full.arrive_and_expect_tx(kTmaBytesQ);
-        copy(params.tma_load_q.with(reinterpret_cast<BarrierType&>(q_full), 0), tQgQ, tQsQ);
+        barrier_q.full.arrive_and_expect_tx(kTmaBytesQ);
+        copy(params.tma_load_q.with(reinterpret_cast<BarrierType&>(barrier_q.full), 0), tQgQ,
+             tQsQ);
       }
     }
     load_v(n_block);
@@ -502,7 +461,6 @@ struct MainloopFwdSm90 {
                                            SeqlenInfo const& seqlen, int m_block, int head_kv,
                                            int batch, PackGqa const& packing, int thread_idx) {
     using namespace cute;
-    static_assert(kQSlots == 1, "packed tiles gather Q into the one buffer");
     Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
     constexpr int kElemsPerChunk = 16 / int(sizeof(Element));
     constexpr int kChunksPerRow = kHeadDim / kElemsPerChunk;
@@ -563,44 +521,22 @@ struct MainloopFwdSm90 {
     }
   }
 
-  // Chained tiles (kCanChain): the S accumulator lives in the caller's tile loop. first_issued:
-  // the previous tile's mma computed this tile's first S = Q K^T into it; issue_next: compute
-  // the next tile's (whose Q is tile q_loads + 1's buffer) together with this tile's last P V.
-  // NoTileChain: the accumulator is mma's.
-  template <class TensorS>
-  struct TileChain {
-    TensorS& s;
-    bool first_issued;
-    bool issue_next;
-  };
-  struct NoTileChain {};
-  template <class Chain, class TensorS>
-  CUTLASS_DEVICE static auto& chain_or_own_s(Chain const& chain, TensorS& own) {
-    if constexpr (std::is_same_v<Chain, NoTileChain>) {
-      return own;
-    } else {
-      return chain.s;
-    }
-  }
-
   // Consumer: accumulates the unnormalised output of this thread's rows into tOrO and leaves
   // the running max/sum in softmax over the n-blocks of `walk` (at least one). q_loads: tiles
   // with work this CTA has done before this one. Hands Q's buffer back when release_q is set;
   // otherwise the caller does (when O reuses that buffer). The flex variant applies `mods`
   // (FlexTileMods: final scores, mask_mod on the blocks the walk marks); NoTileMods elsewhere.
   // zero_v_tail: zero the V rows past mask.seqlen_k in the boundary block (clear_v_tail).
-  template <class TensorO, class Softmax, class Walk, class TileMods, class Chain = NoTileChain>
+  template <class TensorO, class Softmax, class Walk, class TileMods>
   CUTLASS_DEVICE static void mma(TensorStorage& storage, QBarriers& barrier_q, int q_loads,
                                  bool q_by_tma, bool release_q, PipelineK& pipeline_k,
                                  PipelineV& pipeline_v,
                                  PipelineState& smem_pipe_read, TensorO& tOrO, Softmax& softmax,
                                  FwdMask<kBlockM, kBlockN> const& mask, float softcap_scale,
                                  int thread_idx, int m_block, Walk walk, TileMods const& mods,
-                                 bool zero_v_tail, Chain const& chain = {}) {
-    constexpr bool kChained = !std::is_same_v<Chain, NoTileChain>;
-    static_assert(!kChained || kCanChain, "chained tiles need the second Q buffer");
+                                 bool zero_v_tail) {
     using namespace cute;
-    Tensor sQ = make_tensor(make_smem_ptr(q_buffer(storage, q_loads)), SmemLayoutQ{});
+    Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
     Tensor sVt = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutVt{});
     int const warp_group = thread_idx / cutlass::NumThreadsPerWarpGroup;
@@ -612,9 +548,8 @@ struct MainloopFwdSm90 {
     Tensor tSrQ = thr_mma_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K)
     Tensor tSrK = thr_mma_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stages)
     Tensor tOrV = thr_mma_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stages)
-    Tensor tSrS_own =
+    Tensor tSrS =
         partition_fragment_C(tiled_mma_qk, select<0, 1>(TileShapeQK{}));  // (MMA, MMA_M, MMA_N)
-    auto& tSrS = chain_or_own_s(chain, tSrS_own);
     Tensor tScS = thr_mma_qk.partition_C(make_identity_tensor(select<0, 1>(TileShapeQK{})));
     Tensor tOrP = make_tensor<Element>(acc_as_a_operand_layout(tSrS.layout()));
 
@@ -656,17 +591,13 @@ struct MainloopFwdSm90 {
                                         int(FwdNamedBarrier::kWarpGroupLocalWG0) + warp_group);
     };
 
-    bool first_issued = false;
-    if constexpr (kChained) first_issued = chain.first_issued;
-    if (!first_issued) {
-      pipeline_k.consumer_wait(smem_pipe_read);
-      if (q_by_tma) barrier_q.wait_full(q_loads);
-      warp_scheduler_barrier_sync(warp_group);
-      gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_qk, tSrQ,
-                                             tSrK(_, _, _, smem_pipe_read.index()), tSrS);
-      warp_scheduler_barrier_arrive(warp_group);
-      warpgroup_wait<0>();
-    }
+    pipeline_k.consumer_wait(smem_pipe_read);
+    if (q_by_tma) barrier_q.full.wait(q_loads & 1);
+    warp_scheduler_barrier_sync(warp_group);
+    gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_qk, tSrQ,
+                                           tSrK(_, _, _, smem_pipe_read.index()), tSrS);
+    warp_scheduler_barrier_arrive(warp_group);
+    warpgroup_wait<0>();
     pipeline_k.consumer_release(smem_pipe_read);
     scores_transform(tSrS);
     if constexpr (kIsFlex) mods.score(tSrS, tScS, m_block, n_block);
@@ -707,33 +638,11 @@ struct MainloopFwdSm90 {
       smem_pipe_read_v = smem_pipe_read;
       ++smem_pipe_read;
     }
-    if (release_q) barrier_q.empty_of(q_loads).arrive();  // every Q K^T of this tile has completed
+    if (release_q) barrier_q.empty.arrive();  // every Q K^T of this tile has completed
     softmax.rescale_o(tOrO, scores_scale);
     pipeline_v.consumer_wait(smem_pipe_read_v);
-    bool issue_next = false;
-    if constexpr (kChained) issue_next = chain.issue_next;
-    if (issue_next) {
-      gemm</*kZeroInit=*/false, /*kWait=*/-1>(tiled_mma_pv, tOrP,
-                                              tOrV(_, _, _, smem_pipe_read_v.index()), tOrO);
-      // The next tile's first Q K^T, queued right behind this tile's last P V.
-      Tensor sQ_next = make_tensor(make_smem_ptr(q_buffer(storage, q_loads + 1)), SmemLayoutQ{});
-      Tensor tSrQ_next = thr_mma_qk.partition_fragment_A(sQ_next);
-      pipeline_k.consumer_wait(smem_pipe_read);
-      barrier_q.wait_full(q_loads + 1);
-      warp_scheduler_barrier_sync(warp_group);
-      gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_qk, tSrQ_next,
-                                             tSrK(_, _, _, smem_pipe_read.index()), tSrS);
-      warp_scheduler_barrier_arrive(warp_group);
-      // Both done before the epilogue: a Q K^T left in flight under it made ptxas serialize
-      // every WGMMA of the kernel (C7515: the epilogue's register pressure moves S), and a
-      // separate S buffer for it does not fit (C7512).
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(tOrO);
-      warpgroup_fence_operand(tSrS);
-    } else {
-      gemm</*kZeroInit=*/false, /*kWait=*/0>(tiled_mma_pv, tOrP,
-                                             tOrV(_, _, _, smem_pipe_read_v.index()), tOrO);
-    }
+    gemm</*kZeroInit=*/false, /*kWait=*/0>(tiled_mma_pv, tOrP,
+                                           tOrV(_, _, _, smem_pipe_read_v.index()), tOrO);
     pipeline_v.consumer_release(smem_pipe_read_v);
   }
 };
