@@ -202,10 +202,7 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // the other cases are measured. It
   // applies to column blocks of unequal work: causal, local, a mask_mod or block lists (the flex
   // kernels have HasWindow for their mods, not because the call has a window). Deterministic
-  // runs take it too: with a window their dQ ranks follow the column blocks' descending launch
-  // (column_block), which heads inner keeps within each head, so the block a CTA waits on is
-  // still launched before it (the rotations, which lay out the launch index, are for calls
-  // without a window, which never take heads inner).
+  // runs keep the column order their dQ ranks and rotations were laid out for.
   BwdLaunchOrder const order = BwdLaunchOrder(params.launch_order);
   bool const unequal_columns =
       params.is_causal || params.is_local || params.mask_mod.kind != 0 || params.block_sparse.enabled;
@@ -216,7 +213,7 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   int const head_group = params.launch_head_group > 0 ? std::min(params.launch_head_group, num_heads) : num_heads;
   int const num_head_groups = (num_heads + head_group - 1) / head_group;
   // Grid y holds the column blocks and z the head groups of every batch: both at most 65535.
-  bool const heads_inner = heads_wanted && HasWindow && unequal_columns &&
+  bool const heads_inner = heads_wanted && HasWindow && unequal_columns && !params.deterministic &&
                            num_n_blocks <= 65535 && std::int64_t(num_head_groups) * batch <= 65535;
   ml.head_group = heads_inner ? head_group : 0;
   ml.num_head_groups = heads_inner ? num_head_groups : 1;
