@@ -221,9 +221,14 @@ struct ErrorStats {
   double max_error = 0.0;
   bool has_nan = false;
   bool inf_mismatch = false;
+  bool reference_nan = false;  // a NaN in the reference would compare with nothing
 };
 
 inline void accumulate_error(ErrorStats& stats, double actual, double expected) {
+  if (std::isnan(expected)) {
+    stats.reference_nan = true;
+    return;
+  }
   if (std::isnan(actual)) {
     stats.has_nan = true;
     return;
@@ -245,6 +250,7 @@ inline void expect_output_close(const char* what, const std::vector<double>& gpu
     accumulate_error(gpu_stats, gpu[i], ref[i]);
     accumulate_error(naive_stats, naive[i], ref[i]);
   }
+  EXPECT_FALSE(gpu_stats.reference_nan) << what << ": NaN in the reference";
   EXPECT_FALSE(gpu_stats.has_nan) << what << ": NaN or unwritten element";
   EXPECT_FALSE(gpu_stats.inf_mismatch)
       << what << ": -inf where the reference is finite, or the reverse";
@@ -265,6 +271,7 @@ inline void expect_grad_close(const char* what, const std::vector<double>& gpu,
     accumulate_error(gpu_stats, gpu[i], ref[i]);
     accumulate_error(naive_stats, naive[i], ref[i]);
   }
+  EXPECT_FALSE(gpu_stats.reference_nan) << what << ": NaN in the reference";
   EXPECT_FALSE(gpu_stats.has_nan) << what << ": NaN or unwritten element";
   EXPECT_FALSE(gpu_stats.inf_mismatch)
       << what << ": inf where the reference is finite, or the reverse";

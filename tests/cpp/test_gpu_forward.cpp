@@ -39,8 +39,10 @@ struct FwdCase {
   bool seqused = false;  // seqused_q/k cap each sequence below its length
   int seqused_past = 0;  // device seqused past the rows on even sequences (capped by the kernel)
   // K / V rows past each sequence's seqused_k hold NaN (memory a cache has not filled), which
-  // the kernel must not let into the output (CUFLASH_FWD_ZERO_V_TAIL=1 around the call).
+  // the kernel must not let into the output (under the default CUFLASH_FWD_ZERO_V_TAIL=auto).
   bool nan_tail = false;
+  // CUFLASH_FWD_ZERO_V_TAIL around the call where set (nan_tail cases take "auto").
+  const char* zero_v_tail = nullptr;
   bool strided = false;  // q/k/v live in wider rows (padded head dim): non-contiguous views
   bool with_lse = true;
   std::optional<bool> pack_gqa;
@@ -196,7 +198,7 @@ Result run_gpu(const Problem& pb) {
   args.num_splits = c.num_splits;
   std::optional<gpu_testing::ScopedEnv> zero_v_tail;
   // The default: seqused_k and page tables get the V tail zeroed.
-  if (c.nan_tail) zero_v_tail.emplace("CUFLASH_FWD_ZERO_V_TAIL", "auto");
+  if (c.nan_tail || c.zero_v_tail) zero_v_tail.emplace("CUFLASH_FWD_ZERO_V_TAIL", c.zero_v_tail ? c.zero_v_tail : "auto");
   forward(args);
   gpu_testing::check_cuda(cudaDeviceSynchronize(), "forward kernel");
 
@@ -356,6 +358,12 @@ std::vector<FwdCase> forward_cases() {
       c = {};
       c.label = "dense_seqused_nan_tail_causal_split2", c.batch = 3, c.seqlen_q = 50, c.seqlen_k = 333,
       c.heads = 2, c.heads_kv = 1, c.causal = true, c.seqused = true, c.nan_tail = true, c.num_splits = 2;
+      add(c);
+      // The zeroing forced on a dense call, where auto leaves it off (TMA already reads zeros
+      // past the tensor): the last block's V rows are zeroed in shared memory all the same.
+      c = {};
+      c.label = "dense_zero_v_tail_forced", c.batch = 2, c.seqlen_q = 200, c.seqlen_k = 333,
+      c.heads = 2, c.heads_kv = 2, c.zero_v_tail = "1";
       add(c);
     }
   }
