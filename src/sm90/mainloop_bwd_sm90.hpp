@@ -674,30 +674,6 @@ struct MainloopBwdSm90 {
             cute::tma_store_arrive();
           }
         }
-#ifdef CUFLASH_DQ_FREE_AFTER_LANDING
-        if (p.deterministic) {
-          if (lane0) {
-            asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-            semaphore_increment(semaphore + m_block);
-          }
-          __syncwarp();
-          CUTLASS_PRAGMA_UNROLL
-          for (int wg = 0; wg < NumMmaWG; ++wg) {
-            cutlass::arch::NamedBarrier::arrive(cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp,
-                                                uint32_t(BwdBarrier::kDqEmpty) + wg);
-          }
-          continue;
-        }
-#endif
-        // Each warpgroup's dQ smem is free once its copy has read it, deterministic or not: the
-        // MMA warpgroups need not wait for the adds to land in L2 before writing the next row
-        // block's dQ.
-        for_each(make_int_sequence<NumMmaWG>{}, [&](auto wg) {
-          if (lane0) { cute::tma_store_wait<NumMmaWG - 1 - decltype(wg)::value>(); }
-          __syncwarp();
-          cutlass::arch::NamedBarrier::arrive(cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp,
-                                              uint32_t(BwdBarrier::kDqEmpty) + decltype(wg)::value);
-        });
         if (p.deterministic) {
           // The next column block may only add once this block's sums have landed.
           if (lane0) {
@@ -707,6 +683,18 @@ struct MainloopBwdSm90 {
             semaphore_increment(semaphore + m_block);
           }
           __syncwarp();
+          CUTLASS_PRAGMA_UNROLL
+          for (int wg = 0; wg < NumMmaWG; ++wg) {
+            cutlass::arch::NamedBarrier::arrive(cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp,
+                                                uint32_t(BwdBarrier::kDqEmpty) + wg);
+          }
+        } else {
+          for_each(make_int_sequence<NumMmaWG>{}, [&](auto wg) {
+            if (lane0) { cute::tma_store_wait<NumMmaWG - 1 - decltype(wg)::value>(); }
+            __syncwarp();
+            cutlass::arch::NamedBarrier::arrive(cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp,
+                                                uint32_t(BwdBarrier::kDqEmpty) + decltype(wg)::value);
+          });
         }
       }
       if (lane0) { cute::tma_store_wait<0>(); }
@@ -782,16 +770,9 @@ struct MainloopBwdSm90 {
         if (p.deterministic) {
           // The next column block may only add once this block's sums have landed.
           if (lane0) {
-#ifndef CUFLASH_DQ_FREE_AFTER_LANDING
-            // The last piece's slot is free once its copy has read it (as every other slot).
-            cute::tma_store_wait<0>();
-            ring.empty[wg][DqSlotStorage::slot_of(piece + kDqSlots - 1)].arrive();
-#endif
             // Visible to this thread once fully waited; the release below is cumulative.
             asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-#ifdef CUFLASH_DQ_FREE_AFTER_LANDING
             ring.empty[wg][DqSlotStorage::slot_of(piece + kDqSlots - 1)].arrive();
-#endif
           }
           pending = false;
           __syncwarp();
