@@ -328,7 +328,10 @@ struct MainloopBwdSm90 {
                                               make_shape(Int<kBlockM>{}, Int<kHeadDimV>{}, Int<kStagesdO>{})));
   using SmemLayoutK = decltype(tile_to_shape(SmemAtomK<kBlockN, kHeadDim / (NumMmaWG / AtomMdQ)>{},
                                              make_shape(Int<kBlockN>{}, Int<kHeadDim>{})));
-  using SmemLayoutV = decltype(tile_to_shape(SmemAtomK<kBlockN, kHeadDimV>{}, make_shape(Int<kBlockN>{}, Int<kHeadDimV>{})));
+  // V: also the staging of dV in the epilogue, whose warpgroups write kHeadDimV / (NumMmaWG /
+  // AtomNdKV) columns each (96 in the 64-key hdim192 flex tile: 64-byte swizzle atoms).
+  using SmemLayoutV = decltype(tile_to_shape(SmemAtomK<kBlockN, kHeadDimV / (NumMmaWG / AtomNdKV)>{},
+                                             make_shape(Int<kBlockN>{}, Int<kHeadDimV>{})));
   using SmemLayoutPdS = decltype(tile_to_shape(SmemAtomK<kBlockM / AtomMSdP, kBlockN / (NumMmaWG / AtomMSdP)>{},
                                                make_shape(Int<kBlockM>{}, Int<kBlockN>{}, Int<kStagesdS>{})));
   // Transposed views (same memory).

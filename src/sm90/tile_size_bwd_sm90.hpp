@@ -39,6 +39,11 @@ constexpr BwdTile bwd_tile(int head_dim, int head_dim_v, bool window, bool score
     return {wide ? 80 : 64, 128, 2, 2, 2, true, false, wide, 1, 2, 1};
   }
   if (head_dim <= 192) {
+    // The flex kernel takes 64-key column blocks so that a BlockMask's 128-key blocks (the
+    // default, and what the Python block lists use) are whole column blocks; 96 keys would
+    // straddle them. Two warpgroups split the head dim of dK, dV and dQ (m64n96, or m64n64 for
+    // dV at 192 x 128), unswapped, and P / dS go through shared memory (two buffers).
+    if (flex) return {64, 64, 2, 1, 2, false, false, false, 1, 1, 1};
     if (head_dim_v == head_dim) return {64, 96, 3, 1, 1, false, true, false, 1, 1, 1};
     // 192 x 128: three warpgroups cannot split the 128-wide dV^T, so two do all of it.
     return {64, 96, 2, 1, 1, false, true, false, 1, 2, 1};

@@ -34,6 +34,8 @@ struct FlexBwdCase {
   std::string label;
   DType dtype = DType::kBFloat16;
   int batch = 1, seqlen_q = 1, seqlen_k = 1, heads = 2, heads_kv = 2, head_dim = 128;
+  int head_dim_v = 0;  // 0: head_dim
+  int dim_v() const { return head_dim_v > 0 ? head_dim_v : head_dim; }
   bool causal = false;  // the bottom-right option, on top of any mask_mod
   int window_left = -1, window_right = -1;
   float softcap = 0.f;
@@ -53,7 +55,7 @@ struct FlexBwdCase {
 };
 
 std::string case_name(const FlexBwdCase& c) {
-  return gpu_testing::case_name(c.label, c.dtype, c.head_dim, c.head_dim);
+  return gpu_testing::case_name(c.label, c.dtype, c.head_dim, c.dim_v());
 }
 
 enum class Block : std::uint8_t { kSkip, kMask, kFull };
@@ -84,8 +86,8 @@ struct Problem : gpu_testing::RowLayout {
     using gpu_testing::fill_normal;
     fill_normal(q, std::size_t(rows_q) * c.heads * c.head_dim, c.dtype, normal, rng);
     fill_normal(k, std::size_t(rows_k) * c.heads_kv * c.head_dim, c.dtype, normal, rng);
-    fill_normal(v, std::size_t(rows_k) * c.heads_kv * c.head_dim, c.dtype, normal, rng);
-    fill_normal(dout, std::size_t(rows_q) * c.heads * c.head_dim, c.dtype, normal, rng);
+    fill_normal(v, std::size_t(rows_k) * c.heads_kv * c.dim_v(), c.dtype, normal, rng);
+    fill_normal(dout, std::size_t(rows_q) * c.heads * c.dim_v(), c.dtype, normal, rng);
     scale = 1.f / std::sqrt(float(c.head_dim));
 
     if (c.score_mod == ScoreModKind::kAlibi) {
@@ -275,14 +277,14 @@ struct Problem : gpu_testing::RowLayout {
 
   void run_forward() {
     std::vector<float> qf = q, kf = k, vf = v;
-    out.assign(std::size_t(rows_q) * c.heads * c.head_dim, 0.f);
+    out.assign(std::size_t(rows_q) * c.heads * c.dim_v(), 0.f);
     lse.assign(lse_size(), kNegInf);
     HostSide h(*this);
     ForwardArgs args;
     args.q = query_view(qf.data(), DType::kFloat32, c.head_dim, kCpu);
     args.k = key_view(kf.data(), DType::kFloat32, c.head_dim, kCpu);
-    args.v = key_view(vf.data(), DType::kFloat32, c.head_dim, kCpu);
-    args.out = query_view(out.data(), DType::kFloat32, c.head_dim, kCpu);
+    args.v = key_view(vf.data(), DType::kFloat32, c.dim_v(), kCpu);
+    args.out = query_view(out.data(), DType::kFloat32, c.dim_v(), kCpu);
     args.lse = lse_view(lse.data(), kCpu);
     set_flex(args.seq, args.opts, kCpu, h.side);
     forward(args);
@@ -303,13 +305,13 @@ Grads run_reference(const Problem& pb) {
   BackwardArgs args;
   args.q = pb.query_view(q.data(), DType::kFloat32, c.head_dim, kCpu);
   args.k = pb.key_view(k.data(), DType::kFloat32, c.head_dim, kCpu);
-  args.v = pb.key_view(v.data(), DType::kFloat32, c.head_dim, kCpu);
-  args.out = pb.query_view(out.data(), DType::kFloat32, c.head_dim, kCpu);
-  args.dout = pb.query_view(dout.data(), DType::kFloat32, c.head_dim, kCpu);
+  args.v = pb.key_view(v.data(), DType::kFloat32, c.dim_v(), kCpu);
+  args.out = pb.query_view(out.data(), DType::kFloat32, c.dim_v(), kCpu);
+  args.dout = pb.query_view(dout.data(), DType::kFloat32, c.dim_v(), kCpu);
   args.lse = pb.lse_view(lse.data(), kCpu);
   args.dq = pb.query_view(dq.data(), DType::kFloat32, c.head_dim, kCpu);
   args.dk = pb.key_view(dk.data(), DType::kFloat32, c.head_dim, kCpu);
-  args.dv = pb.key_view(dv.data(), DType::kFloat32, c.head_dim, kCpu);
+  args.dv = pb.key_view(dv.data(), DType::kFloat32, c.dim_v(), kCpu);
   pb.set_flex(args.seq, args.opts, kCpu, h.side);
   backward(args);
   return {{dq.begin(), dq.end()}, {dk.begin(), dk.end()}, {dv.begin(), dv.end()}};
@@ -321,7 +323,7 @@ Grads run_reference(const Problem& pb) {
 Grads naive_low_precision(const Problem& pb) {
   const FlexBwdCase& c = pb.c;
   auto r = [&](float x) { return gpu_testing::round_to(x, c.dtype); };
-  const int D = c.head_dim;
+  const int D = c.head_dim, Dv = c.dim_v();
   std::vector<float> dq(pb.q.size(), 0.f), dk(pb.k.size(), 0.f), dv(pb.v.size(), 0.f);
   const int group = c.heads / c.heads_kv;
   std::vector<float> qs(D);
@@ -335,7 +337,7 @@ Grads naive_low_precision(const Problem& pb) {
         const std::size_t qrow = std::size_t(pb.start_q[b] + i) * c.heads + h;
         for (int d = 0; d < D; ++d) qs[d] = r(pb.q[qrow * D + d] * pb.scale);
         float delta = 0.f;
-        for (int d = 0; d < D; ++d) delta += pb.dout[qrow * D + d] * pb.out[qrow * D + d];
+        for (int d = 0; d < Dv; ++d) delta += pb.dout[qrow * Dv + d] * pb.out[qrow * Dv + d];
         delta = r(delta);
         for (int j = 0; j < sk; ++j) {
           if (!pb.visible(b, h, i, j)) continue;
@@ -351,13 +353,13 @@ Grads naive_low_precision(const Problem& pb) {
           s = r(pb.modded(s, h, i, j));
           const float p = r(std::exp(s - lse));
           float dp = 0.f;
-          for (int d = 0; d < D; ++d) dp += pb.dout[qrow * D + d] * pb.v[krow * D + d];
+          for (int d = 0; d < Dv; ++d) dp += pb.dout[qrow * Dv + d] * pb.v[krow * Dv + d];
           const float ds = r(p * (r(dp) - delta) * deriv);
           for (int d = 0; d < D; ++d) {
             dq[qrow * D + d] += ds * pb.k[krow * D + d] * pb.scale;
             dk[krow * D + d] += ds * pb.q[qrow * D + d] * pb.scale;
-            dv[krow * D + d] += p * pb.dout[qrow * D + d];
           }
+          for (int d = 0; d < Dv; ++d) dv[krow * Dv + d] += p * pb.dout[qrow * Dv + d];
         }
       }
     }
@@ -391,13 +393,13 @@ Grads run_gpu(const Problem& pb) {
   BackwardArgs args;
   args.q = pb.query_view(q.data(), c.dtype, c.head_dim, kCuda);
   args.k = pb.key_view(k.data(), c.dtype, c.head_dim, kCuda);
-  args.v = pb.key_view(v.data(), c.dtype, c.head_dim, kCuda);
-  args.out = pb.query_view(out.data(), c.dtype, c.head_dim, kCuda);
-  args.dout = pb.query_view(dout.data(), c.dtype, c.head_dim, kCuda);
+  args.v = pb.key_view(v.data(), c.dtype, c.dim_v(), kCuda);
+  args.out = pb.query_view(out.data(), c.dtype, c.dim_v(), kCuda);
+  args.dout = pb.query_view(dout.data(), c.dtype, c.dim_v(), kCuda);
   args.lse = pb.lse_view(lse.data(), kCuda);
   args.dq = pb.query_view(dq.data(), c.dtype, c.head_dim, kCuda);
   args.dk = pb.key_view(dk.data(), c.dtype, c.head_dim, kCuda);
-  args.dv = pb.key_view(dv.data(), c.dtype, c.head_dim, kCuda);
+  args.dv = pb.key_view(dv.data(), c.dtype, c.dim_v(), kCuda);
   pb.set_flex(args.seq, args.opts, kCuda, side);
   args.deterministic = c.deterministic;
   backward(args);
@@ -591,6 +593,22 @@ std::vector<FlexBwdCase> flex_cases() {
   c.label = "mask_causal_relative_bias", c.seqlen_q = 300, c.seqlen_k = 300, c.head_dim = 192,
   c.score_mod = ScoreModKind::kRelativeBias, c.mask_mod = MaskModKind::kCausal;
   add(c);
+  // Head dims 192 and 192 x 128: 128 x 128 blocks over the flex kernel's 64-key column blocks.
+  c = {};
+  c.label = "sparse_document_alibi", c.batch = 2, c.seqlen_q = 400, c.seqlen_k = 400,
+  c.head_dim = 192, c.mask_mod = MaskModKind::kDocument, c.score_mod = ScoreModKind::kAlibi,
+  c.sparse_heads = 1;
+  add(c);
+  c = {};
+  c.label = "sparse_per_head_causal_softcap", c.seqlen_q = 333, c.seqlen_k = 300, c.head_dim = 192,
+  c.head_dim_v = 128, c.causal = true, c.softcap = 20.f, c.mask_mod = MaskModKind::kSlidingWindow,
+  c.mask_scalars = {90, 40}, c.sparse_heads = 2;
+  add(c);
+  c = {};
+  c.label = "deterministic_alibi_window", c.batch = 2, c.seqlen_q = 300, c.seqlen_k = 360, c.head_dim = 192,
+  c.head_dim_v = 128, c.window_left = 150, c.window_right = 30, c.score_mod = ScoreModKind::kAlibi,
+  c.deterministic = true;
+  add(c);
   // fp16
   c = {};
   c.label = "fp16_document_sparse", c.dtype = DType::kFloat16, c.batch = 2, c.seqlen_q = 400,
@@ -674,10 +692,10 @@ TEST(GpuBackwardFlexUnsupported, BlockNarrowerThanTileIsRefused) {
 
 TEST(GpuBackwardFlexUnsupported, BlockNotAMultipleOfTileIsRefused) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
-  // Head dim 192 runs 96-key column blocks; a 128-key BlockMask block is not a whole number of
-  // them.
+  // The flex kernel of head dim 192 runs 64-key column blocks; a 96-key BlockMask block is not a
+  // whole number of them.
   SmallCall call(192);
-  SmallLists lists(call.args, 128, 128);
+  SmallLists lists(call.args, 128, 96);
   expect_not_supported(call.args, "block_sparse");
 }
 
