@@ -43,7 +43,9 @@ constexpr BwdTile bwd_tile(int head_dim, int head_dim_v, bool window, bool score
     // default, and what the Python block lists use) are whole column blocks; 96 keys would
     // straddle them. Two warpgroups split the head dim of dK, dV and dQ (m64n96, or m64n64 for
     // dV at 192 x 128), unswapped, and P / dS go through shared memory (two buffers).
+#ifndef CUFLASH_BWD_FLEX192_WIDE
     if (flex) return {64, 64, 2, 1, 2, false, false, false, 1, 1, 1};
+#endif
     if (head_dim_v == head_dim) return {64, 96, 3, 1, 1, false, true, false, 1, 1, 1};
     // 192 x 128: three warpgroups cannot split the 128-wide dV^T, so two do all of it.
     return {64, 96, 2, 1, 1, false, true, false, 1, 2, 1};
