@@ -58,11 +58,15 @@ bool has_score_grad(const BwdParams& p) {
   return p.softcap > 0.f || p.score_mod.kind == static_cast<int>(ScoreModKind::kExpression);
 }
 
+// Whether the flex kernel that runs a call is its block-list tile (run_bwd_flex picks it for
+// calls with block lists; it differs from the default at head dims 129-192 only).
+bool block_list_tile(const BwdParams& p) { return needs_flex(p) && p.block_sparse.enabled; }
+
 // The tile of the kernel that runs a call; the flex kernels have the window built in.
 bwd::BwdTile kernel_tile(const BwdParams& p) {
   KernelHeadDims const dims = kernel_head_dims(p);
   return bwd::bwd_tile(dims.head_dim, dims.head_dim_v, needs_flex(p) || p.is_causal || p.is_local,
-                       has_score_grad(p), needs_flex(p));
+                       has_score_grad(p), needs_flex(p), block_list_tile(p));
 }
 
 std::string kernel_name(const BwdParams& p) {

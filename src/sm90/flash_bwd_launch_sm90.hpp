@@ -311,9 +311,8 @@ void run_bwd(BwdParams const& params, cudaStream_t stream) {
 // Entry of one flex instantiation file (score_mod, mask_mod, block sparsity): causal / local are
 // runtime choices inside its kernels; softcap is compiled in or not, so that the kernel without
 // it holds no per-element derivative.
-// Variant: the built-in mods, or functors generated from Python callables (compiled at run time).
-template <class Element, int kHeadDim, int kHeadDimV, class Variant = variants::FlexVariant>
-void run_bwd_flex(BwdParams const& params, cudaStream_t stream) {
+template <class Element, int kHeadDim, int kHeadDimV, class Variant>
+void run_bwd_flex_softcap(BwdParams const& params, cudaStream_t stream) {
   if (params.softcap > 0.f) {
     run_bwd_config<Element, kHeadDim, kHeadDimV, /*HasWindow=*/true, /*HasSoftcap=*/true, Variant>(
         params, stream);
@@ -321,6 +320,21 @@ void run_bwd_flex(BwdParams const& params, cudaStream_t stream) {
     run_bwd_config<Element, kHeadDim, kHeadDimV, /*HasWindow=*/true, /*HasSoftcap=*/false, Variant>(
         params, stream);
   }
+}
+
+// Variant: the built-in mods, or functors generated from Python callables (compiled at run time).
+template <class Element, int kHeadDim, int kHeadDimV, class Variant = variants::FlexVariant>
+void run_bwd_flex(BwdParams const& params, cudaStream_t stream) {
+  // Block lists at head dims where the default flex tile's column blocks do not divide 128 keys
+  // run the kernel with the narrower tile (bwd_tile's block_lists; block_list_tile on the host).
+  if constexpr (bwd_tile(kHeadDim, kHeadDimV, true, false, true, true).block_n !=
+                bwd_tile(kHeadDim, kHeadDimV, true, false, true, false).block_n) {
+    if (params.block_sparse.enabled) {
+      run_bwd_flex_softcap<Element, kHeadDim, kHeadDimV, variants::BlockListTileOf<Variant>>(params, stream);
+      return;
+    }
+  }
+  run_bwd_flex_softcap<Element, kHeadDim, kHeadDimV, Variant>(params, stream);
 }
 
 }  // namespace cuflash::sm90::bwd

@@ -257,7 +257,8 @@ struct MainloopBwdSm90 {
   // the score_mod's derivative, unless both are 1.
   static constexpr bool kHasScoreGrad = HasSoftcap || !Variant::kUnitScoreGrad;
 
-  static constexpr BwdTile kTile = bwd_tile(kHeadDim, kHeadDimV, HasWindow, kHasScoreGrad, kIsFlex);
+  static constexpr BwdTile kTile =
+      bwd_tile(kHeadDim, kHeadDimV, HasWindow, kHasScoreGrad, kIsFlex, Variant::kBlockListTile);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int NumMmaWG = kTile.num_mma_wg;

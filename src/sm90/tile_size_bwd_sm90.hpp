@@ -22,8 +22,10 @@ struct BwdTile {
 // (64, 96, 128, 192, 256, or 192 with head_dim_v 128). `window` covers causal and local;
 // `score_grad`: the kernel multiplies dS by a per-element derivative (softcap's, or a score_mod's
 // that is not 1), which keeps one more value per accumulator element live. `flex`: the kernel
-// with score_mod / mask_mod / block sparsity (more state live in the mainloop).
-constexpr BwdTile bwd_tile(int head_dim, int head_dim_v, bool window, bool score_grad, bool flex = false) {
+// with score_mod / mask_mod / block sparsity (more state live in the mainloop). `block_lists`:
+// the flex kernel for calls with block lists, whose column blocks must divide the BlockMask's.
+constexpr BwdTile bwd_tile(int head_dim, int head_dim_v, bool window, bool score_grad, bool flex = false,
+                           bool block_lists = false) {
   // S^T tiles let dV / dK take P^T / dS^T from registers, which keeps P out of smem.
   if (head_dim <= 64) {
     // 128 x 128 spills 460-950 bytes with a score derivative (ptxas, CUDA 13.0): those kernels
@@ -39,13 +41,13 @@ constexpr BwdTile bwd_tile(int head_dim, int head_dim_v, bool window, bool score
     return {wide ? 80 : 64, 128, 2, 2, 2, true, false, wide, 1, 2, 1};
   }
   if (head_dim <= 192) {
-    // The flex kernel takes 64-key column blocks so that a BlockMask's 128-key blocks (the
-    // default, and what the Python block lists use) are whole column blocks; 96 keys would
-    // straddle them. Two warpgroups split the head dim of dK, dV and dQ (m64n96, or m64n64 for
-    // dV at 192 x 128), unswapped, and P / dS go through shared memory (two buffers).
-#ifndef CUFLASH_BWD_FLEX192_WIDE
-    if (flex) return {64, 64, 2, 1, 2, false, false, false, 1, 1, 1};
-#endif
+    // With block lists the flex kernel takes 64-key column blocks so that a BlockMask's 128-key
+    // blocks (the default, and what the Python block lists use) are whole column blocks; 96
+    // keys would straddle them. Two warpgroups split the head dim of dK, dV and dQ (m64n96, or
+    // m64n64 for dV at 192 x 128), unswapped, and P / dS go through shared memory (two
+    // buffers). 8-15% slower than the 96-key tile with a mask_mod alone (bench/NOTES.md), so
+    // calls without block lists keep that one.
+    if (flex && block_lists) return {64, 64, 2, 1, 2, false, false, false, 1, 1, 1};
     if (head_dim_v == head_dim) return {64, 96, 3, 1, 1, false, true, false, 1, 1, 1};
     // 192 x 128: three warpgroups cannot split the 128-wide dV^T, so two do all of it.
     return {64, 96, 2, 1, 1, false, true, false, 1, 2, 1};

@@ -14,6 +14,7 @@ namespace cuflash::variants {
 struct NoVariant {
   static constexpr bool kIsFlex = false;
   static constexpr bool kUnitScoreGrad = true;  // d score / d s = 1 (backward)
+  static constexpr bool kBlockListTile = false;  // see BlockListTileOf
   struct Params {};
   static Params to_params(FwdParams const&) { return {}; }
 };
@@ -26,6 +27,7 @@ template <class ScoreSwitch, class MaskSwitch>
 struct FlexVariantOf {
   static constexpr bool kIsFlex = true;
   static constexpr bool kUnitScoreGrad = ScoreSwitch::kUnitGrad;
+  static constexpr bool kBlockListTile = false;  // see BlockListTileOf
   struct Params {
     ScoreSwitch score_mod;
     MaskSwitch mask_mod;
@@ -48,5 +50,13 @@ struct FlexVariantOf {
 
 // The flex kernels built with the library: the built-in mods.
 using FlexVariant = FlexVariantOf<ScoreModSwitch, MaskModSwitch>;
+
+// The same mods in the backward kernel whose column blocks are whole parts of a BlockMask's
+// 128-key blocks, for calls with block lists where the faster tile's are not (head dims
+// 129-192, bwd::bwd_tile).
+template <class Variant>
+struct BlockListTileOf : Variant {
+  static constexpr bool kBlockListTile = true;
+};
 
 }  // namespace cuflash::variants
