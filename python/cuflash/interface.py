@@ -584,8 +584,6 @@ def _prepare(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, s
     num_splits = max(num_splits, 0)  # every value <= 0 picks the heuristic
     pack_gqa = _check_bool(pack_gqa, "pack_gqa", optional=True)
     deterministic = _check_bool(deterministic, "deterministic")
-    if score_mod is not None and softcap != 0.0:
-        _fail(ValueError, "softcap", "softcap and score_mod cannot be used together")
     if aux_tensors is not None:
         if not isinstance(aux_tensors, (list, tuple)):
             _fail(TypeError, "aux_tensors", f"expected a list of tensors or None, got {type(aux_tensors).__name__}")

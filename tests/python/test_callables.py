@@ -368,10 +368,15 @@ def test_aux_tensors_without_a_reader():
         cuflash.flash_attn_varlen_func(q, k, v, score_mod=lambda s, b, h, i, j: s, aux_tensors=[np.zeros(2)])
 
 
-def test_score_mod_with_softcap_is_refused():
-    q, k, v = _qkv_small()
-    with pytest.raises(ValueError, match="^softcap: "):
-        cuflash.flash_attn_varlen_func(q, k, v, softcap=1.0, score_mod=lambda s, b, h, i, j: s)
+@pytest.mark.parametrize("causal", [False, True])
+def test_score_mod_callable_after_softcap(rng, causal):
+    # DESIGN.md section 1: the score_mod sees the soft-capped score; the gradient carries both
+    # derivatives.
+    q, k, v = qkv(rng, seqlen_q=20, seqlen_k=28)
+    slopes = cuflash.scores.alibi_slopes(4)
+    score_mod = SCORE_MODS["nonlinear"](slopes, None)
+    run(rng, ref.Options(causal=causal, softcap=3.0, score_mod=score_mod), q, k, v, causal=causal, softcap=3.0,
+        score_mod=score_mod)
 
 
 def test_gpu_callables(rng):

@@ -193,10 +193,6 @@ def test_wrong_variant_kind(dense, varlen):
     expect_error("mask_mod", cuflash.flash_attn_func, *dense, mask_mod="causal", exception=TypeError)
 
 
-def test_softcap_with_score_mod(varlen):
-    expect_error("softcap", cuflash.flash_attn_varlen_func, *varlen, softcap=5.0,
-                 score_mod=cuflash.scores.alibi([0.1] * 4), exception=ValueError)
-
 
 def test_aux_tensors(varlen):
     f = cuflash.flash_attn_varlen_func

@@ -303,6 +303,14 @@ def test_score_alibi_from_aux_tensors(rng):
     check_varlen(q, k, v, cu_q, cu_k, opts, score_mod=cuflash.scores.alibi(), aux_tensors=[slopes])
 
 
+def test_score_alibi_after_softcap(rng):
+    # The built-in score_mod on the soft-capped score (DESIGN.md section 1).
+    q, k, v, cu_q, cu_k = varlen_case(rng)
+    slopes = cuflash.scores.alibi_slopes(4)
+    opts = ref.Options(causal=True, softcap=5.0, score_bias=lambda b, h, i, j: slopes[h] * (j - i))
+    check_varlen(q, k, v, cu_q, cu_k, opts, causal=True, softcap=5.0, score_mod=cuflash.scores.alibi(slopes))
+
+
 def test_score_alibi_dense(rng):
     q, k, v = qkv(rng, 2, 20, 28, 4, 4, 32)
     slopes = cuflash.scores.alibi_slopes(4)
