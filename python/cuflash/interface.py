@@ -695,8 +695,6 @@ def _check_backward_inputs(call: _Call, out: Tensor, dout: Tensor, lse: Tensor) 
         if framework.dtype(tensor) != call.dtype:
             _fail(TypeError, name, f"expected the dtype of q ({call.dtype}), got {framework.dtype(tensor)}")
     _check_dtype(framework, lse, "lse", ("float32",))
-    if call.page_table is not None:
-        _fail(NotImplementedError, "page_table", "the backward pass does not take paged KV")
     return tuple(_maybe_contiguous(framework, t) for t in (out, dout, lse))
 
 
@@ -946,13 +944,16 @@ def flash_attn_backward(
     q_full_block_idx: Optional[Tensor] = None,
     q_mask_block_cnt: Optional[Tensor] = None,
     q_mask_block_idx: Optional[Tensor] = None,
+    page_table: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     """The backward pass without autograd (for NumPy, CuPy and JAX arrays, or explicit use;
     JAX arrays may be traced, inside jax.jit).
 
     Takes the forward's inputs, options, out and lse, and the gradient dout of out. The
     block-sparse backward lists (q_* : per column block, the row blocks that see it) are the
-    transposed forward lists, built on the CPU when not given.
+    transposed forward lists, built on the CPU when not given. With page_table (as the forward's,
+    k and v the pages), dk and dv are the gradients of the pages: a page several sequences list
+    gets the sum.
 
     Returns:
         (dq, dk, dv, d_sink): gradients of q, k, v in their dtype, and of learnable_sink as
@@ -960,7 +961,7 @@ def flash_attn_backward(
     """
     call = _prepare(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
                     seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                    softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                    page_table=page_table, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                     learnable_sink=learnable_sink, softcap=softcap, deterministic=deterministic,
                     score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors,
                     block_sparse=(mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx),

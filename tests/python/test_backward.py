@@ -116,8 +116,9 @@ def test_varlen(rng, causal):
 
 @pytest.mark.parametrize("page_size,max_pages", [(8, 3), (24, 1)])
 def test_paged_kv(rng, page_size, max_pages):
-    # The gradients of a paged forward (the path torch autograd takes) land in the pages that
-    # each sequence's keys came from; (24, 1) has as many pages as sequences.
+    # The gradients of a paged forward (the path torch autograd takes, and flash_attn_backward
+    # with page_table) land in the pages that each sequence's keys came from; (24, 1) has as
+    # many pages as sequences.
     from cuflash import interface
 
     batch, heads, heads_kv, dim = 2, 4, 2, 32
@@ -129,7 +130,8 @@ def test_paged_kv(rng, page_size, max_pages):
     call = interface._prepare(q, k_cache, v_cache, page_table=page_table, causal=True)
     out, lse = interface._run_forward(call)
     dout = randn(rng, out.shape)
-    dq, dk, dv, _ = interface._run_backward(call, out, dout, lse)
+    dq, dk, dv, _ = cuflash.flash_attn_backward(dout, q, k_cache, v_cache, out, lse, causal=True,
+                                                page_table=page_table)
 
     k = k_cache[page_table].reshape(batch, max_pages * page_size, heads_kv, dim)
     v = v_cache[page_table].reshape(batch, max_pages * page_size, heads_kv, dim)
