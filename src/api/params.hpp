@@ -211,10 +211,12 @@ struct BwdParams {
   // Deterministic runs without a window: where the column blocks' walks start, a BwdDetWalk
   // value. From CUFLASH_BWD_DET_WALK.
   int det_walk = 0;
-  // Rows per step of the backward tile that dispatch laid the workspace out for (the tile
-  // depends on whether the kernel has a per-element score derivative); the launcher refuses to
-  // run a kernel whose tile differs.
+  // Rows per step and keys per column block of the backward tile that dispatch laid the
+  // workspace out for (the tile depends on whether the kernel has a per-element score
+  // derivative, and for the flex kernels on block lists); the launcher refuses to run a kernel
+  // whose tile differs.
   int block_m = 0;
+  int block_n = 0;
 };
 
 // Split-KV combine: out_partial (splits, rows, H, D) and lse_partial (splits, rows, H) in fp32,
@@ -262,7 +264,7 @@ struct BwdLaunchChoice {
 
 // The layout version: bumped with every change to the members of FwdParams, BwdParams or
 // ModParams, since a member added into tail padding leaves the sizes below as they were.
-constexpr std::uint64_t kParamsLayoutVersion = 11;
+constexpr std::uint64_t kParamsLayoutVersion = 12;
 
 // Whether a call needs the flex kernels (variants::FlexVariant): a score_mod, a mask_mod or block
 // lists. FwdParams and BwdParams alike.

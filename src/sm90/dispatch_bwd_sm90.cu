@@ -212,7 +212,9 @@ void run_backward(BwdParams& params, StreamHandle stream) {
   params.dk_accum = gqa ? reinterpret_cast<float*>(base + layout.dk_accum) : nullptr;
   params.dv_accum = gqa ? reinterpret_cast<float*>(base + layout.dv_accum) : nullptr;
   params.dq_semaphore = params.deterministic ? reinterpret_cast<int*>(base + layout.semaphore) : nullptr;
-  params.block_m = kernel_tile(params).block_m;
+  bwd::BwdTile const tile = kernel_tile(params);
+  params.block_m = tile.block_m;
+  params.block_n = tile.block_n;
   if (expression) {
     reinterpret_cast<void (*)(BwdParams*, cudaStream_t)>(params.expression_kernel)(
         &params, static_cast<cudaStream_t>(stream));

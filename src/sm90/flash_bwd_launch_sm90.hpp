@@ -44,12 +44,13 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   constexpr int kBlockM = Mainloop::kBlockM;
   constexpr int kBlockN = Mainloop::kBlockN;
   // The workspace rows and semaphores were counted for dispatch's tile (kernel_tile): a kernel
-  // with more rows per step would run past them.
-  if (params.block_m != kBlockM) {
+  // with more rows per step, or other column blocks, would run past them (or miss block lists).
+  if (params.block_m != kBlockM || params.block_n != kBlockN) {
     throw Error(Error::Kind::kNotSupported, HasSoftcap ? "softcap" : "score_mod",
-                "cuflash backward: the kernel's tile has " + std::to_string(kBlockM) +
-                    " rows per step but the workspace was laid out for " + std::to_string(params.block_m) +
-                    " (a score_mod module whose derivative flag disagrees with dispatch)");
+                "cuflash backward: the kernel's tile is " + std::to_string(kBlockM) + " x " +
+                    std::to_string(kBlockN) + " but the workspace was laid out for " +
+                    std::to_string(params.block_m) + " x " + std::to_string(params.block_n) +
+                    " (a kernel module built from other headers than the library's)");
   }
 
   bool const varlen_q = params.cu_seqlens_q != nullptr;

@@ -605,6 +605,11 @@ std::vector<FlexBwdCase> flex_cases() {
   c.mask_scalars = {90, 40}, c.sparse_heads = 2;
   add(c);
   c = {};
+  c.label = "fp16_sparse_gqa_prefix_lm", c.dtype = DType::kFloat16, c.batch = 2, c.seqlen_q = 260,
+  c.seqlen_k = 300, c.heads = 4, c.heads_kv = 2, c.head_dim = 192, c.mask_mod = MaskModKind::kPrefixLM,
+  c.mask_scalars = {64}, c.sparse_heads = 4;
+  add(c);
+  c = {};
   c.label = "deterministic_alibi_window", c.batch = 2, c.seqlen_q = 300, c.seqlen_k = 360, c.head_dim = 192,
   c.head_dim_v = 128, c.window_left = 150, c.window_right = 30, c.score_mod = ScoreModKind::kAlibi,
   c.deterministic = true;
