@@ -16,6 +16,10 @@ Shapes as bench_fwd.py (bf16, or --dtype fp16; batch * seqlen = 16k tokens, head
 count for every column of a mask, so ratios are time ratios. Timing: bench_common.time_ms. Outputs are checked
 against FlexAttention's (max abs difference relative to its max) before timing.
 
+--deterministic (with --backward): three more cuflash columns, the flex kernel with the mask's
+block lists (cuflash.block_sparse.create_block_mask; cuflash_sparse), and both deterministic
+(cuflash_flex_det, cuflash_sparse_det): what the fixed dQ order costs over each.
+
 --backward: each column runs its forward once with autograd, then each timed call is
 torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), as bench_bwd.py; FLOPs are 2.5x the
 forward's, and max_err compares dq, dk, dv with FlexAttention's.
@@ -57,7 +61,11 @@ def main():
     parser.add_argument("--masks", default=",".join(MASKS))
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--backward", action="store_true", help="time the backward alone (see above)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="with --backward: block-list and deterministic cuflash columns (see above)")
     args = parser.parse_args()
+    if args.deterministic and not args.backward:
+        parser.error("--deterministic: only with --backward (the forward has no deterministic mode)")
     metric = "bwd_tflops" if args.backward else "fwd_tflops"
 
     import torch
@@ -98,6 +106,18 @@ def main():
                     q, k, v, mask_mod=cuflash.masks.document(doc))}
             else:
                 raise SystemExit(f"--masks: unknown mask {mask!r}; choose from {', '.join(MASKS)}")
+            if args.deterministic:
+                cu_mask = {"causal": lambda: cuflash.masks.causal(),
+                           "window": lambda: cuflash.masks.sliding_window(W),
+                           "document": lambda: cuflash.masks.document(doc)}[mask]()
+                lists = cuflash.block_sparse.create_block_mask(cu_mask, batch, seqlen, seqlen)
+                lists = {name: torch.from_numpy(x).cuda() for name, x in lists._asdict().items()}
+                columns["cuflash_flex_det"] = lambda m=cu_mask: cuflash.flash_attn_func(
+                    q, k, v, mask_mod=m, deterministic=True)
+                columns["cuflash_sparse"] = lambda m=cu_mask, ls=lists: cuflash.flash_attn_func(
+                    q, k, v, mask_mod=m, **ls)
+                columns["cuflash_sparse_det"] = lambda m=cu_mask, ls=lists: cuflash.flash_attn_func(
+                    q, k, v, mask_mod=m, deterministic=True, **ls)
             block_mask = create_block_mask(mask_mod, batch, None, seqlen, seqlen, device="cuda")
             columns["flexattention"] = lambda: flex(qt, kt, vt, block_mask=block_mask)
             # Visible pairs, for the FLOP count.
@@ -138,7 +158,8 @@ def main():
                 print(f"{mask:>9} hdim={hdim} seqlen={seqlen} {name:>14}: {tflops:7.1f} TFLOP/s  err {err:.1e}",
                       flush=True)
             common.write_json(records, json_path)
-    print(f"\n{'mask':>9} {'hdim':>4} {'seqlen':>6} {'flex/FlexAttention':>19} {'flex/plain':>11}")
+    det_header = f" {'flex_det/flex':>14} {'sparse/flex':>12} {'sparse_det/sparse':>18}" if args.deterministic else ""
+    print(f"\n{'mask':>9} {'hdim':>4} {'seqlen':>6} {'flex/FlexAttention':>19} {'flex/plain':>11}{det_header}")
     for hdim, seqlen, _, _ in common.grid(args):
         for mask in args.masks.split(","):
             get = {r["impl"]: r[metric] for r in records
@@ -147,7 +168,12 @@ def main():
                 continue
             plain = get.get("cuflash_plain")
             ratio_plain = f"{get['cuflash_flex'] / plain:11.3f}" if plain else f"{'':>11}"
-            print(f"{mask:>9} {hdim:>4} {seqlen:>6} {get['cuflash_flex'] / get['flexattention']:19.3f} {ratio_plain}")
+            det = ""
+            if args.deterministic:
+                det = (f" {get['cuflash_flex_det'] / get['cuflash_flex']:14.3f}"
+                       f" {get['cuflash_sparse'] / get['cuflash_flex']:12.3f}"
+                       f" {get['cuflash_sparse_det'] / get['cuflash_sparse']:18.3f}")
+            print(f"{mask:>9} {hdim:>4} {seqlen:>6} {get['cuflash_flex'] / get['flexattention']:19.3f} {ratio_plain}{det}")
     return 0
 
 

@@ -59,9 +59,14 @@ def kernel_head_dims(head_dim: int, head_dim_v: int) -> Tuple[int, int]:
     return dims
 
 
-def kernel_source(score, mask, dtype: str, head_dim: int, head_dim_v: int) -> str:
+def kernel_source(score, mask, dtype: str, head_dim: int, head_dim_v: int, split: bool = False,
+                  paged: bool = False) -> str:
     """The module for TracedMods `score` / `mask` (either may be None: the built-in switch then
-    serves the other side, holding a built-in mod or none)."""
+    serves the other side, holding a built-in mod or none). `split` / `paged`: the forward
+    launcher is the split-KV (num_splits > 1) / paged-KV (page_table) form of the flex kernel,
+    as the library's flex_split / flex_paged kernels; it refuses a call of another form. The
+    backward is the same for all: paged calls run it on the gathered rows, and split is a
+    forward option."""
     if dtype not in _ELEMENTS:
         raise JitError(f"callables on the GPU take float16 or bfloat16 inputs, got {dtype}")
     hdim, hdim_v = kernel_head_dims(head_dim, head_dim_v)
@@ -80,8 +85,16 @@ using CuflashExprVariant = cuflash::variants::FlexVariantOf<{score_switch}, {mas
 extern "C" unsigned long long cuflash_expression_abi() {{ return cuflash::params_abi_tag(); }}
 
 extern "C" void cuflash_expression_forward(cuflash::FwdParams* params, cudaStream_t stream) {{
+  constexpr bool kSplit = {"true" if split else "false"}, kPaged = {"true" if paged else "false"};
+  if ((params->num_splits > 1) != kSplit || (params->page_table != nullptr) != kPaged) {{
+    throw cuflash::Error(cuflash::Error::Kind::kNotSupported,
+                         (params->num_splits > 1) != kSplit ? "num_splits" : "page_table",
+                         "the kernel compiled for this score_mod / mask_mod callable is the "
+                         "{"split-KV" if split else "one-split"}, {"paged" if paged else "unpaged"} form; "
+                         "the call needs another (cuflash._jit.kernel_source's split / paged)");
+  }}
   cuflash::sm90::run_flash_fwd_sm90<{element}, {hdim}, {hdim_v}, /*kHasSoftcap=*/false,
-                                    /*kIsSplit=*/false, CuflashExprVariant>(*params, stream);
+                                    kSplit, CuflashExprVariant, kPaged>(*params, stream);
 }}
 
 extern "C" void cuflash_expression_backward(cuflash::BwdParams* params, cudaStream_t stream) {{
@@ -192,9 +205,10 @@ def load(path: pathlib.Path, expected_abi: int) -> Tuple[int, int]:
 
 
 def expression_kernels(score, mask, dtype: str, head_dim: int, head_dim_v: int,
-                       expected_abi: int) -> Tuple[int, int]:
-    """(forward, backward) launcher addresses for traced `score` / `mask` (None: not a callable)."""
-    source = kernel_source(score, mask, dtype, head_dim, head_dim_v)
+                       expected_abi: int, split: bool = False, paged: bool = False) -> Tuple[int, int]:
+    """(forward, backward) launcher addresses for traced `score` / `mask` (None: not a callable);
+    split / paged as kernel_source."""
+    source = kernel_source(score, mask, dtype, head_dim, head_dim_v, split, paged)
     return load(build(source), expected_abi)
 
 

@@ -609,9 +609,11 @@ def _prepare(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, s
                                          "tensors, and callables take them as extra trailing parameters")
     if call.score_traced is not None or call.mask_traced is not None:
         try:
+            # Callables split only when asked (num_splits > 1): the split heuristic leaves them
+            # at one, so the kernel's form is known here.
             call.expression_kernels = _jit.expression_kernels(
                 call.score_traced, call.mask_traced, call.dtype, call.head_dim, call.head_dim_v,
-                _C.kernel_params_abi())
+                _C.kernel_params_abi(), split=call.num_splits > 1, paged=call.page_table is not None)
         except _jit.JitError as error:
             _fail(RuntimeError, "score_mod" if call.score_traced is not None else "mask_mod", str(error))
 

@@ -268,7 +268,8 @@ bool choose_pack_gqa(const FwdParams& params) {
 
 int choose_num_splits(const FwdParams& params, int requested, int num_sm) {
   if (requested > 0) return std::min(requested, kMaxSplits);
-  // Callables compiled at run time have no split kernels. Block lists split only when asked:
+  // Callables compiled at run time split only when asked: their module is compiled for the form
+  // the caller names (cuflash._jit, split / paged), before this runs. Block lists too:
   // the keys a row block visits are in device arrays, so the host cannot count them, and a
   // count of all seqlen_k would split sparse rows into mostly empty shares.
   if (params.expression_kernel != 0 || params.score_mod.kind == int(ScoreModKind::kExpression) ||

@@ -80,9 +80,42 @@ std::string kernel_name(const BwdParams& p) {
 
 // Byte offsets of the buffers that run_backward carves from the workspace (workspace_layout.hpp).
 struct WorkspaceLayout {
-  std::size_t lse_log2 = 0, dpsum = 0, dq_accum = 0, dk_accum = 0, dv_accum = 0, semaphore = 0;
+  std::size_t lse_log2 = 0, dpsum = 0, dq_accum = 0, dk_accum = 0, dv_accum = 0, semaphore = 0, row_class = 0;
   std::size_t total = 0;
 };
+
+// Deterministic with block lists: the row-block classes of BlockSparseParams::row_class, one
+// byte per (batch, list head, column block, row block) of the lists.
+bool needs_row_classes(const BwdParams& p) { return p.deterministic && needs_flex(p) && p.block_sparse.enabled; }
+
+std::size_t row_class_bytes(const BwdParams& p) {
+  const BlockSparseParams& bs = p.block_sparse;
+  return std::size_t(p.batch) * bs.num_heads_b * bs.num_col_blocks * bs.num_row_blocks;
+}
+
+// One CTA per (column block, list head, batch): the column block's row blocks, 0 unless a list
+// names them, 2 in the full list, 1 in the mask list (written last: a block both lists name
+// gets mask_mod, which is right either way). Entries outside the row blocks are ignored, as the
+// walks without the table skip them.
+__global__ void block_row_classes_sm90(BlockSparseParams bs, unsigned char* classes) {
+  long long const list = (static_cast<long long>(blockIdx.z) * bs.num_heads_b + blockIdx.y) * bs.num_col_blocks +
+                         blockIdx.x;
+  int const rows = bs.num_row_blocks;
+  unsigned char* row = classes + list * rows;
+  for (int i = int(threadIdx.x); i < rows; i += int(blockDim.x)) row[i] = 0;
+  __syncthreads();
+  auto mark = [&](const int* cnt, const int* idx, unsigned char value) {
+    if (cnt == nullptr) return;
+    int const n = min(max(cnt[list], 0), rows);
+    for (int i = int(threadIdx.x); i < n; i += int(blockDim.x)) {
+      int const block = idx[list * rows + i];
+      if (block >= 0 && block < rows) row[block] = value;
+    }
+  };
+  mark(bs.full_block_cnt, bs.full_block_idx, 2);
+  __syncthreads();
+  mark(bs.mask_block_cnt, bs.mask_block_idx, 1);
+}
 
 WorkspaceLayout workspace_layout(const BwdParams& p) {
   KernelHeadDims const dims = kernel_head_dims(p);
@@ -108,6 +141,7 @@ WorkspaceLayout workspace_layout(const BwdParams& p) {
   std::size_t const num_semaphores =
       std::size_t(p.batch) * p.num_heads * num_m_blocks + std::size_t(p.batch) * p.num_heads_kv * num_n_blocks;
   layout.semaphore = buffers.take(p.deterministic ? sizeof(int) * num_semaphores : 0);
+  layout.row_class = buffers.take(needs_row_classes(p) ? row_class_bytes(p) : 0);
   layout.total = buffers.total();
   return layout;
 }
@@ -129,14 +163,6 @@ void check_aligned(const char* argument, const void* data, std::initializer_list
 
 // What the flex kernels cannot do, refused by name.
 void check_flex(const BwdParams& p) {
-  // The deterministic order of dQ sums ranks a row block's column blocks from the window alone:
-  // deterministic flex kernels visit every row block of the window (mask_mod narrowing off), but
-  // block lists choose which column blocks contribute.
-  if (p.deterministic && p.block_sparse.enabled) {
-    not_supported("deterministic",
-                  "the deterministic sm90 backward cannot be combined with block sparsity (block "
-                  "lists); use deterministic = false, or a mask_mod without block lists");
-  }
   if (!p.block_sparse.enabled) return;
   // A kernel m-block must lie inside one BlockMask row block and a kernel column block inside
   // one BlockMask column block.
@@ -215,6 +241,19 @@ void run_backward(BwdParams& params, StreamHandle stream) {
   bwd::BwdTile const tile = kernel_tile(params);
   params.block_m = tile.block_m;
   params.block_n = tile.block_n;
+  params.block_sparse.row_class = nullptr;
+  if (needs_row_classes(params) && row_class_bytes(params) > 0) {
+    auto* classes = reinterpret_cast<unsigned char*>(base + layout.row_class);
+    const BlockSparseParams& bs = params.block_sparse;
+    block_row_classes_sm90<<<dim3(bs.num_col_blocks, bs.num_heads_b, params.batch), 128, 0,
+                             static_cast<cudaStream_t>(stream)>>>(bs, classes);
+    cudaError_t const launched = cudaGetLastError();
+    if (launched != cudaSuccess) {
+      throw Error(Error::Kind::kCuda, "block_sparse",
+                  std::string("cuflash backward: launching the block-list class kernel failed: ") + cudaGetErrorString(launched));
+    }
+    params.block_sparse.row_class = classes;
+  }
   if (expression) {
     reinterpret_cast<void (*)(BwdParams*, cudaStream_t)>(params.expression_kernel)(
         &params, static_cast<cudaStream_t>(stream));

@@ -76,12 +76,6 @@ void check_flex(const FwdParams& p) {
                   "the sm90 forward kernel (their mods see one query head per tile); leave "
                   "pack_gqa unset or False");
   }
-  if (p.num_splits > 1 && p.expression_kernel != 0) {
-    not_supported("num_splits",
-                  "split-KV (num_splits = " + std::to_string(p.num_splits) +
-                      ") cannot be combined with score_mod / mask_mod callables compiled at run "
-                      "time; use num_splits = 1 (the built-in score_mods and mask_mods take it)");
-  }
   if (p.zero_v_tail && kernel_head_dims(p).head_dim > 192) {
     not_supported("CUFLASH_FWD_ZERO_V_TAIL",
                   "the sm90 forward kernels with score_mod / mask_mod / block sparsity at head dim "
@@ -100,19 +94,6 @@ void check_flex(const FwdParams& p) {
                                       std::to_string(tile.block_n) +
                                       "; got block_m = " + std::to_string(p.block_sparse.block_m) +
                                       ", block_n = " + std::to_string(p.block_sparse.block_n));
-  }
-}
-
-// What the paged kernels cannot do, refused by name before any launch. Paged K/V with a built-in
-// score_mod / mask_mod runs in the _flex_paged kernels (block sparsity with a page table is
-// refused by validation); the callables compiled at run time have no paged form.
-void check_paged(const FwdParams& p) {
-  if (!needs_flex(p)) return;
-  if (p.expression_kernel != 0) {
-    not_supported("page_table",
-                  "paged KV cannot be combined with score_mod / mask_mod callables compiled at "
-                  "run time in the sm90 forward kernel (the built-in score_mods and mask_mods "
-                  "take it)");
   }
 }
 
@@ -165,7 +146,6 @@ void run_forward(FwdParams& params, StreamHandle stream) {
   if (params.head_dim > 256 || params.head_dim_v > 256) {
     not_supported("q", "the sm90 forward kernel supports head dims up to 256");
   }
-  if (params.page_table != nullptr) check_paged(params);
   if (needs_flex(params)) check_flex(params);
   if (params.pack_gqa && params.softcap > 0.f && (params.num_splits > 1 || params.page_table != nullptr)) {
     not_supported("pack_gqa",

@@ -47,11 +47,18 @@ struct MBlockRange<true> {
 // queries is block_m / kBlockM kernel m-blocks (upwards), and those outside
 // [m_block_min, m_block_max) (causal / window / sequence length) are skipped. Lists are assumed
 // disjoint and free of repeats, as FlexAttention builds them.
+// Deterministic runs with block lists walk upwards instead, through the row-block classes that
+// dispatch tabulates from the lists (BlockSparseParams::row_class: 0 not listed, 1 mask list,
+// 2 full list), so that the m-blocks a walk leaves out are the gaps between the ones it visits:
+// the dQ writer passes the deterministic turn of each of them (pass_turns in the mainloop), and
+// the window's [window_min, window_max) bounds them.
 template <int kBlockM, int kBlockN>
 struct FlexColumnWalk {
+  int window_min, window_max;  // the window's m-blocks, before mask_mod narrowing or lists
   int m_block_min, m_block_max;
   int const* mask_idx;
   int const* full_idx;
+  unsigned char const* row_class;  // deterministic with lists: this column block's row classes
   int mask_cnt, full_cnt;
   int sub_blocks;  // kernel m-blocks per list block; 0 without lists
   int pos;         // entry, counting through the mask list then the full list
@@ -60,33 +67,29 @@ struct FlexColumnWalk {
   bool masked;     // whether `m_block` needs mask_mod
   bool any;        // whether the walk stands on an m-block
 
-  // narrow: let the mask_mod's row_range drop the row blocks it masks entirely (off in the
-  // deterministic backward, whose dQ order counts every row block of the window).
   template <class FlexParams>
   CUTE_DEVICE static FlexColumnWalk make(FlexParams const& flex, int seqlen_k,
                                          int batch, int head, int n_block, int m_block_min,
-                                         int m_block_max, bool narrow = true) {
-    FlexColumnWalk walk{m_block_min, m_block_max, nullptr, nullptr,     0,    0,
-                        0,           0,           0,       m_block_min, true, false};
+                                         int m_block_max) {
+    FlexColumnWalk walk{m_block_min, m_block_max, m_block_min, m_block_max, nullptr, nullptr, nullptr,
+                        0,           0,           0,           0,           0,       m_block_min, true, false};
     // Column blocks without a row range (keys past seqused_k, fully masked) read no list.
     if (m_block_min >= m_block_max) {
       return walk;
     }
     BlockSparseParams const& bs = flex.block_sparse;
     if (!bs.enabled) {
-      if (narrow) {
-        flex.mask_mod.visit([&](auto const& mod) {
-          if constexpr (!std::is_same_v<std::decay_t<decltype(mod)>, variants::NoMaskMod>) {
-            int const col_min = n_block * kBlockN;
-            int const col_max = cute::min(col_min + kBlockN, seqlen_k) - 1;
-            int row_begin = walk.m_block_min * kBlockM, row_end = walk.m_block_max * kBlockM;
-            mod.row_range(col_min, col_max, row_begin, row_end);
-            walk.m_block_min = cute::max(walk.m_block_min, cute::max(row_begin, 0) / kBlockM);
-            walk.m_block_max =
-                cute::min(walk.m_block_max, cute::ceil_div(cute::max(row_end, 0), kBlockM));
-          }
-        });
-      }
+      flex.mask_mod.visit([&](auto const& mod) {
+        if constexpr (!std::is_same_v<std::decay_t<decltype(mod)>, variants::NoMaskMod>) {
+          int const col_min = n_block * kBlockN;
+          int const col_max = cute::min(col_min + kBlockN, seqlen_k) - 1;
+          int row_begin = walk.m_block_min * kBlockM, row_end = walk.m_block_max * kBlockM;
+          mod.row_range(col_min, col_max, row_begin, row_end);
+          walk.m_block_min = cute::max(walk.m_block_min, cute::max(row_begin, 0) / kBlockM);
+          walk.m_block_max =
+              cute::min(walk.m_block_max, cute::ceil_div(cute::max(row_end, 0), kBlockM));
+        }
+      });
       walk.m_block = walk.m_block_min;
       walk.any = walk.m_block < walk.m_block_max;
       return walk;
@@ -97,6 +100,12 @@ struct FlexColumnWalk {
         (static_cast<long long>(batch) * bs.num_heads_b + (bs.num_heads_b == 1 ? 0 : head)) *
             bs.num_col_blocks +
         col_block;
+    walk.sub_blocks = bs.block_m / kBlockM;
+    if (bs.row_class != nullptr) {
+      walk.row_class = bs.row_class + list * bs.num_row_blocks;
+      walk.any = walk.seek_class();
+      return walk;
+    }
     if (bs.mask_block_cnt != nullptr) {
       walk.mask_cnt = cute::min(cute::max(bs.mask_block_cnt[list], 0), bs.num_row_blocks);
       walk.mask_idx = bs.mask_block_idx + list * bs.num_row_blocks;
@@ -105,7 +114,6 @@ struct FlexColumnWalk {
       walk.full_cnt = cute::min(cute::max(bs.full_block_cnt[list], 0), bs.num_row_blocks);
       walk.full_idx = bs.full_block_idx + list * bs.num_row_blocks;
     }
-    walk.sub_blocks = bs.block_m / kBlockM;
     walk.any = walk.seek();
     return walk;
   }
@@ -115,6 +123,9 @@ struct FlexColumnWalk {
   CUTE_DEVICE void next() {
     if (sub_blocks == 0) {
       any = ++m_block < m_block_max;
+    } else if (row_class != nullptr) {
+      ++m_block;
+      any = seek_class();
     } else {
       ++sub;
       any = seek();
@@ -132,6 +143,18 @@ struct FlexColumnWalk {
       if (sub < sub_blocks && base + sub < m_block_max) {
         m_block = base + sub;
         masked = in_mask;
+        return true;
+      }
+    }
+    return false;
+  }
+
+  // From m_block upwards, stands on the first m-block that a list names.
+  CUTE_DEVICE bool seek_class() {
+    for (; m_block < m_block_max; ++m_block) {
+      unsigned char const c = row_class[m_block / sub_blocks];
+      if (c != 0) {
+        masked = c == 1;
         return true;
       }
     }

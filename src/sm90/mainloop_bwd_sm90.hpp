@@ -540,10 +540,11 @@ struct MainloopBwdSm90 {
   CUTE_DEVICE static auto make_walk(Params const& p, BwdSeqlen const& seq, int n_block, int head, int batch) {
     auto [m_block_min, m_block_max] = m_block_range<kBlockM, kBlockN, HasWindow>(seq, n_block, p.window_left, p.window_right);
     if constexpr (kIsFlex) {
-      // Deterministic: every row block of the window, so that each row block's contributors are
-      // the window's column blocks that dq_rank counts (mask_mod narrowing would drop some).
+      // Deterministic: the row blocks of the window this walk leaves out (mask_mod narrowing,
+      // block lists) still take their turn in the dQ order (pass_turns), so that dq_rank counts
+      // every column block of the window.
       return FlexColumnWalk<kBlockM, kBlockN>::make(p.flex, seq.seqlen_k, batch, head, n_block, m_block_min,
-                                                     m_block_max, /*narrow=*/!p.deterministic);
+                                                     m_block_max);
     } else {
       RotationGroup const g = m_block_min < m_block_max ? rotation_group(p, seq, n_block, head, batch) : RotationGroup{};
       int const start = g.size > 0 ? (n_block - g.lo) * g.num_m_blocks / g.size : m_block_min;
@@ -572,6 +573,40 @@ struct MainloopBwdSm90 {
       int const first = cute::min(g.size - 1, ((m_block + 1) * g.size + g.num_m_blocks - 1) / g.num_m_blocks - 1);
       int const local = n_block - g.lo;
       return g.lo + (local <= first ? first - local : first + g.size - local);
+    }
+  }
+
+  // Deterministic flex kernels: row blocks [m_lo, m_hi) of the window that the walk leaves out
+  // (mask_mod narrowing, block lists) contribute nothing to dQ, but the column blocks after this
+  // one count them: wait for each one's turn and pass it on. One thread (lane 0 of the warp that
+  // releases the walk's own turns); the walks go upwards, so the row blocks left out before the
+  // walk's next one are [the previous one + 1, it), and those after its last one [.., window_max).
+  // The release after the acquire carries the earlier adds on (causality is transitive).
+  CUTE_DEVICE static void pass_turns(Params const& p, BwdSeqlen const& seq, RotationGroup const& g, int* semaphore,
+                                     int n_block, int m_lo, int m_hi) {
+    if constexpr (kIsFlex) {
+      for (int m = m_lo; m < m_hi; ++m) {
+        semaphore_poll_eq(semaphore + m, dq_rank(p, seq, g, n_block, m));
+        semaphore_increment(semaphore + m);
+      }
+    }
+  }
+
+  // First row block of the window (deterministic flex kernels: where pass_turns begins).
+  template <class Walk>
+  CUTE_DEVICE static int window_first(Walk const& walk) {
+    if constexpr (kIsFlex) {
+      return walk.window_min;
+    } else {
+      return 0;
+    }
+  }
+  template <class Walk>
+  CUTE_DEVICE static int window_last(Walk const& walk) {
+    if constexpr (kIsFlex) {
+      return walk.window_max;
+    } else {
+      return 0;
     }
   }
 
@@ -659,14 +694,17 @@ struct MainloopBwdSm90 {
       float* dq_accum = p.dq_accum + (int64_t(head) * p.q_rows_padded + seq.offset_q_padded) * kHeadDim;
       int* semaphore = p.dq_semaphore + (int64_t(batch) * p.num_heads + head) * p.num_m_blocks;
       bool const lane0 = cute::elect_one_sync();
+      int passed = window_first(walk);  // deterministic flex: the first row block whose turn is untaken
       for (; walk.valid(); walk.next()) {
         int const m_block = walk.m_block;
         if (p.deterministic) {
           if (lane0) {
+            pass_turns(p, seq, rotation, semaphore, n_block, passed, m_block);
             int const rank = dq_rank(p, seq, rotation, n_block, m_block);
             semaphore_poll_eq(semaphore + m_block, rank);
           }
           __syncwarp();
+          passed = m_block + 1;
         }
         CUTLASS_PRAGMA_UNROLL
         for (int wg = 0; wg < NumMmaWG; ++wg) {
@@ -701,6 +739,7 @@ struct MainloopBwdSm90 {
           });
         }
       }
+      if (p.deterministic && lane0) { pass_turns(p, seq, rotation, semaphore, n_block, passed, window_last(walk)); }
       if (lane0) { cute::tma_store_wait<0>(); }
     }
   }
@@ -717,15 +756,21 @@ struct MainloopBwdSm90 {
       RotationGroup const rotation = rotation_group(p, seq, n_block, head, batch);
       int* semaphore = p.dq_semaphore + (int64_t(batch) * p.num_heads + head) * p.num_m_blocks;
       bool const lane0 = cute::elect_one_sync();
+      int passed = window_first(walk);
       for (; walk.valid(); walk.next()) {
         int const m_block = walk.m_block;
-        if (lane0) { semaphore_poll_eq(semaphore + m_block, dq_rank(p, seq, rotation, n_block, m_block)); }
+        if (lane0) {
+          pass_turns(p, seq, rotation, semaphore, n_block, passed, m_block);
+          semaphore_poll_eq(semaphore + m_block, dq_rank(p, seq, rotation, n_block, m_block));
+        }
         __syncwarp();
         cutlass::arch::NamedBarrier::arrive(NumMmaThreads + cutlass::NumThreadsPerWarp, uint32_t(BwdBarrier::kDqReady));
         cutlass::arch::NamedBarrier::sync(NumMmaThreads + cutlass::NumThreadsPerWarp, uint32_t(BwdBarrier::kDqDone));
         if (lane0) { semaphore_increment(semaphore + m_block); }
         __syncwarp();
+        passed = m_block + 1;
       }
+      if (lane0) { pass_turns(p, seq, rotation, semaphore, n_block, passed, window_last(walk)); }
     }
   }
 
@@ -749,11 +794,16 @@ struct MainloopBwdSm90 {
       bool const lane0 = cute::elect_one_sync();
       int piece = 0;         // pieces issued
       bool pending = false;  // the last issued piece's slot is not yet freed
+      int passed = window_first(walk);  // deterministic flex: warp 0 passes the turns left out
       for (; walk.valid(); walk.next()) {
         int const m_block = walk.m_block;
         if (p.deterministic) {
-          if (lane0) { semaphore_poll_eq(semaphore + m_block, dq_rank(p, seq, rotation, n_block, m_block)); }
+          if (lane0) {
+            if (wg == 0) { pass_turns(p, seq, rotation, semaphore, n_block, passed, m_block); }
+            semaphore_poll_eq(semaphore + m_block, dq_rank(p, seq, rotation, n_block, m_block));
+          }
           __syncwarp();
+          passed = m_block + 1;
         }
         float* dq_row = dq_accum + int64_t(m_block) * kDqChunk;
         CUTLASS_PRAGMA_NO_UNROLL
@@ -784,6 +834,9 @@ struct MainloopBwdSm90 {
           if (wg == 0 && lane0) { semaphore_increment(semaphore + m_block); }
           __syncwarp();
         }
+      }
+      if (p.deterministic && wg == 0 && lane0) {
+        pass_turns(p, seq, rotation, semaphore, n_block, passed, window_last(walk));
       }
       if (lane0) { cute::tma_store_wait<0>(); }  // no copy reads the ring after the CTA ends
     }

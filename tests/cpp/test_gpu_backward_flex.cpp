@@ -49,7 +49,7 @@ struct FlexBwdCase {
   bool full_lists = true, mask_lists = true;
   // Column blocks left with no block at all (their dk / dv are 0).
   bool empty_col_blocks = false;
-  // Run twice and compared bit for bit as well (not with block lists).
+  // Run twice and compared bit for bit as well.
   bool deterministic = false;
   unsigned seed = 1;
 };
@@ -510,7 +510,7 @@ std::vector<FlexBwdCase> flex_cases() {
   c.label = "varlen_mask_causal_relative_bias", c.batch = 3, c.seqlen_q = 257, c.seqlen_k = 190,
   c.varlen = true, c.score_mod = ScoreModKind::kRelativeBias, c.mask_mod = MaskModKind::kCausal;
   add(c);
-  // deterministic: every row block of the window is visited, the mask_mod applied in each
+  // deterministic: the row blocks a mask_mod leaves out pass their turn in the dQ order
   c = {};
   c.label = "deterministic_varlen_document_causal_gqa", c.batch = 3, c.seqlen_q = 500, c.seqlen_k = 520,
   c.heads = 4, c.heads_kv = 2, c.causal = true, c.varlen = true, c.mask_mod = MaskModKind::kDocument,
@@ -527,6 +527,28 @@ std::vector<FlexBwdCase> flex_cases() {
   c = {};
   c.label = "deterministic_document_empty_rows", c.seqlen_q = 400, c.seqlen_k = 150,
   c.mask_mod = MaskModKind::kDocument, c.deterministic = true;
+  add(c);
+  c = {};
+  c.label = "deterministic_sliding_window_gqa", c.batch = 2, c.seqlen_q = 900, c.seqlen_k = 800,
+  c.heads = 4, c.heads_kv = 2, c.mask_mod = MaskModKind::kSlidingWindow, c.mask_scalars = {100, 30},
+  c.deterministic = true;
+  add(c);
+  // deterministic with block lists (lists in random order): the row blocks no list names pass
+  // their turn; GQA adds the dK / dV order, with column blocks that see no row block at all.
+  c = {};
+  c.label = "deterministic_sparse_per_head_causal_gqa", c.batch = 2, c.seqlen_q = 600, c.seqlen_k = 650,
+  c.heads = 4, c.heads_kv = 2, c.causal = true, c.mask_mod = MaskModKind::kDocument, c.sparse_heads = 4,
+  c.deterministic = true;
+  add(c);
+  c = {};
+  c.label = "deterministic_sparse_empty_col_blocks_gqa", c.batch = 2, c.seqlen_q = 530, c.seqlen_k = 700,
+  c.heads = 4, c.heads_kv = 1, c.mask_mod = MaskModKind::kCausal, c.sparse_heads = 1,
+  c.empty_col_blocks = true, c.deterministic = true;
+  add(c);
+  c = {};
+  c.label = "deterministic_sparse_blocks_256x256_alibi", c.seqlen_q = 1000, c.seqlen_k = 900, c.heads = 2,
+  c.score_mod = ScoreModKind::kAlibi, c.sparse_heads = 2, c.block_m = 256, c.block_n = 256,
+  c.full_lists = false, c.deterministic = true;
   add(c);
   // block sparsity (128 x 128 blocks are two 64-row kernel m-blocks at head dim 128)
   c = {};
@@ -590,6 +612,15 @@ std::vector<FlexBwdCase> flex_cases() {
   c.causal = true, c.mask_mod = MaskModKind::kDocument, c.deterministic = true;
   add(c);
   c = {};
+  c.label = "deterministic_sparse_sliding_window_gqa", c.batch = 2, c.seqlen_q = 500, c.seqlen_k = 450,
+  c.heads = 4, c.heads_kv = 2, c.head_dim = 256, c.mask_mod = MaskModKind::kSlidingWindow,
+  c.mask_scalars = {120, 40}, c.sparse_heads = 4, c.deterministic = true;
+  add(c);
+  c = {};
+  c.label = "deterministic_sparse_document", c.seqlen_q = 450, c.seqlen_k = 450, c.head_dim = 64,
+  c.mask_mod = MaskModKind::kDocument, c.sparse_heads = 1, c.deterministic = true;
+  add(c);
+  c = {};
   c.label = "mask_causal_relative_bias", c.seqlen_q = 300, c.seqlen_k = 300, c.head_dim = 192,
   c.score_mod = ScoreModKind::kRelativeBias, c.mask_mod = MaskModKind::kCausal;
   add(c);
@@ -613,6 +644,11 @@ std::vector<FlexBwdCase> flex_cases() {
   c.label = "deterministic_alibi_window", c.batch = 2, c.seqlen_q = 300, c.seqlen_k = 360, c.head_dim = 192,
   c.head_dim_v = 128, c.window_left = 150, c.window_right = 30, c.score_mod = ScoreModKind::kAlibi,
   c.deterministic = true;
+  add(c);
+  c = {};
+  c.label = "deterministic_sparse_prefix_lm_gqa", c.batch = 2, c.seqlen_q = 400, c.seqlen_k = 380,
+  c.heads = 4, c.heads_kv = 2, c.head_dim = 192, c.mask_mod = MaskModKind::kPrefixLM, c.mask_scalars = {100},
+  c.sparse_heads = 4, c.deterministic = true;
   add(c);
   // fp16
   c = {};
@@ -677,14 +713,6 @@ struct SmallLists {
     args.opts.block_sparse = bs;
   }
 };
-
-TEST(GpuBackwardFlexUnsupported, DeterministicWithBlockListsIsRefused) {
-  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
-  SmallCall call(128);
-  SmallLists lists(call.args, 128, 128);
-  call.args.deterministic = true;
-  expect_not_supported(call.args, "deterministic");
-}
 
 TEST(GpuBackwardFlexUnsupported, BlockNarrowerThanTileIsRefused) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device";

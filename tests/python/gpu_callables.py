@@ -39,19 +39,24 @@ def causal_mask(b, h, q_idx, kv_idx):
 
 
 def _modules():
-    """(score, mask) traced pairs whose modules the GPU tests build; constants do not change a
+    """(score, mask, split, paged) of the modules the GPU tests build; constants do not change a
     module (the source depends on the program's structure only)."""
     slopes = np.asarray(cuflash.scores.alibi_slopes(4), np.float32)
+    alibi = mods.trace_score_mod(alibi_like(slopes))
+    causal = mods.trace_mask_mod(causal_mask)
     return [
-        (mods.trace_score_mod(alibi_like(slopes)), None),
-        (mods.trace_score_mod(tanh_cap(20.0)), None),
-        (None, mods.trace_mask_mod(causal_mask)),
+        (alibi, None, False, False),
+        (alibi, None, False, True),  # paged KV
+        (mods.trace_score_mod(tanh_cap(20.0)), None, False, False),
+        (None, causal, False, False),
+        (None, causal, True, False),  # split-KV
     ]
 
 
 def build_all() -> None:
     start = time.time()
-    sources = [_jit.kernel_source(score, mask, DTYPE, HEAD_DIM, HEAD_DIM) for score, mask in _modules()]
+    sources = [_jit.kernel_source(score, mask, DTYPE, HEAD_DIM, HEAD_DIM, split, paged)
+               for score, mask, split, paged in _modules()]
     with concurrent.futures.ThreadPoolExecutor(len(sources)) as pool:
         for path in pool.map(_jit.build, sources):
             print(f"{path} ({time.time() - start:.0f} s)", flush=True)

@@ -55,6 +55,13 @@ def test_kernel_source_instantiates_the_flex_templates():
     # The source depends on the program's structure, not its constants.
     other = mods.trace_score_mod(_alibi_like(np.full(4, 3.0, np.float32)))
     assert _jit.kernel_source(other, mask, "bfloat16", 64, 64) == both
+    # Split-KV and paged KV: the forward in that form (a module of its own), the same backward.
+    assert "kSplit = false, kPaged = false" in both
+    split_paged = _jit.kernel_source(score, mask, "bfloat16", 64, 64, split=True, paged=True)
+    assert "kSplit = true, kPaged = true" in split_paged
+    assert "kSplit, CuflashExprVariant, kPaged>" in split_paged
+    assert split_paged != both
+    assert _jit.kernel_source(score, mask, "bfloat16", 64, 64, paged=True) not in (both, split_paged)
     with pytest.raises(_jit.JitError, match="float16 or bfloat16"):
         _jit.kernel_source(score, None, "float32", 64, 64)
 
@@ -136,10 +143,29 @@ def test_gpu_callables_jit(monkeypatch):
     # A mask callable alone, against the built-in causal mask.
     out, _ = cuflash.flash_attn_func(q, k, v, mask_mod=gpu_callables.causal_mask)
     torch.testing.assert_close(out, causal, atol=2e-2, rtol=2e-2)
-    # Compiled callables have no split-KV kernels: refused by name (the built-ins take it).
-    with pytest.raises(NotImplementedError) as refused:
-        cuflash.flash_attn_func(q, k, v, mask_mod=gpu_callables.causal_mask, num_splits=2)
-    assert refused.value.argument == "num_splits"
+    # Split-KV: the module's forward in split form, then the combine.
+    out, _ = cuflash.flash_attn_func(q, k, v, mask_mod=gpu_callables.causal_mask, num_splits=3)
+    torch.testing.assert_close(out, causal, atol=2e-2, rtol=2e-2)
+    # Paged KV: the same keys through a shuffled page table with a spare page, forward and the
+    # gradient of q, against the unpaged call.
+    page_size, pages = 64, 5  # 320 key slots per sequence for its 300 keys
+    order = torch.randperm(2 * pages + 1, generator=torch.Generator().manual_seed(1))[: 2 * pages]
+    page_table = order.reshape(2, pages).to(device="cuda", dtype=torch.int32)
+    caches = []
+    for x in (k, v):
+        cache = torch.zeros(2 * pages + 1, page_size, *x.shape[2:], device="cuda", dtype=x.dtype)
+        padded = torch.nn.functional.pad(x.detach(), (0, 0, 0, 0, 0, pages * page_size - x.shape[1]))
+        cache[page_table.flatten().long()] = padded.reshape(2 * pages, page_size, *x.shape[2:])
+        caches.append(cache)
+    seqused_k = torch.full((2,), k.shape[1], device="cuda", dtype=torch.int32)
+    with skip_if_not_built():  # the paged forward of the build (hdim64 paged kernels)
+        paged_out, _ = cuflash.flash_attn_varlen_func(q, *caches, page_table=page_table, seqused_k=seqused_k,
+                                                     score_mod=gpu_callables.alibi_like(slopes), causal=True)
+    dense_out, _ = cuflash.flash_attn_varlen_func(q, k, v, score_mod=gpu_callables.alibi_like(slopes), causal=True)
+    torch.testing.assert_close(paged_out, dense_out, atol=2e-2, rtol=2e-2)
+    (paged_dq,) = torch.autograd.grad(paged_out.float().sum(), (q,))
+    (dense_dq,) = torch.autograd.grad(dense_out.float().sum(), (q,))
+    torch.testing.assert_close(paged_dq, dense_dq, atol=5e-2, rtol=5e-2)
     monkeypatch.setenv("CUFLASH_JIT_CALLABLES", "0")
     with pytest.raises(NotImplementedError, match="^mask_mod: .*CUFLASH_JIT_CALLABLES=0"):
         cuflash.flash_attn_func(q, k, v, mask_mod=gpu_callables.causal_mask)
