@@ -5,6 +5,7 @@ Forward lists, per (batch, head or 1, row block of ``block_m`` queries):
   ceil(Sk/block_n)) int32: the first cnt entries of idx are the column blocks of that row block.
   ``full`` blocks are computed without the mask_mod, ``mask`` blocks with it, others skipped.
 Backward lists (``q_`` prefix) are the transpose: per column block, the row blocks that see it.
+They are optional: without them the backward reads the forward lists.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from . import _C, _jit
 from . import mods as _mods
 from ._tensors import TRACED, Framework, _dtype_name, framework_of
 from ._variants import BuiltinVariant, MaskMod, ScoreMod
-from .block_sparse import BLOCK_M, BLOCK_N, transpose_block_lists
+from .block_sparse import BLOCK_M, BLOCK_N
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_combine", "flash_attn_backward"]
 
@@ -630,24 +630,6 @@ def _prepare(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, s
     return call
 
 
-def _with_backward_block_lists(call: _Call) -> _Call:
-    """The backward's column-block lists: the transposed forward lists (built on the CPU) when
-    the caller gave none."""
-    if not call.block_sparse or any(t is not None for t in call.block_sparse[4:]):
-        return call
-    framework = call.framework
-    lists = list(call.block_sparse[:4])
-    col_blocks = -(-call.seqlen_k // BLOCK_N)
-    for i in (0, 2):
-        cnt, idx = call.block_sparse[i], call.block_sparse[i + 1]
-        if cnt is None:
-            lists += [None, None]
-            continue
-        q_cnt, q_idx = transpose_block_lists(framework.to_numpy(cnt), framework.to_numpy(idx), col_blocks)
-        lists += [framework.from_numpy(q_cnt, like=call.q), framework.from_numpy(q_idx, like=call.q)]
-    return replace(call, block_sparse=lists)
-
-
 # ---------------------------------------------------------------------------------------------
 # Running the extension
 
@@ -668,7 +650,6 @@ def _run_forward(call: _Call) -> Tuple[Tensor, Tensor]:
 def _run_backward(call: _Call, out: Tensor, dout: Tensor, lse: Tensor
                   ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     framework = call.framework
-    call = _with_backward_block_lists(call)
     dq = framework.empty(_shape(call.q), call.dtype, like=call.q)
     dk = framework.empty(_shape(call.k), call.dtype, like=call.q)
     dv = framework.empty(_shape(call.v), call.dtype, like=call.q)
@@ -835,7 +816,7 @@ def flash_attn_func(
             (batch, 1 or num_heads, ceil(seqlen_q/128)) counts and
             (batch, 1 or num_heads, ceil(seqlen_q/128), ceil(seqlen_k/128)) column-block
             indices of the blocks computed without (full) or with (mask) the mask_mod; other
-            blocks are skipped. The backward's transposed lists are built from these.
+            blocks are skipped. The backward tabulates these on the GPU (no transposed lists needed).
 
     Returns:
         (out, lse): out (batch, seqlen_q, num_heads, head_dim_v) in q's dtype and lse
@@ -952,8 +933,8 @@ def flash_attn_backward(
     JAX arrays may be traced, inside jax.jit).
 
     Takes the forward's inputs, options, out and lse, and the gradient dout of out. The
-    block-sparse backward lists (q_* : per column block, the row blocks that see it) are the
-    transposed forward lists, built on the CPU when not given. With page_table (as the forward's,
+    block-sparse backward lists (q_* : per column block, the row blocks that see it) are
+    optional: without them the backward reads the forward lists (tabulated on the GPU). With page_table (as the forward's,
     k and v the pages), dk and dv are the gradients of the pages: a page several sequences list
     gets the sum.
 

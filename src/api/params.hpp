@@ -44,9 +44,12 @@ struct BlockSparseParams {
   int num_col_blocks = 0;  // ceil(seqlen_k / block_n)
   int block_m = 128;
   int block_n = 128;
-  // Deterministic backward only (set by dispatch, in the workspace): per (batch, list head,
-  // column block), the class of each row block, 0 not listed, 1 mask list, 2 full list; the
-  // deterministic walks go upwards through it (sm90/flex_bwd_sm90.hpp).
+  // Backward: the lists above are the forward's (per row block, as the caller gave them when it
+  // gave no column-block lists) rather than the transposed ones.
+  bool row_lists = false;
+  // Backward (set by dispatch, in the workspace, from whichever lists the call has): per
+  // (batch, list head, column block), the class of each row block, 0 not listed, 1 mask list,
+  // 2 full list; the kernels' walks go upwards through it (sm90/flex_bwd_sm90.hpp).
   const unsigned char* row_class = nullptr;
 };
 
@@ -268,7 +271,7 @@ struct BwdLaunchChoice {
 
 // The layout version: bumped with every change to the members of FwdParams, BwdParams or
 // ModParams, since a member added into tail padding leaves the sizes below as they were.
-constexpr std::uint64_t kParamsLayoutVersion = 13;
+constexpr std::uint64_t kParamsLayoutVersion = 14;
 
 // Whether a call needs the flex kernels (variants::FlexVariant): a score_mod, a mask_mod or block
 // lists. FwdParams and BwdParams alike.

@@ -68,11 +68,15 @@ BlockSparseParams make_block_sparse_params(const AttentionOptions& opts,
   BlockSparseParams params;
   if (!opts.block_sparse) return params;
   const BlockSparseTensors& b = *opts.block_sparse;
-  const auto& mask_cnt = backward ? b.q_mask_block_cnt : b.mask_block_cnt;
-  const auto& mask_idx = backward ? b.q_mask_block_idx : b.mask_block_idx;
-  const auto& full_cnt = backward ? b.q_full_block_cnt : b.full_block_cnt;
-  const auto& full_idx = backward ? b.q_full_block_idx : b.full_block_idx;
+  // The backward takes the column-block lists where the caller gave them, else the forward's
+  // (dispatch tabulates either on the GPU).
+  const bool transposed = backward && (b.q_mask_block_cnt || b.q_full_block_cnt);
+  const auto& mask_cnt = transposed ? b.q_mask_block_cnt : b.mask_block_cnt;
+  const auto& mask_idx = transposed ? b.q_mask_block_idx : b.mask_block_idx;
+  const auto& full_cnt = transposed ? b.q_full_block_cnt : b.full_block_cnt;
+  const auto& full_idx = transposed ? b.q_full_block_idx : b.full_block_idx;
   params.enabled = true;
+  params.row_lists = backward && !transposed;
   params.mask_block_cnt = data_of<int>(mask_cnt);
   params.mask_block_idx = data_of<int>(mask_idx);
   params.full_block_cnt = data_of<int>(full_cnt);

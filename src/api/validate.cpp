@@ -852,7 +852,8 @@ std::vector<BlockList> block_lists(const BlockSparseTensors& b) {
 
 bool has_list(const BlockList& list) { return list.cnt->has_value(); }
 
-// Checks every list that is present; `for_backward` requires the transposed lists.
+// Checks every list that is present. In backward the column-block lists, where any is given,
+// must cover the forward lists given; without them the forward's serve.
 void check_block_sparse(const BlockSparseTensors& b, const AttentionShape& s, bool for_backward) {
   if (s.varlen_q || s.varlen_k || s.paged) {
     fail_unsupported("block_sparse",
@@ -880,12 +881,13 @@ void check_block_sparse(const BlockSparseTensors& b, const AttentionShape& s, bo
   if (!for_backward && !forward_lists) {
     fail("block_sparse", "expected mask_block_cnt/idx or full_block_cnt/idx, got neither");
   }
-  if (for_backward) {
-    if (!backward_lists) {
-      fail("block_sparse",
-           "backward needs the transposed (column-block) lists: expected "
-           "q_mask_block_cnt/idx or q_full_block_cnt/idx, got neither");
-    }
+  if (for_backward && !backward_lists && !forward_lists) {
+    fail("block_sparse",
+         "expected the column-block lists q_mask_block_cnt/idx or q_full_block_cnt/idx, or the "
+         "forward's mask_block_cnt/idx or full_block_cnt/idx, got neither");
+  }
+  // Column-block lists, where given, stand for the forward's in backward: all of them.
+  if (for_backward && backward_lists) {
     for (int i = 0; i < 2; ++i) {
       if (has_list(lists[i]) && !has_list(lists[i + 2])) {
         fail(lists[i + 2].cnt_name, std::string("required in backward because ") +

@@ -84,32 +84,39 @@ struct WorkspaceLayout {
   std::size_t total = 0;
 };
 
-// Deterministic with block lists: the row-block classes of BlockSparseParams::row_class, one
-// byte per (batch, list head, column block, row block) of the lists.
-bool needs_row_classes(const BwdParams& p) { return p.deterministic && needs_flex(p) && p.block_sparse.enabled; }
+// Block lists: the row-block classes of BlockSparseParams::row_class, one byte per (batch, list
+// head, column block, row block) of the lists.
+bool needs_row_classes(const BwdParams& p) { return needs_flex(p) && p.block_sparse.enabled; }
 
 std::size_t row_class_bytes(const BwdParams& p) {
   const BlockSparseParams& bs = p.block_sparse;
   return std::size_t(p.batch) * bs.num_heads_b * bs.num_col_blocks * bs.num_row_blocks;
 }
 
-// One CTA per (column block, list head, batch): the column block's row blocks, 0 unless a list
-// names them, 2 in the full list, 1 in the mask list (written last: a block both lists name
-// gets mask_mod, which is right either way). Entries outside the row blocks are ignored, as the
-// walks without the table skip them.
+// One CTA per list: per (column block, list head, batch) for the column-block lists, which
+// first zeroes its column's bytes; per (row block, ...) for the forward's row-block lists, which
+// write their column blocks' bytes of that row (zeroed beforehand). 2 for the full list, then 1
+// for the mask list (a block both name gets mask_mod, which is right either way). Entries
+// outside the blocks are ignored.
 __global__ void block_row_classes_sm90(BlockSparseParams bs, unsigned char* classes) {
-  long long const list = (static_cast<long long>(blockIdx.z) * bs.num_heads_b + blockIdx.y) * bs.num_col_blocks +
-                         blockIdx.x;
-  int const rows = bs.num_row_blocks;
-  unsigned char* row = classes + list * rows;
-  for (int i = int(threadIdx.x); i < rows; i += int(blockDim.x)) row[i] = 0;
-  __syncthreads();
+  int const rows = bs.num_row_blocks, cols = bs.num_col_blocks;
+  int const outer_blocks = bs.row_lists ? rows : cols, inner_blocks = bs.row_lists ? cols : rows;
+  long long const head_base = (static_cast<long long>(blockIdx.z) * bs.num_heads_b + blockIdx.y);
+  long long const list = head_base * outer_blocks + blockIdx.x;
+  auto at = [&](int inner) -> unsigned char& {
+    return bs.row_lists ? classes[(head_base * cols + inner) * rows + blockIdx.x]
+                        : classes[(head_base * cols + blockIdx.x) * rows + inner];
+  };
+  if (!bs.row_lists) {
+    for (int i = int(threadIdx.x); i < rows; i += int(blockDim.x)) at(i) = 0;
+    __syncthreads();
+  }
   auto mark = [&](const int* cnt, const int* idx, unsigned char value) {
     if (cnt == nullptr) return;
-    int const n = min(max(cnt[list], 0), rows);
+    int const n = min(max(cnt[list], 0), inner_blocks);
     for (int i = int(threadIdx.x); i < n; i += int(blockDim.x)) {
-      int const block = idx[list * rows + i];
-      if (block >= 0 && block < rows) row[block] = value;
+      int const block = idx[list * inner_blocks + i];
+      if (block >= 0 && block < inner_blocks) at(block) = value;
     }
   };
   mark(bs.full_block_cnt, bs.full_block_idx, 2);
@@ -245,8 +252,10 @@ void run_backward(BwdParams& params, StreamHandle stream) {
   if (needs_row_classes(params) && row_class_bytes(params) > 0) {
     auto* classes = reinterpret_cast<unsigned char*>(base + layout.row_class);
     const BlockSparseParams& bs = params.block_sparse;
-    block_row_classes_sm90<<<dim3(bs.num_col_blocks, bs.num_heads_b, params.batch), 128, 0,
-                             static_cast<cudaStream_t>(stream)>>>(bs, classes);
+    auto const cuda_stream = static_cast<cudaStream_t>(stream);
+    if (bs.row_lists) cudaMemsetAsync(classes, 0, row_class_bytes(params), cuda_stream);
+    int const outer_blocks = bs.row_lists ? bs.num_row_blocks : bs.num_col_blocks;
+    block_row_classes_sm90<<<dim3(outer_blocks, bs.num_heads_b, params.batch), 128, 0, cuda_stream>>>(bs, classes);
     cudaError_t const launched = cudaGetLastError();
     if (launched != cudaSuccess) {
       throw Error(Error::Kind::kCuda, "block_sparse",

@@ -1,7 +1,8 @@
 // Which m-blocks (row blocks of Q / dO) one column block of the sm90 backward visits, in the
 // order the producer warp loads them, the dQ warp stores them and the MMA warpgroups use them:
 // MBlockRange for the plain kernel, FlexColumnWalk for the flex variant (variants::FlexVariant,
-// from the mask_mod's block-level hook or from the transposed FlexAttention block lists).
+// from the mask_mod's block-level hook or from the FlexAttention block lists as dispatch
+// tabulates them).
 #pragma once
 
 #include <cutlass/cutlass.h>
@@ -42,27 +43,20 @@ struct MBlockRange<true> {
 };
 
 // Without block lists: [m_block_min, m_block_max) narrowed by the mask_mod's row_range, all with
-// mask_mod. With them (as the seed's backward block sparsity): the column block's mask-list row
-// blocks, then its full-list ones, each list from its first entry; a list block of block_m
-// queries is block_m / kBlockM kernel m-blocks (upwards), and those outside
-// [m_block_min, m_block_max) (causal / window / sequence length) are skipped. Lists are assumed
-// disjoint and free of repeats, as FlexAttention builds them.
-// Deterministic runs with block lists walk upwards instead, through the row-block classes that
-// dispatch tabulates from the lists (BlockSparseParams::row_class: 0 not listed, 1 mask list,
-// 2 full list), so that the m-blocks a walk leaves out are the gaps between the ones it visits:
-// the dQ writer passes the deterministic turn of each of them (pass_turns in the mainloop), and
-// the window's [window_min, window_max) bounds them.
+// mask_mod. With them (as the seed's backward block sparsity): the row blocks that the column
+// block's lists name, upwards, through the row-block classes that dispatch tabulates from the
+// lists, the column-block ones or the forward's, in any order (BlockSparseParams::row_class: 0
+// not listed, 1 mask list, 2 full list); a list block of block_m queries is block_m / kBlockM
+// kernel m-blocks, and those outside [m_block_min, m_block_max) (causal / window / sequence
+// length) are skipped. Either way the walk goes upwards, so the row blocks of the window that it
+// leaves out are the gaps between the ones it visits, within [window_min, window_max): in
+// deterministic runs the dQ writer passes each one's turn (pass_turns in the mainloop).
 template <int kBlockM, int kBlockN>
 struct FlexColumnWalk {
   int window_min, window_max;  // the window's m-blocks, before mask_mod narrowing or lists
   int m_block_min, m_block_max;
-  int const* mask_idx;
-  int const* full_idx;
-  unsigned char const* row_class;  // deterministic with lists: this column block's row classes
-  int mask_cnt, full_cnt;
+  unsigned char const* row_class;  // with lists: this column block's row-block classes
   int sub_blocks;  // kernel m-blocks per list block; 0 without lists
-  int pos;         // entry, counting through the mask list then the full list
-  int sub;         // kernel m-block within the entry, counting up
   int m_block;     // the m-block the walk stands on
   bool masked;     // whether `m_block` needs mask_mod
   bool any;        // whether the walk stands on an m-block
@@ -71,8 +65,7 @@ struct FlexColumnWalk {
   CUTE_DEVICE static FlexColumnWalk make(FlexParams const& flex, int seqlen_k,
                                          int batch, int head, int n_block, int m_block_min,
                                          int m_block_max) {
-    FlexColumnWalk walk{m_block_min, m_block_max, m_block_min, m_block_max, nullptr, nullptr, nullptr,
-                        0,           0,           0,           0,           0,       m_block_min, true, false};
+    FlexColumnWalk walk{m_block_min, m_block_max, m_block_min, m_block_max, nullptr, 0, m_block_min, true, false};
     // Column blocks without a row range (keys past seqused_k, fully masked) read no list.
     if (m_block_min >= m_block_max) {
       return walk;
@@ -100,20 +93,8 @@ struct FlexColumnWalk {
         (static_cast<long long>(batch) * bs.num_heads_b + (bs.num_heads_b == 1 ? 0 : head)) *
             bs.num_col_blocks +
         col_block;
+    walk.row_class = bs.row_class + list * bs.num_row_blocks;
     walk.sub_blocks = bs.block_m / kBlockM;
-    if (bs.row_class != nullptr) {
-      walk.row_class = bs.row_class + list * bs.num_row_blocks;
-      walk.any = walk.seek_class();
-      return walk;
-    }
-    if (bs.mask_block_cnt != nullptr) {
-      walk.mask_cnt = cute::min(cute::max(bs.mask_block_cnt[list], 0), bs.num_row_blocks);
-      walk.mask_idx = bs.mask_block_idx + list * bs.num_row_blocks;
-    }
-    if (bs.full_block_cnt != nullptr) {
-      walk.full_cnt = cute::min(cute::max(bs.full_block_cnt[list], 0), bs.num_row_blocks);
-      walk.full_idx = bs.full_block_idx + list * bs.num_row_blocks;
-    }
     walk.any = walk.seek();
     return walk;
   }
@@ -121,36 +102,13 @@ struct FlexColumnWalk {
   CUTE_DEVICE bool valid() const { return any; }
 
   CUTE_DEVICE void next() {
-    if (sub_blocks == 0) {
-      any = ++m_block < m_block_max;
-    } else if (row_class != nullptr) {
-      ++m_block;
-      any = seek_class();
-    } else {
-      ++sub;
-      any = seek();
-    }
+    ++m_block;
+    any = sub_blocks == 0 ? m_block < m_block_max : seek();
   }
 
  private:
-  // From (pos, sub) on, stands on the first m-block inside [m_block_min, m_block_max).
-  CUTE_DEVICE bool seek() {
-    for (; pos < mask_cnt + full_cnt; ++pos, sub = 0) {
-      bool const in_mask = pos < mask_cnt;
-      int const block = in_mask ? mask_idx[pos] : full_idx[pos - mask_cnt];
-      int const base = block * sub_blocks;
-      sub = cute::max(sub, m_block_min - base);
-      if (sub < sub_blocks && base + sub < m_block_max) {
-        m_block = base + sub;
-        masked = in_mask;
-        return true;
-      }
-    }
-    return false;
-  }
-
   // From m_block upwards, stands on the first m-block that a list names.
-  CUTE_DEVICE bool seek_class() {
+  CUTE_DEVICE bool seek() {
     for (; m_block < m_block_max; ++m_block) {
       unsigned char const c = row_class[m_block / sub_blocks];
       if (c != 0) {

@@ -576,15 +576,46 @@ struct MainloopBwdSm90 {
     }
   }
 
-  // Deterministic flex kernels: row blocks [m_lo, m_hi) of the window that the walk leaves out
-  // (mask_mod narrowing, block lists) contribute nothing to dQ, but the column blocks after this
-  // one count them: wait for each one's turn and pass it on. One thread (lane 0 of the warp that
-  // releases the walk's own turns); the walks go upwards, so the row blocks left out before the
-  // walk's next one are [the previous one + 1, it), and those after its last one [.., window_max).
-  // The release after the acquire carries the earlier adds on (causality is transitive).
+  // Deterministic flex kernels with block lists: the contributors to row block m_block's dQ are
+  // the window's column blocks whose row-block classes name it (their walks visit exactly those,
+  // from the same table), so the rank counts only those from n_block_last down: no turn is passed
+  // for the others. The whole warp counts, 32 column blocks a step. -1 without lists.
+  CUTE_DEVICE static int dq_rank_listed(Params const& p, BwdSeqlen const& seq, int n_block, int m_block, int head,
+                                        int batch) {
+    if constexpr (kIsFlex) {
+      BlockSparseParams const& bs = p.flex.block_sparse;
+      if (bs.row_class == nullptr) { return -1; }
+      int const last = n_block_last<kBlockM, kBlockN, HasWindow>(seq, m_block, p.window_right);
+      long long const lists =
+          (static_cast<long long>(batch) * bs.num_heads_b + (bs.num_heads_b == 1 ? 0 : head)) * bs.num_col_blocks;
+      int const row = m_block * kBlockM / bs.block_m;
+      int const lane = int(threadIdx.x) % cutlass::NumThreadsPerWarp;
+      int rank = 0;
+      for (int first = n_block + 1; first <= last; first += cutlass::NumThreadsPerWarp) {
+        int const n = first + lane;
+        bool const listed =
+            n <= last && bs.row_class[(lists + n * kBlockN / bs.block_n) * bs.num_row_blocks + row] != 0;
+        rank += __popc(__ballot_sync(0xffffffffu, listed));
+      }
+      return rank;
+    } else {
+      return -1;
+    }
+  }
+
+  // Deterministic flex kernels without block lists: row blocks [m_lo, m_hi) of the window that
+  // the mask_mod's row_range leaves out of the walk contribute nothing to dQ, but the column
+  // blocks after this one count them (dq_rank): wait for each one's turn and pass it on. One
+  // thread (lane 0 of the warp that releases the walk's own turns); the walks go upwards, so the
+  // row blocks left out before the walk's next one are [the previous one + 1, it), and those
+  // after its last one [.., window_max). The release after the acquire carries the earlier adds
+  // on (causality is transitive). Each row block's turns pass through every column block of the
+  // window in turn, which costs a narrow mask_mod (a sliding window) its share of the
+  // deterministic speed; block lists rank contributors only (dq_rank_listed).
   CUTE_DEVICE static void pass_turns(Params const& p, BwdSeqlen const& seq, RotationGroup const& g, int* semaphore,
                                      int n_block, int m_lo, int m_hi) {
     if constexpr (kIsFlex) {
+      if (p.flex.block_sparse.row_class != nullptr) { return; }
       for (int m = m_lo; m < m_hi; ++m) {
         semaphore_poll_eq(semaphore + m, dq_rank(p, seq, g, n_block, m));
         semaphore_increment(semaphore + m);
@@ -698,9 +729,10 @@ struct MainloopBwdSm90 {
       for (; walk.valid(); walk.next()) {
         int const m_block = walk.m_block;
         if (p.deterministic) {
+          int const listed_rank = dq_rank_listed(p, seq, n_block, m_block, head, batch);
           if (lane0) {
             pass_turns(p, seq, rotation, semaphore, n_block, passed, m_block);
-            int const rank = dq_rank(p, seq, rotation, n_block, m_block);
+            int const rank = listed_rank >= 0 ? listed_rank : dq_rank(p, seq, rotation, n_block, m_block);
             semaphore_poll_eq(semaphore + m_block, rank);
           }
           __syncwarp();
@@ -759,9 +791,11 @@ struct MainloopBwdSm90 {
       int passed = window_first(walk);
       for (; walk.valid(); walk.next()) {
         int const m_block = walk.m_block;
+        int const listed_rank = dq_rank_listed(p, seq, n_block, m_block, head, batch);
         if (lane0) {
           pass_turns(p, seq, rotation, semaphore, n_block, passed, m_block);
-          semaphore_poll_eq(semaphore + m_block, dq_rank(p, seq, rotation, n_block, m_block));
+          semaphore_poll_eq(semaphore + m_block,
+                            listed_rank >= 0 ? listed_rank : dq_rank(p, seq, rotation, n_block, m_block));
         }
         __syncwarp();
         cutlass::arch::NamedBarrier::arrive(NumMmaThreads + cutlass::NumThreadsPerWarp, uint32_t(BwdBarrier::kDqReady));
@@ -798,9 +832,11 @@ struct MainloopBwdSm90 {
       for (; walk.valid(); walk.next()) {
         int const m_block = walk.m_block;
         if (p.deterministic) {
+          int const listed_rank = dq_rank_listed(p, seq, n_block, m_block, head, batch);
           if (lane0) {
             if (wg == 0) { pass_turns(p, seq, rotation, semaphore, n_block, passed, m_block); }
-            semaphore_poll_eq(semaphore + m_block, dq_rank(p, seq, rotation, n_block, m_block));
+            semaphore_poll_eq(semaphore + m_block,
+                              listed_rank >= 0 ? listed_rank : dq_rank(p, seq, rotation, n_block, m_block));
           }
           __syncwarp();
           passed = m_block + 1;

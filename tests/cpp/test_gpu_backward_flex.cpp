@@ -49,6 +49,8 @@ struct FlexBwdCase {
   bool full_lists = true, mask_lists = true;
   // Column blocks left with no block at all (their dk / dv are 0).
   bool empty_col_blocks = false;
+  // The backward gets the forward (row-block) lists only, no column-block ones.
+  bool forward_lists_only = false;
   // Run twice and compared bit for bit as well.
   bool deterministic = false;
   unsigned seed = 1;
@@ -240,14 +242,18 @@ struct Problem : gpu_testing::RowLayout {
       if (c.mask_lists) {
         bs.mask_block_cnt = TensorView(side.lists[0], DType::kInt32, {B, hb, rb}, device);
         bs.mask_block_idx = TensorView(side.lists[1], DType::kInt32, {B, hb, rb, cb}, device);
-        bs.q_mask_block_cnt = TensorView(side.lists[4], DType::kInt32, {B, hb, cb}, device);
-        bs.q_mask_block_idx = TensorView(side.lists[5], DType::kInt32, {B, hb, cb, rb}, device);
+        if (!c.forward_lists_only) {
+          bs.q_mask_block_cnt = TensorView(side.lists[4], DType::kInt32, {B, hb, cb}, device);
+          bs.q_mask_block_idx = TensorView(side.lists[5], DType::kInt32, {B, hb, cb, rb}, device);
+        }
       }
       if (c.full_lists) {
         bs.full_block_cnt = TensorView(side.lists[2], DType::kInt32, {B, hb, rb}, device);
         bs.full_block_idx = TensorView(side.lists[3], DType::kInt32, {B, hb, rb, cb}, device);
-        bs.q_full_block_cnt = TensorView(side.lists[6], DType::kInt32, {B, hb, cb}, device);
-        bs.q_full_block_idx = TensorView(side.lists[7], DType::kInt32, {B, hb, cb, rb}, device);
+        if (!c.forward_lists_only) {
+          bs.q_full_block_cnt = TensorView(side.lists[6], DType::kInt32, {B, hb, cb}, device);
+          bs.q_full_block_idx = TensorView(side.lists[7], DType::kInt32, {B, hb, cb, rb}, device);
+        }
       }
       opts.block_sparse = bs;
     }
@@ -546,6 +552,16 @@ std::vector<FlexBwdCase> flex_cases() {
   c.empty_col_blocks = true, c.deterministic = true;
   add(c);
   c = {};
+  c.label = "sparse_forward_lists_only_gqa", c.batch = 2, c.seqlen_q = 640, c.seqlen_k = 700, c.heads = 4,
+  c.heads_kv = 2, c.causal = true, c.mask_mod = MaskModKind::kDocument, c.sparse_heads = 4,
+  c.forward_lists_only = true;
+  add(c);
+  c = {};
+  c.label = "deterministic_sparse_forward_lists_only", c.seqlen_q = 900, c.seqlen_k = 900, c.heads = 2,
+  c.mask_mod = MaskModKind::kSlidingWindow, c.mask_scalars = {200, 50}, c.sparse_heads = 1,
+  c.block_m = 256, c.forward_lists_only = true, c.deterministic = true;
+  add(c);
+  c = {};
   c.label = "deterministic_sparse_blocks_256x256_alibi", c.seqlen_q = 1000, c.seqlen_k = 900, c.heads = 2,
   c.score_mod = ScoreModKind::kAlibi, c.sparse_heads = 2, c.block_m = 256, c.block_n = 256,
   c.full_lists = false, c.deterministic = true;
@@ -619,6 +635,10 @@ std::vector<FlexBwdCase> flex_cases() {
   c = {};
   c.label = "deterministic_sparse_document", c.seqlen_q = 450, c.seqlen_k = 450, c.head_dim = 64,
   c.mask_mod = MaskModKind::kDocument, c.sparse_heads = 1, c.deterministic = true;
+  add(c);
+  c = {};
+  c.label = "sparse_forward_lists_only_softcap", c.seqlen_q = 333, c.seqlen_k = 400, c.head_dim = 256,
+  c.softcap = 20.f, c.mask_mod = MaskModKind::kCausal, c.sparse_heads = 1, c.forward_lists_only = true;
   add(c);
   c = {};
   c.label = "mask_causal_relative_bias", c.seqlen_q = 300, c.seqlen_k = 300, c.head_dim = 192,

@@ -953,14 +953,20 @@ TEST_F(BackwardValidation, RequiresSinkGradient) {
   EXPECT_INVALID(validate(args), "d_sink", "given without learnable_sink");
 }
 
-TEST_F(BackwardValidation, RequiresTransposedBlockLists) {
+TEST_F(BackwardValidation, TransposedBlockListsCoverTheForwardOnes) {
   BackwardArgs args = dense_backward();
   // Dense problem of dense_backward: Sq = 128, Sk = 96; blocks of 64: 2 row, 2 column blocks.
+  // The forward lists alone serve the backward (tabulated on the GPU).
   args.opts.block_sparse = block_mask();
-  EXPECT_INVALID(validate(args), "block_sparse",
-                 "backward needs the transposed (column-block) lists",
-                 "q_mask_block_cnt/idx or q_full_block_cnt/idx, got neither");
+  EXPECT_NO_THROW(validate(args));
+  BlockSparseTensors none;
+  none.block_m = 64;
+  none.block_n = 64;
+  args.opts.block_sparse = none;
+  EXPECT_INVALID(validate(args), "block_sparse", "expected the column-block lists",
+                 "or the forward's mask_block_cnt/idx or full_block_cnt/idx, got neither");
 
+  args.opts.block_sparse = block_mask();
   std::vector<std::int32_t> q_cnt{1, 1, 1, 1}, q_idx(8, 0);
   args.opts.block_sparse->q_full_block_cnt = int_tensor(q_cnt, {2, 1, 2});
   args.opts.block_sparse->q_full_block_idx = int_tensor(q_idx, {2, 1, 2, 2});
