@@ -540,9 +540,9 @@ struct MainloopBwdSm90 {
   CUTE_DEVICE static auto make_walk(Params const& p, BwdSeqlen const& seq, int n_block, int head, int batch) {
     auto [m_block_min, m_block_max] = m_block_range<kBlockM, kBlockN, HasWindow>(seq, n_block, p.window_left, p.window_right);
     if constexpr (kIsFlex) {
-      // Deterministic: the row blocks of the window this walk leaves out (mask_mod narrowing,
-      // block lists) still take their turn in the dQ order (pass_turns), so that dq_rank counts
-      // every column block of the window.
+      // Deterministic: the row blocks of the window that a mask_mod narrows out of this walk
+      // still take their turn in the dQ order (pass_turns); with block lists the ranks count
+      // only the column blocks whose walks visit the row block (dq_rank_listed).
       return FlexColumnWalk<kBlockM, kBlockN>::make(p.flex, seq.seqlen_k, batch, head, n_block, m_block_min,
                                                      m_block_max);
     } else {
@@ -623,19 +623,12 @@ struct MainloopBwdSm90 {
     }
   }
 
-  // First row block of the window (deterministic flex kernels: where pass_turns begins).
-  template <class Walk>
-  CUTE_DEVICE static int window_first(Walk const& walk) {
+  // The window's row blocks [first, last) of a flex walk (deterministic: where pass_turns begins
+  // and ends); 0 for the plain walks, which leave none out.
+  template <bool kLast, class Walk>
+  CUTE_DEVICE static int window_edge(Walk const& walk) {
     if constexpr (kIsFlex) {
-      return walk.window_min;
-    } else {
-      return 0;
-    }
-  }
-  template <class Walk>
-  CUTE_DEVICE static int window_last(Walk const& walk) {
-    if constexpr (kIsFlex) {
-      return walk.window_max;
+      return kLast ? walk.window_max : walk.window_min;
     } else {
       return 0;
     }
@@ -725,7 +718,7 @@ struct MainloopBwdSm90 {
       float* dq_accum = p.dq_accum + (int64_t(head) * p.q_rows_padded + seq.offset_q_padded) * kHeadDim;
       int* semaphore = p.dq_semaphore + (int64_t(batch) * p.num_heads + head) * p.num_m_blocks;
       bool const lane0 = cute::elect_one_sync();
-      int passed = window_first(walk);  // deterministic flex: the first row block whose turn is untaken
+      int passed = window_edge<false>(walk);  // deterministic flex: the first row block whose turn is untaken
       for (; walk.valid(); walk.next()) {
         int const m_block = walk.m_block;
         if (p.deterministic) {
@@ -771,7 +764,7 @@ struct MainloopBwdSm90 {
           });
         }
       }
-      if (p.deterministic && lane0) { pass_turns(p, seq, rotation, semaphore, n_block, passed, window_last(walk)); }
+      if (p.deterministic && lane0) { pass_turns(p, seq, rotation, semaphore, n_block, passed, window_edge<true>(walk)); }
       if (lane0) { cute::tma_store_wait<0>(); }
     }
   }
@@ -788,7 +781,7 @@ struct MainloopBwdSm90 {
       RotationGroup const rotation = rotation_group(p, seq, n_block, head, batch);
       int* semaphore = p.dq_semaphore + (int64_t(batch) * p.num_heads + head) * p.num_m_blocks;
       bool const lane0 = cute::elect_one_sync();
-      int passed = window_first(walk);
+      int passed = window_edge<false>(walk);
       for (; walk.valid(); walk.next()) {
         int const m_block = walk.m_block;
         int const listed_rank = dq_rank_listed(p, seq, n_block, m_block, head, batch);
@@ -804,7 +797,7 @@ struct MainloopBwdSm90 {
         __syncwarp();
         passed = m_block + 1;
       }
-      if (lane0) { pass_turns(p, seq, rotation, semaphore, n_block, passed, window_last(walk)); }
+      if (lane0) { pass_turns(p, seq, rotation, semaphore, n_block, passed, window_edge<true>(walk)); }
     }
   }
 
@@ -828,7 +821,7 @@ struct MainloopBwdSm90 {
       bool const lane0 = cute::elect_one_sync();
       int piece = 0;         // pieces issued
       bool pending = false;  // the last issued piece's slot is not yet freed
-      int passed = window_first(walk);  // deterministic flex: warp 0 passes the turns left out
+      int passed = window_edge<false>(walk);  // deterministic flex: warp 0 passes the turns left out
       for (; walk.valid(); walk.next()) {
         int const m_block = walk.m_block;
         if (p.deterministic) {
@@ -872,7 +865,7 @@ struct MainloopBwdSm90 {
         }
       }
       if (p.deterministic && wg == 0 && lane0) {
-        pass_turns(p, seq, rotation, semaphore, n_block, passed, window_last(walk));
+        pass_turns(p, seq, rotation, semaphore, n_block, passed, window_edge<true>(walk));
       }
       if (lane0) { cute::tma_store_wait<0>(); }  // no copy reads the ring after the CTA ends
     }
