@@ -934,9 +934,9 @@ def flash_attn_backward(
 
     Takes the forward's inputs, options, out and lse, and the gradient dout of out. The
     block-sparse backward lists (q_* : per column block, the row blocks that see it) are
-    optional: without them the backward reads the forward lists (tabulated on the GPU). With page_table (as the forward's,
-    k and v the pages), dk and dv are the gradients of the pages: a page several sequences list
-    gets the sum.
+    optional: without them the backward reads the forward lists (tabulated on the GPU). With
+    page_table (as the forward's, k and v the pages), dk and dv are the gradients of the pages: a
+    page several sequences list gets the sum.
 
     Returns:
         (dq, dk, dv, d_sink): gradients of q, k, v in their dtype, and of learnable_sink as

@@ -634,6 +634,22 @@ struct MainloopBwdSm90 {
     }
   }
 
+  // Deterministic dQ: waits (lane 0, the whole warp calling) until row block m_block's earlier
+  // contributors have added, after passing the turns of the row blocks the walk left out since
+  // `passed` when pass_gaps (the warp that releases the walk's turns), and returns m_block + 1,
+  // the next row block whose turn is untaken.
+  CUTE_DEVICE static int await_turn(Params const& p, BwdSeqlen const& seq, RotationGroup const& g, int* semaphore,
+                                    int n_block, int m_block, int head, int batch, bool lane0, bool pass_gaps,
+                                    int passed) {
+    int const listed_rank = dq_rank_listed(p, seq, n_block, m_block, head, batch);
+    if (lane0) {
+      if (pass_gaps) { pass_turns(p, seq, g, semaphore, n_block, passed, m_block); }
+      semaphore_poll_eq(semaphore + m_block, listed_rank >= 0 ? listed_rank : dq_rank(p, seq, g, n_block, m_block));
+    }
+    __syncwarp();
+    return m_block + 1;
+  }
+
   // Deterministic launch order: the kernel maps blockIdx.x to the column block with this (the
   // flex kernels have the window built in, so they take the windowed order).
   CUTE_DEVICE static int column_block(Params const& p, int block_idx, int num_blocks) {
@@ -722,14 +738,7 @@ struct MainloopBwdSm90 {
       for (; walk.valid(); walk.next()) {
         int const m_block = walk.m_block;
         if (p.deterministic) {
-          int const listed_rank = dq_rank_listed(p, seq, n_block, m_block, head, batch);
-          if (lane0) {
-            pass_turns(p, seq, rotation, semaphore, n_block, passed, m_block);
-            int const rank = listed_rank >= 0 ? listed_rank : dq_rank(p, seq, rotation, n_block, m_block);
-            semaphore_poll_eq(semaphore + m_block, rank);
-          }
-          __syncwarp();
-          passed = m_block + 1;
+          passed = await_turn(p, seq, rotation, semaphore, n_block, m_block, head, batch, lane0, true, passed);
         }
         CUTLASS_PRAGMA_UNROLL
         for (int wg = 0; wg < NumMmaWG; ++wg) {
@@ -784,18 +793,11 @@ struct MainloopBwdSm90 {
       int passed = window_edge<false>(walk);
       for (; walk.valid(); walk.next()) {
         int const m_block = walk.m_block;
-        int const listed_rank = dq_rank_listed(p, seq, n_block, m_block, head, batch);
-        if (lane0) {
-          pass_turns(p, seq, rotation, semaphore, n_block, passed, m_block);
-          semaphore_poll_eq(semaphore + m_block,
-                            listed_rank >= 0 ? listed_rank : dq_rank(p, seq, rotation, n_block, m_block));
-        }
-        __syncwarp();
+        passed = await_turn(p, seq, rotation, semaphore, n_block, m_block, head, batch, lane0, true, passed);
         cutlass::arch::NamedBarrier::arrive(NumMmaThreads + cutlass::NumThreadsPerWarp, uint32_t(BwdBarrier::kDqReady));
         cutlass::arch::NamedBarrier::sync(NumMmaThreads + cutlass::NumThreadsPerWarp, uint32_t(BwdBarrier::kDqDone));
         if (lane0) { semaphore_increment(semaphore + m_block); }
         __syncwarp();
-        passed = m_block + 1;
       }
       if (lane0) { pass_turns(p, seq, rotation, semaphore, n_block, passed, window_edge<true>(walk)); }
     }
@@ -825,14 +827,7 @@ struct MainloopBwdSm90 {
       for (; walk.valid(); walk.next()) {
         int const m_block = walk.m_block;
         if (p.deterministic) {
-          int const listed_rank = dq_rank_listed(p, seq, n_block, m_block, head, batch);
-          if (lane0) {
-            if (wg == 0) { pass_turns(p, seq, rotation, semaphore, n_block, passed, m_block); }
-            semaphore_poll_eq(semaphore + m_block,
-                              listed_rank >= 0 ? listed_rank : dq_rank(p, seq, rotation, n_block, m_block));
-          }
-          __syncwarp();
-          passed = m_block + 1;
+          passed = await_turn(p, seq, rotation, semaphore, n_block, m_block, head, batch, lane0, wg == 0, passed);
         }
         float* dq_row = dq_accum + int64_t(m_block) * kDqChunk;
         CUTLASS_PRAGMA_NO_UNROLL
