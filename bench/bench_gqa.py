@@ -6,6 +6,10 @@ batch 8, seqlen_q 1 .. 128. Reported: microseconds per call and the K/V bandwidt
 (K and V bytes read once over the call's time), the figure of merit when seqlen_q is small.
 Writes gqa_sm90.json (records {impl, dtype, hdim, seqlen_q, seqlen_k, batch, nheads, nheads_kv,
 causal, us, kv_gbps, gpu, date}).
+
+--score-mod alibi runs cuflash with the built-in ALiBi score_mod (the flex kernels, packed and
+unpacked; each packed row's slope is its own head's) and writes gqa_sm90_alibi.json; the cuDNN
+column stays the plain causal call, a bound on what the mod-free decode costs.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ def main():
     parser.add_argument("--groups", default="32:8,64:8", help="heads:heads_kv pairs")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--score-mod", choices=("none", "alibi"), default="none")
     args = parser.parse_args()
 
     import torch
@@ -39,8 +44,8 @@ def main():
     date = common.utc_now()
     hdim, dtype = 128, torch.bfloat16
     records = []
-    print(f"GQA forward, bf16, hdim {hdim}, seqlen_k {args.seqlen_k}, batch {args.batch}, causal; "
-          f"{gpu}, {date}")
+    print(f"GQA forward, bf16, hdim {hdim}, seqlen_k {args.seqlen_k}, batch {args.batch}, causal, "
+          f"score_mod {args.score_mod}; {gpu}, {date}")
     print(f"{'heads':>7} {'sq':>4} {'packed us':>10} {'unpacked us':>12} {'cudnn us':>9} "
           f"{'packed GB/s':>12}")
     for pair in args.groups.split(","):
@@ -53,9 +58,14 @@ def main():
             v = torch.randn_like(k)
             kv_bytes = 2 * k.numel() * k.element_size()
             times = {}
+            score_mod = None
+            if args.score_mod == "alibi":
+                score_mod = cuflash.scores.alibi(
+                    torch.tensor(cuflash.scores.alibi_slopes(heads), device="cuda"))
             for name, pack in (("cuflash_packed", True), ("cuflash_unpacked", False)):
                 times[name] = 1e3 * common.time_ms(
-                    lambda: cuflash.flash_attn_func(q, k, v, causal=True, pack_gqa=pack),
+                    lambda: cuflash.flash_attn_varlen_func(q, k, v, causal=True, pack_gqa=pack,
+                                                           score_mod=score_mod),
                     args.warmup, args.repeats)
             group = heads // heads_kv
             ke = k.repeat_interleave(group, dim=2).transpose(1, 2)
@@ -81,7 +91,8 @@ def main():
                                     seqlen_k=args.seqlen_k, batch=args.batch, nheads=heads,
                                     nheads_kv=heads_kv, causal=True, us=us,
                                     kv_gbps=kv_bytes / us / 1e3, gpu=gpu, date=date))
-    with open(os.path.join(args.out, "gqa_sm90.json"), "w") as f:
+    suffix = "" if args.score_mod == "none" else f"_{args.score_mod}"
+    with open(os.path.join(args.out, f"gqa_sm90{suffix}.json"), "w") as f:
         json.dump(records, f, indent=1)
 
 

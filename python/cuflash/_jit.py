@@ -60,13 +60,13 @@ def kernel_head_dims(head_dim: int, head_dim_v: int) -> Tuple[int, int]:
 
 
 def kernel_source(score, mask, dtype: str, head_dim: int, head_dim_v: int, split: bool = False,
-                  paged: bool = False) -> str:
+                  paged: bool = False, pack_gqa: bool = False) -> str:
     """The module for TracedMods `score` / `mask` (either may be None: the built-in switch then
-    serves the other side, holding a built-in mod or none). `split` / `paged`: the forward
-    launcher is the split-KV (num_splits > 1) / paged-KV (page_table) form of the flex kernel,
-    as the library's flex_split / flex_paged kernels; it refuses a call of another form. The
-    backward is the same for all: paged calls run it on the gathered rows, and split is a
-    forward option."""
+    serves the other side, holding a built-in mod or none). `split` / `paged` / `pack_gqa`: the
+    forward launcher is the split-KV (num_splits > 1) / paged-KV (page_table) / packed-GQA
+    (pack_gqa) form of the flex kernel, as the library's flex_split / flex_paged / flex_packgqa
+    kernels; it refuses a call of another form. The backward is the same for all: paged calls run
+    it on the gathered rows, and split and packing are forward options."""
     if dtype not in _ELEMENTS:
         raise JitError(f"callables on the GPU take float16 or bfloat16 inputs, got {dtype}")
     hdim, hdim_v = kernel_head_dims(head_dim, head_dim_v)
@@ -79,22 +79,28 @@ def kernel_source(score, mask, dtype: str, head_dim: int, head_dim_v: int, split
         parts.append(_codegen.functor_source(mask, "CuflashExprMask"))
         mask_switch = "CuflashExprMaskSwitch"
     element = _ELEMENTS[dtype]
+    flag = lambda on: "true" if on else "false"  # noqa: E731
+    form = ", ".join([("split-KV" if split else "one-split"), ("paged" if paged else "unpaged"),
+                      ("packed-GQA" if pack_gqa else "unpacked")])
     parts.append(f"""
 using CuflashExprVariant = cuflash::variants::FlexVariantOf<{score_switch}, {mask_switch}>;
 
 extern "C" unsigned long long cuflash_expression_abi() {{ return cuflash::params_abi_tag(); }}
 
 extern "C" void cuflash_expression_forward(cuflash::FwdParams* params, cudaStream_t stream) {{
-  constexpr bool kSplit = {"true" if split else "false"}, kPaged = {"true" if paged else "false"};
-  if ((params->num_splits > 1) != kSplit || (params->page_table != nullptr) != kPaged) {{
-    throw cuflash::Error(cuflash::Error::Kind::kNotSupported,
-                         (params->num_splits > 1) != kSplit ? "num_splits" : "page_table",
+  constexpr bool kSplit = {flag(split)}, kPaged = {flag(paged)}, kPackGqa = {flag(pack_gqa)};
+  char const* other = (params->num_splits > 1) != kSplit          ? "num_splits"
+                      : (params->page_table != nullptr) != kPaged ? "page_table"
+                      : params->pack_gqa != kPackGqa              ? "pack_gqa"
+                                                                  : nullptr;
+  if (other != nullptr) {{
+    throw cuflash::Error(cuflash::Error::Kind::kNotSupported, other,
                          "the kernel compiled for this score_mod / mask_mod callable is the "
-                         "{"split-KV" if split else "one-split"}, {"paged" if paged else "unpaged"} form; "
-                         "the call needs another (cuflash._jit.kernel_source's split / paged)");
+                         "{form} form; the call needs another (cuflash._jit.kernel_source's "
+                         "split / paged / pack_gqa)");
   }}
   cuflash::sm90::run_flash_fwd_sm90<{element}, {hdim}, {hdim_v}, /*kHasSoftcap=*/false,
-                                    kSplit, CuflashExprVariant, kPaged>(*params, stream);
+                                    kSplit, CuflashExprVariant, kPaged, kPackGqa>(*params, stream);
 }}
 
 extern "C" void cuflash_expression_backward(cuflash::BwdParams* params, cudaStream_t stream) {{
@@ -204,11 +210,11 @@ def load(path: pathlib.Path, expected_abi: int) -> Tuple[int, int]:
     return forward, backward
 
 
-def expression_kernels(score, mask, dtype: str, head_dim: int, head_dim_v: int,
-                       expected_abi: int, split: bool = False, paged: bool = False) -> Tuple[int, int]:
+def expression_kernels(score, mask, dtype: str, head_dim: int, head_dim_v: int, expected_abi: int,
+                       split: bool = False, paged: bool = False, pack_gqa: bool = False) -> Tuple[int, int]:
     """(forward, backward) launcher addresses for traced `score` / `mask` (None: not a callable);
-    split / paged as kernel_source."""
-    source = kernel_source(score, mask, dtype, head_dim, head_dim_v, split, paged)
+    split / paged / pack_gqa as kernel_source."""
+    source = kernel_source(score, mask, dtype, head_dim, head_dim_v, split, paged, pack_gqa)
     return load(build(source), expected_abi)
 
 

@@ -609,11 +609,13 @@ def _prepare(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, s
                                          "tensors, and callables take them as extra trailing parameters")
     if call.score_traced is not None or call.mask_traced is not None:
         try:
-            # Callables split only when asked (num_splits > 1): the split heuristic leaves them
-            # at one, so the kernel's form is known here.
+            # Callables split (num_splits > 1) and pack GQA groups (pack_gqa=True) only when
+            # asked: the heuristics leave them at one split, unpacked, so the kernel's form is
+            # known here.
             call.expression_kernels = _jit.expression_kernels(
                 call.score_traced, call.mask_traced, call.dtype, call.head_dim, call.head_dim_v,
-                _C.kernel_params_abi(), split=call.num_splits > 1, paged=call.page_table is not None)
+                _C.kernel_params_abi(), split=call.num_splits > 1, paged=call.page_table is not None,
+                pack_gqa=call.pack_gqa is True and call.num_heads != call.num_heads_kv)
         except _jit.JitError as error:
             _fail(RuntimeError, "score_mod" if call.score_traced is not None else "mask_mod", str(error))
 
@@ -803,8 +805,9 @@ def flash_attn_func(
         softcap: if > 0, scores become softcap * tanh(score / softcap).
         num_splits: split-KV count (flash decoding); <= 0 picks one by heuristic.
         pack_gqa: put the query heads that share a kv head into the same row tiles (GQA/MQA);
-            None: when that fills the tiles better (short seqlen_q, e.g. decode). Not with
-            score_mod / mask_mod / block sparsity on the GPU.
+            None: when that fills the tiles better (short seqlen_q, e.g. decode), except for
+            callables (packed only when True). With block sparsity the lists must be broadcast
+            over heads and their row blocks hold whole packed tiles (128 / group query rows).
         deterministic: bitwise reproducible backward.
         mask_mod: mask_mod(b, h, q_idx, kv_idx) -> bool, a Python callable (traced once into
             an expression program, see cuflash.mods; tensors it reads are closed over), or a

@@ -257,9 +257,31 @@ CombineParams make_combine_params(const CombineArgs& args, const CombineShape& s
   return p;
 }
 
+std::string block_lists_refuse_packing(const FwdParams& params) {
+  const BlockSparseParams& bs = params.block_sparse;
+  if (!bs.enabled) return "";
+  const int group = params.num_heads / params.num_heads_kv;
+  if (bs.num_heads_b != 1) {
+    return "a packed tile holds the rows of " + std::to_string(group) +
+           " query heads, so the block lists must be broadcast over heads (head dim 1), got " +
+           std::to_string(bs.num_heads_b) + " heads";
+  }
+  if (kFlexFwdTileRows % group != 0 || bs.block_m % (kFlexFwdTileRows / group) != 0) {
+    return "a packed tile holds " + std::to_string(kFlexFwdTileRows) + " / " +
+           std::to_string(group) + " query rows, so the query heads per kv head (" +
+           std::to_string(group) + ") must divide " + std::to_string(kFlexFwdTileRows) +
+           " and block_m (" + std::to_string(bs.block_m) + ") be a multiple of the rows";
+  }
+  return "";
+}
+
 bool choose_pack_gqa(const FwdParams& params) {
-  // The flex kernels' mods see one head per tile; they do not pack.
-  if (needs_flex(params)) return false;
+  // Callables compiled at run time have one form (packed only when asked); block lists must
+  // be readable by packed tiles.
+  if (params.expression_kernel != 0 || params.score_mod.kind == int(ScoreModKind::kExpression) ||
+      params.mask_mod.kind == int(MaskModKind::kExpression))
+    return false;
+  if (params.block_sparse.enabled && !block_lists_refuse_packing(params).empty()) return false;
   // Pack when it fills the row tiles markedly better (decode, short prompts): the rows a
   // tile holds over the rows it computes, unpacked against packed (the longest sequence's).
   constexpr std::int64_t kBlockM = 128;

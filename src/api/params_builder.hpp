@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <string>
 
 #include "api/params.hpp"
 #include "api/validate.hpp"
@@ -28,9 +29,18 @@ BwdParams make_bwd_params(const BackwardArgs& args, const AttentionShape& shape)
 CombineParams make_combine_params(const CombineArgs& args, const CombineShape& shape);
 
 // pack_gqa=None: pack a GQA group's query heads into the forward's tiles when that fills the
-// 128-row tiles at least 10% better than one head per tile (short query lengths); never for
-// score_mod / mask_mod / block sparsity.
+// 128-row tiles at least 10% better than one head per tile (short query lengths). Not for
+// callables compiled at run time (their module's form is fixed before the call: packed only when
+// asked), nor for block lists that packed tiles cannot read (block_lists_refuse_packing).
 bool choose_pack_gqa(const FwdParams& params);
+
+// Rows of the sm90 flex forward tile (sm90/tile_size_sm90.hpp; dispatch asserts it).
+inline constexpr int kFlexFwdTileRows = 128;
+
+// Why block lists cannot drive packed GQA tiles, or "" when they can. A packed flex tile holds
+// kFlexFwdTileRows / group query rows of every head of its group: the lists must be the same
+// for all heads (broadcast, head dim 1) and a list row block must hold whole packed tiles.
+std::string block_lists_refuse_packing(const FwdParams& params);
 
 // num_splits <= 0 picks the split-KV heuristic of the seed (one split for short keys, else as
 // many as fill the SMs, at most 128); the result is in [1, kMaxSplits].

@@ -11,6 +11,7 @@
 
 #include "api/kernels.hpp"
 #include "api/params.hpp"
+#include "api/params_builder.hpp"
 #include "cuflash/cuflash.hpp"
 #include "cuflash/error.hpp"
 #include "cuflash/tensor.hpp"
@@ -59,7 +60,8 @@ std::string fwd_kernel_name(const FwdParams& p) {
   if (needs_flex(p)) {  // softcap is a runtime choice in it
     if (p.page_table != nullptr) name += "_flex_paged";
     else name += "_flex";
-    return name + (p.num_splits > 1 ? "_split_sm90" : "_sm90");
+    if (p.num_splits > 1) name += "_split";
+    return name + (p.pack_gqa ? "_packgqa_sm90" : "_sm90");
   }
   if (p.softcap > 0.f) name += "_softcap";
   if (p.page_table != nullptr) name += "_paged";
@@ -70,11 +72,9 @@ std::string fwd_kernel_name(const FwdParams& p) {
 
 // What the flex kernels cannot do, refused by name before any launch.
 void check_flex(const FwdParams& p) {
-  if (p.pack_gqa) {
-    not_supported("pack_gqa",
-                  "pack_gqa=True cannot be combined with score_mod, mask_mod or block sparsity in "
-                  "the sm90 forward kernel (their mods see one query head per tile); leave "
-                  "pack_gqa unset or False");
+  if (p.pack_gqa && p.block_sparse.enabled) {
+    std::string const why = detail::block_lists_refuse_packing(p);
+    if (!why.empty()) not_supported("pack_gqa", "pack_gqa=True with block sparsity: " + why);
   }
   if (p.zero_v_tail && kernel_head_dims(p).head_dim > 192) {
     not_supported("CUFLASH_FWD_ZERO_V_TAIL",
@@ -84,10 +84,13 @@ void check_flex(const FwdParams& p) {
   }
   if (!p.block_sparse.enabled) return;
   // A kernel tile must lie inside one BlockMask row block, and a BlockMask column block must
-  // be a whole number of kernel n-blocks.
+  // be a whole number of kernel n-blocks. (Packed tiles hold fewer query rows; checked above.)
   auto const [hdim, hdim_v] = kernel_head_dims(p);
   FwdTileSize const tile = fwd_tile_size(hdim, hdim_v, /*flex=*/true);
-  if (p.block_sparse.block_m % tile.block_m != 0 || p.block_sparse.block_n % tile.block_n != 0) {
+  static_assert(fwd_tile_size(128, 128, /*flex=*/true).block_m == detail::kFlexFwdTileRows &&
+                fwd_tile_size(256, 256, /*flex=*/true).block_m == detail::kFlexFwdTileRows);
+  if ((!p.pack_gqa && p.block_sparse.block_m % tile.block_m != 0) ||
+      p.block_sparse.block_n % tile.block_n != 0) {
     not_supported("block_sparse", "the sm90 forward kernel for head dim " + std::to_string(hdim) +
                                       " needs block_sparse.block_m to be a multiple of " +
                                       std::to_string(tile.block_m) + " and block_n a multiple of " +
@@ -147,7 +150,8 @@ void run_forward(FwdParams& params, StreamHandle stream) {
     not_supported("q", "the sm90 forward kernel supports head dims up to 256");
   }
   if (needs_flex(params)) check_flex(params);
-  if (params.pack_gqa && params.softcap > 0.f && (params.num_splits > 1 || params.page_table != nullptr)) {
+  if (params.pack_gqa && params.softcap > 0.f && !needs_flex(params) &&
+      (params.num_splits > 1 || params.page_table != nullptr)) {
     not_supported("pack_gqa",
                   "the sm90 forward kernel has no packed-GQA tiles with softcap together with "
                   "split-KV or paged KV; leave pack_gqa unset or False");

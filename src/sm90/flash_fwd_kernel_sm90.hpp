@@ -46,7 +46,6 @@ struct FwdConfig {
       kIsSplit_;  // split-KV: fp32 partial outputs for the combine kernel
   static constexpr bool kIsPaged = kIsPaged_;
   static constexpr bool kPackGqa = kPackGqa_;  // packed GQA tiles (pack_gqa_sm90.hpp)
-  static_assert(!(kPackGqa && Variant::kIsFlex), "the flex variant's mods see one head per tile");
   static constexpr FwdTileSize kTile =
       fwd_tile_size(kHeadDim, kHeadDimV, Variant::kIsFlex, kHasSoftcap, kNarrow_);
   static constexpr int kBlockM = kTile.block_m;
@@ -195,7 +194,8 @@ struct FlashFwdKernelSm90 {
   }
 
   using Walk = std::conditional_t<kIsFlex, FlexBlockWalk<kBlockM, kBlockN>, NBlockRange>;
-  using TileMods = std::conditional_t<kIsFlex, FlexTileMods<Variant, kBlockM, kBlockN>, NoTileMods>;
+  using TileMods =
+      std::conditional_t<kIsFlex, FlexTileMods<Variant, kBlockM, kBlockN, kPackGqa>, NoTileMods>;
 
   // What one tile needs from the sequence: its lengths and the n-blocks to visit. has_rows is
   // false past the sequence's end (nothing to write); both roles skip such tiles alike.
@@ -210,7 +210,8 @@ struct FlashFwdKernelSm90 {
   CUTLASS_DEVICE static TileMods tile_mods(Params const& params, FwdTile const& tile,
                                            SeqlenInfo const& seqlen) {
     if constexpr (kIsFlex) {
-      return {params.variant, tile.batch, tile.head, seqlen.seqlen_q, seqlen.seqlen_k};
+      return {params.variant, tile.batch, tile.head, seqlen.seqlen_q, seqlen.seqlen_k,
+              params.packing};
     } else {
       return {};
     }
@@ -243,9 +244,12 @@ struct FlashFwdKernelSm90 {
       n_block_min = min(n_block_min, n_block_max);
     }
     if constexpr (kIsFlex) {
-      // With block lists, the walk takes the listed blocks inside this split's share.
+      // With block lists, the walk takes the listed blocks inside this split's share. A packed
+      // tile's query rows start at its first row over the group (dispatch has the group divide
+      // kBlockM, and the lists broadcast over heads).
+      int const first_row = tile.m_block * (kPackGqa ? kBlockM / params.packing.group : kBlockM);
       return {seqlen, mask,
-              Walk::make(params.variant.block_sparse, tile.batch, tile.head, tile.m_block,
+              Walk::make(params.variant.block_sparse, tile.batch, tile.head, first_row,
                          n_block_min, n_block_max),
               has_rows};
     } else {

@@ -9,6 +9,7 @@
 #include <cute/tensor.hpp>
 #include <type_traits>
 
+#include "sm90/pack_gqa_sm90.hpp"
 #include "sm90/utils_sm90.hpp"
 #include "variants/variant.hpp"
 
@@ -34,15 +35,17 @@ struct FlexBlockWalk {
   bool masked;     // whether `current` needs mask_mod
   bool any;        // whether the tile has any n-block
 
+  // first_row: the tile's first query row (m_block * kBlockM, divided by the group when packed).
   CUTLASS_DEVICE static FlexBlockWalk make(BlockSparseParams const& bs, int batch, int head,
-                                           int m_block, int n_block_min, int n_block_max) {
+                                           int first_row, int n_block_min, int n_block_max) {
     FlexBlockWalk walk{
         n_block_min, n_block_max, nullptr, nullptr,         0,    0,
         0,           0,           0,       n_block_max - 1, true, n_block_min < n_block_max};
     // Tiles without an n-block range (rows past seqused_q, fully masked) read no list.
     if (!bs.enabled || !walk.any) return walk;
-    // Dispatch guarantees bs.block_m % kBlockM == 0 and bs.block_n % kBlockN == 0.
-    int const row_block = m_block * kBlockM / bs.block_m;
+    // Dispatch guarantees that a tile's query rows lie in one list row block (bs.block_m a
+    // multiple of the tile's query rows) and bs.block_n % kBlockN == 0.
+    int const row_block = first_row / bs.block_m;
     long long const list =
         (static_cast<long long>(batch) * bs.num_heads_b + (bs.num_heads_b == 1 ? 0 : head)) *
             bs.num_row_blocks +
@@ -92,20 +95,42 @@ struct FlexBlockWalk {
   }
 };
 
-// score_mod and mask_mod over one tile of scores, for one (batch, head) and sequence.
-template <class Variant, int kBlockM, int kBlockN>
+// score_mod and mask_mod over one tile of scores, for one (batch, head) and sequence. Packed
+// (kPackGqa): `head` is the tile's kv head, `seqlen_q` counts tile rows (query rows times the
+// group), and each row is split into its query row and query head before a mod sees it.
+template <class Variant, int kBlockM, int kBlockN, bool kPackGqa = false>
 struct FlexTileMods {
   typename Variant::Params const& params;
   int batch, head;
   int seqlen_q, seqlen_k;
+  // Group 1 when not packed. A reference into the kernel's parameters (constant memory), as
+  // `params`: its divisor constants are then operands, not registers held across the mainloop.
+  PackGqa const& packing;
+
+  // Query row and head of tile row `tile_row`.
+  CUTLASS_DEVICE void place(int tile_row, int& row, int& row_head) const {
+    if constexpr (kPackGqa) {
+      packing.split(tile_row, head, row, row_head);
+    } else {
+      row = tile_row;
+      row_head = head;
+    }
+  }
+
+  // The first and last query rows of m_block's tile rows inside the sequence.
+  CUTLASS_DEVICE void query_rows(int m_block, int& row_min, int& row_max) const {
+    int unused;
+    place(m_block * kBlockM, row_min, unused);
+    place(min(m_block * kBlockM + kBlockM, seqlen_q) - 1, row_max, unused);
+  }
 
   // Narrows [n_block_min, n_block_max) by the mask_mod's block-level hook (only without block
   // lists: full-list blocks do not apply mask_mod).
   CUTLASS_DEVICE void narrow(int m_block, int& n_block_min, int& n_block_max) const {
     params.mask_mod.visit([&](auto const& mod) {
       if constexpr (!std::is_same_v<std::decay_t<decltype(mod)>, variants::NoMaskMod>) {
-        int const row_min = m_block * kBlockM;
-        int const row_max = min(row_min + kBlockM, seqlen_q) - 1;
+        int row_min, row_max;
+        query_rows(m_block, row_min, row_max);
         int col_begin = n_block_min * kBlockN, col_end = n_block_max * kBlockN;
         mod.col_range(row_min, row_max, col_begin, col_end);
         n_block_min = max(n_block_min, max(col_begin, 0) / kBlockN);
@@ -135,11 +160,12 @@ struct FlexTileMods {
       if constexpr (!std::is_same_v<std::decay_t<decltype(mod)>, variants::NoScoreMod>) {
         CUTLASS_PRAGMA_UNROLL
         for (int m = 0; m < size<0>(scores); ++m) {
-          int const row = m_block * kBlockM + get<0>(coords(m, 0));
+          int row, row_head;
+          place(m_block * kBlockM + get<0>(coords(m, 0)), row, row_head);
           CUTLASS_PRAGMA_UNROLL
           for (int n = 0; n < size<1>(scores); ++n) {
             int const col = n_block * kBlockN + get<1>(coords(m, n));
-            scores(m, n) = mod.score(scores(m, n), batch, head, row, col);
+            scores(m, n) = mod.score(scores(m, n), batch, row_head, row, col);
           }
         }
       }
@@ -154,22 +180,24 @@ struct FlexTileMods {
     using namespace cute;
     params.mask_mod.visit([&](auto const& mod) {
       if constexpr (!std::is_same_v<std::decay_t<decltype(mod)>, variants::NoMaskMod>) {
-        int const row_min = m_block * kBlockM;
+        int row_min, row_max;
+        query_rows(m_block, row_min, row_max);
         int const col_first = n_block * kBlockN;
-        if (mod.all_visible(row_min, min(row_min + kBlockM, seqlen_q) - 1, col_first,
-                            min(col_first + kBlockN, seqlen_k) - 1)) {
+        if (mod.all_visible(row_min, row_max, col_first, min(col_first + kBlockN, seqlen_k) - 1)) {
           return;
         }
         Tensor scores = make_tensor(tSrS.data(), acc_rowcol_layout(tSrS.layout()));
         Tensor coords = make_tensor(tScS.data(), acc_rowcol_layout(tScS.layout()));
         CUTLASS_PRAGMA_UNROLL
         for (int m = 0; m < size<0>(scores); ++m) {
-          int const row = row_min + get<0>(coords(m, 0));
-          if (row >= seqlen_q) continue;
+          int const tile_row = m_block * kBlockM + get<0>(coords(m, 0));
+          if (tile_row >= seqlen_q) continue;
+          int row, row_head;
+          place(tile_row, row, row_head);
           CUTLASS_PRAGMA_UNROLL
           for (int n = 0; n < size<1>(scores); ++n) {
             int const col = col_first + get<1>(coords(m, n));
-            if (col < seqlen_k && !mod.visible(batch, head, row, col)) scores(m, n) = -INFINITY;
+            if (col < seqlen_k && !mod.visible(batch, row_head, row, col)) scores(m, n) = -INFINITY;
           }
         }
       }

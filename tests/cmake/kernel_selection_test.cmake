@@ -41,7 +41,10 @@ expect_selection(ci "softcap;split;flex;paged" 11
   "flash_fwd_hdim128_bf16_paged_split_sm90;flash_fwd_hdim128_bf16_softcap_paged_split_sm90;flash_fwd_hdim128_bf16_flex_paged_split_sm90;flash_fwd_hdim64_bf16_sm90;flash_fwd_hdim128_fp16_sm90")
 # packgqa in ci: the plain packed kernel only.
 expect_selection(ci "softcap;split;flex;paged;packgqa" 12 "flash_fwd_hdim128_bf16_packgqa_sm90"
-  "flash_fwd_hdim128_bf16_split_packgqa_sm90;flash_fwd_hdim128_bf16_paged_packgqa_sm90")
+  "flash_fwd_hdim128_bf16_split_packgqa_sm90;flash_fwd_hdim128_bf16_paged_packgqa_sm90;flash_fwd_hdim128_bf16_flex_packgqa_sm90")
+# The flex packed kernels need both features.
+expect_selection(custom "flex;packgqa" 6 "flash_fwd_hdim128_bf16_flex_packgqa_sm90;flash_fwd_hdim128_bf16_packgqa_sm90"
+  "flash_fwd_hdim128_bf16_flex_split_packgqa_sm90;flash_fwd_hdim128_bf16_flex_paged_packgqa_sm90")
 # No features: the plain forward and backward kernels only.
 expect_selection(ci "" 2 "flash_fwd_hdim128_bf16_sm90;flash_bwd_hdim128_bf16_sm90"
   "flash_fwd_hdim128_bf16_softcap_sm90;flash_bwd_hdim128_bf16_flex_sm90")

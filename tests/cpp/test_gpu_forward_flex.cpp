@@ -46,6 +46,9 @@ struct FlexCase {
   // Row blocks left with no block at all (every output row 0, lse -inf).
   bool empty_row_blocks = false;
   int num_splits = 1;  // split-KV (the flex_split kernels); <= 0 lets cuflash choose
+  // Packed GQA tiles (the flex_*packgqa kernels): a group's query heads in one tile, each row's
+  // mods given its own query row and head. Unset: cuflash chooses.
+  std::optional<bool> pack_gqa;
   unsigned seed = 1;
 };
 
@@ -329,6 +332,7 @@ Result run_gpu(const Problem& pb) {
                 {table.data(), docs.data(), mask_cnt.data(), mask_idx.data(), full_cnt.data(),
                  full_idx.data()});
   args.num_splits = c.num_splits;
+  args.pack_gqa = c.pack_gqa;
   forward(args);
   gpu_testing::check_cuda(cudaDeviceSynchronize(), "forward kernel");
 
@@ -497,6 +501,69 @@ std::vector<FlexCase> flex_cases() {
   c.label = "split4_sparse_blocks_256_alibi", c.seqlen_q = 150, c.seqlen_k = 1100, c.heads = 2,
   c.score_mod = ScoreModKind::kAlibi, c.sparse_heads = 1, c.block_n = 256, c.num_splits = 4;
   add(c);
+  // Packed GQA: a tile holds 128 / group query rows of each of the group's heads; the head-
+  // dependent score_mods (ALiBi slopes, relative-bias tables per head) and the mask_mods must see
+  // each row's own head and query row. Groups that do not divide 128 (3, 6) put a query row's
+  // heads on both sides of a tile edge.
+  c = {};
+  c.label = "packgqa_decode_alibi_causal", c.batch = 2, c.seqlen_q = 5, c.seqlen_k = 700,
+  c.heads = 8, c.heads_kv = 2, c.causal = true, c.score_mod = ScoreModKind::kAlibi,
+  c.pack_gqa = true;
+  add(c);
+  c = {};
+  c.label = "packgqa_group3_relative_bias_document", c.batch = 2, c.seqlen_q = 300,
+  c.seqlen_k = 300, c.heads = 6, c.heads_kv = 2, c.score_mod = ScoreModKind::kRelativeBias,
+  c.mask_mod = MaskModKind::kDocument, c.pack_gqa = true;
+  add(c);
+  c = {};
+  c.label = "packgqa_varlen_sliding_window_softcap", c.batch = 3, c.seqlen_q = 200,
+  c.seqlen_k = 260, c.heads = 4, c.heads_kv = 1, c.varlen = true, c.softcap = 20.f,
+  c.mask_mod = MaskModKind::kSlidingWindow, c.mask_scalars = {64, 16}, c.pack_gqa = true;
+  add(c);
+  c = {};
+  c.label = "packgqa_prefix_lm_window", c.seqlen_q = 333, c.seqlen_k = 400, c.heads = 6,
+  c.heads_kv = 1, c.window_left = 150, c.window_right = 30, c.mask_mod = MaskModKind::kPrefixLM,
+  c.mask_scalars = {60}, c.score_mod = ScoreModKind::kAlibi, c.pack_gqa = true;
+  add(c);
+  c = {};
+  c.label = "packgqa_document_empty_rows", c.seqlen_q = 400, c.seqlen_k = 150, c.heads = 4,
+  c.heads_kv = 2, c.mask_mod = MaskModKind::kDocument, c.pack_gqa = true;
+  add(c);
+  // Block lists broadcast over heads: group 4 packs 32 query rows per tile, so list row blocks
+  // of 64 rows hold two tiles' rows, and 128-row ones four.
+  c = {};
+  c.label = "packgqa_sparse_broadcast_mask_causal", c.seqlen_q = 500, c.seqlen_k = 500,
+  c.heads = 8, c.heads_kv = 2, c.mask_mod = MaskModKind::kCausal,
+  c.score_mod = ScoreModKind::kAlibi, c.sparse_heads = 1, c.pack_gqa = true;
+  add(c);
+  c = {};
+  c.label = "packgqa_sparse_block_m64_sliding_window", c.batch = 2, c.seqlen_q = 300,
+  c.seqlen_k = 420, c.heads = 4, c.heads_kv = 1, c.mask_mod = MaskModKind::kSlidingWindow,
+  c.mask_scalars = {100, 40}, c.sparse_heads = 1, c.block_m = 64, c.empty_row_blocks = true,
+  c.pack_gqa = true;
+  add(c);
+  // With split-KV (flex_split_packgqa): decoding, several splits per packed tile.
+  c = {};
+  c.label = "packgqa_split3_decode_prefix_lm", c.batch = 2, c.seqlen_q = 3, c.seqlen_k = 1500,
+  c.heads = 6, c.heads_kv = 2, c.mask_mod = MaskModKind::kPrefixLM, c.mask_scalars = {700},
+  c.score_mod = ScoreModKind::kRelativeBias, c.num_splits = 3, c.pack_gqa = true;
+  add(c);
+  c = {};
+  c.label = "packgqa_split4_sparse_alibi", c.seqlen_q = 40, c.seqlen_k = 1100, c.heads = 8,
+  c.heads_kv = 1, c.score_mod = ScoreModKind::kAlibi, c.sparse_heads = 1, c.num_splits = 4,
+  c.pack_gqa = true;
+  add(c);
+  // fp16, and the heuristic's own choice on a decode shape (packed where the kernel is built).
+  c = {};
+  c.label = "packgqa_fp16_sliding_window_alibi", c.dtype = DType::kFloat16, c.batch = 2,
+  c.seqlen_q = 90, c.seqlen_k = 500, c.heads = 4, c.heads_kv = 2,
+  c.score_mod = ScoreModKind::kAlibi, c.mask_mod = MaskModKind::kSlidingWindow,
+  c.mask_scalars = {128, 0}, c.pack_gqa = true;
+  add(c);
+  c = {};
+  c.label = "decode_gqa_alibi_causal_auto", c.batch = 2, c.seqlen_q = 2, c.seqlen_k = 900,
+  c.heads = 8, c.heads_kv = 1, c.causal = true, c.score_mod = ScoreModKind::kAlibi;
+  add(c);
   return cases;
 }
 
@@ -517,18 +584,35 @@ struct SmallCall {
   }
 };
 
-TEST(GpuForwardFlexUnsupported, PackGqaIsRefused) {
+TEST(GpuForwardFlexUnsupported, PackGqaWithUnreadableBlockListsIsRefused) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
-  if (!is_built("fwd bf16 hdim128 flex")) GTEST_SKIP() << "hdim128 bf16 flex not built";
+  if (!is_built("fwd bf16 hdim128 flex packgqa")) GTEST_SKIP() << "hdim128 bf16 flex packgqa not built";
   SmallCall call;
-  // Two query heads on one kv head: packable, but the mask_mod sees one head per tile.
+  // Two query heads on one kv head: a packed tile holds both heads' rows.
   call.args.k = TensorView(call.k.data(), DType::kBFloat16, {1, 256, 1, 128}, kCuda);
   call.args.v = TensorView(call.v.data(), DType::kBFloat16, {1, 256, 1, 128}, kCuda);
   call.args.pack_gqa = true;
+  DeviceBuffer cnt = DeviceBuffer::from(std::vector<int>(2, 0));
+  DeviceBuffer idx = DeviceBuffer::from(std::vector<int>(2 * 2, 0));
+  BlockSparseTensors bs;
+  bs.block_m = 128;
+  bs.block_n = 128;
+  // Lists per head: the two heads of a packed tile would need different lists.
+  bs.mask_block_cnt = TensorView(cnt.data(), DType::kInt32, {1, 2, 1}, kCuda);
+  bs.mask_block_idx = TensorView(idx.data(), DType::kInt32, {1, 2, 1, 2}, kCuda);
+  call.args.opts.block_sparse = bs;
   expect_not_supported(call.args, "pack_gqa");
-  call.args.pack_gqa.reset();  // left to the heuristic, the flex kernel runs unpacked
+  // Left to the heuristic, the tiles stay unpacked and the call runs.
+  call.args.pack_gqa.reset();
   EXPECT_NO_THROW(forward(call.args));
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  // Broadcast lists with row blocks of 32 query rows: a packed tile holds 64.
+  bs.block_m = 32;
+  bs.mask_block_cnt = TensorView(cnt.data(), DType::kInt32, {1, 1, 2}, kCuda);
+  bs.mask_block_idx = TensorView(idx.data(), DType::kInt32, {1, 1, 2, 2}, kCuda);
+  call.args.opts.block_sparse = bs;
+  call.args.pack_gqa = true;
+  expect_not_supported(call.args, "pack_gqa");
 }
 
 // The flex kernels at head dim 256 have no V-tail zeroing: the setting is refused there.

@@ -51,6 +51,7 @@ struct PagedCase {
   ScoreModKind score_mod = ScoreModKind::kNone;
   MaskModKind mask_mod = MaskModKind::kNone;
   std::vector<double> mask_scalars;
+  std::optional<bool> pack_gqa;  // packed GQA tiles; unset: cuflash chooses
   unsigned seed = 1;
 };
 
@@ -281,6 +282,7 @@ Result run_gpu(const Problem& pb) {
                                {q.data(), k.data(), v.data(), out.data(), lse.data(),
                                 page_table.data(), cu_q.data(), used_k.data(), slopes.data()});
   args.num_splits = c.num_splits;
+  args.pack_gqa = c.pack_gqa;
   std::optional<gpu_testing::ScopedEnv> zero_v_tail;
   // The default: seqused_k and page tables get the V tail zeroed.
   if (c.nan_tail) zero_v_tail.emplace("CUFLASH_FWD_ZERO_V_TAIL", "auto");
@@ -437,6 +439,29 @@ std::vector<PagedCase> paged_cases() {
       c.page_size = page_size, c.max_pages = pages_for(1500), c.seqused = true, c.causal = true,
       c.score_mod = ScoreModKind::kAlibi, c.num_splits = 3;
       c.head_dim = kernel.d, c.head_dim_v = kernel.dv, c.dtype = kernel.dtype;
+      add(c);
+    }
+  }
+  // Packed GQA with mods over pages (flex_paged_packgqa, flex_paged_split_packgqa): decoding
+  // with ALiBi and a sliding window, a group of 3, split three ways; gathered pages and pages
+  // of whole n-blocks, at head dims 64, 128 and 256.
+  for (int d : {64, 128, 256}) {
+    for (int page_size : {16, d == 128 ? 128 : 64}) {
+      auto pages_for = [&](int keys) { return (keys + page_size - 1) / page_size; };
+      PagedCase c;
+      c.label = "packgqa_alibi_sliding_decode", c.batch = 3, c.seqlen_q = 4, c.heads = 8,
+      c.heads_kv = 2, c.page_size = page_size, c.max_pages = pages_for(700), c.seqused = true,
+      c.causal = true, c.score_mod = ScoreModKind::kAlibi,
+      c.mask_mod = MaskModKind::kSlidingWindow, c.mask_scalars = {300, 0}, c.pack_gqa = true;
+      c.head_dim = c.head_dim_v = d;
+      add(c);
+      c = {};
+      c.label = "packgqa_group3_prefix_lm_softcap_split3", c.batch = 2, c.seqlen_q = 50,
+      c.heads = 6, c.heads_kv = 2, c.page_size = page_size, c.max_pages = pages_for(1200),
+      c.seqused = true, c.shared_pages = true, c.softcap = 25.f,
+      c.mask_mod = MaskModKind::kPrefixLM, c.mask_scalars = {400}, c.num_splits = 3,
+      c.pack_gqa = true;
+      c.head_dim = c.head_dim_v = d;
       add(c);
     }
   }

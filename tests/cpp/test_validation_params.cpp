@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "api/params_builder.hpp"
@@ -133,9 +134,57 @@ TEST(ParamsForward, PackGqaDefaultFollowsTileFill) {
   EXPECT_TRUE(call(512, 8, 2).pack_gqa);  // asked for
   EXPECT_TRUE(call(512, 8, 2).pack_gqa_requested);
   EXPECT_FALSE(call(512, 8, 8).pack_gqa);  // MHA: asked for, nothing to pack
+}
+
+// The flex kernels pack too: each row's mods see its own head. Not callables compiled at run
+// time (their module's form is fixed before the call), nor block lists a packed tile cannot read.
+TEST(ParamsForward, PackGqaDefaultWithMods) {
+  std::vector<std::int32_t> cnt(2 * 8, 0), idx(2 * 8 * 3, 0);
+  ForwardArgs args;
+  auto call = [&](std::int64_t heads, std::int64_t heads_kv) {
+    args.q = tensor(DType::kBFloat16, {2, 1, heads, 64});
+    args.k = tensor(DType::kBFloat16, {2, 300, heads_kv, 64});
+    args.v = args.k;
+    args.out = args.q;
+    return make_fwd_params(args, check_forward(args));
+  };
+  auto lists = [&](std::int64_t heads_b, int block_m) {
+    BlockSparseTensors blocks;
+    blocks.block_m = block_m;
+    blocks.block_n = 128;
+    blocks.mask_block_cnt = TensorView(cnt.data(), DType::kInt32, {2, heads_b, 1});
+    blocks.mask_block_idx = TensorView(idx.data(), DType::kInt32, {2, heads_b, 1, 3});
+    return blocks;
+  };
+  args.opts.mask_mod.kind = MaskModKind::kCausal;
+  EXPECT_TRUE(call(8, 2).pack_gqa);  // decode: 4 of 128 rows against 1
+  args.opts.score_mod.kind = ScoreModKind::kAlibi;
+  args.opts.score_mod.aux = {tensor(DType::kFloat32, {8})};
+  EXPECT_TRUE(call(8, 2).pack_gqa);
+  args.opts.score_mod = {};
+  // Broadcast lists whose row blocks hold whole packed tiles (32 query rows at group 4).
+  args.opts.block_sparse = lists(1, 128);
+  EXPECT_TRUE(call(8, 2).pack_gqa);
+  EXPECT_EQ(block_lists_refuse_packing(call(8, 2)), "");
+  args.opts.block_sparse = lists(1, 32);
+  EXPECT_TRUE(call(8, 2).pack_gqa);
+  // Lists per head; row blocks smaller than a packed tile; a group that does not divide 128.
+  args.opts.block_sparse = lists(8, 128);
+  EXPECT_FALSE(call(8, 2).pack_gqa);
+  EXPECT_NE(block_lists_refuse_packing(call(8, 2)).find("broadcast over heads"), std::string::npos);
+  args.pack_gqa = true;  // asked for: dispatch refuses it by name (the GPU tests check)
+  EXPECT_TRUE(call(8, 2).pack_gqa);
   args.pack_gqa.reset();
-  args.opts.mask_mod.kind = MaskModKind::kCausal;  // the flex kernels do not pack
-  EXPECT_FALSE(call(1, 8, 2).pack_gqa);
+  args.opts.block_sparse = lists(1, 16);
+  EXPECT_FALSE(call(8, 2).pack_gqa);
+  args.opts.block_sparse = lists(1, 128);
+  EXPECT_FALSE(call(6, 2).pack_gqa);
+  EXPECT_NE(block_lists_refuse_packing(call(6, 2)).find("must divide 128"), std::string::npos);
+  args.opts.block_sparse.reset();
+  EXPECT_TRUE(call(6, 2).pack_gqa);  // without lists any group packs
+  // A callable's compiled kernel: packed only when asked.
+  args.opts.expression_forward_kernel = 1;
+  EXPECT_FALSE(call(8, 2).pack_gqa);
 }
 
 TEST(ParamsForward, StridedInputsKeepTheirStrides) {

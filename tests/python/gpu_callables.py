@@ -39,24 +39,25 @@ def causal_mask(b, h, q_idx, kv_idx):
 
 
 def _modules():
-    """(score, mask, split, paged) of the modules the GPU tests build; constants do not change a
-    module (the source depends on the program's structure only)."""
+    """(score, mask, split, paged, pack_gqa) of the modules the GPU tests build; constants do not
+    change a module (the source depends on the program's structure only)."""
     slopes = np.asarray(cuflash.scores.alibi_slopes(4), np.float32)
     alibi = mods.trace_score_mod(alibi_like(slopes))
     causal = mods.trace_mask_mod(causal_mask)
     return [
-        (alibi, None, False, False),
-        (alibi, None, False, True),  # paged KV
-        (mods.trace_score_mod(tanh_cap(20.0)), None, False, False),
-        (None, causal, False, False),
-        (None, causal, True, False),  # split-KV
+        (alibi, None, False, False, False),
+        (alibi, None, False, True, False),  # paged KV
+        (alibi, None, False, False, True),  # packed GQA
+        (mods.trace_score_mod(tanh_cap(20.0)), None, False, False, False),
+        (None, causal, False, False, False),
+        (None, causal, True, False, False),  # split-KV
     ]
 
 
 def build_all() -> None:
     start = time.time()
-    sources = [_jit.kernel_source(score, mask, DTYPE, HEAD_DIM, HEAD_DIM, split, paged)
-               for score, mask, split, paged in _modules()]
+    sources = [_jit.kernel_source(score, mask, DTYPE, HEAD_DIM, HEAD_DIM, split, paged, pack_gqa)
+               for score, mask, split, paged, pack_gqa in _modules()]
     with concurrent.futures.ThreadPoolExecutor(len(sources)) as pool:
         for path in pool.map(_jit.build, sources):
             print(f"{path} ({time.time() - start:.0f} s)", flush=True)

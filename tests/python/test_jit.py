@@ -59,9 +59,14 @@ def test_kernel_source_instantiates_the_flex_templates():
     assert "kSplit = false, kPaged = false" in both
     split_paged = _jit.kernel_source(score, mask, "bfloat16", 64, 64, split=True, paged=True)
     assert "kSplit = true, kPaged = true" in split_paged
-    assert "kSplit, CuflashExprVariant, kPaged>" in split_paged
+    assert "kSplit, CuflashExprVariant, kPaged, kPackGqa>" in split_paged
     assert split_paged != both
     assert _jit.kernel_source(score, mask, "bfloat16", 64, 64, paged=True) not in (both, split_paged)
+    # Packed GQA: the forward with packed tiles, its launcher refusing unpacked calls by name.
+    assert "kPackGqa = false" in both
+    packed = _jit.kernel_source(score, mask, "bfloat16", 64, 64, pack_gqa=True)
+    assert "kPackGqa = true" in packed
+    assert '"pack_gqa"' in packed and packed != both
     with pytest.raises(_jit.JitError, match="float16 or bfloat16"):
         _jit.kernel_source(score, None, "float32", 64, 64)
 
@@ -166,6 +171,20 @@ def test_gpu_callables_jit(monkeypatch):
     (paged_dq,) = torch.autograd.grad(paged_out.float().sum(), (q,))
     (dense_dq,) = torch.autograd.grad(dense_out.float().sum(), (q,))
     torch.testing.assert_close(paged_dq, dense_dq, atol=5e-2, rtol=5e-2)
+    # Packed GQA (pack_gqa=True, two query heads per kv head): the module's packed forward, each
+    # row's callable seeing its own head (per-head slopes), against the built-in ALiBi unpacked;
+    # the backward (one head per tile, as always) through the same module.
+    k2, v2 = (x.detach()[:, :, :2].clone().requires_grad_() for x in (k, v))
+    with skip_if_not_built():  # the built-in unpacked flex kernel compared against
+        expected, _ = cuflash.flash_attn_varlen_func(q, k2, v2, score_mod=cuflash.scores.alibi(slopes),
+                                                     causal=True, pack_gqa=False)
+    out, _ = cuflash.flash_attn_varlen_func(q, k2, v2, score_mod=gpu_callables.alibi_like(slopes), causal=True,
+                                            pack_gqa=True)
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+    grads = torch.autograd.grad(out.float().sum(), (q, k2, v2))
+    expected_grads = torch.autograd.grad(expected.float().sum(), (q, k2, v2))
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
     monkeypatch.setenv("CUFLASH_JIT_CALLABLES", "0")
     with pytest.raises(NotImplementedError, match="^mask_mod: .*CUFLASH_JIT_CALLABLES=0"):
         cuflash.flash_attn_func(q, k, v, mask_mod=gpu_callables.causal_mask)
