@@ -48,13 +48,12 @@ struct MBlockRange<true> {
 // lists, the column-block ones or the forward's, in any order (BlockSparseParams::row_class: 0
 // not listed, 1 mask list, 2 full list); a list block of block_m queries is block_m / kBlockM
 // kernel m-blocks, and those outside [m_block_min, m_block_max) (causal / window / sequence
-// length) are skipped. Either way the walk goes upwards, so the row blocks of the window that it
-// leaves out are the gaps between the ones it visits, within [window_min, window_max): in
-// deterministic runs the dQ writer passes each one's turn (pass_turns in the mainloop).
+// length) are skipped. Either way the walk goes upwards. Deterministic runs rank a row block's
+// contributors by making their walks (the mainloop's dq_rank_flex): what this walk visits and
+// what those ranks count must stay the same function of the column block.
 template <int kBlockM, int kBlockN>
 struct FlexColumnWalk {
-  int window_min, window_max;  // the window's m-blocks, before mask_mod narrowing or lists
-  int m_block_min, m_block_max;
+  int m_block_min, m_block_max;  // the window's m-blocks, narrowed by mask_mod without lists
   unsigned char const* row_class;  // with lists: this column block's row-block classes
   int sub_blocks;  // kernel m-blocks per list block; 0 without lists
   int m_block;     // the m-block the walk stands on
@@ -65,7 +64,7 @@ struct FlexColumnWalk {
   CUTE_DEVICE static FlexColumnWalk make(FlexParams const& flex, int seqlen_k,
                                          int batch, int head, int n_block, int m_block_min,
                                          int m_block_max) {
-    FlexColumnWalk walk{m_block_min, m_block_max, m_block_min, m_block_max, nullptr, 0, m_block_min, true, false};
+    FlexColumnWalk walk{m_block_min, m_block_max, nullptr, 0, m_block_min, true, false};
     // Column blocks without a row range (keys past seqused_k, fully masked) read no list.
     if (m_block_min >= m_block_max) {
       return walk;

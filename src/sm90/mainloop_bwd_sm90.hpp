@@ -540,9 +540,8 @@ struct MainloopBwdSm90 {
   CUTE_DEVICE static auto make_walk(Params const& p, BwdSeqlen const& seq, int n_block, int head, int batch) {
     auto [m_block_min, m_block_max] = m_block_range<kBlockM, kBlockN, HasWindow>(seq, n_block, p.window_left, p.window_right);
     if constexpr (kIsFlex) {
-      // Deterministic: the row blocks of the window that a mask_mod narrows out of this walk
-      // still take their turn in the dQ order (pass_turns); with block lists the ranks count
-      // only the column blocks whose walks visit the row block (dq_rank_listed).
+      // Deterministic: the ranks count only the column blocks whose walks visit the row block
+      // (dq_rank_flex), so the row blocks a mask_mod or the lists leave out take no turn.
       return FlexColumnWalk<kBlockM, kBlockN>::make(p.flex, seq.seqlen_k, batch, head, n_block, m_block_min,
                                                      m_block_max);
     } else {
@@ -576,21 +575,22 @@ struct MainloopBwdSm90 {
     }
   }
 
-  // Deterministic flex kernels with block lists: the contributors to row block m_block's dQ are
-  // the window's column blocks whose row-block classes name it (their walks visit exactly those,
-  // from the same table), so the rank counts only those from n_block_last down: no turn is passed
-  // for the others. The whole warp counts, 32 column blocks a step. -1 without lists.
-  CUTE_DEVICE static int dq_rank_listed(Params const& p, BwdSeqlen const& seq, int n_block, int m_block, int head,
-                                        int batch) {
-    if constexpr (kIsFlex) {
-      BlockSparseParams const& bs = p.flex.block_sparse;
-      if (bs.row_class == nullptr) { return -1; }
-      int const last = n_block_last<kBlockM, kBlockN, HasWindow>(seq, m_block, p.window_right);
+  // Deterministic flex kernels: the contributors to row block m_block's dQ are the window's
+  // column blocks whose walks visit it -- those whose row-block classes name it with block lists
+  // (the walks read the same table), else those whose mask_mod row_range keeps it (the same
+  // make_walk) -- so the rank counts only those from n_block_last down, and a row block that a
+  // walk leaves out costs that column block nothing. The whole warp counts, 32 column blocks a
+  // step. Without lists or mask_mod every column block of the window visits: dq_rank.
+  CUTE_DEVICE static int dq_rank_flex(Params const& p, BwdSeqlen const& seq, int n_block, int m_block, int head,
+                                      int batch) {
+    BlockSparseParams const& bs = p.flex.block_sparse;
+    int const last = n_block_last<kBlockM, kBlockN, HasWindow>(seq, m_block, p.window_right);
+    int const lane = int(threadIdx.x) % cutlass::NumThreadsPerWarp;
+    int rank = 0;
+    if (bs.row_class != nullptr) {
       long long const lists =
           (static_cast<long long>(batch) * bs.num_heads_b + (bs.num_heads_b == 1 ? 0 : head)) * bs.num_col_blocks;
       int const row = m_block * kBlockM / bs.block_m;
-      int const lane = int(threadIdx.x) % cutlass::NumThreadsPerWarp;
-      int rank = 0;
       for (int first = n_block + 1; first <= last; first += cutlass::NumThreadsPerWarp) {
         int const n = first + lane;
         bool const listed =
@@ -598,56 +598,36 @@ struct MainloopBwdSm90 {
         rank += __popc(__ballot_sync(0xffffffffu, listed));
       }
       return rank;
-    } else {
-      return -1;
     }
-  }
-
-  // Deterministic flex kernels without block lists: row blocks [m_lo, m_hi) of the window that
-  // the mask_mod's row_range leaves out of the walk contribute nothing to dQ, but the column
-  // blocks after this one count them (dq_rank): wait for each one's turn and pass it on. One
-  // thread (lane 0 of the warp that releases the walk's own turns); the walks go upwards, so the
-  // row blocks left out before the walk's next one are [the previous one + 1, it), and those
-  // after its last one [.., window_max). The release after the acquire carries the earlier adds
-  // on (causality is transitive). Each row block's turns pass through every column block of the
-  // window in turn, which costs a narrow mask_mod (a sliding window) its share of the
-  // deterministic speed; block lists rank contributors only (dq_rank_listed).
-  CUTE_DEVICE static void pass_turns(Params const& p, BwdSeqlen const& seq, RotationGroup const& g, int* semaphore,
-                                     int n_block, int m_lo, int m_hi) {
-    if constexpr (kIsFlex) {
-      if (p.flex.block_sparse.row_class != nullptr) { return; }
-      for (int m = m_lo; m < m_hi; ++m) {
-        semaphore_poll_eq(semaphore + m, dq_rank(p, seq, g, n_block, m));
-        semaphore_increment(semaphore + m);
+    bool narrowed = false;
+    p.flex.mask_mod.visit([&](auto const& mod) {
+      narrowed = !std::is_same_v<std::decay_t<decltype(mod)>, variants::NoMaskMod>;
+    });
+    if (!narrowed) { return last - n_block; }
+    for (int first = n_block + 1; first <= last; first += cutlass::NumThreadsPerWarp) {
+      int const n = first + lane;
+      bool visits = false;
+      if (n <= last) {
+        auto const walk = make_walk(p, seq, n, head, batch);
+        visits = walk.m_block_min <= m_block && m_block < walk.m_block_max;
       }
+      rank += __popc(__ballot_sync(0xffffffffu, visits));
     }
-  }
-
-  // The window's row blocks [first, last) of a flex walk (deterministic: where pass_turns begins
-  // and ends); 0 for the plain walks, which leave none out.
-  template <bool kLast, class Walk>
-  CUTE_DEVICE static int window_edge(Walk const& walk) {
-    if constexpr (kIsFlex) {
-      return kLast ? walk.window_max : walk.window_min;
-    } else {
-      return 0;
-    }
+    return rank;
   }
 
   // Deterministic dQ: waits (lane 0, the whole warp calling) until row block m_block's earlier
-  // contributors have added, after passing the turns of the row blocks the walk left out since
-  // `passed` when pass_gaps (the warp that releases the walk's turns), and returns m_block + 1,
-  // the next row block whose turn is untaken.
-  CUTE_DEVICE static int await_turn(Params const& p, BwdSeqlen const& seq, RotationGroup const& g, int* semaphore,
-                                    int n_block, int m_block, int head, int batch, bool lane0, bool pass_gaps,
-                                    int passed) {
-    int const listed_rank = dq_rank_listed(p, seq, n_block, m_block, head, batch);
-    if (lane0) {
-      if (pass_gaps) { pass_turns(p, seq, g, semaphore, n_block, passed, m_block); }
-      semaphore_poll_eq(semaphore + m_block, listed_rank >= 0 ? listed_rank : dq_rank(p, seq, g, n_block, m_block));
+  // contributors have added.
+  CUTE_DEVICE static void await_turn(Params const& p, BwdSeqlen const& seq, RotationGroup const& g, int* semaphore,
+                                     int n_block, int m_block, int head, int batch, bool lane0) {
+    int rank;
+    if constexpr (kIsFlex) {
+      rank = dq_rank_flex(p, seq, n_block, m_block, head, batch);
+    } else {
+      rank = lane0 ? dq_rank(p, seq, g, n_block, m_block) : 0;
     }
+    if (lane0) { semaphore_poll_eq(semaphore + m_block, rank); }
     __syncwarp();
-    return m_block + 1;
   }
 
   // Deterministic launch order: the kernel maps blockIdx.x to the column block with this (the
@@ -734,12 +714,9 @@ struct MainloopBwdSm90 {
       float* dq_accum = p.dq_accum + (int64_t(head) * p.q_rows_padded + seq.offset_q_padded) * kHeadDim;
       int* semaphore = p.dq_semaphore + (int64_t(batch) * p.num_heads + head) * p.num_m_blocks;
       bool const lane0 = cute::elect_one_sync();
-      int passed = window_edge<false>(walk);  // deterministic flex: the first row block whose turn is untaken
       for (; walk.valid(); walk.next()) {
         int const m_block = walk.m_block;
-        if (p.deterministic) {
-          passed = await_turn(p, seq, rotation, semaphore, n_block, m_block, head, batch, lane0, true, passed);
-        }
+        if (p.deterministic) { await_turn(p, seq, rotation, semaphore, n_block, m_block, head, batch, lane0); }
         CUTLASS_PRAGMA_UNROLL
         for (int wg = 0; wg < NumMmaWG; ++wg) {
           cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp,
@@ -773,7 +750,6 @@ struct MainloopBwdSm90 {
           });
         }
       }
-      if (p.deterministic && lane0) { pass_turns(p, seq, rotation, semaphore, n_block, passed, window_edge<true>(walk)); }
       if (lane0) { cute::tma_store_wait<0>(); }
     }
   }
@@ -790,16 +766,14 @@ struct MainloopBwdSm90 {
       RotationGroup const rotation = rotation_group(p, seq, n_block, head, batch);
       int* semaphore = p.dq_semaphore + (int64_t(batch) * p.num_heads + head) * p.num_m_blocks;
       bool const lane0 = cute::elect_one_sync();
-      int passed = window_edge<false>(walk);
       for (; walk.valid(); walk.next()) {
         int const m_block = walk.m_block;
-        passed = await_turn(p, seq, rotation, semaphore, n_block, m_block, head, batch, lane0, true, passed);
+        await_turn(p, seq, rotation, semaphore, n_block, m_block, head, batch, lane0);
         cutlass::arch::NamedBarrier::arrive(NumMmaThreads + cutlass::NumThreadsPerWarp, uint32_t(BwdBarrier::kDqReady));
         cutlass::arch::NamedBarrier::sync(NumMmaThreads + cutlass::NumThreadsPerWarp, uint32_t(BwdBarrier::kDqDone));
         if (lane0) { semaphore_increment(semaphore + m_block); }
         __syncwarp();
       }
-      if (lane0) { pass_turns(p, seq, rotation, semaphore, n_block, passed, window_edge<true>(walk)); }
     }
   }
 
@@ -823,12 +797,9 @@ struct MainloopBwdSm90 {
       bool const lane0 = cute::elect_one_sync();
       int piece = 0;         // pieces issued
       bool pending = false;  // the last issued piece's slot is not yet freed
-      int passed = window_edge<false>(walk);  // deterministic flex: warp 0 passes the turns left out
       for (; walk.valid(); walk.next()) {
         int const m_block = walk.m_block;
-        if (p.deterministic) {
-          passed = await_turn(p, seq, rotation, semaphore, n_block, m_block, head, batch, lane0, wg == 0, passed);
-        }
+        if (p.deterministic) { await_turn(p, seq, rotation, semaphore, n_block, m_block, head, batch, lane0); }
         float* dq_row = dq_accum + int64_t(m_block) * kDqChunk;
         CUTLASS_PRAGMA_NO_UNROLL
         for (int j = 0; j < kDqPieces; ++j, ++piece) {
@@ -858,9 +829,6 @@ struct MainloopBwdSm90 {
           if (wg == 0 && lane0) { semaphore_increment(semaphore + m_block); }
           __syncwarp();
         }
-      }
-      if (p.deterministic && wg == 0 && lane0) {
-        pass_turns(p, seq, rotation, semaphore, n_block, passed, window_edge<true>(walk));
       }
       if (lane0) { cute::tma_store_wait<0>(); }  // no copy reads the ring after the CTA ends
     }
