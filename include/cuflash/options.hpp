@@ -61,6 +61,9 @@ struct MaskMod {
 //                        q_*_cnt (B, H_b, ceil(Sk/block_n)), q_*_idx (B, H_b, ceil(Sk/block_n), ceil(Sq/block_m)).
 // A block in a `full` list is computed without mask_mod, a block in a `mask` list with it,
 // any other block is skipped. Causal / window / sequence-length masking always applies.
+// Blocks are per sequence (positions from its start): with cu_seqlens, Sq / Sk are the longest
+// sequence's (max_seqlen_q / max_seqlen_k, needed when cu_seqlens are in device memory); with a
+// page table, Sk is max_pages * page_size.
 struct BlockSparseTensors {
   std::optional<TensorView> mask_block_cnt, mask_block_idx;
   std::optional<TensorView> full_block_cnt, full_block_idx;

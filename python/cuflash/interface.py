@@ -432,10 +432,24 @@ def _check_block_sparse(call: _Call, lists: Sequence[Optional[Tensor]], names: S
     """(mask_cnt, mask_idx, full_cnt, full_idx) forward or q_ lists: int32, paired, shaped as
     FlexAttention's BlockMask for block size BLOCK_M x BLOCK_N."""
     framework = call.framework
-    if call.seqlen_q is None:
-        _fail(ValueError, names[0], "block sparsity needs fixed-length q (no cu_seqlens_q)")
-    rows = -(-call.seqlen_q // BLOCK_M)
-    cols = -(-call.seqlen_k // BLOCK_N)
+    # Lists are per sequence: with cu_seqlens they count blocks over the longest sequence (the
+    # max_seqlen hints), with a page table over the keys it addresses (max_pages * page_size).
+    seqlen_q = call.seqlen_q
+    if call.cu_seqlens_q is not None:
+        if call.max_seqlen_q is None:
+            _fail(ValueError, "max_seqlen_q", f"block sparsity with cu_seqlens_q needs max_seqlen_q: the lists "
+                                              f"count ceil(max_seqlen_q / {BLOCK_M}) row blocks per sequence")
+        seqlen_q = call.max_seqlen_q
+    seqlen_k = call.seqlen_k
+    if call.cu_seqlens_k is not None:
+        if call.max_seqlen_k is None:
+            _fail(ValueError, "max_seqlen_k", f"block sparsity with cu_seqlens_k needs max_seqlen_k: the lists "
+                                              f"count ceil(max_seqlen_k / {BLOCK_N}) column blocks per sequence")
+        seqlen_k = call.max_seqlen_k
+    elif call.page_table is not None:
+        seqlen_k = int(call.page_table.shape[1]) * int(call.k.shape[1])
+    rows = -(-seqlen_q // BLOCK_M)
+    cols = -(-seqlen_k // BLOCK_N)
     if transposed:
         rows, cols = cols, rows
     checked: List[Optional[Tensor]] = []

@@ -24,10 +24,6 @@ using Shape = std::vector<std::int64_t>;
   throw Error(Error::Kind::kInvalidArgument, argument, argument + ": " + message);
 }
 
-[[noreturn]] void fail_unsupported(const std::string& argument, const std::string& message) {
-  throw Error(Error::Kind::kNotSupported, argument, argument + ": " + message);
-}
-
 std::string shape_string(const Shape& shape) {
   std::ostringstream os;
   os << "(";
@@ -853,12 +849,21 @@ std::vector<BlockList> block_lists(const BlockSparseTensors& b) {
 bool has_list(const BlockList& list) { return list.cnt->has_value(); }
 
 // Checks every list that is present. In backward the column-block lists, where any is given,
-// must cover the forward lists given; without them the forward's serve.
-void check_block_sparse(const BlockSparseTensors& b, const AttentionShape& s, bool for_backward) {
-  if (s.varlen_q || s.varlen_k || s.paged) {
-    fail_unsupported("block_sparse",
-                     "block sparsity requires dense q and k/v (batch, seqlen, heads, dim); it "
-                     "cannot be combined with cu_seqlens_q, cu_seqlens_k or page_table");
+// must cover the forward lists given; without them the forward's serve. The lists are per
+// sequence (positions count from each sequence's start): with cu_seqlens their row / column
+// blocks count over the longest sequence (max_seqlen_q / max_seqlen_k, or the host cu_seqlens),
+// with a page table over max_pages * page_size keys, what the table addresses.
+void check_block_sparse(const BlockSparseTensors& b, const AttentionShape& s,
+                        const KnownLengths& known, bool for_backward) {
+  if (s.varlen_q && !known.q) {
+    fail("max_seqlen_q",
+         "block sparsity with cu_seqlens_q in device memory needs max_seqlen_q: the lists count "
+         "ceil(max_seqlen_q / block_m) row blocks per sequence");
+  }
+  if (s.varlen_k && !known.k) {
+    fail("max_seqlen_k",
+         "block sparsity with cu_seqlens_k in device memory needs max_seqlen_k: the lists count "
+         "ceil(max_seqlen_k / block_n) column blocks per sequence");
   }
   if (b.block_m < 1 || b.block_n < 1) {
     fail("block_sparse",
@@ -905,10 +910,14 @@ void check_block_sparse(const BlockSparseTensors& b, const AttentionShape& s, bo
     const TensorView& idx = **list.idx;
     const std::int64_t blocks = list.transposed ? col_blocks : row_blocks;
     const std::int64_t other = list.transposed ? row_blocks : col_blocks;
-    const std::string blocks_text =
-        list.transposed ? "ceil(seqlen_k / block_n)" : "ceil(seqlen_q / block_m)";
-    const std::string other_text =
-        list.transposed ? "ceil(seqlen_q / block_m)" : "ceil(seqlen_k / block_n)";
+    const std::string rows_text =
+        std::string("ceil(") + (s.varlen_q ? "max_seqlen_q" : "seqlen_q") + " / block_m)";
+    const std::string cols_text =
+        std::string("ceil(") +
+        (s.varlen_k ? "max_seqlen_k" : s.paged ? "max_pages * page_size" : "seqlen_k") +
+        " / block_n)";
+    const std::string blocks_text = list.transposed ? cols_text : rows_text;
+    const std::string other_text = list.transposed ? rows_text : cols_text;
     auto check_list_tensor = [&](const TensorView& t, const char* name) {
       check_sane(t, name);
       check_device(t, name, s.device);
@@ -986,7 +995,7 @@ void check_attention_rest(const SequenceLayout& seq, const AttentionOptions& opt
   check_options(opts);
   check_score_mod(opts.score_mod, s);
   check_mask_mod(opts.mask_mod, s, known);
-  if (opts.block_sparse) check_block_sparse(*opts.block_sparse, s, for_backward);
+  if (opts.block_sparse) check_block_sparse(*opts.block_sparse, s, known, for_backward);
 }
 
 }  // namespace

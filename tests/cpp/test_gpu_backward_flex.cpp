@@ -1,6 +1,6 @@
 // GPU backward kernel with score_mod, mask_mod and block sparsity (the flex kernels) against the
 // CPU reference (DESIGN.md section 5): every built-in mod, with causal / window / softcap, GQA,
-// varlen (without block lists, which need dense inputs), the transposed (column-block) lists
+// varlen (with block lists too, per sequence over the longest), the transposed (column-block) lists
 // broadcast over heads and per head, block sizes that are several kernel blocks, and rows or
 // column blocks that see nothing. dq / dk / dv are poisoned before each run; every element is
 // checked for NaN and compared with the accuracy rule in gpu_test_util.hpp (at most twice the
@@ -117,8 +117,11 @@ struct Problem : gpu_testing::RowLayout {
 
   // Each block is skipped, masked or full at random; both list kinds in random order.
   void make_block_lists(std::mt19937& rng) {
-    row_blocks = (c.seqlen_q + c.block_m - 1) / c.block_m;
-    col_blocks = (c.seqlen_k + c.block_n - 1) / c.block_n;
+    // Per sequence, over the longest (the call's max_seqlen_q / max_seqlen_k with varlen).
+    const int longest_q = *std::max_element(len_q.begin(), len_q.end());
+    const int longest_k = *std::max_element(len_k.begin(), len_k.end());
+    row_blocks = (longest_q + c.block_m - 1) / c.block_m;
+    col_blocks = (longest_k + c.block_n - 1) / c.block_n;
     const int heads_b = c.batch * c.sparse_heads;
     blocks.assign(std::size_t(heads_b) * row_blocks * col_blocks, Block::kSkip);
     std::uniform_int_distribution<int> pick(0, 9);
@@ -539,8 +542,8 @@ std::vector<FlexBwdCase> flex_cases() {
   c.heads = 4, c.heads_kv = 2, c.mask_mod = MaskModKind::kSlidingWindow, c.mask_scalars = {100, 30},
   c.deterministic = true;
   add(c);
-  // deterministic with block lists (lists in random order): the row blocks no list names pass
-  // their turn; GQA adds the dK / dV order, with column blocks that see no row block at all.
+  // deterministic with block lists (lists in random order): the row blocks no list names take
+  // no turn; GQA adds the dK / dV order, with column blocks that see no row block at all.
   c = {};
   c.label = "deterministic_sparse_per_head_causal_gqa", c.batch = 2, c.seqlen_q = 600, c.seqlen_k = 650,
   c.heads = 4, c.heads_kv = 2, c.causal = true, c.mask_mod = MaskModKind::kDocument, c.sparse_heads = 4,
@@ -550,6 +553,17 @@ std::vector<FlexBwdCase> flex_cases() {
   c.label = "deterministic_sparse_empty_col_blocks_gqa", c.batch = 2, c.seqlen_q = 530, c.seqlen_k = 700,
   c.heads = 4, c.heads_kv = 1, c.mask_mod = MaskModKind::kCausal, c.sparse_heads = 1,
   c.empty_col_blocks = true, c.deterministic = true;
+  add(c);
+  // block lists with packed sequences: per sequence, counted over the longest
+  c = {};
+  c.label = "sparse_varlen_sliding_window_gqa", c.batch = 3, c.seqlen_q = 450, c.seqlen_k = 500,
+  c.heads = 4, c.heads_kv = 2, c.varlen = true, c.mask_mod = MaskModKind::kSlidingWindow,
+  c.mask_scalars = {150, 30}, c.sparse_heads = 1;
+  add(c);
+  c = {};
+  c.label = "deterministic_sparse_varlen_per_head_causal_gqa", c.batch = 3, c.seqlen_q = 500,
+  c.seqlen_k = 520, c.heads = 4, c.heads_kv = 2, c.varlen = true, c.causal = true,
+  c.mask_mod = MaskModKind::kDocument, c.sparse_heads = 4, c.deterministic = true;
   add(c);
   c = {};
   c.label = "sparse_forward_lists_only_gqa", c.batch = 2, c.seqlen_q = 640, c.seqlen_k = 700, c.heads = 4,

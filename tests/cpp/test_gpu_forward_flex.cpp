@@ -1,6 +1,6 @@
 // GPU forward kernel with score_mod, mask_mod and block sparsity (the flex kernels) against the
 // CPU reference (DESIGN.md section 5): every built-in mod, with causal / window / softcap, varlen,
-// block lists broadcast over heads and per head, block sizes that are several kernel blocks, and
+// block lists broadcast over heads and per head (with varlen too), block sizes that are several kernel blocks, and
 // rows that see no key. Outputs are poisoned before each run; every element is checked for NaN
 // and compared with the accuracy rule in gpu_test_util.hpp.
 #include <gtest/gtest.h>
@@ -109,8 +109,11 @@ struct Problem : gpu_testing::RowLayout {
 
   // Each block is skipped, masked or full at random; lists in random order.
   void make_block_lists(std::mt19937& rng) {
-    row_blocks = (c.seqlen_q + c.block_m - 1) / c.block_m;
-    col_blocks = (c.seqlen_k + c.block_n - 1) / c.block_n;
+    // Per sequence, over the longest (the call's max_seqlen_q / max_seqlen_k with varlen).
+    const int longest_q = *std::max_element(len_q.begin(), len_q.end());
+    const int longest_k = *std::max_element(len_k.begin(), len_k.end());
+    row_blocks = (longest_q + c.block_m - 1) / c.block_m;
+    col_blocks = (longest_k + c.block_n - 1) / c.block_n;
     const int lists = c.batch * c.sparse_heads * row_blocks;
     mask_cnt.assign(lists, 0);
     full_cnt.assign(lists, 0);
@@ -552,6 +555,22 @@ std::vector<FlexCase> flex_cases() {
   c.label = "packgqa_split4_sparse_alibi", c.seqlen_q = 40, c.seqlen_k = 1100, c.heads = 8,
   c.heads_kv = 1, c.score_mod = ScoreModKind::kAlibi, c.sparse_heads = 1, c.num_splits = 4,
   c.pack_gqa = true;
+  add(c);
+  // Block lists with packed sequences: per sequence, counted over the longest.
+  c = {};
+  c.label = "sparse_varlen_sliding_window_gqa", c.batch = 3, c.seqlen_q = 400, c.seqlen_k = 500,
+  c.heads = 4, c.heads_kv = 2, c.varlen = true, c.mask_mod = MaskModKind::kSlidingWindow,
+  c.mask_scalars = {150, 30}, c.sparse_heads = 1;
+  add(c);
+  c = {};
+  c.label = "sparse_varlen_per_head_alibi_causal", c.batch = 4, c.seqlen_q = 300, c.seqlen_k = 350,
+  c.heads = 2, c.varlen = true, c.causal = true, c.score_mod = ScoreModKind::kAlibi,
+  c.sparse_heads = 2, c.block_n = 256;
+  add(c);
+  c = {};
+  c.label = "packgqa_sparse_varlen_mask_causal", c.batch = 3, c.seqlen_q = 200, c.seqlen_k = 300,
+  c.heads = 8, c.heads_kv = 2, c.varlen = true, c.mask_mod = MaskModKind::kCausal,
+  c.sparse_heads = 1, c.pack_gqa = true;
   add(c);
   // fp16, and the heuristic's own choice on a decode shape (packed where the kernel is built).
   c = {};

@@ -811,15 +811,54 @@ TEST_F(ForwardValidation, ChecksBlockSparseContents) {
                  "expected mask_block_idx[0, 0, 1, 1] in [0, 2), got 2");
 }
 
-TEST_F(ForwardValidation, BlockSparsityRequiresDenseInputs) {
+// Block lists per sequence: with cu_seqlens sized by the longest sequence, with a page table by
+// max_pages * page_size.
+TEST_F(ForwardValidation, BlockSparsityWithPackedOrPagedSequences) {
+  // cu_seqlens on the host: lengths 30 / 20 and 40 / 60, one 64-row and one 64-key block.
+  std::vector<std::int32_t> cnt{1, 1}, idx{0, 0};
   ForwardArgs args = varlen_forward();
   args.opts.block_sparse = block_mask();
-  EXPECT_UNSUPPORTED(validate(args), "block_sparse", "block sparsity requires dense q and k/v",
-                     "cu_seqlens_q, cu_seqlens_k or page_table");
+  EXPECT_INVALID(validate(args), "mask_block_cnt", "expected shape (2, 1, 1)",
+                 "ceil(max_seqlen_q / block_m)");
+  args.opts.block_sparse->mask_block_cnt = int_tensor(cnt, {2, 1, 1});
+  args.opts.block_sparse->mask_block_idx = int_tensor(idx, {2, 1, 1, 1});
+  EXPECT_NO_THROW(validate(args));
+  // Hints count instead: 100 query rows are two row blocks.
+  args.seq.max_seqlen_q = 100;
+  EXPECT_INVALID(validate(args), "mask_block_cnt", "expected shape (2, 1, 2)");
+  std::vector<std::int32_t> cnt2{1, 0, 1, 1}, idx2{0, 0, 0, 0};
+  args.opts.block_sparse->mask_block_cnt = int_tensor(cnt2, {2, 1, 2});
+  args.opts.block_sparse->mask_block_idx = int_tensor(idx2, {2, 1, 2, 1});
+  EXPECT_NO_THROW(validate(args));
 
+  // cu_seqlens in device memory: the lengths must be hinted.
+  ForwardArgs device_args = varlen_forward();
+  device_args.seq.cu_seqlens_q = TensorView(cu_q_.data(), DType::kInt32, {3}, kCuda0);
+  device_args.q = tensor(DType::kFloat16, {50, 4, 64}, kCuda0);
+  device_args.k = tensor(DType::kFloat16, {100, 2, 64}, kCuda0);
+  device_args.v = tensor(DType::kFloat16, {100, 2, 64}, kCuda0);
+  device_args.out = tensor(DType::kFloat16, {50, 4, 64}, kCuda0);
+  device_args.lse = tensor(DType::kFloat32, {4, 50}, kCuda0);
+  device_args.seq.cu_seqlens_k = TensorView(cu_k_.data(), DType::kInt32, {3}, kCuda0);
+  BlockSparseTensors on_device;
+  on_device.block_m = 64;
+  on_device.block_n = 64;
+  on_device.mask_block_cnt = TensorView(cnt.data(), DType::kInt32, {2, 1, 1}, kCuda0);
+  on_device.mask_block_idx = TensorView(idx.data(), DType::kInt32, {2, 1, 1, 1}, kCuda0);
+  device_args.opts.block_sparse = on_device;
+  EXPECT_INVALID(validate(device_args), "max_seqlen_q", "needs max_seqlen_q");
+  device_args.seq.max_seqlen_q = 30;
+  EXPECT_INVALID(validate(device_args), "max_seqlen_k", "needs max_seqlen_k");
+  device_args.seq.max_seqlen_k = 60;
+  EXPECT_NO_THROW(validate(device_args));
+
+  // Paged: 3 pages of 16 keys per sequence, one 64-key column block.
   args = paged_forward();
   args.opts.block_sparse = block_mask();
-  EXPECT_UNSUPPORTED(validate(args), "block_sparse", "block sparsity requires dense q and k/v");
+  EXPECT_INVALID(validate(args), "mask_block_cnt", "expected shape (2, 1, 1)");
+  args.opts.block_sparse->mask_block_cnt = int_tensor(cnt, {2, 1, 1});
+  args.opts.block_sparse->mask_block_idx = int_tensor(idx, {2, 1, 1, 1});
+  EXPECT_NO_THROW(validate(args));
 }
 
 TEST_F(ForwardValidation, ForwardValidatesBeforeRunning) {
@@ -1009,9 +1048,13 @@ TEST_F(BackwardValidation, ChecksPagedKV) {
   args.seq.cu_seqlens_k = int_tensor(cu_k_, {3});
   EXPECT_INVALID(validate(args), "page_table", "cannot be combined with cu_seqlens_k");
 
+  // Block lists over the paged keys (3 pages of 16: one 64-key column block).
   args.seq.cu_seqlens_k.reset();
+  std::vector<std::int32_t> cnt{1, 1}, idx{0, 0};
   args.opts.block_sparse = block_mask();
-  EXPECT_UNSUPPORTED(validate(args), "block_sparse", "block sparsity requires dense q and k/v");
+  args.opts.block_sparse->mask_block_cnt = int_tensor(cnt, {2, 1, 1});
+  args.opts.block_sparse->mask_block_idx = int_tensor(idx, {2, 1, 1, 1});
+  EXPECT_NO_THROW(validate(args));
 }
 
 TEST_F(BackwardValidation, BackwardValidatesBeforeRunning) {

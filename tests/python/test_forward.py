@@ -380,6 +380,62 @@ def test_block_sparse(rng, heads_b, with_mask_mod):
                 mask_block_cnt=mask_cnt, mask_block_idx=mask_idx)
 
 
+def internal_forward(q, k, v, causal=False, **specific):
+    from cuflash import interface
+
+    return interface._forward(q, k, v, None, causal, (None, None), None, 0.0, 1, None, False, **specific)
+
+
+def test_block_sparse_varlen(rng):
+    # Lists per sequence, counted over the longest (max_seqlen_q / max_seqlen_k): positions in
+    # each sequence's blocks count from its start.
+    lengths_q, lengths_k = [130, 300, 40], [200, 300, 129]
+    q, cu_q = packed(rng, lengths_q, 4, 32)
+    k, cu_k = packed(rng, lengths_k, 2, 32)
+    v = randn(rng, k.shape)
+    cnt, idx = random_block_lists(rng, 3, 1, 3, 3, density=0.7)
+    full_cnt, full_idx, mask_cnt, mask_idx = split_full_and_mask(rng, cnt, idx)
+    opts = ref.Options(causal=True, mask=lambda b, i, j: (j >= i - 100) & (j <= i + 40),
+                       blocks=ref.block_masks((full_cnt, full_idx), (mask_cnt, mask_idx), 300, 300))
+    # The public signatures are the seed's, whose varlen function takes no lists: the internal
+    # forward (as the seed's _flash_attn_fwd) takes both.
+    lists = (mask_cnt, mask_idx, full_cnt, full_idx)
+    out, lse = internal_forward(q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=300,
+                                max_seqlen_k=300, mask_mod=cuflash.masks.sliding_window(100, 40), block_sparse=lists)
+    expected_out, expected_lse, _ = varlen_reference(q, k, v, cu_q, cu_k, opts)
+    assert_close(out, expected_out, what="out")
+    assert_lse_close(lse, expected_lse)
+    # Without the hints the lists' block counts are unknown.
+    with pytest.raises(ValueError, match="^max_seqlen_q: .*cu_seqlens_q"):
+        internal_forward(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_k=300, block_sparse=lists)
+    with pytest.raises(ValueError, match="^max_seqlen_k: .*cu_seqlens_k"):
+        internal_forward(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=300, block_sparse=lists)
+
+
+def test_block_sparse_paged(rng):
+    # Lists over the keys the page table addresses (max_pages * page_size = 320: 3 column
+    # blocks), against the same lists on the keys gathered from the pages.
+    batch, heads, heads_kv, dim, page_size, max_pages = 2, 4, 2, 32, 32, 10
+    seqused_k = np.array([300, 170], np.int32)
+    num_pages = batch * max_pages + 3
+    k_cache = randn(rng, (num_pages, page_size, heads_kv, dim))
+    v_cache = randn(rng, (num_pages, page_size, heads_kv, dim))
+    page_table = rng.permutation(num_pages)[: batch * max_pages].reshape(batch, max_pages).astype(np.int32)
+    q = randn(rng, (batch, 150, heads, dim))
+    cnt, idx = random_block_lists(rng, batch, heads, 2, 3, density=0.7)
+    full_cnt, full_idx, mask_cnt, mask_idx = split_full_and_mask(rng, cnt, idx)
+    out, lse = internal_forward(q, k_cache, v_cache, seqused_k=seqused_k, page_table=page_table,
+                                block_sparse=(mask_cnt, mask_idx, full_cnt, full_idx), mask_mod=cuflash.masks.causal())
+    opts = ref.Options(mask=lambda b, i, j: j <= i,
+                       blocks=ref.block_masks((full_cnt, full_idx), (mask_cnt, mask_idx), 150, max_pages * page_size))
+    for b in range(batch):
+        keys = k_cache[page_table[b]].reshape(-1, heads_kv, dim)[: seqused_k[b]]
+        values = v_cache[page_table[b]].reshape(-1, heads_kv, dim)[: seqused_k[b]]
+        o, l = ref.forward_one(q[b], keys, values, b, opts)
+        assert_close(out[b], o, what=f"out[{b}]")
+        assert_lse_close(lse[b], l, what=f"lse[{b}]")
+
+
 def test_block_mask_builder_matches_mask(rng):
     doc = document_ids(rng, 2, 300)
     mask_mod = cuflash.masks.document(doc)
