@@ -434,20 +434,20 @@ def _check_block_sparse(call: _Call, lists: Sequence[Optional[Tensor]], names: S
     framework = call.framework
     # Lists are per sequence: with cu_seqlens they count blocks over the longest sequence (the
     # max_seqlen hints), with a page table over the keys it addresses (max_pages * page_size).
-    seqlen_q = call.seqlen_q
-    if call.cu_seqlens_q is not None:
-        if call.max_seqlen_q is None:
-            _fail(ValueError, "max_seqlen_q", f"block sparsity with cu_seqlens_q needs max_seqlen_q: the lists "
-                                              f"count ceil(max_seqlen_q / {BLOCK_M}) row blocks per sequence")
-        seqlen_q = call.max_seqlen_q
+    def longest(length, cu_seqlens, hint, side, block, blocks):
+        if cu_seqlens is None:
+            return length
+        if hint is None:
+            _fail(ValueError, f"max_seqlen_{side}", f"block sparsity with cu_seqlens_{side} needs max_seqlen_{side}: "
+                                                    f"the lists count ceil(max_seqlen_{side} / {block}) {blocks} "
+                                                    f"blocks per sequence")
+        return hint
+
+    seqlen_q = longest(call.seqlen_q, call.cu_seqlens_q, call.max_seqlen_q, "q", BLOCK_M, "row")
     seqlen_k = call.seqlen_k
-    if call.cu_seqlens_k is not None:
-        if call.max_seqlen_k is None:
-            _fail(ValueError, "max_seqlen_k", f"block sparsity with cu_seqlens_k needs max_seqlen_k: the lists "
-                                              f"count ceil(max_seqlen_k / {BLOCK_N}) column blocks per sequence")
-        seqlen_k = call.max_seqlen_k
-    elif call.page_table is not None:
+    if call.page_table is not None:
         seqlen_k = int(call.page_table.shape[1]) * int(call.k.shape[1])
+    seqlen_k = longest(seqlen_k, call.cu_seqlens_k, call.max_seqlen_k, "k", BLOCK_N, "column")
     rows = -(-seqlen_q // BLOCK_M)
     cols = -(-seqlen_k // BLOCK_N)
     if transposed:

@@ -214,10 +214,14 @@ def test_paged_kv(rng, page_size):
     q = randn(rng, (batch, 5, heads, dim))
     out, lse = cuflash.flash_attn_varlen_func(q, k_cache, v_cache, seqused_k=seqused_k, page_table=page_table,
                                               causal=True)
-    opts = ref.Options(causal=True)
-    for b in range(batch):
-        keys = k_cache[page_table[b]].reshape(-1, heads_kv, dim)[: seqused_k[b]]
-        values = v_cache[page_table[b]].reshape(-1, heads_kv, dim)[: seqused_k[b]]
+    check_paged(out, lse, q, k_cache, v_cache, page_table, seqused_k, ref.Options(causal=True))
+
+
+def check_paged(out, lse, q, k_cache, v_cache, page_table, seqused_k, opts):
+    """out / lse of a paged call against the reference on each sequence's keys from its pages."""
+    for b in range(q.shape[0]):
+        keys = k_cache[page_table[b]].reshape(-1, *k_cache.shape[2:])[: seqused_k[b]]
+        values = v_cache[page_table[b]].reshape(-1, *v_cache.shape[2:])[: seqused_k[b]]
         o, l = ref.forward_one(q[b], keys, values, b, opts)
         assert_close(out[b], o, what=f"out[{b}]")
         assert_lse_close(lse[b], l, what=f"lse[{b}]")
@@ -428,12 +432,7 @@ def test_block_sparse_paged(rng):
                                 block_sparse=(mask_cnt, mask_idx, full_cnt, full_idx), mask_mod=cuflash.masks.causal())
     opts = ref.Options(mask=lambda b, i, j: j <= i,
                        blocks=ref.block_masks((full_cnt, full_idx), (mask_cnt, mask_idx), 150, max_pages * page_size))
-    for b in range(batch):
-        keys = k_cache[page_table[b]].reshape(-1, heads_kv, dim)[: seqused_k[b]]
-        values = v_cache[page_table[b]].reshape(-1, heads_kv, dim)[: seqused_k[b]]
-        o, l = ref.forward_one(q[b], keys, values, b, opts)
-        assert_close(out[b], o, what=f"out[{b}]")
-        assert_lse_close(lse[b], l, what=f"lse[{b}]")
+    check_paged(out, lse, q, k_cache, v_cache, page_table, seqused_k, opts)
 
 
 def test_block_mask_builder_matches_mask(rng):

@@ -110,33 +110,31 @@ def test_torch_paged_kv_backward(rng, deterministic):
             assert torch.equal(a, b), f"{name} differs between two deterministic runs"
 
 
-def test_torch_paged_kv_builtin_mods(rng):
-    """Paged KV with a built-in score_mod under autograd on the GPU (the flex_paged forward
-    kernel, then the paged backward over the flex backward) against the CPU reference: ALiBi
-    with a local window, shuffled pages, a partly used last page and GQA."""
+def check_paged_autograd(rng, seqlen_q, page_size, max_pages, unused_tail, attend):
+    """Paged KV under autograd on the GPU against the CPU reference: batch 2, 4 query heads on 2
+    kv heads, head dim 128, shuffled pages with 3 spare, the second sequence's last unused_tail
+    keys unused. attend(device, q, k_cache, v_cache, seqused_k, page_table) -> out; out and the
+    gradients of q and the pages are compared. A kernel missing from the build skips."""
     torch = torch_cuda()
-    batch, seqlen_q, heads, heads_kv, dim, page_size, max_pages = 2, 130, 4, 2, 128, 16, 20
+    batch, heads, heads_kv, dim = 2, 4, 2, 128
     num_pages = batch * max_pages + 3
     table = rng.permutation(num_pages)[: batch * max_pages].reshape(batch, max_pages).astype(np.int32)
-    seqused_k = np.array([max_pages * page_size, max_pages * page_size - 45], np.int32)
+    seqused_k = np.array([max_pages * page_size, max_pages * page_size - unused_tail], np.int32)
     q = rng.standard_normal((batch, seqlen_q, heads, dim)).astype(np.float32)
     k_cache, v_cache = (rng.standard_normal((num_pages, page_size, heads_kv, dim)).astype(np.float32)
                         for _ in range(2))
     dout = rng.standard_normal((batch, seqlen_q, heads, dim)).astype(np.float32)
-    slopes = cuflash.scores.alibi_slopes(heads)  # NumPy: moved to q's device
 
     def run(device):
         tensors = [torch.from_numpy(x).to(device).bfloat16().requires_grad_(True) for x in (q, k_cache, v_cache)]
-        out, _ = cuflash.flash_attn_varlen_func(
-            *tensors, seqused_k=torch.from_numpy(seqused_k).to(device), page_table=torch.from_numpy(table).to(device),
-            window_size=(100, 10), score_mod=cuflash.scores.alibi(slopes))
+        out = attend(device, *tensors, torch.from_numpy(seqused_k).to(device), torch.from_numpy(table).to(device))
         grads = torch.autograd.grad(out, tensors, torch.from_numpy(dout).to(device).bfloat16())
         return [to_f64(out)] + [to_f64(g) for g in grads]
 
     expected = run("cpu")
     try:
         actual = run("cuda")
-    except NotImplementedError as error:  # only a kernel missing from the build skips
+    except NotImplementedError as error:
         if "is not in this build" not in str(error):
             raise
         pytest.skip(f"not in this build: {error}")
@@ -144,24 +142,27 @@ def test_torch_paged_kv_builtin_mods(rng):
         assert_close(a, e, "bfloat16", scale=max(1.0, np.abs(e).max()), what=name)
 
 
+def test_torch_paged_kv_builtin_mods(rng):
+    """Paged KV with a built-in score_mod under autograd on the GPU (the flex_paged forward
+    kernel, then the paged backward over the flex backward): ALiBi with a local window."""
+    slopes = cuflash.scores.alibi_slopes(4)  # NumPy: moved to q's device
+
+    def attend(device, q, k_cache, v_cache, seqused_k, page_table):
+        return cuflash.flash_attn_varlen_func(q, k_cache, v_cache, seqused_k=seqused_k, page_table=page_table,
+                                              window_size=(100, 10), score_mod=cuflash.scores.alibi(slopes))[0]
+
+    check_paged_autograd(rng, seqlen_q=130, page_size=16, max_pages=20, unused_tail=45, attend=attend)
+
+
 def test_torch_paged_kv_block_lists(rng):
     """Block lists over paged keys under autograd on the GPU (the flex_paged forward with the
     lists counted over max_pages * page_size keys, then the paged backward over the flex
-    backward, which tabulates the forward lists) against the CPU reference: per-head lists with
-    a causal mask_mod, shuffled pages, a partly used last page and GQA. The public signatures
-    are the seed's (no lists beside a page table), so the internal forward takes them."""
+    backward, which tabulates the forward lists): per-head lists with a causal mask_mod. The
+    public signatures are the seed's (no lists beside a page table), so the internal forward
+    takes them."""
     from cuflash import interface
 
-    torch = torch_cuda()
-    batch, seqlen_q, heads, heads_kv, dim, page_size, max_pages = 2, 200, 4, 2, 128, 32, 10
-    num_pages = batch * max_pages + 3
-    table = rng.permutation(num_pages)[: batch * max_pages].reshape(batch, max_pages).astype(np.int32)
-    seqused_k = np.array([max_pages * page_size, max_pages * page_size - 100], np.int32)
-    q = rng.standard_normal((batch, seqlen_q, heads, dim)).astype(np.float32)
-    k_cache, v_cache = (rng.standard_normal((num_pages, page_size, heads_kv, dim)).astype(np.float32)
-                        for _ in range(2))
-    dout = rng.standard_normal((batch, seqlen_q, heads, dim)).astype(np.float32)
-    rows, cols = 2, 3  # ceil(200 / 128), ceil(320 / 128)
+    batch, heads, rows, cols = 2, 4, 2, 3  # ceil(200 / 128) row blocks, ceil(10 * 32 / 128) columns
     cnt = np.zeros((batch, heads, rows), np.int32)
     idx = np.zeros((batch, heads, rows, cols), np.int32)
     for b, h, m in np.ndindex(batch, heads, rows):
@@ -169,25 +170,14 @@ def test_torch_paged_kv_block_lists(rng):
         cnt[b, h, m] = len(chosen)
         idx[b, h, m, : len(chosen)] = chosen
 
-    def run(device):
-        tensors = [torch.from_numpy(x).to(device).bfloat16().requires_grad_(True) for x in (q, k_cache, v_cache)]
+    def attend(device, q, k_cache, v_cache, seqused_k, page_table):
+        torch = torch_cuda()
         lists = (torch.from_numpy(cnt).to(device), torch.from_numpy(idx).to(device), None, None)
-        out, _ = interface._forward(*tensors, None, False, (None, None), None, 0.0, 1, None, False,
-                                    seqused_k=torch.from_numpy(seqused_k).to(device),
-                                    page_table=torch.from_numpy(table).to(device),
-                                    mask_mod=cuflash.masks.causal(), block_sparse=lists)
-        grads = torch.autograd.grad(out, tensors, torch.from_numpy(dout).to(device).bfloat16())
-        return [to_f64(out)] + [to_f64(g) for g in grads]
+        return interface._forward(q, k_cache, v_cache, None, False, (None, None), None, 0.0, 1, None, False,
+                                  seqused_k=seqused_k, page_table=page_table, mask_mod=cuflash.masks.causal(),
+                                  block_sparse=lists)[0]
 
-    expected = run("cpu")
-    try:
-        actual = run("cuda")
-    except NotImplementedError as error:  # only a kernel missing from the build skips
-        if "is not in this build" not in str(error):
-            raise
-        pytest.skip(f"not in this build: {error}")
-    for name, a, e in zip(("out", "dq", "dk_cache", "dv_cache"), actual, expected):
-        assert_close(a, e, "bfloat16", scale=max(1.0, np.abs(e).max()), what=name)
+    check_paged_autograd(rng, seqlen_q=200, page_size=32, max_pages=10, unused_tail=100, attend=attend)
 
 
 def test_torch_side_stream(rng):
