@@ -18,9 +18,9 @@ from kernel_generator_common import write_instantiations
 # with and without split-KV.
 # packgqa: packed GQA tiles (sm90/pack_gqa_sm90.hpp), a GQA group's query heads in one tile;
 # separate kernels because their per-row Q gathering, stores and masking would cost the others
-# registers (the hdim 256 consumers spill). With flex (each row's mods see its own query row and
-# head), with split-KV and paged KV alike; not with softcap and split or paged (the plain
-# kernels).
+# registers (the hdim 256 consumers spill). With softcap, split-KV and paged KV (decoding
+# softcapped GQA models from a paged cache), and with flex (each row's mods see its own query row
+# and head).
 FEATURES = {
     "": ("false", "false", "variants::NoVariant", "false", "false"),
     "softcap": ("true", "false", "variants::NoVariant", "false", "false"),
@@ -39,6 +39,9 @@ FEATURES = {
     "split_packgqa": ("false", "true", "variants::NoVariant", "false", "true"),
     "paged_packgqa": ("false", "false", "variants::NoVariant", "true", "true"),
     "paged_split_packgqa": ("false", "true", "variants::NoVariant", "true", "true"),
+    "softcap_split_packgqa": ("true", "true", "variants::NoVariant", "false", "true"),
+    "softcap_paged_packgqa": ("true", "false", "variants::NoVariant", "true", "true"),
+    "softcap_paged_split_packgqa": ("true", "true", "variants::NoVariant", "true", "true"),
     "flex_packgqa": ("false", "false", "variants::FlexVariant", "false", "true"),
     "flex_split_packgqa": ("false", "true", "variants::FlexVariant", "false", "true"),
     "flex_paged_packgqa": ("false", "false", "variants::FlexVariant", "true", "true"),

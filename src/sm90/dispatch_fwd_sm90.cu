@@ -150,12 +150,6 @@ void run_forward(FwdParams& params, StreamHandle stream) {
     not_supported("q", "the sm90 forward kernel supports head dims up to 256");
   }
   if (needs_flex(params)) check_flex(params);
-  if (params.pack_gqa && params.softcap > 0.f && !needs_flex(params) &&
-      (params.num_splits > 1 || params.page_table != nullptr)) {
-    not_supported("pack_gqa",
-                  "the sm90 forward kernel has no packed-GQA tiles with softcap together with "
-                  "split-KV or paged KV; leave pack_gqa unset or False");
-  }
   check_tma_operand("q", params.q,
                     {params.q_row_stride, params.q_head_stride, params.q_batch_stride});
   check_tma_operand("k", params.k,

@@ -324,6 +324,15 @@ std::vector<FwdCase> forward_cases() {
       c.label = "packed_gqa4_softcap", c.batch = 1, c.seqlen_q = 33, c.seqlen_k = 200, c.heads = 4,
       c.heads_kv = 1, c.softcap = 20.f, c.pack_gqa = true;
       add(c);
+      c = {};  // softcap with split-KV (softcap_split_packgqa); the heuristic's splits too
+      c.label = "packed_gqa4_softcap_split3_causal", c.batch = 2, c.seqlen_q = 3, c.seqlen_k = 900,
+      c.heads = 8, c.heads_kv = 2, c.causal = true, c.softcap = 30.f, c.num_splits = 3,
+      c.pack_gqa = true;
+      add(c);
+      c = {};
+      c.label = "softcap_decode_gqa8_auto", c.batch = 2, c.seqlen_q = 1, c.seqlen_k = 1500,
+      c.heads = 8, c.heads_kv = 1, c.softcap = 25.f, c.num_splits = 0;
+      add(c);
       c = {};
       c.label = "unpacked_decode_gqa4", c.batch = 2, c.seqlen_q = 2, c.seqlen_k = 300, c.heads = 8,
       c.heads_kv = 2, c.causal = true, c.pack_gqa = false;
@@ -382,25 +391,6 @@ std::vector<FwdCase> forward_cases() {
 
 INSTANTIATE_TEST_SUITE_P(Options, GpuForward, ::testing::ValuesIn(forward_cases()),
                          gpu_testing::CaseName());
-
-// Explicit pack_gqa=True where no packed kernel exists: refused by name, not run unpacked.
-TEST(GpuForwardPackGqa, SoftcapWithSplitIsRefused) {
-  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
-  if (!gpu_testing::is_built("fwd bf16 hdim128 softcap split")) GTEST_SKIP() << "not built";
-  DeviceBuffer q(16 * 4 * 128 * 2), kv(512 * 1 * 128 * 2), out(16 * 4 * 128 * 2);
-  ForwardArgs args;
-  args.q = TensorView(q.data(), DType::kBFloat16, {1, 16, 4, 128}, kCuda);
-  args.k = TensorView(kv.data(), DType::kBFloat16, {1, 512, 1, 128}, kCuda);
-  args.v = args.k;
-  args.out = TensorView(out.data(), DType::kBFloat16, {1, 16, 4, 128}, kCuda);
-  args.opts.softcap = 30.f;
-  args.num_splits = 2;
-  args.pack_gqa = true;
-  gpu_testing::expect_not_supported(args, "pack_gqa");
-  args.pack_gqa.reset();  // left to the heuristic: unpacked, and it runs
-  EXPECT_NO_THROW(forward(args));
-  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-}
 
 }  // namespace
 }  // namespace cuflash

@@ -26,7 +26,7 @@ namespace cuflash {
 namespace {
 
 using gpu_testing::DeviceBuffer;
-using gpu_testing::expect_not_supported, gpu_testing::expect_output_close, gpu_testing::is_built;
+using gpu_testing::expect_output_close;
 using gpu_testing::from_device_16bit, gpu_testing::to_device_16bit;
 using gpu_testing::kCpu, gpu_testing::kCuda, gpu_testing::kNegInf;
 
@@ -366,6 +366,15 @@ std::vector<PagedCase> paged_cases() {
     c.page_size = page_size, c.max_pages = pages_for(1500), c.seqused = true, c.shared_pages = true,
     c.num_splits = 3, c.softcap = 30.f;
     add(c);
+    // Softcap with packed GQA over pages (softcap_paged_packgqa, softcap_paged_split_packgqa):
+    // decoding a softcapped GQA model from a paged cache.
+    c = {};
+    c.label = "softcap_packgqa_decode", c.batch = 3, c.seqlen_q = 2, c.heads = 8, c.heads_kv = 2,
+    c.page_size = page_size, c.max_pages = pages_for(600), c.seqused = true, c.causal = true,
+    c.softcap = 30.f, c.pack_gqa = true;
+    add(c);
+    c.label = "softcap_packgqa_decode_split3", c.num_splits = 3, c.max_pages = pages_for(1500);
+    add(c);
   }
   // The other head dims (and fp16), when built: a gathered and a TMA page size for each
   // (whole n-blocks: 128 rows for d64, 160 for d96, 128 for d192x128, 112 for d192, 80 for d256;
@@ -487,34 +496,6 @@ std::vector<PagedCase> paged_cases() {
 
 INSTANTIATE_TEST_SUITE_P(Pages, GpuForwardPaged, ::testing::ValuesIn(paged_cases()),
                          gpu_testing::CaseName());
-
-// A small paged call on hdim 128 bf16 for the refusal tests.
-struct SmallPagedCall {
-  DeviceBuffer q{64 * 2 * 128 * 2}, k{256 * 2 * 128 * 2}, v{256 * 2 * 128 * 2},
-      out{64 * 2 * 128 * 2};
-  DeviceBuffer page_table = DeviceBuffer::from(std::vector<int>{0, 1});
-  ForwardArgs args;
-  SmallPagedCall() {
-    args.q = TensorView(q.data(), DType::kBFloat16, {1, 64, 2, 128}, kCuda);
-    args.k = TensorView(k.data(), DType::kBFloat16, {2, 128, 2, 128}, kCuda);
-    args.v = TensorView(v.data(), DType::kBFloat16, {2, 128, 2, 128}, kCuda);
-    args.out = TensorView(out.data(), DType::kBFloat16, {1, 64, 2, 128}, kCuda);
-    args.seq.page_table = TensorView(page_table.data(), DType::kInt32, {1, 2}, kCuda);
-  }
-};
-
-// What the paged kernels do not have is refused by name, never run on a fallback.
-TEST(GpuForwardPagedUnsupported, PackedGqaWithSoftcapIsRefused) {
-  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
-  if (!is_built("fwd bf16 hdim128 softcap paged")) GTEST_SKIP() << "hdim128 bf16 softcap paged not built";
-  SmallPagedCall call;
-  // GQA (two query heads on one kv head), or there is nothing to pack.
-  call.args.k = TensorView(call.k.data(), DType::kBFloat16, {2, 128, 1, 128}, kCuda);
-  call.args.v = TensorView(call.v.data(), DType::kBFloat16, {2, 128, 1, 128}, kCuda);
-  call.args.opts.softcap = 30.f;
-  call.args.pack_gqa = true;
-  expect_not_supported(call.args, "pack_gqa");
-}
 
 }  // namespace
 }  // namespace cuflash
