@@ -179,12 +179,15 @@ def _forward_call(static: _Static, q, k, v, sink, extras, aux):
     return out, lse
 
 
-def _backward_block_lists(static: _Static, extras):
+def _backward_block_lists(extras):
     """The backward's column-block lists: the transposed forward lists when none were given."""
     lists = list(extras[_FIRST_BLOCK_LIST - 1:])
     if all(t is None for t in lists[:4]) or any(t is not None for t in lists[4:]):
         return tuple(extras)
-    col_blocks = -(-static.seqlen_k // BLOCK_N)
+    # The forward lists' own column count (validated: over seqlen_k, max_seqlen_k with
+    # cu_seqlens_k, or max_pages * page_size with a page table).
+    forward_idx = lists[1] if lists[1] is not None else lists[3]
+    col_blocks = int(forward_idx.shape[3])
     for i in (0, 2):
         if lists[i] is not None:
             lists[4 + i], lists[5 + i] = transpose_block_lists(lists[i], lists[i + 1], col_blocks)
@@ -211,7 +214,7 @@ def transpose_block_lists(cnt, idx, num_col_blocks: int):
 def _backward_call(static: _Static, q, k, v, sink, extras, aux, out, dout, lse):
     jax = _jax()
     _register()
-    extras = _backward_block_lists(static, extras)
+    extras = _backward_block_lists(extras)
     operands, bits = _operands(sink, extras, aux, forward=False)
     results = [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in (q, k, v)]
     if sink is not None:

@@ -60,8 +60,9 @@ FwdParams device_fwd_params(const ForwardArgs& args, const detail::AttentionShap
   params.num_splits = detail::choose_num_splits(params, args.num_splits, params.num_sm);
   // The heuristics may only pick kernels the build has; an explicit request that the build
   // cannot run still fails by name in run_forward. Splits left to the heuristic whose packed
-  // kernel is missing (CUFLASH_FEATURES without packgqa) first try unpacked tiles, for which
-  // the split count is counted again, then one split.
+  // kernel is missing (CUFLASH_FEATURES without packgqa, or a kernel set such as ci that keeps
+  // the plain packed kernel only) first try unpacked tiles, for which the split count is
+  // counted again, then one split.
   if (args.num_splits <= 0 && params.num_splits > 1 && !sm90::forward_kernel_built(params)) {
     if (params.pack_gqa && !params.pack_gqa_requested) {
       params.pack_gqa = false;
@@ -70,7 +71,7 @@ FwdParams device_fwd_params(const ForwardArgs& args, const detail::AttentionShap
     if (params.num_splits > 1 && !sm90::forward_kernel_built(params)) params.num_splits = 1;
   }
   // Likewise packed GQA left to the heuristic: unpacked where this build has no packed kernel
-  // for the call (CUFLASH_FEATURES without packgqa).
+  // for the call.
   if (params.pack_gqa && !params.pack_gqa_requested && !sm90::forward_kernel_built(params))
     params.pack_gqa = false;
   return params;

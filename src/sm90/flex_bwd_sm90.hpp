@@ -49,8 +49,9 @@ struct MBlockRange<true> {
 // not listed, 1 mask list, 2 full list); a list block of block_m queries is block_m / kBlockM
 // kernel m-blocks, and those outside [m_block_min, m_block_max) (causal / window / sequence
 // length) are skipped. Either way the walk goes upwards. Deterministic runs rank a row block's
-// contributors by making their walks (the mainloop's dq_rank_flex): what this walk visits and
-// what those ranks count must stay the same function of the column block.
+// contributors (the mainloop's dq_rank_flex) from the same row-class table with lists and by
+// making their walks without: what this walk visits and what those ranks count must stay the
+// same function of the column block.
 template <int kBlockM, int kBlockN>
 struct FlexColumnWalk {
   int m_block_min, m_block_max;  // the window's m-blocks, narrowed by mask_mod without lists

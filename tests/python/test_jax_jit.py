@@ -255,6 +255,40 @@ def test_paged_kv_forward_and_grad(rng):
     check_grads([f64(g) for g in grads] + [None], expected)
 
 
+def test_varlen_block_lists_backward(rng):
+    # flash_attn_backward with cu_seqlens and the forward lists alone: the column-block lists,
+    # transposed in jax.numpy, count the forward lists' columns (over max_seqlen_k = 300: 3),
+    # not total_k (669: 6).
+    from cuflash import interface
+
+    lengths_q, lengths_k = [130, 300, 40], [200, 300, 169]
+    q, cu_q = packed(rng, lengths_q, 2, 32)
+    k, cu_k = packed(rng, lengths_k, 2, 32)
+    v = randn(rng, k.shape)
+    cnt, idx = random_block_lists(rng, 3, 1, 3, 3, density=0.7)
+    full_cnt, full_idx, mask_cnt, mask_idx = split_full_and_mask(rng, cnt, idx)
+    hints = dict(max_seqlen_q=300, max_seqlen_k=300)
+    out, lse = interface._forward(q, k, v, None, True, (None, None), None, 0.0, 1, None, False, cu_seqlens_q=cu_q,
+                                  cu_seqlens_k=cu_k, block_sparse=(mask_cnt, mask_idx, full_cnt, full_idx), **hints)
+    dout = randn(rng, out.shape)
+    args = on_cpu(dout, q, k, v, out, lse, cu_q, cu_k, full_cnt, full_idx, mask_cnt, mask_idx)
+
+    @jax.jit
+    def backward(dout, q, k, v, out, lse, cu_q, cu_k, full_cnt, full_idx, mask_cnt, mask_idx):
+        return cuflash.flash_attn_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=True, full_block_cnt=full_cnt,
+                                           full_block_idx=full_idx, mask_block_cnt=mask_cnt,
+                                           mask_block_idx=mask_idx, **hints)[:3]
+
+    grads = backward(*args)
+    opts = ref.Options(causal=True, blocks=ref.block_masks((full_cnt, full_idx), (mask_cnt, mask_idx), 300, 300))
+    expected = [np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape), None]
+    for b, ((q0, sq), (k0, sk)) in enumerate(zip(ref.sequences(cu_q), ref.sequences(cu_k))):
+        rows, keys = slice(q0, q0 + sq), slice(k0, k0 + sk)
+        dq, dk, dv, _ = ref.backward_one(dout[rows], q[rows], k[keys], v[keys], out[rows], b, opts)
+        expected[0][rows], expected[1][keys], expected[2][keys] = dq, dk, dv
+    check_grads([f64(g) for g in grads] + [None], expected)
+
+
 def test_explicit_backward_inside_jit(rng):
     q, k, v = randn(rng, (1, 20, 2, 32)), randn(rng, (1, 24, 2, 32)), randn(rng, (1, 24, 2, 32))
     dout = randn(rng, (1, 20, 2, 32))
