@@ -390,15 +390,21 @@ def internal_forward(q, k, v, causal=False, **specific):
     return interface._forward(q, k, v, None, causal, (None, None), None, 0.0, 1, None, False, **specific)
 
 
+def varlen_block_lists_case(rng, heads=4):
+    """Three packed sequences (q 130 / 300 / 40 rows, k 200 / 300 / 169 keys: total_k 669 is 6
+    blocks, the longest 3) and broadcast lists for 128 x 128 blocks over the longest (3 x 3):
+    q, k, v, cu_q, cu_k and (full_cnt, full_idx, mask_cnt, mask_idx)."""
+    q, cu_q = packed(rng, [130, 300, 40], heads, 32)
+    k, cu_k = packed(rng, [200, 300, 169], 2, 32)
+    v = randn(rng, k.shape)
+    cnt, idx = random_block_lists(rng, 3, 1, 3, 3, density=0.7)
+    return q, k, v, cu_q, cu_k, split_full_and_mask(rng, cnt, idx)
+
+
 def test_block_sparse_varlen(rng):
     # Lists per sequence, counted over the longest (max_seqlen_q / max_seqlen_k): positions in
     # each sequence's blocks count from its start.
-    lengths_q, lengths_k = [130, 300, 40], [200, 300, 129]
-    q, cu_q = packed(rng, lengths_q, 4, 32)
-    k, cu_k = packed(rng, lengths_k, 2, 32)
-    v = randn(rng, k.shape)
-    cnt, idx = random_block_lists(rng, 3, 1, 3, 3, density=0.7)
-    full_cnt, full_idx, mask_cnt, mask_idx = split_full_and_mask(rng, cnt, idx)
+    q, k, v, cu_q, cu_k, (full_cnt, full_idx, mask_cnt, mask_idx) = varlen_block_lists_case(rng)
     opts = ref.Options(causal=True, mask=lambda b, i, j: (j >= i - 100) & (j <= i + 40),
                        blocks=ref.block_masks((full_cnt, full_idx), (mask_cnt, mask_idx), 300, 300))
     # The public signatures are the seed's, whose varlen function takes no lists: the internal

@@ -15,7 +15,8 @@ from cuflash import _jax as cuflash_jax  # noqa: E402
 import attention_reference as ref  # noqa: E402
 from conftest import assert_close, assert_lse_close, randn  # noqa: E402
 from test_backward import check_grads  # noqa: E402
-from test_forward import document_ids, packed, random_block_lists, split_full_and_mask, varlen_reference  # noqa: E402
+from test_forward import (document_ids, packed, random_block_lists, split_full_and_mask,  # noqa: E402
+                          varlen_block_lists_case, varlen_reference)
 
 if not cuflash_jax.available():
     pytest.skip("this cuflash build has no XLA FFI handlers (jax was not found when it was configured)",
@@ -257,16 +258,11 @@ def test_paged_kv_forward_and_grad(rng):
 
 def test_varlen_block_lists_backward(rng):
     # flash_attn_backward with cu_seqlens and the forward lists alone: the column-block lists,
-    # transposed in jax.numpy, count the forward lists' columns (over max_seqlen_k = 300: 3),
-    # not total_k (669: 6).
+    # transposed in jax.numpy, count the forward lists' columns (over max_seqlen_k: 3), not
+    # total_k (6).
     from cuflash import interface
 
-    lengths_q, lengths_k = [130, 300, 40], [200, 300, 169]
-    q, cu_q = packed(rng, lengths_q, 2, 32)
-    k, cu_k = packed(rng, lengths_k, 2, 32)
-    v = randn(rng, k.shape)
-    cnt, idx = random_block_lists(rng, 3, 1, 3, 3, density=0.7)
-    full_cnt, full_idx, mask_cnt, mask_idx = split_full_and_mask(rng, cnt, idx)
+    q, k, v, cu_q, cu_k, (full_cnt, full_idx, mask_cnt, mask_idx) = varlen_block_lists_case(rng, heads=2)
     hints = dict(max_seqlen_q=300, max_seqlen_k=300)
     out, lse = interface._forward(q, k, v, None, True, (None, None), None, 0.0, 1, None, False, cu_seqlens_q=cu_q,
                                   cu_seqlens_k=cu_k, block_sparse=(mask_cnt, mask_idx, full_cnt, full_idx), **hints)
