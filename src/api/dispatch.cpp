@@ -74,6 +74,7 @@ FwdParams device_fwd_params(const ForwardArgs& args, const detail::AttentionShap
   // for the call.
   if (params.pack_gqa && !params.pack_gqa_requested && !sm90::forward_kernel_built(params))
     params.pack_gqa = false;
+  params.stream_k_ctas = detail::fwd_stream_k_ctas(params);
   return params;
 }
 

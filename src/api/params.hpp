@@ -117,6 +117,12 @@ struct FwdParams {
   // Dynamic tile scheduling: one int of device workspace that the launch zeroes on the stream
   // before the kernel; null: no dynamic scheduling (see fwd_tiles_unequal).
   int* tile_counter = nullptr;
+  // Stream-K tail of the static schedule (sm90/stream_k_sm90.hpp): how many CTAs share the last
+  // wave's tiles (0: none; set by dispatch, detail::fwd_stream_k_ctas), and device workspace for
+  // the pieces' arrival counters and ready flags (zeroed by the launch) and their partial states.
+  int stream_k_ctas = 0;
+  int* stream_k_sync = nullptr;
+  float* stream_k_partial = nullptr;
 
   // A launcher compiled at run time for expression mods (AttentionOptions), run instead of the
   // built-in flex kernels; 0: none.
@@ -142,6 +148,14 @@ inline bool fwd_tiles_unequal(const FwdParams& p) {
   return p.window_left >= 0 || p.window_right >= 0 || p.cu_seqlens_q != nullptr ||
          p.cu_seqlens_k != nullptr || p.seqused_q != nullptr || p.seqused_k != nullptr ||
          p.mask_mod.kind != 0 || p.block_sparse.enabled;
+}
+
+// Whether the forward's static schedule may end in a stream-K tail (sm90/stream_k_sm90.hpp):
+// tiles of equal cost, written whole by the plain kernel (no split-KV, pages, packed GQA,
+// score_mod or expression kernel).
+inline bool fwd_stream_k_eligible(const FwdParams& p) {
+  return !fwd_tiles_unequal(p) && p.num_splits <= 1 && p.page_table == nullptr && !p.pack_gqa &&
+         p.score_mod.kind == 0 && p.expression_kernel == 0;
 }
 
 struct BwdParams {

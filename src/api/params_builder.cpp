@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "api/workspace_layout.hpp"
+#include "sm90/tile_size_sm90.hpp"
 #include "cuflash/cuflash.hpp"
 #include "cuflash/error.hpp"
 
@@ -390,6 +391,59 @@ FwdScheduler parse_fwd_scheduler(const char* value) {
                                      {{"dynamic", FwdScheduler::kDynamic}, {"one_per_tile", FwdScheduler::kOnePerTile}});
 }
 
+FwdStreamK parse_fwd_stream_k(const char* value) {
+  return parse_setting<FwdStreamK>(
+      "CUFLASH_FWD_STREAM_K", value,
+      {{"auto", FwdStreamK::kAuto}, {"off", FwdStreamK::kOff}, {"always", FwdStreamK::kAlways}});
+}
+
+namespace {
+// The stream-K tail's tiles: 128 rows (sm90::fwd_stream_k_tile), the kernel's V head dim.
+struct StreamKShape {
+  std::size_t block_m, head_dim_v;
+};
+StreamKShape stream_k_shape(const FwdParams& params) {
+  return {128, std::size_t(kernel_head_dims(params.head_dim, params.head_dim_v).head_dim_v)};
+}
+}  // namespace
+
+int fwd_stream_k_ctas(const FwdParams& params, FwdStreamK setting) {
+  if (setting == FwdStreamK::kOff || !fwd_stream_k_eligible(params)) return 0;
+  const KernelHeadDims dims = kernel_head_dims(params.head_dim, params.head_dim_v);
+  const bool softcap = params.softcap > 0.f;
+  // The plain hdim64 kernel's second tile, as its launch picks it (run_flash_fwd_sm90).
+  const bool narrow = !softcap && (params.tile_rows == 128 ||
+                                   (params.tile_rows == 0 &&
+                                    sm90::fwd_narrow_tile_pays(params.seqlen_q, params.seqlen_k,
+                                                               params.window_left, params.window_right)));
+  const sm90::FwdTileSize tile = sm90::fwd_tile_size(dims.head_dim, dims.head_dim_v, /*flex=*/false, softcap, narrow);
+  if (!sm90::fwd_stream_k_tile(tile, dims.head_dim, dims.head_dim_v)) return 0;
+  const long long num_tiles = (long long)((params.seqlen_q + tile.block_m - 1) / tile.block_m) *
+                              params.num_heads * params.batch;
+  const int n_blocks = (params.seqlen_k + tile.block_n - 1) / tile.block_n;
+  return sm90::stream_k_tail_ctas(num_tiles, n_blocks, params.num_sm,
+                                  sm90::fwd_tile_fixed_cost(dims.head_dim), setting == FwdStreamK::kAlways);
+}
+
+int fwd_stream_k_ctas(const FwdParams& params) {
+  return fwd_stream_k_ctas(params, parse_fwd_stream_k(std::getenv("CUFLASH_FWD_STREAM_K")));
+}
+
+std::size_t stream_k_sync_bytes(const FwdParams& params) {
+  // Arrivals: one per tail tile (fewer than the grid); ready flags: two slots per CTA, one flag
+  // per MMA warp (16 rows each).
+  const std::size_t warps = stream_k_shape(params).block_m / 16;
+  return std::size_t(std::max(params.num_sm, 1)) * (1 + 2 * warps) * sizeof(int);
+}
+
+std::size_t stream_k_partial_bytes(const FwdParams& params) {
+  // Two slots per CTA; a slot holds every MMA thread's output rows (head_dim_v / 2 floats) and
+  // its two rows' max and sum: block_m * (head_dim_v + 8) floats.
+  const StreamKShape shape = stream_k_shape(params);
+  return 2 * std::size_t(std::max(params.num_sm, 1)) * shape.block_m * (shape.head_dim_v + 8) *
+         sizeof(float);
+}
+
 FwdScheduler fwd_scheduler() {
   // CUFLASH_FWD_SCHEDULER picks how the sm90 forward runs tiles of unequal cost (causal/local,
   // varlen, seqused, mask_mod, block lists), so that both can be timed in one binary:
@@ -496,20 +550,32 @@ namespace {
 bool uses_tile_counter(const FwdParams& params, FwdScheduler scheduler) {
   return scheduler == FwdScheduler::kDynamic && fwd_tiles_unequal(params);
 }
+bool uses_stream_k(const FwdParams& params) { return params.stream_k_ctas > 0; }
 }  // namespace
 
 std::size_t forward_workspace_bytes(const FwdParams& params, FwdScheduler scheduler) {
-  return workspace_aligned(split_kv_workspace_bytes(params)) +
-         (uses_tile_counter(params, scheduler) ? kWorkspaceAlignment : 0);
+  std::size_t bytes = workspace_aligned(split_kv_workspace_bytes(params)) +
+                      (uses_tile_counter(params, scheduler) ? kWorkspaceAlignment : 0);
+  if (uses_stream_k(params))
+    bytes += workspace_aligned(stream_k_sync_bytes(params)) + workspace_aligned(stream_k_partial_bytes(params));
+  return bytes;
 }
 
 void assign_forward_workspace(FwdParams& params, void* workspace, FwdScheduler scheduler) {
   assign_split_kv_buffers(params, workspace);
-  params.tile_counter =
-      uses_tile_counter(params, scheduler)
-          ? reinterpret_cast<int*>(static_cast<char*>(workspace) +
-                                   workspace_aligned(split_kv_workspace_bytes(params)))
-          : nullptr;
+  char* next = static_cast<char*>(workspace) + workspace_aligned(split_kv_workspace_bytes(params));
+  params.tile_counter = nullptr;
+  if (uses_tile_counter(params, scheduler)) {
+    params.tile_counter = reinterpret_cast<int*>(next);
+    next += kWorkspaceAlignment;
+  }
+  params.stream_k_sync = nullptr;
+  params.stream_k_partial = nullptr;
+  if (uses_stream_k(params)) {
+    params.stream_k_sync = reinterpret_cast<int*>(next);
+    next += workspace_aligned(stream_k_sync_bytes(params));
+    params.stream_k_partial = reinterpret_cast<float*>(next);
+  }
 }
 
 CombineParams make_split_combine_params(const FwdParams& params, const ForwardArgs& args,

@@ -58,6 +58,22 @@ FwdScheduler parse_fwd_scheduler(const char* value);
 // The process's choice, from CUFLASH_FWD_SCHEDULER, read once.
 FwdScheduler fwd_scheduler();
 
+// Whether the sm90 forward's static schedule may end in a stream-K tail (fwd_stream_k_eligible,
+// sm90/stream_k_sm90.hpp): kAuto where the cost model says it pays, kOff never, kAlways wherever
+// more CTAs than tail tiles can share it (tests, timing).
+enum class FwdStreamK { kAuto, kOff, kAlways };
+// "auto", "off" or "always"; null or empty: kAuto. Throws kInvalidArgument otherwise.
+FwdStreamK parse_fwd_stream_k(const char* value);
+// How many CTAs share the stream-K tail of this call's forward (sm90::stream_k_tail_ctas for the
+// tile the plain kernel runs, on params.num_sm SMs); 0: none (not eligible, off, or no gain).
+int fwd_stream_k_ctas(const FwdParams& params, FwdStreamK setting);
+// The same under CUFLASH_FWD_STREAM_K, read at each call (a test can set it around one call).
+int fwd_stream_k_ctas(const FwdParams& params);
+// Device bytes of the stream-K tail's counters and flags, and of its partial states, for the
+// plain kernel of params' head dims on params.num_sm SMs.
+std::size_t stream_k_sync_bytes(const FwdParams& params);
+std::size_t stream_k_partial_bytes(const FwdParams& params);
+
 // Whether the sm90 forward zeroes the V rows past the keys of each tile's boundary block
 // (FwdParams::zero_v_tail): kAuto where the kernel may read rows past the keys that the caller
 // never filled (seqused_k, paged KV, cu_seqlens_k), kOff, kOn.
@@ -97,7 +113,8 @@ BwdDetWalk parse_bwd_det_walk(const char* value);
 BwdDetWalk bwd_det_walk();
 
 // The forward's whole workspace: the split-KV buffers, then (tiles of unequal cost, dynamic
-// scheduling) the tile counter in a 256-byte slot of its own.
+// scheduling) the tile counter in a 256-byte slot of its own, then (equal tiles, stream-K not
+// off) the stream-K tail's counters and partial states.
 std::size_t forward_workspace_bytes(const FwdParams& params, FwdScheduler scheduler);
 void assign_forward_workspace(FwdParams& params, void* workspace, FwdScheduler scheduler);
 

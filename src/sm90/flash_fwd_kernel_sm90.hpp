@@ -23,6 +23,7 @@
 #include "sm90/pack_gqa_sm90.hpp"
 #include "sm90/seqlen_info.hpp"
 #include "sm90/softmax.hpp"
+#include "sm90/stream_k_sm90.hpp"
 #include "sm90/tile_scheduler_sm90.hpp"
 #include "sm90/tile_size_sm90.hpp"
 #include "variants/variant.hpp"
@@ -112,6 +113,13 @@ struct FlashFwdKernelSm90 {
   //   one CTA per tile (bench/NOTES.md, Version 7).
   // The others run such tiles one CTA per tile (flash_fwd_launch_sm90.hpp).
   static constexpr bool kDynamicScheduling = !kIsPaged && kSeparateO;
+  // A stream-K tail (stream_k_sm90.hpp) for the static persistent schedule: in the kernels whose
+  // calls can have tiles of equal cost and whose tiles the epilogue writes whole, at the tiles
+  // where its merge fits in the registers (fwd_stream_k_tile).
+  static constexpr bool kStreamKTail = !kIsSplit && !kIsPaged && !kPackGqa && !kIsFlex &&
+                                       fwd_stream_k_tile(Config::kTile, Config::kHeadDim, Config::kHeadDimV);
+  static_assert(!kStreamKTail || (kSeparateO && kNumMmaWarpGroups == 2),
+                "the stream-K tail's tiles: two MMA warpgroups, O in its own buffer");
   struct SeparateOStorage {
     cute::array_aligned<Element, cute::cosize_v<typename Epilogue::SmemLayoutO>, 1024> smem_o;
   };
@@ -127,6 +135,7 @@ struct FlashFwdKernelSm90 {
     alignas(16) typename Mainloop::PipelineK::SharedStorage pipeline_k;
     alignas(16) typename Mainloop::PipelineV::SharedStorage pipeline_v;
     alignas(16) TileHandoff tile_handoff;  // dynamic scheduling (tile_scheduler_sm90.hpp)
+    int stream_k_arrival;                  // stream_k_meet's broadcast
   };
   static constexpr int kSharedStorageBytes = int(sizeof(SharedStorage));
 
@@ -137,6 +146,7 @@ struct FlashFwdKernelSm90 {
     float softcap_scale;  // softmax_scale / softcap
     PackGqa packing;  // pack_gqa_sm90.hpp; group 1 when not packed
     Scheduler scheduler;
+    StreamKTail stream_k;  // disabled unless the launch plans one (kStreamKTail kernels)
     typename Variant::Params variant;
     typename Epilogue::Params epilogue;
   };
@@ -166,6 +176,7 @@ struct FlashFwdKernelSm90 {
                           tile_heads / p.num_heads_kv,
                           tile_heads * p.batch * (kIsSplit ? p.num_splits : 1)),
                       /*tile_counter=*/nullptr},  // set by the launch when it schedules dynamically
+            StreamKTail{},
             Variant::to_params(p),
             Epilogue::to_params(p)};
   }
@@ -257,6 +268,19 @@ struct FlashFwdKernelSm90 {
     }
   }
 
+  // A stream-K piece visits its own n-blocks of the tile.
+  CUTLASS_DEVICE static TileWork tile_work(Params const& params, FwdTile const& tile,
+                                           StreamKCursor<kStreamKTail> const& cursor) {
+    TileWork work = tile_work(params, tile);
+    if constexpr (kStreamKTail) {
+      if (cursor.in_tail()) {
+        StreamKPiece const piece = cursor.piece(params.stream_k);
+        work.walk = Walk{piece.n_lo, piece.n_hi};
+      }
+    }
+    return work;
+  }
+
   CUTLASS_DEVICE void operator()(Params const& params, char* smem_buf) {
     using namespace cute;
     using PipelineK = typename Mainloop::PipelineK;
@@ -306,14 +330,21 @@ struct FlashFwdKernelSm90 {
         PipelineState smem_pipe_write = cutlass::make_producer_start_state<PipelineK>();
         int q_loads = 0;
         int claimed = 0;  // dynamic scheduling: the leader's claim of the next tile
-        for (int tile_index = int(blockIdx.x), handoff = 0; tile_index < num_tiles;
-             tile_index = scheduler.next_tile<kDynamicScheduling>(
-                 storage.tile_handoff, handoff++, tile_index, claimed, leader)) {
+        StreamKCursor<kStreamKTail> cursor;
+        for (int tile_index = cursor.from_stride(params.stream_k, int(blockIdx.x), num_tiles), handoff = 0;
+             tile_index < num_tiles;
+             tile_index = cursor.in_tail()
+                              ? cursor.next(params.stream_k, num_tiles)
+                              : cursor.from_stride(params.stream_k,
+                                                   scheduler.next_tile<kDynamicScheduling>(
+                                                       storage.tile_handoff, handoff++, tile_index,
+                                                       claimed, leader),
+                                                   num_tiles)) {
           if constexpr (kDynamicScheduling) {
             if (leader) claimed = scheduler.claim();
           }
           FwdTile const tile = scheduler.tile(tile_index);
-          TileWork const work = tile_work(params, tile);
+          TileWork const work = tile_work(params, tile, cursor);
           if (!work.has_rows || !work.has_keys()) continue;
           // Packed tiles are per kv head, and their Q is loaded by the MMA warpgroups.
           constexpr bool packed = kPackGqa;
@@ -345,11 +376,18 @@ struct FlashFwdKernelSm90 {
       PipelineState smem_pipe_read;
       int q_loads = 0;
       Mainloop::mma_init(thread_idx / cutlass::NumThreadsPerWarpGroup);
-      for (int tile_index = int(blockIdx.x), handoff = 0; tile_index < num_tiles;
-           tile_index = scheduler.next_tile<kDynamicScheduling>(
-               storage.tile_handoff, handoff++, tile_index, /*claimed=*/0, /*writer=*/false)) {
+      StreamKCursor<kStreamKTail> cursor;
+      for (int tile_index = cursor.from_stride(params.stream_k, int(blockIdx.x), num_tiles), handoff = 0;
+           tile_index < num_tiles;
+           tile_index = cursor.in_tail()
+                            ? cursor.next(params.stream_k, num_tiles)
+                            : cursor.from_stride(params.stream_k,
+                                                 scheduler.next_tile<kDynamicScheduling>(
+                                                     storage.tile_handoff, handoff++, tile_index,
+                                                     /*claimed=*/0, /*writer=*/false),
+                                                 num_tiles)) {
         FwdTile const tile = scheduler.tile(tile_index);
-        TileWork const work = tile_work(params, tile);
+        TileWork const work = tile_work(params, tile, cursor);
         if (!work.has_rows) continue;
         Tensor tOrO =
             partition_fragment_C(tiled_mma_pv, select<0, 1>(typename Mainloop::TileShapePV{}));
@@ -370,6 +408,26 @@ struct FlashFwdKernelSm90 {
                         smem_pipe_read, tOrO, softmax, work.mask, params.softcap_scale,
                         thread_idx, tile.m_block, work.walk, tile_mods(params, tile, work.seqlen),
                         zero_v_tail(p, tile));
+          if constexpr (kStreamKTail) {
+            // A piece of a tile shared with other CTAs: the last to finish merges the others and
+            // writes the tile; the others leave their state to it and skip the epilogue.
+            bool last = true;
+            if (cursor.in_tail()) {
+              StreamKPiece const piece = cursor.piece(params.stream_k);
+              if (piece.num_pieces > 1) {
+                Tensor acc = make_tensor(tOrO.data(), acc_rowcol_layout(tOrO.layout()));
+                last = stream_k_meet<kNumMmaThreads, kRowsPerThread>(
+                    params.stream_k, piece, int(blockIdx.x), thread_idx, &storage.stream_k_arrival,
+                    int(FwdNamedBarrier::kStreamK), acc, softmax.row_max, softmax.row_sum,
+                    params.scale_log2);
+              }
+            }
+            if (!last) {
+              if constexpr (!kSeparateO) storage.barrier_q.empty.arrive();  // Q's buffer is free
+              ++q_loads;
+              continue;
+            }
+          }
         } else {
           clear(tOrO);
           CUTLASS_PRAGMA_UNROLL

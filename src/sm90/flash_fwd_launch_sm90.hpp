@@ -42,7 +42,24 @@ void launch_flash_fwd_sm90(FwdParams& params, cudaStream_t stream) {
   bool const dynamic = Kernel::kDynamicScheduling && unequal_tiles &&
                        params.tile_counter != nullptr && num_tiles > num_sm;
   int const max_ctas = unequal_tiles && !dynamic ? num_tiles : num_sm;
-  dim3 const grid = Kernel::grid_shape(kernel_params, max_ctas);
+  dim3 grid = Kernel::grid_shape(kernel_params, max_ctas);
+  // Equal tiles whose last wave leaves SMs idle: a stream-K tail where dispatch planned one and
+  // gave its workspace (fwd_stream_k_ctas, for this kernel's tile).
+  if constexpr (Kernel::kStreamKTail) {
+    if (!unequal_tiles && params.stream_k_ctas > 0 && params.stream_k_sync != nullptr) {
+      int const n_blocks = (params.seqlen_k + Kernel::kBlockN - 1) / Kernel::kBlockN;
+      StreamKTail tail = plan_stream_k_tail(num_tiles, n_blocks, num_sm, params.stream_k_ctas);
+      if (tail.enabled()) {
+        tail.sync = params.stream_k_sync;
+        tail.partial = params.stream_k_partial;
+        kernel_params.stream_k = tail;
+        grid = dim3(unsigned(num_sm));
+        std::size_t const sync_ints = std::size_t(num_sm) * (1 + 2 * Kernel::kNumMmaThreads / 32);
+        check_launch(cudaMemsetAsync(tail.sync, 0, sync_ints * sizeof(int), stream),
+                     "cuflash forward: cannot zero the stream-K counters");
+      }
+    }
+  }
   if (dynamic) {
     kernel_params.scheduler.tile_counter = params.tile_counter;
     check_launch(cudaMemsetAsync(params.tile_counter, 0, sizeof(int), stream),

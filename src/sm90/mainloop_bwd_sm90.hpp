@@ -142,22 +142,6 @@ CUTE_DEVICE void wgmma_gemm_m_slice(TiledMma tiled_mma, TA const& tCrA, TB const
   }
 }
 
-// Spin until *ptr == value by one thread, polling without ordering and then acquiring once (an
-// acquire load per poll would also discard the L1 lines of the CTA's other warps each time).
-CUTE_DEVICE void semaphore_poll_eq(int const* ptr, int value) {
-  int current;
-  do {
-    asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];\n" : "=r"(current) : "l"(ptr) : "memory");
-  } while (current != value);
-  asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
-}
-
-// Release this block's writes to the next: this thread's, and by cumulativity those of the
-// threads it synchronized with (a named barrier) or that made theirs visible with a fence.
-CUTE_DEVICE void semaphore_increment(int* ptr) {
-  asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(ptr) : "memory");
-}
-
 // fp32 add of `bytes` from smem into global memory, completed asynchronously (bulk group).
 CUTE_DEVICE void bulk_reduce_add_f32(float const* smem_src, float* gmem_dst, int bytes) {
   uint32_t const smem = cute::cast_smem_ptr_to_uint(smem_src);

@@ -41,6 +41,7 @@ enum class FwdNamedBarrier : int {
   // One per MMA warpgroup (up to 3), for work a warpgroup does alone: the packed GQA Q gather
   // and the epilogue's TMA store of its rows.
   kWarpGroupLocalWG0 = 4,
+  kStreamK = 7,  // the MMA warpgroups at a stream-K piece's end (stream_k_sm90.hpp)
 };
 
 template <class Config>

@@ -75,4 +75,44 @@ inline bool fwd_narrow_tile_pays(int seqlen_q, int seqlen_k, int window_left, in
   return area(128) * kNarrowCost < area(192);
 }
 
+// A tile's cost beyond its n-blocks, in n-blocks: the first Q K^T and softmax with no P V beside
+// them, the last P V, the epilogue. Fitted to the measured throughput over sequence length
+// (bench/NOTES.md): about 1.7 at hdim 128, 3.2 at hdim 256.
+constexpr double fwd_tile_fixed_cost(int head_dim) { return head_dim <= 128 ? 1.7 : 3.2; }
+
+// Whether the plain kernel of this tile has the stream-K tail (FlashFwdKernelSm90::kStreamKTail):
+// two MMA warpgroups and O in a buffer of its own (head dims up to 128). Where O shares Q's
+// buffer (hdim 192 / 256) and in the three-warpgroup hdim64 tile, the merge's registers spill
+// (ptxas: 328 bytes at hdim256, 208 at hdim64).
+constexpr bool fwd_stream_k_tile(FwdTileSize tile, int head_dim, int head_dim_v) {
+  return tile.block_m == 128 && head_dim <= 128 && head_dim_v <= 128;
+}
+
+// The stream-K tail of the forward's static schedule (stream_k_sm90.hpp): with num_tiles tiles
+// of n_blocks n-blocks each on `grid` CTAs, the last (num_tiles mod grid) tiles are cut into one
+// range of n-blocks per CTA. Returns how many CTAs share them, or 0 where the cut does not pay.
+// Cost model, in n-blocks: a whole tile in the last wave costs n_blocks + fixed; a CTA's share
+// costs its n-blocks plus the fixed cost of each piece it touches (at worst one more than its
+// share spans) plus a quarter n-block per other piece its merge reads. Cut when the share costs
+// under 0.9 of a whole tile. Shares are at least two n-blocks: a piece of one is mostly fixed cost.
+// always: cut whenever more CTAs than tail tiles can share the tail, whatever the model says
+// (tests, timing).
+inline int stream_k_tail_ctas(long long num_tiles, int n_blocks, int grid, double fixed_cost,
+                              bool always = false) {
+  if (grid < 2 || n_blocks < 2 || num_tiles < 1) return 0;
+  long long const tail_tiles = num_tiles % grid;
+  if (tail_tiles == 0) return 0;
+  long long const units = tail_tiles * n_blocks;
+  constexpr int kMinUnits = 2;
+  long long const sk_ctas = units / kMinUnits < grid ? units / kMinUnits : grid;
+  if (sk_ctas <= tail_tiles) return 0;
+  if (always) return int(sk_ctas);
+  long long const per_cta = (units + sk_ctas - 1) / sk_ctas;
+  long long const pieces_per_cta = (per_cta + n_blocks - 1) / n_blocks + 1;
+  long long const pieces_per_tile = (n_blocks + per_cta - 1) / per_cta + 1;
+  double const whole = n_blocks + fixed_cost;
+  double const cut = double(per_cta) + fixed_cost * double(pieces_per_cta) + 0.25 * double(pieces_per_tile - 1);
+  return cut < 0.9 * whole ? int(sk_ctas) : 0;
+}
+
 }  // namespace cuflash::sm90

@@ -88,4 +88,20 @@ CUTLASS_DEVICE void zero_smem_rows(ElementAddress const& element, int row_begin,
   }
 }
 
+// Spin until *ptr == value by one thread, polling without ordering and then acquiring once (an
+// acquire load per poll would also discard the L1 lines of the CTA's other warps each time).
+CUTLASS_DEVICE void semaphore_poll_eq(int const* ptr, int value) {
+  int current;
+  do {
+    asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];\n" : "=r"(current) : "l"(ptr) : "memory");
+  } while (current != value);
+  asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
+}
+
+// Release this block's writes to the next: this thread's, and by cumulativity those of the
+// threads it synchronized with (a named barrier) or that made theirs visible with a fence.
+CUTLASS_DEVICE void semaphore_increment(int* ptr) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(ptr) : "memory");
+}
+
 }  // namespace cuflash::sm90

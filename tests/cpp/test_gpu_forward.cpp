@@ -47,6 +47,10 @@ struct FwdCase {
   bool with_lse = true;
   std::optional<bool> pack_gqa;
   int num_splits = 1;  // split-KV; <= 0 lets cuflash choose
+  // CUFLASH_FWD_STREAM_K around the call where set ("always": the last wave's tiles are cut into
+  // stream-K pieces whenever the SM count allows, which these shapes' tile counts leave room for
+  // on any GPU with more SMs than a handful). Such cases also run twice and must agree bit for bit.
+  const char* stream_k = nullptr;
   unsigned seed = 1;
 };
 
@@ -199,6 +203,8 @@ Result run_gpu(const Problem& pb) {
   std::optional<gpu_testing::ScopedEnv> zero_v_tail;
   // The default: seqused_k and page tables get the V tail zeroed.
   if (c.nan_tail || c.zero_v_tail) zero_v_tail.emplace("CUFLASH_FWD_ZERO_V_TAIL", c.zero_v_tail ? c.zero_v_tail : "auto");
+  std::optional<gpu_testing::ScopedEnv> stream_k;
+  if (c.stream_k) stream_k.emplace("CUFLASH_FWD_STREAM_K", c.stream_k);
   forward(args);
   gpu_testing::check_cuda(cudaDeviceSynchronize(), "forward kernel");
 
@@ -222,6 +228,11 @@ TEST_P(GpuForward, MatchesReference) {
   const Result naive = naive_low_precision(pb);
   expect_output_close("out", gpu->out, naive.out, ref.out);
   if (c.with_lse) expect_output_close("lse", gpu->lse, naive.lse, ref.lse);
+  if (c.stream_k) {  // the merge order is fixed: a second run gives the same bits
+    const Result again = run_gpu(pb);
+    EXPECT_TRUE(again.out == gpu->out) << "out differs between two runs";
+    EXPECT_TRUE(again.lse == gpu->lse) << "lse differs between two runs";
+  }
 }
 
 std::vector<FwdCase> forward_cases() {
@@ -251,7 +262,29 @@ std::vector<FwdCase> forward_cases() {
       c.label = "varlen_causal_gqa", c.batch = 4, c.seqlen_q = 300, c.seqlen_k = 333, c.heads = 4,
       c.heads_kv = 1, c.causal = true, c.varlen = true;
       add(c);
+      // Stream-K tail (head dims up to 128, 128-row tiles: fwd_stream_k_tile): 144 tiles, keys
+      // not a whole number of blocks; each tail tile in two to four pieces. hdim64 runs these
+      // rows on its 192-row tile, which has no tail; its cases below take the 128-row tile.
+      const bool stream_k = d <= 128;
+      c = {};
+      c.label = "stream_k_tail_gqa3", c.batch = 2, c.seqlen_q = 1024, c.seqlen_k = 1000,
+      c.heads = 9, c.heads_kv = 3, c.stream_k = "always";
+      if (stream_k && d > 64) add(c);
       if (dtype == DType::kFloat16) continue;  // the rest once per head dim
+      c = {};  // rows past seqlen_q in the tail tiles; sink, softcap (hdim64: 128 x 192), strided
+      c.label = "stream_k_tail_sink_softcap_strided", c.batch = 1, c.seqlen_q = 1000,
+      c.seqlen_k = 777, c.heads = 23, c.heads_kv = 23, c.sink = DType::kFloat32, c.softcap = 20.f,
+      c.strided = true, c.stream_k = "always";
+      if (stream_k) add(c);
+      c = {};  // two tiles of long rows: each shared by a dozen CTAs or more
+      c.label = "stream_k_tail_sink_softcap_strided", c.batch = 1, c.seqlen_q = 1000,
+      c.seqlen_k = 777, c.heads = 23, c.heads_kv = 23, c.sink = DType::kFloat32, c.softcap = 20.f,
+      c.strided = true, c.stream_k = "always";
+      add(c);
+      c = {};  // two tiles of long rows: each shared by a dozen CTAs or more
+      c.label = "stream_k_few_tiles_many_pieces", c.batch = 1, c.seqlen_q = 100, c.seqlen_k = 3000,
+      c.heads = 2, c.heads_kv = 1, c.stream_k = "always";
+      if (stream_k) add(c);
       c = {};
       c.label = "causal_decode_mqa", c.batch = 2, c.seqlen_q = 17, c.seqlen_k = 1023, c.heads = 8,
       c.heads_kv = 1, c.causal = true;

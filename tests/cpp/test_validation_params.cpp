@@ -4,10 +4,13 @@
 
 #include <cmath>
 #include <cstdint>
+#include <map>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "api/params_builder.hpp"
+#include "sm90/stream_k_tail.hpp"
 #include "sm90/tile_size_sm90.hpp"
 #include "api/validate.hpp"
 #include "cuflash/cuflash.hpp"
@@ -549,6 +552,138 @@ TEST(ParamsForward, SchedulerChoiceAndTileCounter) {
   assign_forward_workspace(p, workspace.data(), FwdScheduler::kDynamic);
   EXPECT_EQ(static_cast<void*>(p.out_partial), workspace.data());
   EXPECT_EQ(reinterpret_cast<char*>(p.tile_counter), workspace.data() + split_bytes);
+}
+
+// The forward's stream-K tail (sm90/stream_k_tail.hpp): when the cut pays, for which calls,
+// and the workspace it takes.
+TEST(ParamsForward, StreamKTailChoice) {
+  EXPECT_EQ(parse_fwd_stream_k(nullptr), FwdStreamK::kAuto);
+  EXPECT_EQ(parse_fwd_stream_k(""), FwdStreamK::kAuto);
+  EXPECT_EQ(parse_fwd_stream_k("off"), FwdStreamK::kOff);
+  EXPECT_EQ(parse_fwd_stream_k("always"), FwdStreamK::kAlways);
+  expect_setting_refused(parse_fwd_stream_k, "on", "CUFLASH_FWD_STREAM_K");
+
+  using sm90::stream_k_tail_ctas;
+  // hdim128 at 16k tokens: 2048 tiles are 15.5 waves of 132; the 68 left share all the CTAs.
+  EXPECT_EQ(stream_k_tail_ctas(2048, 16, 132, 1.7), 132);
+  EXPECT_EQ(stream_k_tail_ctas(2048, 128, 132, 1.7), 132);
+  // Whole waves, one n-block per tile, a single CTA: nothing to cut.
+  EXPECT_EQ(stream_k_tail_ctas(132 * 15, 16, 132, 1.7), 0);
+  EXPECT_EQ(stream_k_tail_ctas(2048, 1, 132, 1.7), 0);
+  EXPECT_EQ(stream_k_tail_ctas(2048, 16, 1, 1.7), 0);
+  // A last wave of nearly every SM: each CTA's share would cost about a whole tile.
+  EXPECT_EQ(stream_k_tail_ctas(132 * 15 + 130, 16, 132, 1.7), 0);
+  EXPECT_GT(stream_k_tail_ctas(132 * 15 + 130, 16, 132, 1.7, /*always=*/true), 0);
+  // Fewer tiles than SMs with long rows: the keys of each are shared (at least two n-blocks per CTA).
+  EXPECT_EQ(stream_k_tail_ctas(40, 64, 132, 1.7), 132);
+  EXPECT_EQ(stream_k_tail_ctas(3, 8, 132, 1.7, /*always=*/true), 12);
+
+  FwdParams p;
+  p.batch = 8;
+  p.seqlen_q = p.seqlen_k = 2048;
+  p.num_heads = p.num_heads_kv = 16;
+  p.head_dim = p.head_dim_v = 128;
+  p.num_sm = 132;
+  EXPECT_EQ(fwd_stream_k_ctas(p, FwdStreamK::kAuto), 132);
+  EXPECT_EQ(fwd_stream_k_ctas(p, FwdStreamK::kOff), 0);
+  // Only plain kernels with tiles of equal cost.
+  auto without = [&](void (*set)(FwdParams&)) {
+    FwdParams q = p;
+    set(q);
+    return fwd_stream_k_ctas(q, FwdStreamK::kAlways);
+  };
+  static const int table[1] = {0};
+  EXPECT_EQ(without([](FwdParams& q) { q.window_right = 0; }), 0);
+  EXPECT_EQ(without([](FwdParams& q) { q.seqused_k = table; }), 0);
+  EXPECT_EQ(without([](FwdParams& q) { q.num_splits = 2; }), 0);
+  EXPECT_EQ(without([](FwdParams& q) { q.page_table = table; }), 0);
+  EXPECT_EQ(without([](FwdParams& q) { q.pack_gqa = true; }), 0);
+  EXPECT_EQ(without([](FwdParams& q) { q.score_mod.kind = 1; }), 0);
+  EXPECT_EQ(without([](FwdParams& q) { q.expression_kernel = 1; }), 0);
+  EXPECT_GT(without([](FwdParams& q) { q.softcap = 30.f; }), 0);
+
+  // Workspace: the counters and flags, then the partial states, each 256-byte aligned.
+  p.stream_k_ctas = 132;
+  const std::size_t sync = stream_k_sync_bytes(p), partial = stream_k_partial_bytes(p);
+  EXPECT_EQ(sync, 132u * (1 + 2 * 8) * sizeof(int));  // 128 rows: 8 MMA warps
+  EXPECT_EQ(partial, 2u * 132 * 128 * (128 + 8) * sizeof(float));
+  const std::size_t bytes = forward_workspace_bytes(p, FwdScheduler::kDynamic);
+  EXPECT_EQ(bytes, (sync + 255) / 256 * 256 + partial);
+  std::vector<char> workspace(bytes);
+  assign_forward_workspace(p, workspace.data(), FwdScheduler::kDynamic);
+  EXPECT_EQ(static_cast<void*>(p.stream_k_sync), workspace.data());
+  EXPECT_EQ(reinterpret_cast<char*>(p.stream_k_partial), workspace.data() + (sync + 255) / 256 * 256);
+  EXPECT_EQ(p.tile_counter, nullptr);
+  // Only 128-row tiles have the tail: hdim64's 192-row tile does not (its 128-row one does),
+  // nor the head dims above 128.
+  p.head_dim = p.head_dim_v = 64;
+  EXPECT_EQ(fwd_stream_k_ctas(p, FwdStreamK::kAlways), 0);
+  p.tile_rows = 128;
+  EXPECT_GT(fwd_stream_k_ctas(p, FwdStreamK::kAlways), 0);
+  p.head_dim = 192;
+  p.head_dim_v = 128;
+  EXPECT_EQ(fwd_stream_k_ctas(p, FwdStreamK::kAlways), 0);
+  p.stream_k_ctas = 0;
+  EXPECT_EQ(forward_workspace_bytes(p, FwdScheduler::kDynamic), 0u);
+}
+
+// The cut itself, walked as the kernel's CTAs walk it: every unit of every tail tile belongs to
+// exactly one piece; a tile's pieces are consecutive CTAs; every piece that shares its tile has a
+// slot of its own, and the arrival counters stay below the grid.
+TEST(ParamsForward, StreamKTailPiecesCoverTheTail) {
+  for (int grid : {3, 7, 132}) {
+    for (int num_tiles : {1, 2, 5, grid - 1, grid + 1, 2 * grid + 5, 15 * grid + 68}) {
+      for (int n_blocks : {2, 3, 8, 16, 33}) {
+        for (int sk_ctas : {1, 2, grid / 2 + 1, grid, 10 * grid}) {
+          const sm90::StreamKTail sk = sm90::plan_stream_k_tail(num_tiles, n_blocks, grid, sk_ctas);
+          if (num_tiles % grid == 0 || num_tiles < 1) {
+            EXPECT_FALSE(sk.enabled());
+            continue;
+          }
+          ASSERT_TRUE(sk.enabled());
+          EXPECT_EQ(sk.dp_tiles % grid, 0);
+          EXPECT_EQ(sk.num_units, (num_tiles - sk.dp_tiles) * n_blocks);
+          EXPECT_LE(sk.sk_ctas, std::min(grid, sk.num_units));
+          std::vector<int> owner(sk.num_units, -1);
+          std::map<int, std::vector<int>> ctas_of_tile;
+          std::set<int> slots;
+          struct Seen { int cta, tile, first_cta, num_pieces; };
+          std::vector<Seen> pieces;
+          for (int cta = 0; cta < sk.sk_ctas; ++cta) {
+            const int end = sk.begin(cta + 1);
+            EXPECT_LT(sk.begin(cta), end) << "every sharing CTA has an n-block";
+            for (int unit = sk.begin(cta); unit < end; unit = sm90::stream_k_next_unit(sk, unit)) {
+              const sm90::StreamKPiece piece = sm90::stream_k_piece(sk, unit, end);
+              ASSERT_LT(piece.n_lo, piece.n_hi);
+              ASSERT_LE(piece.n_hi, n_blocks);
+              EXPECT_LT(piece.tile, grid);
+              for (int n = piece.n_lo; n < piece.n_hi; ++n) {
+                int& who = owner[piece.tile * n_blocks + n];
+                EXPECT_EQ(who, -1);
+                who = cta;
+              }
+              ctas_of_tile[piece.tile].push_back(cta);
+              pieces.push_back({cta, piece.tile, piece.first_cta, piece.num_pieces});
+              if (piece.num_pieces > 1) {
+                const int slot = sk.slot(cta, piece.tile);
+                EXPECT_LT(slot, 2 * grid);
+                EXPECT_TRUE(slots.insert(slot).second) << "slot " << slot << " taken twice";
+              }
+            }
+          }
+          for (int who : owner) EXPECT_GE(who, 0);
+          for (const auto& [tile, ctas] : ctas_of_tile) {
+            for (std::size_t i = 0; i < ctas.size(); ++i) EXPECT_EQ(ctas[i], ctas[0] + int(i));
+          }
+          for (const Seen& seen : pieces) {
+            const std::vector<int>& ctas = ctas_of_tile[seen.tile];
+            EXPECT_EQ(seen.first_cta, ctas.front());
+            EXPECT_EQ(seen.num_pieces, int(ctas.size()));
+          }
+        }
+      }
+    }
+  }
 }
 
 TEST(ParamsForward, SplitCombineWritesIntoOutAndLse) {
