@@ -116,7 +116,10 @@ struct FlashFwdKernelSm90 {
   // A stream-K tail (stream_k_sm90.hpp) for the static persistent schedule: in the kernels whose
   // calls can have tiles of equal cost and whose tiles the epilogue writes whole, at the tiles
   // where its merge fits in the registers (fwd_stream_k_tile).
-  static constexpr bool kStreamKTail = !kIsSplit && !kIsPaged && !kPackGqa && !kIsFlex &&
+#ifndef CUFLASH_FWD_STREAM_K_BUILT
+#define CUFLASH_FWD_STREAM_K_BUILT 1
+#endif
+  static constexpr bool kStreamKTail = CUFLASH_FWD_STREAM_K_BUILT && !kIsSplit && !kIsPaged && !kPackGqa && !kIsFlex &&
                                        fwd_stream_k_tile(Config::kTile, Config::kHeadDim, Config::kHeadDimV);
   static_assert(!kStreamKTail || (kSeparateO && kNumMmaWarpGroups == 2),
                 "the stream-K tail's tiles: two MMA warpgroups, O in its own buffer");

@@ -107,21 +107,21 @@ CUTLASS_DEVICE bool stream_k_meet(StreamKTail const& sk, StreamKPiece const& pie
                make_float4(out(m, n), out(m, n + 1), out(m, n + 2), out(m, n + 3)));
     }
     __stcg(slot_vec(slot, kVecs - 1), make_float4(row_max[0], row_max[1], row_sum[0], row_sum[1]));
-    __syncwarp();  // orders the warp's stores before lane 0's release (cumulativity)
+    // Each lane's stores are made visible device-wide before lane 0 raises the flag.
+    __threadfence();
+    __syncwarp();
     if (lane == 0) semaphore_increment(ready + slot * kWarps + warp);
     return false;
   }
-  // The last piece: every other piece has arrived; wait until its state is written.
-  if (lane == 0) {
-    for (int p = 0; p < piece.num_pieces; ++p) {
-      if (p == own) continue;
-      int const c = piece.first_cta + p;
-      semaphore_poll_eq(ready + sk.slot(c, piece.tile) * kWarps + warp, 1);
-    }
+  // The last piece: every other piece has arrived; wait until its state is written. Every lane
+  // polls (one request per warp) and acquires for itself.
+  for (int p = 0; p < piece.num_pieces; ++p) {
+    if (p != own) semaphore_poll_eq(ready + sk.slot(piece.first_cta + p, piece.tile) * kWarps + warp, 1);
   }
-  __syncwarp();
-  // Maxima first, then every piece's rows rescaled to them and summed in piece order.
-  float max_all[kRows], scale_own[kRows];
+  // Maxima first, then every piece's rows rescaled to them and summed in piece order. Each term
+  // is one fused multiply-add whether the piece is this thread's registers or a slot, so the bits
+  // do not depend on which piece came last.
+  float max_all[kRows];
   CUTLASS_PRAGMA_UNROLL
   for (int m = 0; m < kRows; ++m) max_all[m] = row_max[m];
   for (int p = 0; p < piece.num_pieces; ++p) {
@@ -134,41 +134,45 @@ CUTLASS_DEVICE bool stream_k_meet(StreamKTail const& sk, StreamKPiece const& pie
   auto factor = [&](float piece_max, int m) {
     return piece_max == -INFINITY ? 0.f : exp2f((piece_max - max_all[m]) * scale_log2);
   };
-  CUTLASS_PRAGMA_UNROLL
-  for (int m = 0; m < kRows; ++m) scale_own[m] = factor(row_max[m], m);
+  // Piece p's (max, max, sum, sum).
+  auto stats_of = [&](int p) {
+    return p == own ? make_float4(row_max[0], row_max[1], row_sum[0], row_sum[1])
+                    : __ldcg(slot_vec(sk.slot(piece.first_cta + p, piece.tile), kVecs - 1));
+  };
   float sum_all[kRows] = {0.f, 0.f};
   for (int p = 0; p < piece.num_pieces; ++p) {
-    if (p == own) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int m = 0; m < kRows; ++m) sum_all[m] += row_sum[m] * scale_own[m];
-    } else {
-      float4 const stats = __ldcg(slot_vec(sk.slot(piece.first_cta + p, piece.tile), kVecs - 1));
-      sum_all[0] += stats.z * factor(stats.x, 0);
-      sum_all[1] += stats.w * factor(stats.y, 1);
-    }
+    float4 const stats = stats_of(p);
+    sum_all[0] = __fmaf_rn(stats.z, factor(stats.x, 0), sum_all[0]);
+    sum_all[1] = __fmaf_rn(stats.w, factor(stats.y, 1), sum_all[1]);
   }
+  // Row by row, and within a row piece by piece, so that a slot's loads for the row are issued
+  // together (the merge is bound by their latency otherwise); each element still adds its terms
+  // in piece order.
   CUTLASS_PRAGMA_UNROLL
   for (int m = 0; m < kRows; ++m) {
+    float acc[kCols];
     CUTLASS_PRAGMA_UNROLL
-    for (int n = 0; n < kCols; n += 4) {
-      float acc[4] = {0.f, 0.f, 0.f, 0.f};
-      for (int p = 0; p < piece.num_pieces; ++p) {
-        if (p == own) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int i = 0; i < 4; ++i) acc[i] += out(m, n + i) * scale_own[m];
-        } else {
-          int const slot = sk.slot(piece.first_cta + p, piece.tile);
-          float const f = factor(__ldcg(reinterpret_cast<float const*>(slot_vec(slot, kVecs - 1)) + m), m);
+    for (int n = 0; n < kCols; ++n) acc[n] = 0.f;
+    for (int p = 0; p < piece.num_pieces; ++p) {
+      float4 const stats = stats_of(p);
+      float const f = factor(m == 0 ? stats.x : stats.y, m);
+      if (p == own) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int n = 0; n < kCols; ++n) acc[n] = __fmaf_rn(out(m, n), f, acc[n]);
+      } else {
+        int const slot = sk.slot(piece.first_cta + p, piece.tile);
+        CUTLASS_PRAGMA_UNROLL
+        for (int n = 0; n < kCols; n += 4) {
           float4 const v = __ldcg(slot_vec(slot, (m * kCols + n) / 4));
-          acc[0] += v.x * f;
-          acc[1] += v.y * f;
-          acc[2] += v.z * f;
-          acc[3] += v.w * f;
+          acc[n] = __fmaf_rn(v.x, f, acc[n]);
+          acc[n + 1] = __fmaf_rn(v.y, f, acc[n + 1]);
+          acc[n + 2] = __fmaf_rn(v.z, f, acc[n + 2]);
+          acc[n + 3] = __fmaf_rn(v.w, f, acc[n + 3]);
         }
       }
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < 4; ++i) out(m, n + i) = acc[i];
     }
+    CUTLASS_PRAGMA_UNROLL
+    for (int n = 0; n < kCols; ++n) out(m, n) = acc[n];
   }
   CUTLASS_PRAGMA_UNROLL
   for (int m = 0; m < kRows; ++m) {

@@ -277,11 +277,6 @@ std::vector<FwdCase> forward_cases() {
       c.strided = true, c.stream_k = "always";
       if (stream_k) add(c);
       c = {};  // two tiles of long rows: each shared by a dozen CTAs or more
-      c.label = "stream_k_tail_sink_softcap_strided", c.batch = 1, c.seqlen_q = 1000,
-      c.seqlen_k = 777, c.heads = 23, c.heads_kv = 23, c.sink = DType::kFloat32, c.softcap = 20.f,
-      c.strided = true, c.stream_k = "always";
-      add(c);
-      c = {};  // two tiles of long rows: each shared by a dozen CTAs or more
       c.label = "stream_k_few_tiles_many_pieces", c.batch = 1, c.seqlen_q = 100, c.seqlen_k = 3000,
       c.heads = 2, c.heads_kv = 1, c.stream_k = "always";
       if (stream_k) add(c);
