@@ -34,9 +34,11 @@ namespace cuflash::sm90 {
 // sparsity; softcap is then a runtime choice inside it). kIsPaged_: k/v are pages read through
 // a page table (mainloop_fwd_sm90.hpp, load_paged).
 // kNarrow_: the second tile of the plain hdim64 kernel (fwd_tile_size).
+// kStreamKPieces_: the kernel that runs the stream-K tail's pieces (stream_k_sm90.hpp) after the
+// plain kernel has run the whole waves.
 template <class Element_, int kHeadDim_, int kHeadDimV_, bool kHasSoftcap_, bool kIsSplit_,
           class Variant_ = variants::NoVariant, bool kIsPaged_ = false, bool kPackGqa_ = false,
-          bool kNarrow_ = false>
+          bool kNarrow_ = false, bool kStreamKPieces_ = false>
 struct FwdConfig {
   using Element = Element_;
   using Variant = Variant_;
@@ -47,6 +49,8 @@ struct FwdConfig {
       kIsSplit_;  // split-KV: fp32 partial outputs for the combine kernel
   static constexpr bool kIsPaged = kIsPaged_;
   static constexpr bool kPackGqa = kPackGqa_;  // packed GQA tiles (pack_gqa_sm90.hpp)
+  static constexpr bool kNarrow = kNarrow_;
+  static constexpr bool kStreamKPieces = kStreamKPieces_;
   static constexpr FwdTileSize kTile =
       fwd_tile_size(kHeadDim, kHeadDimV, Variant::kIsFlex, kHasSoftcap, kNarrow_);
   static constexpr int kBlockM = kTile.block_m;
@@ -54,6 +58,13 @@ struct FwdConfig {
   static constexpr int kStages = kTile.stages;
   static constexpr int kNumMmaWarpGroups = kBlockM / 64;
 };
+
+// The kernel of a config's stream-K tail pieces.
+template <class Config>
+using StreamKPiecesConfig =
+    FwdConfig<typename Config::Element, Config::kHeadDim, Config::kHeadDimV, Config::kHasSoftcap,
+              Config::kIsSplit, typename Config::Variant, Config::kIsPaged, Config::kPackGqa,
+              Config::kNarrow, /*kStreamKPieces=*/true>;
 
 // Whether this tile's boundary block needs its V rows past the keys zeroed: with seqused_k or
 // pages every sequence's may be unfilled; with cu_seqlens alone the rows past a sequence are the
@@ -113,15 +124,16 @@ struct FlashFwdKernelSm90 {
   //   one CTA per tile (bench/NOTES.md, Version 7).
   // The others run such tiles one CTA per tile (flash_fwd_launch_sm90.hpp).
   static constexpr bool kDynamicScheduling = !kIsPaged && kSeparateO;
-  // A stream-K tail (stream_k_sm90.hpp) for the static persistent schedule: in the kernels whose
+  // The stream-K tail (stream_k_sm90.hpp) of the static persistent schedule, in the kernels whose
   // calls can have tiles of equal cost and whose tiles the epilogue writes whole, at the tiles
-  // where its merge fits in the registers (fwd_stream_k_tile).
-#ifndef CUFLASH_FWD_STREAM_K_BUILT
-#define CUFLASH_FWD_STREAM_K_BUILT 1
-#endif
-  static constexpr bool kStreamKTail = CUFLASH_FWD_STREAM_K_BUILT && !kIsSplit && !kIsPaged && !kPackGqa && !kIsFlex &&
-                                       fwd_stream_k_tile(Config::kTile, Config::kHeadDim, Config::kHeadDimV);
-  static_assert(!kStreamKTail || (kSeparateO && kNumMmaWarpGroups == 2),
+  // where its merge fits in the registers (fwd_stream_k_tile). The plain kernel then runs the
+  // whole waves (tiles below dp_tiles) and a second kernel, this one with kStreamKTail, the tail's
+  // pieces: with the pieces' code in the plain kernel its main loop ran 2-4% slower (bench/NOTES.md).
+  static constexpr bool kStreamKEligible = !kIsSplit && !kIsPaged && !kPackGqa && !kIsFlex &&
+                                           fwd_stream_k_tile(Config::kTile, Config::kHeadDim,
+                                                             Config::kHeadDimV);
+  static constexpr bool kStreamKTail = Config::kStreamKPieces;
+  static_assert(!kStreamKTail || (kStreamKEligible && kSeparateO && kNumMmaWarpGroups == 2),
                 "the stream-K tail's tiles: two MMA warpgroups, O in its own buffer");
   struct SeparateOStorage {
     cute::array_aligned<Element, cute::cosize_v<typename Epilogue::SmemLayoutO>, 1024> smem_o;
@@ -149,7 +161,9 @@ struct FlashFwdKernelSm90 {
     float softcap_scale;  // softmax_scale / softcap
     PackGqa packing;  // pack_gqa_sm90.hpp; group 1 when not packed
     Scheduler scheduler;
-    StreamKTail stream_k;  // disabled unless the launch plans one (kStreamKTail kernels)
+    // Disabled unless the launch plans a tail: the plain kernel then stops at stream_k.dp_tiles,
+    // and the kStreamKTail kernel runs the pieces.
+    StreamKTail stream_k;
     typename Variant::Params variant;
     typename Epilogue::Params epilogue;
   };
@@ -276,10 +290,8 @@ struct FlashFwdKernelSm90 {
                                            StreamKCursor<kStreamKTail> const& cursor) {
     TileWork work = tile_work(params, tile);
     if constexpr (kStreamKTail) {
-      if (cursor.in_tail()) {
-        StreamKPiece const piece = cursor.piece(params.stream_k);
-        work.walk = Walk{piece.n_lo, piece.n_hi};
-      }
+      StreamKPiece const piece = cursor.piece(params.stream_k);
+      work.walk = Walk{piece.n_lo, piece.n_hi};
     }
     return work;
   }
@@ -292,7 +304,10 @@ struct FlashFwdKernelSm90 {
     SharedStorage& storage = *reinterpret_cast<SharedStorage*>(smem_buf);
     FwdParams const& p = params.fwd;
     Scheduler const& scheduler = params.scheduler;
-    int const num_tiles = scheduler.num_tiles();
+    // With a stream-K tail the plain kernel runs only the whole waves.
+    int const num_tiles = kStreamKEligible && !kStreamKTail && params.stream_k.enabled()
+                              ? params.stream_k.dp_tiles
+                              : scheduler.num_tiles();
 
     int const warp_group_idx = cutlass::canonical_warp_group_idx();
     int const warp_idx = cutlass::canonical_warp_idx_sync();
@@ -334,15 +349,13 @@ struct FlashFwdKernelSm90 {
         int q_loads = 0;
         int claimed = 0;  // dynamic scheduling: the leader's claim of the next tile
         StreamKCursor<kStreamKTail> cursor;
-        for (int tile_index = cursor.from_stride(params.stream_k, int(blockIdx.x), num_tiles), handoff = 0;
+        for (int tile_index = kStreamKTail ? cursor.start(params.stream_k, num_tiles) : int(blockIdx.x),
+                 handoff = 0;
              tile_index < num_tiles;
-             tile_index = cursor.in_tail()
-                              ? cursor.next(params.stream_k, num_tiles)
-                              : cursor.from_stride(params.stream_k,
-                                                   scheduler.next_tile<kDynamicScheduling>(
-                                                       storage.tile_handoff, handoff++, tile_index,
-                                                       claimed, leader),
-                                                   num_tiles)) {
+             tile_index = kStreamKTail ? cursor.next(params.stream_k, num_tiles)
+                                       : scheduler.next_tile<kDynamicScheduling>(
+                                             storage.tile_handoff, handoff++, tile_index, claimed,
+                                             leader)) {
           if constexpr (kDynamicScheduling) {
             if (leader) claimed = scheduler.claim();
           }
@@ -380,15 +393,13 @@ struct FlashFwdKernelSm90 {
       int q_loads = 0;
       Mainloop::mma_init(thread_idx / cutlass::NumThreadsPerWarpGroup);
       StreamKCursor<kStreamKTail> cursor;
-      for (int tile_index = cursor.from_stride(params.stream_k, int(blockIdx.x), num_tiles), handoff = 0;
+      for (int tile_index = kStreamKTail ? cursor.start(params.stream_k, num_tiles) : int(blockIdx.x),
+               handoff = 0;
            tile_index < num_tiles;
-           tile_index = cursor.in_tail()
-                            ? cursor.next(params.stream_k, num_tiles)
-                            : cursor.from_stride(params.stream_k,
-                                                 scheduler.next_tile<kDynamicScheduling>(
-                                                     storage.tile_handoff, handoff++, tile_index,
-                                                     /*claimed=*/0, /*writer=*/false),
-                                                 num_tiles)) {
+           tile_index = kStreamKTail ? cursor.next(params.stream_k, num_tiles)
+                                     : scheduler.next_tile<kDynamicScheduling>(
+                                           storage.tile_handoff, handoff++, tile_index,
+                                           /*claimed=*/0, /*writer=*/false)) {
         FwdTile const tile = scheduler.tile(tile_index);
         TileWork const work = tile_work(params, tile, cursor);
         if (!work.has_rows) continue;
@@ -415,15 +426,13 @@ struct FlashFwdKernelSm90 {
             // A piece of a tile shared with other CTAs: the last to finish merges the others and
             // writes the tile; the others leave their state to it and skip the epilogue.
             bool last = true;
-            if (cursor.in_tail()) {
-              StreamKPiece const piece = cursor.piece(params.stream_k);
-              if (piece.num_pieces > 1) {
-                Tensor acc = make_tensor(tOrO.data(), acc_rowcol_layout(tOrO.layout()));
-                last = stream_k_meet<kNumMmaThreads, kRowsPerThread>(
-                    params.stream_k, piece, int(blockIdx.x), thread_idx, &storage.stream_k_arrival,
-                    int(FwdNamedBarrier::kStreamK), acc, softmax.row_max, softmax.row_sum,
-                    params.scale_log2);
-              }
+            StreamKPiece const piece = cursor.piece(params.stream_k);
+            if (piece.num_pieces > 1) {
+              Tensor acc = make_tensor(tOrO.data(), acc_rowcol_layout(tOrO.layout()));
+              last = stream_k_meet<kNumMmaThreads, kRowsPerThread>(
+                  params.stream_k, piece, int(blockIdx.x), thread_idx, &storage.stream_k_arrival,
+                  int(FwdNamedBarrier::kStreamK), acc, softmax.row_max, softmax.row_sum,
+                  params.scale_log2);
             }
             if (!last) {
               if constexpr (!kSeparateO) storage.barrier_q.empty.arrive();  // Q's buffer is free

@@ -44,11 +44,13 @@ void launch_flash_fwd_sm90(FwdParams& params, cudaStream_t stream) {
   int const max_ctas = unequal_tiles && !dynamic ? num_tiles : num_sm;
   dim3 grid = Kernel::grid_shape(kernel_params, max_ctas);
   // Equal tiles whose last wave leaves SMs idle: a stream-K tail where dispatch planned one and
-  // gave its workspace (fwd_stream_k_ctas, for this kernel's tile).
-  if constexpr (Kernel::kStreamKTail) {
+  // gave its workspace (fwd_stream_k_ctas, for this kernel's tile). This kernel then runs the
+  // whole waves, the pieces' kernel the rest.
+  StreamKTail tail;
+  if constexpr (Kernel::kStreamKEligible) {
     if (!unequal_tiles && params.stream_k_ctas > 0 && params.stream_k_sync != nullptr) {
       int const n_blocks = (params.seqlen_k + Kernel::kBlockN - 1) / Kernel::kBlockN;
-      StreamKTail tail = plan_stream_k_tail(num_tiles, n_blocks, num_sm, params.stream_k_ctas);
+      tail = plan_stream_k_tail(num_tiles, n_blocks, num_sm, params.stream_k_ctas);
       if (tail.enabled()) {
         tail.sync = params.stream_k_sync;
         tail.partial = params.stream_k_partial;
@@ -69,8 +71,24 @@ void launch_flash_fwd_sm90(FwdParams& params, cudaStream_t stream) {
   check_launch(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     Kernel::kSharedStorageBytes),
                "cuflash forward: cannot reserve shared memory");
-  kernel<<<grid, Kernel::kNumThreads, Kernel::kSharedStorageBytes, stream>>>(kernel_params);
-  check_launch(cudaGetLastError(), "cuflash forward: kernel launch failed");
+  if (!tail.enabled() || tail.dp_tiles > 0) {
+    kernel<<<grid, Kernel::kNumThreads, Kernel::kSharedStorageBytes, stream>>>(kernel_params);
+    check_launch(cudaGetLastError(), "cuflash forward: kernel launch failed");
+  }
+  if constexpr (Kernel::kStreamKEligible) {
+    if (tail.enabled()) {
+      using PiecesKernel = FlashFwdKernelSm90<StreamKPiecesConfig<Config>>;
+      typename PiecesKernel::Params pieces_params = PiecesKernel::to_params(params);
+      pieces_params.stream_k = tail;
+      auto pieces = &flash_fwd_kernel_sm90<PiecesKernel>;
+      check_launch(cudaFuncSetAttribute(pieces, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        PiecesKernel::kSharedStorageBytes),
+                   "cuflash forward: cannot reserve shared memory (stream-K pieces)");
+      pieces<<<dim3(unsigned(tail.sk_ctas)), PiecesKernel::kNumThreads,
+               PiecesKernel::kSharedStorageBytes, stream>>>(pieces_params);
+      check_launch(cudaGetLastError(), "cuflash forward: stream-K pieces launch failed");
+    }
+  }
 }
 
 template <class Element, int kHeadDim, int kHeadDimV, bool kHasSoftcap, bool kIsSplit,

@@ -3,9 +3,9 @@
 // With T tiles on G CTAs the stride walk gives ceil(T / G) tiles to some CTAs and floor(T / G)
 // to the others: the last wave runs T mod G tiles while the rest of the SMs idle (at 16k tokens
 // and hdim 128 on the H200, 2048 tiles are 15.5 waves of 132: 3% of the run). With a stream-K
-// tail the stride walk stops after floor(T / G) waves, and the n-blocks of the T mod G tiles left
-// (the units) are cut into one contiguous range per CTA: CTA c takes units [begin(c), begin(c+1)),
-// tile by tile, so a tile is computed in pieces by consecutive CTAs.
+// tail the plain kernel stops after floor(T / G) waves, and a second kernel (kStreamKPieces) cuts
+// the n-blocks of the T mod G tiles left (the units) into one contiguous range per CTA: CTA c takes
+// units [begin(c), begin(c+1)), tile by tile, so a tile is computed in pieces by consecutive CTAs.
 // Each piece runs the usual mainloop over its n-blocks and ends with the unnormalised output, the
 // running max and this thread's share of the running sum of its rows. Per warp (a warp's rows are
 // its own in every piece: the same thread holds the same rows), the pieces of a tile meet in
@@ -31,36 +31,33 @@
 
 namespace cuflash::sm90 {
 
-// Device: where a CTA is in its work: the stride walk's tiles below dp_tiles, then the pieces of
-// its tail range. Every role of the CTA walks the same cursor. kEnabled false (kernels without a
-// stream-K tail): the stride walk alone, and no tail code.
+// Device: where a CTA of the pieces' kernel is in its range. Every role of the CTA walks the same
+// cursor. kEnabled false (every other kernel): never used, no code.
 template <bool kEnabled>
 struct StreamKCursor {
-  // The current piece's first unit (-1 in the stride walk) and the end of this CTA's range; the
-  // rest of the piece is computed when asked (the producer has few registers to keep it in).
-  int unit = -1;
+  // The current piece's first unit and the end of this CTA's range; the rest of the piece is
+  // computed when asked (the producer has few registers to keep it in).
+  int unit = 0;
   int unit_end = 0;
 
-  CUTLASS_DEVICE bool in_tail() const { return kEnabled && unit >= 0; }
-  // The tile to run after the stride walk gave `index`; num_tiles when there is none.
-  CUTLASS_DEVICE int from_stride(StreamKTail const& sk, int index, int num_tiles) {
-    if (!kEnabled || !sk.enabled() || index < sk.dp_tiles) return index;
+  // This CTA's first tile; num_tiles when its range is empty.
+  CUTLASS_DEVICE int start(StreamKTail const& sk, int num_tiles) {
     int const cta = int(blockIdx.x);
     unit = cta < sk.sk_ctas ? sk.begin(cta) : 0;
     unit_end = cta < sk.sk_ctas ? sk.begin(cta + 1) : 0;
-    return tail_tile(sk, num_tiles);
+    return tile(sk, num_tiles);
   }
   // The tile after the current piece's: the next tile's first unit.
   CUTLASS_DEVICE int next(StreamKTail const& sk, int num_tiles) {
     unit = stream_k_next_unit(sk, unit);
-    return tail_tile(sk, num_tiles);
+    return tile(sk, num_tiles);
   }
   CUTLASS_DEVICE StreamKPiece piece(StreamKTail const& sk) const {
     return stream_k_piece(sk, unit, unit_end);
   }
 
  private:
-  CUTLASS_DEVICE int tail_tile(StreamKTail const& sk, int num_tiles) const {
+  CUTLASS_DEVICE int tile(StreamKTail const& sk, int num_tiles) const {
     return unit < unit_end ? sk.dp_tiles + unit / sk.n_blocks : num_tiles;
   }
 };
