@@ -90,11 +90,16 @@ constexpr bool fwd_stream_k_tile(FwdTileSize tile, int head_dim, int head_dim_v)
 
 // The stream-K tail of the forward's static schedule (stream_k_sm90.hpp): with num_tiles tiles
 // of n_blocks n-blocks each on `grid` CTAs, the last (num_tiles mod grid) tiles are cut into one
-// range of n-blocks per CTA. Returns how many CTAs share them, or 0 where the cut does not pay.
+// range of n-blocks per CTA, run by a second kernel. Returns how many CTAs share them, or 0 where
+// the cut does not pay.
 // Cost model, in n-blocks: a whole tile in the last wave costs n_blocks + fixed; a CTA's share
 // costs its n-blocks plus the fixed cost of each piece it touches (at worst one more than its
 // share spans) plus a quarter n-block per other piece its merge reads. Cut when the share costs
-// under 0.9 of a whole tile. Shares are at least two n-blocks: a piece of one is mostly fixed cost.
+// under 0.9 of a whole tile and saves more than kOverhead n-blocks: the second kernel, its
+// workspace and the merges cost about that much at hdim128 on the H200 (measured: the cut lost
+// 3.7% / 0.5% at 2k / 4k keys, where this model saves 5 / 13 n-blocks, and gained 0.6% / 3.6% at
+// 8k / 16k, where it saves 29 / 60; bench/NOTES.md). Shares are at least two n-blocks: a piece of
+// one is mostly fixed cost.
 // always: cut whenever more CTAs than tail tiles can share the tail, whatever the model says
 // (tests, timing).
 inline int stream_k_tail_ctas(long long num_tiles, int n_blocks, int grid, double fixed_cost,
@@ -112,7 +117,8 @@ inline int stream_k_tail_ctas(long long num_tiles, int n_blocks, int grid, doubl
   long long const pieces_per_tile = (n_blocks + per_cta - 1) / per_cta + 1;
   double const whole = n_blocks + fixed_cost;
   double const cut = double(per_cta) + fixed_cost * double(pieces_per_cta) + 0.25 * double(pieces_per_tile - 1);
-  return cut < 0.9 * whole ? int(sk_ctas) : 0;
+  constexpr double kOverhead = 16;
+  return cut < 0.9 * whole && whole - cut > kOverhead ? int(sk_ctas) : 0;
 }
 
 }  // namespace cuflash::sm90

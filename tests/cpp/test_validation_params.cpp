@@ -564,9 +564,13 @@ TEST(ParamsForward, StreamKTailChoice) {
   expect_setting_refused(parse_fwd_stream_k, "on", "CUFLASH_FWD_STREAM_K");
 
   using sm90::stream_k_tail_ctas;
-  // hdim128 at 16k tokens: 2048 tiles are 15.5 waves of 132; the 68 left share all the CTAs.
-  EXPECT_EQ(stream_k_tail_ctas(2048, 16, 132, 1.7), 132);
+  // hdim128 at 16k tokens: 2048 tiles are 15.5 waves of 132; the 68 left share all the CTAs
+  // where their rows are long enough to pay for the second kernel (8k and 16k keys, not 2k / 4k).
+  EXPECT_EQ(stream_k_tail_ctas(2048, 16, 132, 1.7), 0);
+  EXPECT_EQ(stream_k_tail_ctas(2048, 32, 132, 1.7), 0);
+  EXPECT_EQ(stream_k_tail_ctas(2048, 64, 132, 1.7), 132);
   EXPECT_EQ(stream_k_tail_ctas(2048, 128, 132, 1.7), 132);
+  EXPECT_EQ(stream_k_tail_ctas(2048, 16, 132, 1.7, /*always=*/true), 132);
   // Whole waves, one n-block per tile, a single CTA: nothing to cut.
   EXPECT_EQ(stream_k_tail_ctas(132 * 15, 16, 132, 1.7), 0);
   EXPECT_EQ(stream_k_tail_ctas(2048, 1, 132, 1.7), 0);
@@ -579,8 +583,8 @@ TEST(ParamsForward, StreamKTailChoice) {
   EXPECT_EQ(stream_k_tail_ctas(3, 8, 132, 1.7, /*always=*/true), 12);
 
   FwdParams p;
-  p.batch = 8;
-  p.seqlen_q = p.seqlen_k = 2048;
+  p.batch = 2;
+  p.seqlen_q = p.seqlen_k = 8192;
   p.num_heads = p.num_heads_kv = 16;
   p.head_dim = p.head_dim_v = 128;
   p.num_sm = 132;
