@@ -285,6 +285,27 @@ struct FlashFwdKernelSm90 {
     }
   }
 
+  // Where a role's walk over the tiles starts and goes on: the scheduler's walk, or (the pieces'
+  // kernel) this CTA's pieces. Every role of a CTA makes the same calls.
+  CUTLASS_DEVICE static int first_tile(Params const& params, StreamKCursor<kStreamKTail>& cursor,
+                                       int num_tiles) {
+    if constexpr (kStreamKTail) {
+      return cursor.start(params.stream_k, num_tiles);
+    } else {
+      return int(blockIdx.x);
+    }
+  }
+  CUTLASS_DEVICE static int next_tile(Params const& params, StreamKCursor<kStreamKTail>& cursor,
+                                      TileHandoff& ring, int handoff, int index, int num_tiles,
+                                      int claimed, bool writer) {
+    if constexpr (kStreamKTail) {
+      return cursor.next(params.stream_k, num_tiles);
+    } else {
+      return params.scheduler.template next_tile<kDynamicScheduling>(ring, handoff, index, claimed,
+                                                                     writer);
+    }
+  }
+
   // A stream-K piece visits its own n-blocks of the tile.
   CUTLASS_DEVICE static TileWork tile_work(Params const& params, FwdTile const& tile,
                                            StreamKCursor<kStreamKTail> const& cursor) {
@@ -349,13 +370,10 @@ struct FlashFwdKernelSm90 {
         int q_loads = 0;
         int claimed = 0;  // dynamic scheduling: the leader's claim of the next tile
         StreamKCursor<kStreamKTail> cursor;
-        for (int tile_index = kStreamKTail ? cursor.start(params.stream_k, num_tiles) : int(blockIdx.x),
-                 handoff = 0;
+        for (int tile_index = first_tile(params, cursor, num_tiles), handoff = 0;
              tile_index < num_tiles;
-             tile_index = kStreamKTail ? cursor.next(params.stream_k, num_tiles)
-                                       : scheduler.next_tile<kDynamicScheduling>(
-                                             storage.tile_handoff, handoff++, tile_index, claimed,
-                                             leader)) {
+             tile_index = next_tile(params, cursor, storage.tile_handoff, handoff++, tile_index,
+                                    num_tiles, claimed, leader)) {
           if constexpr (kDynamicScheduling) {
             if (leader) claimed = scheduler.claim();
           }
@@ -393,13 +411,10 @@ struct FlashFwdKernelSm90 {
       int q_loads = 0;
       Mainloop::mma_init(thread_idx / cutlass::NumThreadsPerWarpGroup);
       StreamKCursor<kStreamKTail> cursor;
-      for (int tile_index = kStreamKTail ? cursor.start(params.stream_k, num_tiles) : int(blockIdx.x),
-               handoff = 0;
+      for (int tile_index = first_tile(params, cursor, num_tiles), handoff = 0;
            tile_index < num_tiles;
-           tile_index = kStreamKTail ? cursor.next(params.stream_k, num_tiles)
-                                     : scheduler.next_tile<kDynamicScheduling>(
-                                           storage.tile_handoff, handoff++, tile_index,
-                                           /*claimed=*/0, /*writer=*/false)) {
+           tile_index = next_tile(params, cursor, storage.tile_handoff, handoff++, tile_index,
+                                  num_tiles, /*claimed=*/0, /*writer=*/false)) {
         FwdTile const tile = scheduler.tile(tile_index);
         TileWork const work = tile_work(params, tile, cursor);
         if (!work.has_rows) continue;
