@@ -433,15 +433,22 @@ def _check_block_sparse(call: _Call, lists: Sequence[Optional[Tensor]], names: S
     FlexAttention's BlockMask for block size BLOCK_M x BLOCK_N."""
     framework = call.framework
     # Lists are per sequence: with cu_seqlens they count blocks over the longest sequence (the
-    # max_seqlen hints), with a page table over the keys it addresses (max_pages * page_size).
+    # max_seqlen hints; on the CPU read from cu_seqlens when not given), with a page table over
+    # the keys it addresses (max_pages * page_size).
     def longest(length, cu_seqlens, hint, side, block, blocks):
-        if cu_seqlens is None:
-            return length
-        if hint is None:
-            _fail(ValueError, f"max_seqlen_{side}", f"block sparsity with cu_seqlens_{side} needs max_seqlen_{side}: "
-                                                    f"the lists count ceil(max_seqlen_{side} / {block}) {blocks} "
-                                                    f"blocks per sequence")
-        return hint
+        if cu_seqlens is None or hint is not None:
+            return length if cu_seqlens is None else hint
+        if call.device[0] == "cpu":
+            try:
+                offsets = np.asarray(framework.to_numpy(cu_seqlens), np.int64)
+            except Exception:  # a traced array (JAX under jit) has no host values
+                offsets = None
+            if offsets is not None and offsets.size >= 2:
+                return int(np.max(np.diff(offsets)))
+        _fail(ValueError, f"max_seqlen_{side}", f"block sparsity with cu_seqlens_{side} on the GPU (or traced) needs "
+                                                f"max_seqlen_{side}: the lists count ceil(max_seqlen_{side} / {block}) "
+                                                f"{blocks} blocks per sequence, and reading cu_seqlens_{side} would "
+                                                f"wait for the device")
 
     seqlen_q = longest(call.seqlen_q, call.cu_seqlens_q, call.max_seqlen_q, "q", BLOCK_M, "row")
     seqlen_k = call.seqlen_k

@@ -415,11 +415,18 @@ def test_block_sparse_varlen(rng):
     expected_out, expected_lse, _ = varlen_reference(q, k, v, cu_q, cu_k, opts)
     assert_close(out, expected_out, what="out")
     assert_lse_close(lse, expected_lse)
-    # Without the hints the lists' block counts are unknown.
-    with pytest.raises(ValueError, match="^max_seqlen_q: .*cu_seqlens_q"):
-        internal_forward(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_k=300, block_sparse=lists)
-    with pytest.raises(ValueError, match="^max_seqlen_k: .*cu_seqlens_k"):
-        internal_forward(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=300, block_sparse=lists)
+    # On the CPU the hints may be left out: the longest sequences are read from cu_seqlens (on
+    # the GPU that read would wait for the device, so there the hints are required).
+    for hints in ({"max_seqlen_k": 300}, {"max_seqlen_q": 300}, {}):
+        out_read, lse_read = internal_forward(q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                              mask_mod=cuflash.masks.sliding_window(100, 40), block_sparse=lists,
+                                              **hints)
+        np.testing.assert_array_equal(out_read, out)
+        np.testing.assert_array_equal(lse_read, lse)
+    # Lists counted over other lengths than the longest sequences are refused by shape.
+    with pytest.raises(ValueError, match="block"):
+        internal_forward(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=600, max_seqlen_k=300,
+                         block_sparse=lists)
 
 
 def test_block_sparse_paged(rng):
