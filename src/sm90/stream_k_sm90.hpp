@@ -80,7 +80,6 @@ CUTLASS_DEVICE bool stream_k_meet(StreamKTail const& sk, StreamKPiece const& pie
   // written and read through L2 (the reader is another SM).
   constexpr int kVecs = kRows * kCols / 4 + 1;  // the output, then (max, max, sum, sum)
   int const warp = thread_idx / 32, lane = thread_idx % 32;
-  int* const ready = sk.sync + int(gridDim.x);  // [slot][warp], after the arrivals [tail tile]
   auto slot_vec = [&](int slot, int v) {
     return reinterpret_cast<float4*>(sk.partial) +
            (size_t(slot) * kVecs + v) * kNumMmaThreads + thread_idx;
@@ -90,7 +89,7 @@ CUTLASS_DEVICE bool stream_k_meet(StreamKTail const& sk, StreamKPiece const& pie
   // synchronises the MMA warpgroups): thread 0 adds, the others read it from shared memory. The
   // first barrier keeps the previous piece's value until every thread has read it.
   cutlass::arch::NamedBarrier::sync(kNumMmaThreads, barrier_id);
-  if (thread_idx == 0) *arrival = atomicAdd(sk.sync + piece.tile, 1);
+  if (thread_idx == 0) *arrival = atomicAdd(sk.sync + sk.arrival_index(piece.tile), 1);
   cutlass::arch::NamedBarrier::sync(kNumMmaThreads, barrier_id);
   int const arrived = *reinterpret_cast<int volatile*>(arrival);
   int const own = cta - piece.first_cta;
@@ -107,13 +106,14 @@ CUTLASS_DEVICE bool stream_k_meet(StreamKTail const& sk, StreamKPiece const& pie
     // Each lane's stores are made visible device-wide before lane 0 raises the flag.
     __threadfence();
     __syncwarp();
-    if (lane == 0) semaphore_increment(ready + slot * kWarps + warp);
+    if (lane == 0) semaphore_increment(sk.sync + sk.ready_index(slot, warp, kWarps));
     return false;
   }
   // The last piece: every other piece has arrived; wait until its state is written. Every lane
   // polls (one request per warp) and acquires for itself.
   for (int p = 0; p < piece.num_pieces; ++p) {
-    if (p != own) semaphore_poll_eq(ready + sk.slot(piece.first_cta + p, piece.tile) * kWarps + warp, 1);
+    if (p != own)
+      semaphore_poll_eq(sk.sync + sk.ready_index(sk.slot(piece.first_cta + p, piece.tile), warp, kWarps), 1);
   }
   // Maxima first, then every piece's rows rescaled to them and summed in piece order. Each term
   // is one fused multiply-add whether the piece is this thread's registers or a slot, so the bits

@@ -18,6 +18,7 @@ struct StreamKTail {
   int n_blocks = 0;   // n-blocks per tile (every tile has the same)
   int num_units = 0;  // n-blocks of the tail: (num_tiles - dp_tiles) * n_blocks
   int sk_ctas = 0;    // CTAs [0, sk_ctas) share the tail; 0: no stream-K tail
+  int grid = 0;       // the plan's grid: more than the tail tiles, and the ready flags' offset
   int* sync = nullptr;       // arrivals [grid] (per tail tile), then ready flags [2 grid][warp]
   float* partial = nullptr;  // [2 grid] slots of a piece's state (stream_k_meet's layout)
 
@@ -31,6 +32,12 @@ struct StreamKTail {
     while (c + 1 < sk_ctas && begin(c + 1) <= u) ++c;
     while (c > 0 && begin(c) > u) --c;
     return c;
+  }
+  // Arrival counter of tail tile j, and ready flag of a slot's warp, as indices into sync: the
+  // flags start past every arrival counter (tail tiles < grid), whatever sk_ctas is.
+  CUFLASH_HOST_DEVICE int arrival_index(int tile) const { return tile; }
+  CUFLASH_HOST_DEVICE int ready_index(int slot, int warp, int warps) const {
+    return grid + slot * warps + warp;
   }
   // The slot of CTA c's piece of tail tile j: a CTA has at most two pieces that are not whole
   // tiles, its first (slot 2c) and its last (slot 2c + 1).
@@ -48,6 +55,7 @@ inline StreamKTail plan_stream_k_tail(int num_tiles, int n_blocks, int grid, int
   StreamKTail plan;
   int const tail_tiles = grid > 0 ? num_tiles % grid : 0;
   if (sk_ctas <= 0 || tail_tiles == 0 || n_blocks <= 0) return plan;
+  plan.grid = grid;
   plan.dp_tiles = num_tiles - tail_tiles;
   plan.n_blocks = n_blocks;
   plan.num_units = tail_tiles * n_blocks;

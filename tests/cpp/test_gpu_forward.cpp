@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "api/params_builder.hpp"
 #include "cuflash/cuflash.hpp"
 #include "gpu_test_problem.hpp"
 #include "gpu_test_util.hpp"
@@ -216,6 +217,25 @@ Result run_gpu(const Problem& pb) {
   return result;
 }
 
+// How many CTAs share the stream-K tail of a dense, non-causal case on this device under
+// "always" (dispatch's plan, detail::fwd_stream_k_ctas); 0: the case runs no tail here.
+int stream_k_ctas_here(const FwdCase& c) {
+  int device = 0;
+  FwdParams p;
+  gpu_testing::check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  gpu_testing::check_cuda(cudaDeviceGetAttribute(&p.num_sm, cudaDevAttrMultiProcessorCount, device),
+                          "SM count");
+  p.batch = c.batch;
+  p.seqlen_q = c.seqlen_q;
+  p.seqlen_k = c.seqlen_k;
+  p.num_heads = c.heads;
+  p.num_heads_kv = c.heads_kv;
+  p.head_dim = c.head_dim;
+  p.head_dim_v = c.head_dim_v;
+  p.softcap = c.softcap;
+  return detail::fwd_stream_k_ctas(p, detail::FwdStreamK::kAlways);
+}
+
 class GpuForward : public ::testing::TestWithParam<FwdCase> {};
 
 TEST_P(GpuForward, MatchesReference) {
@@ -229,6 +249,7 @@ TEST_P(GpuForward, MatchesReference) {
   expect_output_close("out", gpu->out, naive.out, ref.out);
   if (c.with_lse) expect_output_close("lse", gpu->lse, naive.lse, ref.lse);
   if (c.stream_k) {  // the merge order is fixed: a second run gives the same bits
+    EXPECT_GT(stream_k_ctas_here(c), 0) << "the case's shape leaves no stream-K tail on this device";
     const Result again = run_gpu(pb);
     EXPECT_TRUE(again.out == gpu->out) << "out differs between two runs";
     EXPECT_TRUE(again.lse == gpu->lse) << "lse differs between two runs";

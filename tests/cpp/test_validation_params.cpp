@@ -633,7 +633,8 @@ TEST(ParamsForward, StreamKTailChoice) {
 
 // The cut itself, walked as the kernel's CTAs walk it: every unit of every tail tile belongs to
 // exactly one piece; a tile's pieces are consecutive CTAs; every piece that shares its tile has a
-// slot of its own, and the arrival counters stay below the grid.
+// slot of its own, and the arrival counters stay clear of the ready flags. Any number of sharing
+// CTAs (fewer than the tail tiles too, which the cost model never picks) must give a sound cut.
 TEST(ParamsForward, StreamKTailPiecesCoverTheTail) {
   for (int grid : {3, 7, 132}) {
     for (int num_tiles : {1, 2, 5, grid - 1, grid + 1, 2 * grid + 5, 15 * grid + 68}) {
@@ -660,7 +661,10 @@ TEST(ParamsForward, StreamKTailPiecesCoverTheTail) {
               const sm90::StreamKPiece piece = sm90::stream_k_piece(sk, unit, end);
               ASSERT_LT(piece.n_lo, piece.n_hi);
               ASSERT_LE(piece.n_hi, n_blocks);
-              EXPECT_LT(piece.tile, grid);
+              // Arrival counters and ready flags (8 warps) stay apart and inside the zeroed
+              // region (grid * (1 + 2 * 8) ints), whatever the number of sharing CTAs.
+              EXPECT_LT(sk.arrival_index(piece.tile), sk.ready_index(0, 0, 8));
+              EXPECT_LT(sk.ready_index(2 * sk.sk_ctas - 1, 7, 8), grid * (1 + 2 * 8));
               for (int n = piece.n_lo; n < piece.n_hi; ++n) {
                 int& who = owner[piece.tile * n_blocks + n];
                 EXPECT_EQ(who, -1);
@@ -670,7 +674,7 @@ TEST(ParamsForward, StreamKTailPiecesCoverTheTail) {
               pieces.push_back({cta, piece.tile, piece.first_cta, piece.num_pieces});
               if (piece.num_pieces > 1) {
                 const int slot = sk.slot(cta, piece.tile);
-                EXPECT_LT(slot, 2 * grid);
+                EXPECT_LT(slot, 2 * sk.sk_ctas);
                 EXPECT_TRUE(slots.insert(slot).second) << "slot " << slot << " taken twice";
               }
             }
