@@ -12,7 +12,7 @@
 # RACECHECK_FILTER, PER_TEST_TIMEOUT (test_each), PYTEST_K (a -k expression), PYTEST_ARGS, JIT_MODULES (0: do not build the GPU tests' callable modules first), PYTEST_TIMEOUT, BENCH_ARGS, BENCH_ENV_B (run the
 # benchmark a second time with these VAR=value settings), BENCH_BWD_ARGS (bench/bench_bwd.py), BENCH_BWD_ARGS_B / BENCH_BWD_ENV_B, _C and _D (more passes with these arguments / VAR=value settings, tagged _b / _c / _d),
 # BENCH_BWD_TIMEOUT (seconds, default 300: a hung backward kernel ends the step, not the call), PROFILE
-# (ncu targets for the profile step, see there), BUILD_DIR, CMAKE_EXTRA, BENCH_FLEX_ARGS, BENCH_FLEX_TIMEOUT, BENCH_GQA_ARGS, BENCH_GQA_TIMEOUT, JOBS.
+# (ncu targets for the profile step, see there), PROFILE_KERNEL_ARGS, BUILD_DIR, CMAKE_EXTRA, BENCH_FLEX_ARGS, BENCH_FLEX_TIMEOUT, BENCH_GQA_ARGS, BENCH_GQA_TIMEOUT, JOBS.
 # Carry `.cutlass` (CUTLASS headers) and, where the machine has no GoogleTest, `.deps` (a
 # googletest source tree at .deps/googletest); tools/prepare_device_carry.sh makes both here.
 set -uo pipefail
@@ -245,7 +245,11 @@ if has_step profile; then
     start=$(date +%s)
     name="ncu_${kind}_d${hdim}_s${seqlen}_c${causal}${det:+_det$det}"
     rm -f "/tmp/$name.ncu-rep"  # a failed run must not report an older profile
-    PYTHONPATH="$pkg" timeout "${PROFILE_TIMEOUT:-120}" ncu --set full -o "/tmp/$name" -f -k "$kernel" -s 1 -c 1 \
+    # PROFILE_KERNEL_ARGS replaces the kernel choice, e.g. the stream-K pieces' kernel:
+    # "--kernel-name-base mangled -k regex:Lb1EEEEEEEvNT_6ParamsE -s 1".
+    # shellcheck disable=SC2086
+    PYTHONPATH="$pkg" timeout "${PROFILE_TIMEOUT:-120}" ncu --set full -o "/tmp/$name" -f \
+      ${PROFILE_KERNEL_ARGS:--k $kernel -s 1} -c 1 \
       python3 "$ROOT/bench/profile_kernel.py" --hdim "$hdim" --seqlen "$seqlen" --causal "$causal" $extra \
       >"/tmp/$name.log" 2>&1
     note "profile $spec: rc=$? in $(( $(date +%s) - start )) s"
