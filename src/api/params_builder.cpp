@@ -412,10 +412,8 @@ int fwd_stream_k_ctas(const FwdParams& params, FwdStreamK setting) {
   const KernelHeadDims dims = kernel_head_dims(params.head_dim, params.head_dim_v);
   const bool softcap = params.softcap > 0.f;
   // The plain hdim64 kernel's second tile, as its launch picks it (run_flash_fwd_sm90).
-  const bool narrow = !softcap && (params.tile_rows == 128 ||
-                                   (params.tile_rows == 0 &&
-                                    sm90::fwd_narrow_tile_pays(params.seqlen_q, params.seqlen_k,
-                                                               params.window_left, params.window_right)));
+  const bool narrow = !softcap && sm90::fwd_plain_narrow_tile(params.tile_rows, params.seqlen_q, params.seqlen_k,
+                                                              params.window_left, params.window_right);
   const sm90::FwdTileSize tile = sm90::fwd_tile_size(dims.head_dim, dims.head_dim_v, /*flex=*/false, softcap, narrow);
   if (!sm90::fwd_stream_k_tile(tile, dims.head_dim, dims.head_dim_v)) return 0;
   const long long num_tiles = (long long)((params.seqlen_q + tile.block_m - 1) / tile.block_m) *

@@ -99,10 +99,8 @@ void run_flash_fwd_sm90(FwdParams& params, cudaStream_t stream) {
   // on two, for short sequences (params.tile_rows, fwd_narrow_tile_pays).
   if constexpr (Config::kNumMmaWarpGroups == 3 && !kHasSoftcap && !kIsSplit && !Variant::kIsFlex &&
                 !kIsPaged && !kPackGqa) {
-    bool const narrow = params.tile_rows == 128 ||
-                        (params.tile_rows == 0 && fwd_narrow_tile_pays(params.seqlen_q, params.seqlen_k,
-                                                                       params.window_left, params.window_right));
-    if (narrow) {
+    if (fwd_plain_narrow_tile(params.tile_rows, params.seqlen_q, params.seqlen_k,
+                              params.window_left, params.window_right)) {
       launch_flash_fwd_sm90<FwdConfig<Element, kHeadDim, kHeadDimV, kHasSoftcap, kIsSplit, Variant, kIsPaged,
                                       kPackGqa, /*kNarrow=*/true>>(params, stream);
       return;

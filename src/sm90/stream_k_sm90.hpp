@@ -137,14 +137,9 @@ CUTLASS_DEVICE bool stream_k_meet(StreamKTail const& sk, StreamKPiece const& pie
                     : __ldcg(slot_vec(sk.slot(piece.first_cta + p, piece.tile), kVecs - 1));
   };
   float sum_all[kRows] = {0.f, 0.f};
-  for (int p = 0; p < piece.num_pieces; ++p) {
-    float4 const stats = stats_of(p);
-    sum_all[0] = __fmaf_rn(stats.z, factor(stats.x, 0), sum_all[0]);
-    sum_all[1] = __fmaf_rn(stats.w, factor(stats.y, 1), sum_all[1]);
-  }
   // Row by row, and within a row piece by piece, so that a slot's loads for the row are issued
-  // together (the merge is bound by their latency otherwise); each element still adds its terms
-  // in piece order.
+  // together (the merge is bound by their latency otherwise); each element, and the row's sum,
+  // still adds its terms in piece order.
   CUTLASS_PRAGMA_UNROLL
   for (int m = 0; m < kRows; ++m) {
     float acc[kCols];
@@ -153,6 +148,7 @@ CUTLASS_DEVICE bool stream_k_meet(StreamKTail const& sk, StreamKPiece const& pie
     for (int p = 0; p < piece.num_pieces; ++p) {
       float4 const stats = stats_of(p);
       float const f = factor(m == 0 ? stats.x : stats.y, m);
+      sum_all[m] = __fmaf_rn(m == 0 ? stats.z : stats.w, f, sum_all[m]);
       if (p == own) {
         CUTLASS_PRAGMA_UNROLL
         for (int n = 0; n < kCols; ++n) acc[n] = __fmaf_rn(out(m, n), f, acc[n]);

@@ -75,6 +75,15 @@ inline bool fwd_narrow_tile_pays(int seqlen_q, int seqlen_k, int window_left, in
   return area(128) * kNarrowCost < area(192);
 }
 
+// Whether the plain (not softcap) hdim64 kernel runs its 128-row tile for a call: tile_rows is
+// FwdParams::tile_rows (128 or 192 forced, 0: by fwd_narrow_tile_pays). The launch and
+// dispatch's stream-K count both ask this.
+inline bool fwd_plain_narrow_tile(int tile_rows, int seqlen_q, int seqlen_k, int window_left,
+                                  int window_right) {
+  return tile_rows == 128 ||
+         (tile_rows == 0 && fwd_narrow_tile_pays(seqlen_q, seqlen_k, window_left, window_right));
+}
+
 // A tile's cost beyond its n-blocks, in n-blocks: the first Q K^T and softmax with no P V beside
 // them, the last P V, the epilogue. Fitted to the measured throughput over sequence length
 // (bench/NOTES.md): about 1.7 at hdim 128, 3.2 at hdim 256.
