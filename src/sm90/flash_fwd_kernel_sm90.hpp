@@ -24,6 +24,7 @@
 #include "sm90/seqlen_info.hpp"
 #include "sm90/softmax.hpp"
 #include "sm90/stream_k_sm90.hpp"
+#include "sm90/trace_sm90.hpp"
 #include "sm90/tile_scheduler_sm90.hpp"
 #include "sm90/tile_size_sm90.hpp"
 #include "variants/variant.hpp"
@@ -185,14 +186,14 @@ struct FlashFwdKernelSm90 {
             float(M_LOG2E) * exp_scale,
             has_softcap ? p.softmax_scale / p.softcap : 0.f,
             PackGqa{pack_group, cutlass::FastDivmod(pack_group)},
-            Scheduler{cute::ceil_div(p.seqlen_q * pack_group, kBlockM), tile_heads, p.batch,
-                      kIsSplit ? p.num_splits : 1, longest_first,
-                      Scheduler::choose_section_size(
-                          (long long)p.seqlen_k * (p.head_dim + p.head_dim_v) *
-                              (long long)sizeof(Element),
-                          tile_heads / p.num_heads_kv,
-                          tile_heads * p.batch * (kIsSplit ? p.num_splits : 1)),
-                      /*tile_counter=*/nullptr},  // set by the launch when it schedules dynamically
+            // tile_counter: set by the launch when it schedules dynamically
+            Scheduler::make(cute::ceil_div(p.seqlen_q * pack_group, kBlockM), tile_heads, p.batch,
+                            kIsSplit ? p.num_splits : 1, longest_first,
+                            Scheduler::choose_section_size(
+                                (long long)p.seqlen_k * (p.head_dim + p.head_dim_v) *
+                                    (long long)sizeof(Element),
+                                tile_heads / p.num_heads_kv,
+                                tile_heads * p.batch * (kIsSplit ? p.num_splits : 1))),
             StreamKTail{},
             Variant::to_params(p),
             Epilogue::to_params(p)};
@@ -400,6 +401,7 @@ struct FlashFwdKernelSm90 {
     } else {
       cutlass::arch::warpgroup_reg_alloc<kMmaRegisters>();
       int const thread_idx = int(threadIdx.x) - cutlass::NumThreadsPerWarpGroup;
+      trace::mark(thread_idx, trace::kStart);
       Element* smem_o;
       if constexpr (kSeparateO) {
         smem_o = storage.epilogue.smem_o.data();
@@ -418,11 +420,32 @@ struct FlashFwdKernelSm90 {
         FwdTile const tile = scheduler.tile(tile_index);
         TileWork const work = tile_work(params, tile, cursor);
         if (!work.has_rows) continue;
+        trace::mark(thread_idx, trace::kTile);
         Tensor tOrO =
             partition_fragment_C(tiled_mma_pv, select<0, 1>(typename Mainloop::TileShapePV{}));
         OnlineSoftmax<kRowsPerThread> softmax(params.scale_log2);
         float out_scale[kRowsPerThread], lse[kRowsPerThread];
         constexpr bool packed = kPackGqa;
+        auto thr_mma_pv = tiled_mma_pv.get_thread_slice(thread_idx);
+        Tensor tOcO = thr_mma_pv.partition_C(
+            make_identity_tensor(select<0, 1>(typename Mainloop::TileShapePV{})));
+        Tensor coords = make_tensor(tOcO.data(), acc_rowcol_layout(tOcO.layout()));
+        // The rows' scale and log-sum-exp from the softmax state (and the sink).
+        auto finalize = [&] {
+          float sink_log2[kRowsPerThread];
+          CUTLASS_PRAGMA_UNROLL
+          for (int m = 0; m < kRowsPerThread; ++m) {
+            if constexpr (packed) {  // each row its own head
+              int query_row, head;
+              params.packing.split(tile.m_block * kBlockM + get<0>(coords(m, 0)), tile.head,
+                                   query_row, head);
+              sink_log2[m] = load_sink_log2(p, tile, head);
+            } else {
+              sink_log2[m] = m == 0 ? load_sink_log2(p, tile, tile.head) : sink_log2[0];
+            }
+          }
+          softmax.finalize(sink_log2, out_scale, lse);
+        };
         if (work.has_keys()) {
           if constexpr (packed) {
             // O in Q's buffer: every consumer has read the previous tile's O back first.
@@ -436,7 +459,10 @@ struct FlashFwdKernelSm90 {
                         /*release_q=*/kSeparateO && !packed, pipeline_k, pipeline_v,
                         smem_pipe_read, tOrO, softmax, work.mask, params.softcap_scale,
                         thread_idx, tile.m_block, work.walk, tile_mods(params, tile, work.seqlen),
-                        zero_v_tail(p, tile));
+                        zero_v_tail(p, tile), [&] {
+                          if constexpr (!kStreamKTail) finalize();
+                        });
+          trace::mark(thread_idx, trace::kMmaEnd);
           if constexpr (kStreamKTail) {
             // A piece of a tile shared with other CTAs: the last to finish merges the others and
             // writes the tile; the others leave their state to it and skip the epilogue.
@@ -448,6 +474,7 @@ struct FlashFwdKernelSm90 {
                   params.stream_k, piece, int(blockIdx.x), thread_idx, &storage.stream_k_arrival,
                   int(FwdNamedBarrier::kStreamK), acc, softmax.row_max, softmax.row_sum,
                   params.scale_log2);
+              trace::mark(thread_idx, trace::kMeetDone);
             }
             if (!last) {
               if constexpr (!kSeparateO) storage.barrier_q.empty.arrive();  // Q's buffer is free
@@ -463,23 +490,9 @@ struct FlashFwdKernelSm90 {
             softmax.row_sum[m] = 0.f;
           }
         }
-        auto thr_mma_pv = tiled_mma_pv.get_thread_slice(thread_idx);
-        Tensor tOcO = thr_mma_pv.partition_C(
-            make_identity_tensor(select<0, 1>(typename Mainloop::TileShapePV{})));
-        Tensor coords = make_tensor(tOcO.data(), acc_rowcol_layout(tOcO.layout()));
-        float sink_log2[kRowsPerThread];
-        CUTLASS_PRAGMA_UNROLL
-        for (int m = 0; m < kRowsPerThread; ++m) {
-          if constexpr (packed) {  // each row its own head
-            int query_row, head;
-            params.packing.split(tile.m_block * kBlockM + get<0>(coords(m, 0)), tile.head,
-                                 query_row, head);
-            sink_log2[m] = load_sink_log2(p, tile, head);
-          } else {
-            sink_log2[m] = m == 0 ? load_sink_log2(p, tile, tile.head) : sink_log2[0];
-          }
-        }
-        softmax.finalize(sink_log2, out_scale, lse);
+        // The stream-K pieces' state changes at the meet, so they finalize here; so do tiles
+        // without keys. The others did under their last P V.
+        if (kStreamKTail || !work.has_keys()) finalize();
         // Normalise; rows past seqused_q (and any row without a visible key) give 0 and lse -inf.
         Tensor out = make_tensor(tOrO.data(), acc_rowcol_layout(tOrO.layout()));
         CUTLASS_PRAGMA_UNROLL
@@ -503,8 +516,10 @@ struct FlashFwdKernelSm90 {
                                                params.packing, tile.head, tile.batch,
                                                smem_release);
         }
+        trace::mark(thread_idx, trace::kEpilogue);
         if (work.has_keys()) ++q_loads;
       }
+      trace::mark(thread_idx, trace::kEnd);
       Epilogue::store_tail(thread_idx);
     }
   }

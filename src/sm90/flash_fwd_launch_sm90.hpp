@@ -74,6 +74,9 @@ void launch_flash_fwd_sm90(FwdParams& params, cudaStream_t stream) {
   if (!tail.enabled() || tail.dp_tiles > 0) {
     kernel<<<grid, Kernel::kNumThreads, Kernel::kSharedStorageBytes, stream>>>(kernel_params);
     check_launch(cudaGetLastError(), "cuflash forward: kernel launch failed");
+#if CUFLASH_FWD_TRACE
+    trace::dump_after_launch(0, int(grid.x), stream);
+#endif
   }
   if constexpr (Kernel::kStreamKEligible) {
     if (tail.enabled()) {
@@ -87,6 +90,9 @@ void launch_flash_fwd_sm90(FwdParams& params, cudaStream_t stream) {
       pieces<<<dim3(unsigned(tail.sk_ctas)), PiecesKernel::kNumThreads,
                PiecesKernel::kSharedStorageBytes, stream>>>(pieces_params);
       check_launch(cudaGetLastError(), "cuflash forward: stream-K pieces launch failed");
+#if CUFLASH_FWD_TRACE
+      trace::dump_after_launch(1, tail.sk_ctas, stream);
+#endif
     }
   }
 }

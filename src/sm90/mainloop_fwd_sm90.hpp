@@ -28,6 +28,7 @@
 #include "api/params.hpp"
 #include "sm90/mask.hpp"
 #include "sm90/pack_gqa_sm90.hpp"
+#include "sm90/trace_sm90.hpp"
 #include "sm90/seqlen_info.hpp"
 #include "sm90/softmax.hpp"
 #include "sm90/utils_sm90.hpp"
@@ -528,14 +529,18 @@ struct MainloopFwdSm90 {
   // otherwise the caller does (when O reuses that buffer). The flex variant applies `mods`
   // (FlexTileMods: final scores, mask_mod on the blocks the walk marks); NoTileMods elsewhere.
   // zero_v_tail: zero the V rows past mask.seqlen_k in the boundary block (clear_v_tail).
-  template <class TensorO, class Softmax, class Walk, class TileMods>
+  // under_last_pv: called once the tile's last P V is issued and before it is waited for, with
+  // nothing in registers but the softmax state to work on: work that reads neither tOrO nor P
+  // (the row sums' reduction and the log-sum-exp of finalize) runs under that GEMM instead of
+  // after it.
+  template <class TensorO, class Softmax, class Walk, class TileMods, class UnderLastPv>
   CUTLASS_DEVICE static void mma(TensorStorage& storage, QBarriers& barrier_q, int q_loads,
                                  bool q_by_tma, bool release_q, PipelineK& pipeline_k,
                                  PipelineV& pipeline_v,
                                  PipelineState& smem_pipe_read, TensorO& tOrO, Softmax& softmax,
                                  FwdMask<kBlockM, kBlockN> const& mask, float softcap_scale,
                                  int thread_idx, int m_block, Walk walk, TileMods const& mods,
-                                 bool zero_v_tail) {
+                                 bool zero_v_tail, UnderLastPv&& under_last_pv) {
     using namespace cute;
     Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
@@ -599,6 +604,7 @@ struct MainloopFwdSm90 {
                                            tSrK(_, _, _, smem_pipe_read.index()), tSrS);
     warp_scheduler_barrier_arrive(warp_group);
     warpgroup_wait<0>();
+    trace::mark(thread_idx, trace::kFirstS);
     pipeline_k.consumer_release(smem_pipe_read);
     scores_transform(tSrS);
     if constexpr (kIsFlex) mods.score(tSrS, tScS, m_block, n_block);
@@ -609,6 +615,7 @@ struct MainloopFwdSm90 {
     softmax.template online</*kFirst=*/true>(tSrS, scores_scale);
     convert_into(tSrS, tOrP);
     clear(tOrO);
+    trace::mark(thread_idx, trace::kFirstP);
 
     clear_v_tail(smem_pipe_read);
     PipelineState smem_pipe_read_v = smem_pipe_read;
@@ -639,11 +646,15 @@ struct MainloopFwdSm90 {
       smem_pipe_read_v = smem_pipe_read;
       ++smem_pipe_read;
     }
+    trace::mark(thread_idx, trace::kLoopEnd);
     if (release_q) barrier_q.empty.arrive();  // every Q K^T of this tile has completed
     softmax.rescale_o(tOrO, scores_scale);
     pipeline_v.consumer_wait(smem_pipe_read_v);
-    gemm</*kZeroInit=*/false, /*kWait=*/0>(tiled_mma_pv, tOrP,
-                                           tOrV(_, _, _, smem_pipe_read_v.index()), tOrO);
+    gemm</*kZeroInit=*/false, /*kWait=*/-1>(tiled_mma_pv, tOrP,
+                                            tOrV(_, _, _, smem_pipe_read_v.index()), tOrO);
+    under_last_pv();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tOrO);
     pipeline_v.consumer_release(smem_pipe_read_v);
   }
 };

@@ -27,6 +27,7 @@
 #include <cute/tensor.hpp>
 
 #include "sm90/stream_k_tail.hpp"
+#include "sm90/trace_sm90.hpp"
 #include "sm90/utils_sm90.hpp"
 
 namespace cuflash::sm90 {
@@ -92,6 +93,7 @@ CUTLASS_DEVICE bool stream_k_meet(StreamKTail const& sk, StreamKPiece const& pie
   if (thread_idx == 0) *arrival = atomicAdd(sk.sync + sk.arrival_index(piece.tile), 1);
   cutlass::arch::NamedBarrier::sync(kNumMmaThreads, barrier_id);
   int const arrived = *reinterpret_cast<int volatile*>(arrival);
+  trace::mark(thread_idx, trace::kMeetArrived);
   int const own = cta - piece.first_cta;
   if (arrived < piece.num_pieces - 1) {
     int const slot = sk.slot(cta, piece.tile);

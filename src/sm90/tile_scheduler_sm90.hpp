@@ -17,6 +17,7 @@
 #include <cuda_runtime.h>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/cutlass.h>
+#include <cutlass/fast_math.h>
 
 #include <algorithm>
 
@@ -88,6 +89,34 @@ struct PersistentTileSchedulerSm90 {
   // Dynamic scheduling: a device int that is 0 at launch (the launch zeroes it); every claim
   // adds 1. Null: the stride walk (static persistent or one CTA per tile).
   int* tile_counter;
+  // The divisions of tile(), by multiply and shift (make fills them): a consumer decodes its next
+  // tile between two tiles, where a chain of integer divisions held up the next tile's first
+  // Q K^T (a few hundred cycles per tile, bench/NOTES.md).
+  cutlass::FastDivmod div_section_tiles;  // by num_m_blocks * section_size
+  cutlass::FastDivmod div_section;        // by section_size
+  cutlass::FastDivmod div_last_section;   // by the last section's (batch, head) pairs
+  cutlass::FastDivmod div_m_blocks, div_heads, div_splits;
+
+  static PersistentTileSchedulerSm90 make(int num_m_blocks, int num_heads, int batch,
+                                          int num_splits, bool longest_first, int section_size) {
+    PersistentTileSchedulerSm90 s;
+    s.num_m_blocks = num_m_blocks;
+    s.num_heads = num_heads;
+    s.batch = batch;
+    s.num_splits = num_splits;
+    s.longest_first = longest_first;
+    s.section_size = section_size;
+    s.tile_counter = nullptr;
+    int const pairs = s.num_heads_batches();
+    int const sections = (pairs + section_size - 1) / section_size;
+    s.div_section_tiles = cutlass::FastDivmod(std::max(1, num_m_blocks * section_size));
+    s.div_section = cutlass::FastDivmod(std::max(1, section_size));
+    s.div_last_section = cutlass::FastDivmod(std::max(1, pairs - (sections - 1) * section_size));
+    s.div_m_blocks = cutlass::FastDivmod(std::max(1, num_m_blocks));
+    s.div_heads = cutlass::FastDivmod(std::max(1, num_heads));
+    s.div_splits = cutlass::FastDivmod(std::max(1, num_splits));
+    return s;
+  }
 
   CUTLASS_HOST_DEVICE int num_heads_batches() const { return num_heads * batch * num_splits; }
   CUTLASS_HOST_DEVICE int num_tiles() const { return num_m_blocks * num_heads_batches(); }
@@ -128,22 +157,26 @@ struct PersistentTileSchedulerSm90 {
     return ring.take(handoff);
   }
 
-  CUTLASS_DEVICE FwdTile tile(int index) const {
-    int const tiles_per_section = num_m_blocks * section_size;
-    int const section = index / tiles_per_section;
+  CUTLASS_HOST_DEVICE FwdTile tile(int index) const {
+    int section, rest;
+    div_section_tiles(section, rest, index);
     int const first_head_batch = section * section_size;
-    int const heads_batches_here = min(section_size, num_heads_batches() - first_head_batch);
-    int const rest = index - section * tiles_per_section;
-    int m_block, head_batch;
+    // Every section holds section_size (batch, head) pairs but the last, which holds the rest.
+    bool const last = first_head_batch + section_size >= num_heads_batches();
+    int m_block, head_batch, quotient, remainder;
     if (longest_first) {
-      m_block = num_m_blocks - 1 - rest / heads_batches_here;
-      head_batch = first_head_batch + rest % heads_batches_here;
+      (last ? div_last_section : div_section)(quotient, remainder, rest);
+      m_block = num_m_blocks - 1 - quotient;
+      head_batch = first_head_batch + remainder;
     } else {
-      m_block = rest % num_m_blocks;
-      head_batch = first_head_batch + rest / num_m_blocks;
+      div_m_blocks(quotient, remainder, rest);
+      m_block = remainder;
+      head_batch = first_head_batch + quotient;
     }
-    int const batch_split = head_batch / num_heads;
-    return {m_block, head_batch % num_heads, batch_split / num_splits, batch_split % num_splits};
+    int batch_split, head, batch, split;
+    div_heads(batch_split, head, head_batch);
+    div_splits(batch, split, batch_split);
+    return {m_block, head, batch, split};
   }
 };
 

@@ -1,0 +1,108 @@
+// A timeline of the forward kernel's consumer warpgroups, for finding where a tile's time goes
+// (per-tile fixed cost, the stream-K meet). Built only with -DCUFLASH_FWD_TRACE=1 (a diagnostic
+// build); otherwise every call below compiles to nothing.
+//
+// Each MMA warpgroup's first thread records (event, SM clock) pairs in a global buffer; after each
+// launch the host waits and prints them (dump_after_launch), so a traced call is synchronous.
+// bench/trace_fwd.py reads the lines.
+#pragma once
+
+#include <cutlass/cutlass.h>
+
+#include <cuda_runtime.h>
+
+#include <cstdio>
+
+#ifndef CUFLASH_FWD_TRACE
+#define CUFLASH_FWD_TRACE 0
+#endif
+
+namespace cuflash::sm90::trace {
+
+enum Event : int {
+  kStart = 0,      // the warpgroup's first instruction after its register allocation
+  kTile = 1,       // a tile (or piece) begins: before its first waits
+  kFirstS = 2,     // the first Q K^T of the tile has landed in registers
+  kFirstP = 3,     // its softmax is done (P ready): the loop begins
+  kLoopEnd = 4,    // every loop iteration issued and waited; the last P V follows
+  kMmaEnd = 5,     // the last P V has completed
+  kMeetArrived = 6,  // stream-K: this piece knows whether it is the tile's last
+  kMeetDone = 7,     // stream-K: state written (not last) or merged (last)
+  kEpilogue = 8,   // the epilogue has issued the tile's stores
+  kEnd = 9,        // the warpgroup leaves the tile loop
+};
+
+constexpr int kMaxEvents = 160;
+constexpr int kMaxCtas = 264;
+
+#if CUFLASH_FWD_TRACE
+// Per (CTA, warpgroup): the events' SM clocks and codes, how many, and the global timer at the
+// warpgroup's start (to place the CTAs on one time line). One copy per translation unit, read
+// back by that unit's launch (dump_after_launch).
+static __device__ long long g_clocks[kMaxCtas * 2 * kMaxEvents];
+static __device__ int g_events[kMaxCtas * 2 * kMaxEvents];
+static __device__ int g_counts[kMaxCtas * 2];
+static __device__ unsigned long long g_start_ns[kMaxCtas * 2];
+static __device__ unsigned long long g_end_ns[kMaxCtas * 2];
+
+CUTLASS_DEVICE int* counts() {
+  __shared__ int buffer[2];
+  return buffer;
+}
+#endif
+
+// thread_idx: the thread's index among the MMA threads (warpgroup = thread_idx / 128). Global
+// stores only (no call): a call would serialise the kernel's WGMMAs (ptxas C7510).
+CUTLASS_DEVICE void mark(int thread_idx, Event event) {
+#if CUFLASH_FWD_TRACE
+  if (thread_idx % 128 != 0 || thread_idx >= 256 || blockIdx.x >= kMaxCtas) return;
+  int const wg = thread_idx / 128;
+  int const slot = int(blockIdx.x) * 2 + wg;
+  if (event == kStart || event == kEnd) {
+    unsigned long long ns;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+    (event == kStart ? g_start_ns : g_end_ns)[slot] = ns;
+    if (event == kStart) counts()[wg] = 0;
+  }
+  int const k = counts()[wg];
+  if (k >= kMaxEvents) return;
+  g_clocks[slot * kMaxEvents + k] = clock64();
+  g_events[slot * kMaxEvents + k] = int(event);
+  counts()[wg] = k + 1;
+  g_counts[slot] = k + 1;
+#else
+  (void)thread_idx;
+  (void)event;
+#endif
+}
+
+#if CUFLASH_FWD_TRACE
+// Host: after a launch of `ctas` CTAs, waits for it and prints its events, one line each:
+// "fwdtrace <kernel> <cta> <warpgroup> <event> <cycles since the warpgroup's start>
+// <global ns at the warpgroup's start> <global ns at its end>"; kernel 0 plain, 1 stream-K
+// pieces.
+inline void dump_after_launch(int kernel, int ctas, cudaStream_t stream) {
+  static long long clocks[kMaxCtas * 2 * kMaxEvents];
+  static int events[kMaxCtas * 2 * kMaxEvents];
+  static int counts_host[kMaxCtas * 2];
+  static unsigned long long start_ns[kMaxCtas * 2];
+  static unsigned long long end_ns[kMaxCtas * 2];
+  cudaStreamSynchronize(stream);
+  cudaMemcpyFromSymbol(clocks, g_clocks, sizeof(clocks));
+  cudaMemcpyFromSymbol(events, g_events, sizeof(events));
+  cudaMemcpyFromSymbol(counts_host, g_counts, sizeof(counts_host));
+  cudaMemcpyFromSymbol(start_ns, g_start_ns, sizeof(start_ns));
+  cudaMemcpyFromSymbol(end_ns, g_end_ns, sizeof(end_ns));
+  for (int slot = 0; slot < 2 * (ctas < kMaxCtas ? ctas : kMaxCtas); ++slot) {
+    for (int k = 0; k < counts_host[slot]; ++k)
+      std::printf("fwdtrace %d %d %d %d %lld %llu %llu\n", kernel, slot / 2, slot % 2,
+                  events[slot * kMaxEvents + k], clocks[slot * kMaxEvents + k] - clocks[slot * kMaxEvents],
+                  start_ns[slot], end_ns[slot]);
+  }
+  std::fflush(stdout);
+  static int const zero[kMaxCtas * 2] = {};
+  cudaMemcpyToSymbol(g_counts, zero, sizeof(zero));
+}
+#endif
+
+}  // namespace cuflash::sm90::trace
