@@ -134,6 +134,12 @@ struct FlashFwdKernelSm90 {
                                            fwd_stream_k_tile(Config::kTile, Config::kHeadDim,
                                                              Config::kHeadDimV);
   static constexpr bool kStreamKTail = Config::kStreamKPieces;
+  // The rows' finalize (sums, sink, log-sum-exp) runs under the tile's last P V (mma's
+  // under_last_pv) rather than after it: 1-2% at hdim128 2k (bench/NOTES.md). Not in the
+  // stream-K pieces' kernel, whose state changes at the meet after the mainloop, nor in packed
+  // kernels whose O shares Q's buffer (hdim 192 / 256), where the per-row head lookups it then
+  // holds across the GEMM added spills (hdim256 softcap packed: 60 / 88 bytes against 48 / 72).
+  static constexpr bool kFinalizeUnderLastPv = !kStreamKTail && (kSeparateO || !kPackGqa);
   static_assert(!kStreamKTail || (kStreamKEligible && kSeparateO && kNumMmaWarpGroups == 2),
                 "the stream-K tail's tiles: two MMA warpgroups, O in its own buffer");
   struct SeparateOStorage {
@@ -460,7 +466,7 @@ struct FlashFwdKernelSm90 {
                         smem_pipe_read, tOrO, softmax, work.mask, params.softcap_scale,
                         thread_idx, tile.m_block, work.walk, tile_mods(params, tile, work.seqlen),
                         zero_v_tail(p, tile), [&] {
-                          if constexpr (!kStreamKTail) finalize();
+                          if constexpr (kFinalizeUnderLastPv) finalize();
                         });
           trace::mark(thread_idx, trace::kMmaEnd);
           if constexpr (kStreamKTail) {
@@ -490,9 +496,9 @@ struct FlashFwdKernelSm90 {
             softmax.row_sum[m] = 0.f;
           }
         }
-        // The stream-K pieces' state changes at the meet, so they finalize here; so do tiles
-        // without keys. The others did under their last P V.
-        if (kStreamKTail || !work.has_keys()) finalize();
+        // Tiles without keys finalize here, and so do kernels that do not finalize under the last
+        // P V (kFinalizeUnderLastPv).
+        if (!kFinalizeUnderLastPv || !work.has_keys()) finalize();
         // Normalise; rows past seqused_q (and any row without a visible key) give 0 and lse -inf.
         Tensor out = make_tensor(tOrO.data(), acc_rowcol_layout(tOrO.layout()));
         CUTLASS_PRAGMA_UNROLL
