@@ -24,9 +24,9 @@
 #include "sm90/seqlen_info.hpp"
 #include "sm90/softmax.hpp"
 #include "sm90/stream_k_sm90.hpp"
-#include "sm90/trace_sm90.hpp"
 #include "sm90/tile_scheduler_sm90.hpp"
 #include "sm90/tile_size_sm90.hpp"
+#include "sm90/trace_sm90.hpp"
 #include "variants/variant.hpp"
 
 namespace cuflash::sm90 {

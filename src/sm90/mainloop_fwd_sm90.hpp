@@ -28,9 +28,9 @@
 #include "api/params.hpp"
 #include "sm90/mask.hpp"
 #include "sm90/pack_gqa_sm90.hpp"
-#include "sm90/trace_sm90.hpp"
 #include "sm90/seqlen_info.hpp"
 #include "sm90/softmax.hpp"
+#include "sm90/trace_sm90.hpp"
 #include "sm90/utils_sm90.hpp"
 
 namespace cuflash::sm90 {

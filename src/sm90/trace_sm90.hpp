@@ -25,7 +25,7 @@ enum Event : int {
   kFirstS = 2,     // the first Q K^T of the tile has landed in registers
   kFirstP = 3,     // its softmax is done (P ready): the loop begins
   kLoopEnd = 4,    // every loop iteration issued and waited; the last P V follows
-  kMmaEnd = 5,     // the last P V has completed
+  kMmaEnd = 5,     // the last P V has completed (and the finalize issued under it)
   kMeetArrived = 6,  // stream-K: this piece knows whether it is the tile's last
   kMeetDone = 7,     // stream-K: state written (not last) or merged (last)
   kEpilogue = 8,   // the epilogue has issued the tile's stores
