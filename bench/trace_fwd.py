@@ -3,8 +3,9 @@
 
 Needs the extension built with -DCUFLASH_FWD_TRACE=1. Runs one bf16 forward call (after a
 warm-up) on the benchmark's shape (16k tokens, heads * head_dim = 2048) in a child process,
-collects the kernel's printf lines and prints, per kernel (0 plain, 1 stream-K pieces), the mean
-time of each stage of a tile in microseconds at --clock GHz:
+collects the lines the launch prints and shows, per kernel (0 plain, 1 stream-K pieces) and
+MMA warpgroup, the mean time of each stage of a tile in microseconds (SM cycles converted at the
+clock measured against the global timer, or at --clock GHz):
 
     PYTHONPATH=<package> CUFLASH_FWD_STREAM_K=always python3 bench/trace_fwd.py --seqlen 2048
 """
@@ -52,6 +53,14 @@ def analyse(lines, clock_ghz, n_blocks):
         key = (int(kernel), int(cta), int(wg))
         streams[key].append((int(event), int(cycles)))
         bounds[key] = (int(start_ns), int(end_ns))
+    if clock_ghz is None:
+        # The SM clock these cycles ran at: each warpgroup's cycles from its start to its end
+        # event over the global timer's nanoseconds between the same two points (median).
+        rates = sorted(stream[-1][1] / (bounds[key][1] - bounds[key][0])
+                       for key, stream in streams.items()
+                       if stream[-1][0] == EVENTS.index("end") and bounds[key][1] > bounds[key][0])
+        clock_ghz = rates[len(rates) // 2] if rates else 1.98
+        print(f"SM clock from the global timer: {clock_ghz:.3f} GHz (spans below in microseconds)")
     us = lambda c: c / (clock_ghz * 1e3)  # noqa: E731
     for kernel in sorted({key[0] for key in streams}):
         spans = collections.defaultdict(list)
@@ -94,7 +103,8 @@ def main():
     parser.add_argument("--seqlen", type=int, default=2048)
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--causal", type=int, default=0)
-    parser.add_argument("--clock", type=float, default=1.98, help="SM clock in GHz for the conversion")
+    parser.add_argument("--clock", type=float, default=None,
+                        help="SM clock in GHz for the conversion (default: measured against the global timer)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

@@ -1,5 +1,5 @@
 """The benchmark helpers that run without a GPU: bench/ncu_stall_top.py on a small source page,
-bench/det_order_model.py on small launches."""
+bench/det_order_model.py on small launches, bench/trace_fwd.py on a made-up timeline."""
 
 import importlib.util
 import pathlib
@@ -80,3 +80,39 @@ def test_run_settings_names_the_pass():
     Args.tag = ""
     assert common.titled("forward TFLOP/s", common.run_settings(Args(), environ={})) == "forward TFLOP/s"
 
+
+
+def trace_lines(cycles_per_stage, clock_ghz):
+    """Two calls (a warm-up, then the one analysed) of one CTA with two warpgroups, two tiles
+    each, every stage taking cycles_per_stage; the global timer ends each warpgroup at its last
+    event's cycles over clock_ghz."""
+    lines = []
+    for call in range(2):
+        for wg in (0, 1):
+            events = [0] + [1, 2, 3, 4, 5, 8] * 2 + [9]
+            end_ns = 1000 + round((len(events) - 1) * cycles_per_stage * (call + 1) / clock_ghz)
+            for k, event in enumerate(events):
+                lines.append(f"fwdtrace 0 0 {wg} {event} {k * cycles_per_stage * (call + 1)} 1000 {end_ns}")
+        lines.append("fwdtrace-call-end")
+    return lines
+
+
+def test_trace_fwd_measures_the_clock_and_the_stages(capsys):
+    trace = load("trace_fwd")
+    assert trace.analyse(trace_lines(1720, 1.72), None, 16) == 0
+    out = capsys.readouterr().out
+    # The last call counts (its stages took twice the warm-up's cycles): 3440 cycles at the
+    # clock measured against the global timer, 1.72 GHz, are 2 us.
+    assert "SM clock from the global timer: 1.720 GHz" in out
+    line = next(line for line in out.splitlines() if "wg0 epilogue -> tile" in line)
+    assert "mean    2.00 us" in line and "n=   1" in line
+    # A given clock is used as it is.
+    assert trace.analyse(trace_lines(1720, 1.72), 3.44, 16) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if "wg1 tile -> first_s" in line)
+    assert "mean    1.00 us" in line
+
+
+def test_trace_fwd_without_trace_lines(capsys):
+    trace = load("trace_fwd")
+    assert trace.analyse(["fwdtrace-call-end"], None, 16) == 1
+    assert "CUFLASH_FWD_TRACE" in capsys.readouterr().out
