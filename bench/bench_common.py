@@ -27,6 +27,20 @@ def add_grid_args(parser, out_default="."):
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"), help="element type of q, k, v")
 
 
+def add_shape_args(parser, seqlen):
+    """The options of the one-shape tools (profile_kernel.py, kernel_times.py, trace_fwd.py): a
+    point of the grid, batch * seqlen = --tokens and heads * head_dim = HIDDEN."""
+    parser.add_argument("--hdim", type=int, default=128)
+    parser.add_argument("--seqlen", type=int, default=seqlen)
+    parser.add_argument("--tokens", type=int, default=TOKENS)
+    parser.add_argument("--causal", type=int, default=0)
+
+
+def shape_of(args):
+    """(batch, heads) of add_shape_args' options."""
+    return max(1, args.tokens // args.seqlen), HIDDEN // args.hdim
+
+
 def torch_dtype(name):
     """The torch dtype of a --dtype name."""
     import torch

@@ -6,14 +6,15 @@ stream-K tail pieces). bf16, non-causal unless --causal.
 """
 import argparse
 import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common as common  # noqa: E402
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--hdim", type=int, default=128)
-    parser.add_argument("--seqlen", type=int, default=2048)
-    parser.add_argument("--tokens", type=int, default=16384)
-    parser.add_argument("--causal", type=int, default=0)
+    common.add_shape_args(parser, seqlen=2048)
     parser.add_argument("--calls", type=int, default=5)
     args = parser.parse_args()
 
@@ -22,8 +23,7 @@ def main():
 
     import cuflash
 
-    batch = max(1, args.tokens // args.seqlen)
-    heads = 2048 // args.hdim
+    batch, heads = common.shape_of(args)
     q, k, v = (torch.randn(batch, args.seqlen, heads, args.hdim, device="cuda", dtype=torch.bfloat16)
                for _ in range(3))
     run = lambda: cuflash.flash_attn_func(q, k, v, causal=bool(args.causal))  # noqa: E731

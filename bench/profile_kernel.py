@@ -18,9 +18,7 @@ import bench_common as common  # noqa: E402
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hdim", type=int, default=128)
-    parser.add_argument("--seqlen", type=int, default=4096)
-    parser.add_argument("--causal", type=int, default=0)
+    common.add_shape_args(parser, seqlen=4096)
     parser.add_argument("--deterministic", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--no-backward", action="store_true", help="forward only")
@@ -29,7 +27,7 @@ def main():
     import torch
     import cuflash
 
-    batch, nheads = common.TOKENS // args.seqlen, common.HIDDEN // args.hdim
+    batch, nheads = common.shape_of(args)
     torch.manual_seed(0)
     shape = (batch, args.seqlen, nheads, args.hdim)
     q, k, v, dout = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))

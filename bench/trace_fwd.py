@@ -16,6 +16,9 @@ import os
 import subprocess
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common as common  # noqa: E402
+
 EVENTS = ["start", "tile", "first_s", "first_p", "loop_end", "mma_end", "meet_arrived",
           "meet_done", "epilogue", "end"]
 
@@ -24,7 +27,7 @@ def run_calls(args):
     import torch
     import cuflash
 
-    batch, heads = max(1, args.tokens // args.seqlen), 2048 // args.hdim
+    batch, heads = common.shape_of(args)
     q, k, v = (torch.randn(batch, args.seqlen, heads, args.hdim, device="cuda", dtype=torch.bfloat16)
                for _ in range(3))
     libc = ctypes.CDLL(None)  # the kernels' printf goes through C stdio: flush it before the marker
@@ -99,10 +102,7 @@ def analyse(lines, clock_ghz, n_blocks):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hdim", type=int, default=128)
-    parser.add_argument("--seqlen", type=int, default=2048)
-    parser.add_argument("--tokens", type=int, default=16384)
-    parser.add_argument("--causal", type=int, default=0)
+    common.add_shape_args(parser, seqlen=2048)
     parser.add_argument("--clock", type=float, default=None,
                         help="SM clock in GHz for the conversion (default: measured against the global timer)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
