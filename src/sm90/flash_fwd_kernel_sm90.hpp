@@ -140,6 +140,12 @@ struct FlashFwdKernelSm90 {
   // kernels whose O shares Q's buffer (hdim 192 / 256), where the per-row head lookups it then
   // holds across the GEMM added spills (hdim256 softcap packed: 60 / 88 bytes against 48 / 72).
   static constexpr bool kFinalizeUnderLastPv = !kStreamKTail && (kSeparateO || !kPackGqa);
+  // Each warpgroup issues the next tile's first Q K^T under its last P V, before this tile's
+  // finalize and epilogue, so that the tensor cores have it while those run (the mainloop's second
+  // Q buffer, kQStages; hdims 64-128 plain and softcap with two MMA warpgroups, bench/NOTES.md).
+  static constexpr bool kNextQkUnderEpilogue = Mainloop::kQStages > 1;
+  static_assert(!kNextQkUnderEpilogue || (kSeparateO && kFinalizeUnderLastPv && !kStreamKTail && !kPackGqa),
+                "the next tile's first Q K^T: Q by TMA into its own buffer, O into its own");
   static_assert(!kStreamKTail || (kStreamKEligible && kSeparateO && kNumMmaWarpGroups == 2),
                 "the stream-K tail's tiles: two MMA warpgroups, O in its own buffer");
   struct SeparateOStorage {
@@ -347,8 +353,7 @@ struct FlashFwdKernelSm90 {
     if (warp_idx == 0 && lane_predicate) {
       Mainloop::prefetch_descriptors(params.mainloop);
       Epilogue::prefetch_descriptors(params.epilogue);
-      storage.barrier_q.full.init(/*arrive_count=*/1);
-      storage.barrier_q.empty.init(/*arrive_count=*/kNumMmaThreads);
+      storage.barrier_q.init();
       // Readers of the tile handoff: every thread that walks the tiles but the writer (the
       // producer's leader).
       storage.tile_handoff.init(kNumMmaThreads + (gathers ? Mainloop::kNumGatherThreads - 1 : 0));
@@ -419,13 +424,26 @@ struct FlashFwdKernelSm90 {
       int q_loads = 0;
       Mainloop::mma_init(thread_idx / cutlass::NumThreadsPerWarpGroup);
       StreamKCursor<kStreamKTail> cursor;
-      for (int tile_index = first_tile(params, cursor, num_tiles), handoff = 0;
-           tile_index < num_tiles;
-           tile_index = next_tile(params, cursor, storage.tile_handoff, handoff++, tile_index,
-                                  num_tiles, /*claimed=*/0, /*writer=*/false)) {
+      int handoff = 0;
+      auto advance = [&](int index) {
+        return next_tile(params, cursor, storage.tile_handoff, handoff++, index, num_tiles,
+                         /*claimed=*/0, /*writer=*/false);
+      };
+      // kNextQkUnderEpilogue: the S accumulator carried from one tile to the next, whose first
+      // Q K^T (s_issued) this tile's under_last_pv issued; `advanced`: it also moved tile_index
+      // on to that tile (the next with rows).
+      auto tSrS_carried = Mainloop::make_fragment_s();
+      bool s_issued = false;
+      int tile_index = first_tile(params, cursor, num_tiles);
+      while (tile_index < num_tiles) {
         FwdTile const tile = scheduler.tile(tile_index);
         TileWork const work = tile_work(params, tile, cursor);
-        if (!work.has_rows) continue;
+        if (!work.has_rows) {
+          tile_index = advance(tile_index);
+          continue;
+        }
+        bool advanced = false;
+        bool next_s_issued = false;
         trace::mark(thread_idx, trace::kTile);
         Tensor tOrO =
             partition_fragment_C(tiled_mma_pv, select<0, 1>(typename Mainloop::TileShapePV{}));
@@ -461,13 +479,52 @@ struct FlashFwdKernelSm90 {
             Mainloop::load_q_packed(p, storage.tensors, work.seqlen, tile.m_block, tile.head,
                                     tile.batch, params.packing, thread_idx);
           }
-          Mainloop::mma(storage.tensors, storage.barrier_q, q_loads, /*q_by_tma=*/!packed,
-                        /*release_q=*/kSeparateO && !packed, pipeline_k, pipeline_v,
-                        smem_pipe_read, tOrO, softmax, work.mask, params.softcap_scale,
-                        thread_idx, tile.m_block, work.walk, tile_mods(params, tile, work.seqlen),
-                        zero_v_tail(p, tile), [&] {
-                          if constexpr (kFinalizeUnderLastPv) finalize();
-                        });
+          // Under the last P V: the next tile with rows and, if it has keys, its first Q K^T
+          // (its Q is the CTA's next, q_loads + 1), then this tile's finalize and the wait for
+          // the P V. Without a next tile with keys the Q K^T is issued all the same, on whatever
+          // the stages hold, and never read: ptxas keeps the GEMMs asynchronous only if the
+          // accumulator is written here on every path (else it serialised every WGMMA of the
+          // kernel, C7515).
+          auto under_last_pv = [&](auto& tSrS) {
+            if constexpr (kNextQkUnderEpilogue) {
+              int next = advance(tile_index);
+              bool next_has_keys = false;
+              for (; next < num_tiles; next = advance(next)) {
+                TileWork const ahead = tile_work(params, scheduler.tile(next), cursor);
+                if (ahead.has_rows) {
+                  next_has_keys = ahead.has_keys();
+                  break;
+                }
+              }
+              tile_index = next;
+              advanced = true;
+              next_s_issued = next_has_keys;
+              Mainloop::issue_first_qk(storage.tensors, storage.barrier_q, q_loads + 1,
+                                       /*q_by_tma=*/true, pipeline_k, smem_pipe_read, tSrS,
+                                       thread_idx, /*operands_ready=*/next_has_keys);
+              finalize();
+              warpgroup_wait<1>();  // the P V; the Q K^T runs on under the epilogue
+              return true;
+            } else {
+              if constexpr (kFinalizeUnderLastPv) finalize();
+              return false;
+            }
+          };
+          auto run_mma = [&](auto& tSrS) {
+            Mainloop::mma(storage.tensors, storage.barrier_q, q_loads, /*q_by_tma=*/!packed,
+                          /*release_q=*/kSeparateO && !packed, pipeline_k, pipeline_v,
+                          smem_pipe_read, tOrO, tSrS, s_issued, softmax, work.mask,
+                          params.softcap_scale, thread_idx, tile.m_block, work.walk,
+                          tile_mods(params, tile, work.seqlen), zero_v_tail(p, tile),
+                          [&] { return under_last_pv(tSrS); });
+          };
+          if constexpr (kNextQkUnderEpilogue) {
+            run_mma(tSrS_carried);
+          } else {
+            // A fresh accumulator per tile: nothing in it lives past the tile.
+            auto tSrS = Mainloop::make_fragment_s();
+            run_mma(tSrS);
+          }
           trace::mark(thread_idx, trace::kMmaEnd);
           if constexpr (kStreamKTail) {
             // A piece of a tile shared with other CTAs: the last to finish merges the others and
@@ -483,8 +540,9 @@ struct FlashFwdKernelSm90 {
               trace::mark(thread_idx, trace::kMeetDone);
             }
             if (!last) {
-              if constexpr (!kSeparateO) storage.barrier_q.empty.arrive();  // Q's buffer is free
+              if constexpr (!kSeparateO) storage.barrier_q.release(q_loads);  // Q's buffer is free
               ++q_loads;
+              tile_index = advance(tile_index);
               continue;
             }
           }
@@ -511,7 +569,7 @@ struct FlashFwdKernelSm90 {
             out(m, n) = row_valid ? out(m, n) * out_scale[m] : 0.f;
         }
         cutlass::arch::ClusterBarrier* smem_release =
-            !kSeparateO && work.has_keys() && !packed ? &storage.barrier_q.empty : nullptr;
+            !kSeparateO && work.has_keys() && !packed ? &storage.barrier_q.empty(q_loads) : nullptr;
         if constexpr (kIsSplit) {
           Epilogue::store_partial(p, tOrO, lse, tiled_mma_pv, thread_idx, work.seqlen, tile.m_block,
                                   params.packing, tile.head, tile.batch, tile.split);
@@ -524,6 +582,11 @@ struct FlashFwdKernelSm90 {
         }
         trace::mark(thread_idx, trace::kEpilogue);
         if (work.has_keys()) ++q_loads;
+        if (!advanced) tile_index = advance(tile_index);
+        // The next tile's first S has landed by now (the epilogue took longer); waiting here keeps
+        // every GEMM within one iteration, as ptxas needs to keep them asynchronous.
+        if constexpr (kNextQkUnderEpilogue) warpgroup_wait<0>();
+        s_issued = next_s_issued;
       }
       trace::mark(thread_idx, trace::kEnd);
       Epilogue::store_tail(thread_idx);

@@ -14,6 +14,10 @@
 // when its copies land (load_paged).
 // Packed GQA tiles (pack_gqa_sm90.hpp) have no Q TMA: each MMA warpgroup gathers its own rows
 // (load_q_packed) at the start of the tile.
+// Two Q buffers (kQStages, where shared memory allows): the next tile's Q lands during this
+// tile, and each warpgroup issues the next tile's first Q K^T right after its last P V here, so
+// that the GEMM runs under this tile's finalize and epilogue (issue_first_qk, the kernel's tile
+// loop).
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -138,8 +142,22 @@ struct MainloopFwdSm90 {
   using PipelineV = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename PipelineK::PipelineState;
 
+  // Q buffers. Two where the kernel's tile loop issues the next tile's first Q K^T under this
+  // tile's epilogue (plain and softcap kernels: dense K / V, whole tiles, Q by TMA; two MMA
+  // warpgroups) and both fit beside K, V and O's own buffer: hdims 96 and 128, and hdim 64's
+  // 128-row tiles. Elsewhere one. With three warpgroups (hdim 64's 192-row tile) the issue waits
+  // for two other turns before the epilogue can start: 3-4% slower there (bench/NOTES.md).
+  static constexpr int kSmemBytesQ = kBlockM * kHeadDim * int(sizeof(Element));
+  static constexpr int kSmemBytesKV = kStages * kBlockN * (kHeadDim + kHeadDimV) * int(sizeof(Element));
+  static constexpr int kSmemBytesO = kBlockM * kHeadDimV * int(sizeof(Element));
+  static constexpr bool kNextQkEligible = !kIsFlex && !kIsPaged && !Config::kIsSplit &&
+                                          !Config::kPackGqa && !Config::kStreamKPieces &&
+                                          kNumMmaWarpGroups == 2;
+  static constexpr int kQStages =
+      kNextQkEligible && 2 * kSmemBytesQ + kSmemBytesKV + kSmemBytesO + 2048 <= 227 * 1024 ? 2 : 1;
+
   struct TensorStorage {
-    cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> smem_q;
+    cute::array_aligned<Element, kQStages * cute::cosize_v<SmemLayoutQ>, 1024> smem_q;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> smem_k;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutV>, 1024> smem_v;
   };
@@ -248,12 +266,32 @@ struct MainloopFwdSm90 {
     cute::prefetch_tma_descriptor(params.tma_load_v.get_tma_descriptor());
   }
 
-  // Q's buffer is handed back by the consumers once per tile (barrier_q_empty, all MMA threads
-  // arrive); q_loads counts the tiles whose Q this CTA has loaded so far.
+  // Q's buffers, used in turn: the Q of the CTA's tile number q (counting the tiles whose Q it
+  // loads) goes to buffer q % kQStages, which the consumers hand back once per tile (empty, all
+  // MMA threads arrive).
   struct QBarriers {
-    cutlass::arch::ClusterTransactionBarrier full;
-    cutlass::arch::ClusterBarrier empty;
+    cutlass::arch::ClusterTransactionBarrier full_[kQStages];
+    cutlass::arch::ClusterBarrier empty_[kQStages];
+
+    CUTLASS_DEVICE void init() {
+      for (int i = 0; i < kQStages; ++i) {
+        full_[i].init(/*arrive_count=*/1);
+        empty_[i].init(/*arrive_count=*/kNumMmaThreads);
+      }
+    }
+    CUTLASS_DEVICE static uint32_t phase(int q) { return uint32_t(q / kQStages) & 1; }
+    CUTLASS_DEVICE cutlass::arch::ClusterTransactionBarrier& full(int q) { return full_[q % kQStages]; }
+    CUTLASS_DEVICE cutlass::arch::ClusterBarrier& empty(int q) { return empty_[q % kQStages]; }
+    // Producer, before loading tile q's Q: the consumers are done with the buffer's last use.
+    CUTLASS_DEVICE void acquire(int q) {
+      if (q >= kQStages) empty(q).wait(phase(q - kQStages));
+    }
+    CUTLASS_DEVICE void wait_full(int q) { full(q).wait(phase(q)); }
+    CUTLASS_DEVICE void release(int q) { empty(q).arrive(); }
   };
+  CUTLASS_DEVICE static Element* q_buffer(TensorStorage& storage, int q) {
+    return storage.smem_q.data() + (q % kQStages) * cute::cosize_v<SmemLayoutQ>;
+  }
 
   // Producer: called by one elected thread of the producer warp, once per tile with work;
   // `walk` (NBlockRange, FlexBlockWalk) gives the n-blocks in the order the consumers use them.
@@ -265,7 +303,7 @@ struct MainloopFwdSm90 {
                                   SeqlenInfo const& seqlen, int m_block, int head, int head_kv,
                                   int batch, Walk walk) {
     using namespace cute;
-    Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
+    Tensor sQ = make_tensor(make_smem_ptr(q_buffer(storage, q_loads)), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});
     int const batch_q = get<3>(params.shape_q) == 1 ? 0 : batch;
@@ -279,8 +317,10 @@ struct MainloopFwdSm90 {
                            select<1, 2>(TileShapeQK{}), make_coord(_, _0{}));  // (N, D, n_blocks)
     Tensor gV = local_tile(domain_offset(make_coord(seqlen.offset_k, _0{}), mV),
                            select<2, 1>(TileShapePV{}), make_coord(_, _0{}));  // (N, Dv, n_blocks)
-    auto [tQgQ, tQsQ] = tma_partition(params.tma_load_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
-                                      group_modes<0, 2>(gQ));
+    auto q_partition = tma_partition(params.tma_load_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                     group_modes<0, 2>(gQ));
+    Tensor tQgQ = get<0>(q_partition);
+    Tensor tQsQ = get<1>(q_partition);
     auto k_partition = tma_partition(params.tma_load_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
                                      group_modes<0, 2>(gK));
     auto v_partition = tma_partition(params.tma_load_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
@@ -301,15 +341,21 @@ struct MainloopFwdSm90 {
       copy(params.tma_load_v.with(*pipeline_v.producer_get_barrier(smem_pipe_write), 0),
            tVgV(_, n_block), tVsV(_, smem_pipe_write.index()));
     };
-    // The first K goes out before waiting for Q's buffer: it overlaps the previous tile's tail.
-    // Packed GQA tiles (load_q false) have their Q gathered by the MMA warpgroups.
+    // With one Q buffer the first K goes out before waiting for it: it overlaps the previous
+    // tile's tail. With two, Q goes first: its buffer was handed back a tile ago, and the MMA
+    // warpgroups want it before the previous tile's epilogue. Packed GQA tiles (load_q false) have
+    // their Q gathered by the MMA warpgroups.
+    auto load_q_tile = [&] {
+      if (!load_q) return;
+      barrier_q.acquire(q_loads);
+      barrier_q.full(q_loads).arrive_and_expect_tx(kTmaBytesQ);
+      copy(params.tma_load_q.with(reinterpret_cast<BarrierType&>(barrier_q.full(q_loads)), 0), tQgQ,
+           tQsQ);
+    };
     int n_block = walk.first();
+    if constexpr (kQStages > 1) load_q_tile();
     load_k(n_block);
-    if (load_q) {
-      if (q_loads > 0) barrier_q.empty.wait((q_loads - 1) & 1);
-      barrier_q.full.arrive_and_expect_tx(kTmaBytesQ);
-      copy(params.tma_load_q.with(reinterpret_cast<BarrierType&>(barrier_q.full), 0), tQgQ, tQsQ);
-    }
+    if constexpr (kQStages == 1) load_q_tile();
     load_v(n_block);
     ++smem_pipe_write;
     while (walk.next(n_block)) {
@@ -380,6 +426,7 @@ struct MainloopFwdSm90 {
                                         bool leader) {
     using namespace cute;
     PagedKV const& paged = params.paged;
+    static_assert(kQStages == 1, "paged kernels keep one Q buffer");
     Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});
@@ -439,11 +486,11 @@ struct MainloopFwdSm90 {
     int n_block = walk.first();
     load_k(n_block);
     if (load_q) {
-      if (q_loads > 0) barrier_q.empty.wait((q_loads - 1) & 1);
+      barrier_q.acquire(q_loads);
       if (leader) {
-        barrier_q.full.arrive_and_expect_tx(kTmaBytesQ);
-        copy(params.tma_load_q.with(reinterpret_cast<BarrierType&>(barrier_q.full), 0), tQgQ,
-             tQsQ);
+        barrier_q.full(q_loads).arrive_and_expect_tx(kTmaBytesQ);
+        copy(params.tma_load_q.with(reinterpret_cast<BarrierType&>(barrier_q.full(q_loads)), 0),
+             tQgQ, tQsQ);
       }
     }
     load_v(n_block);
@@ -463,6 +510,7 @@ struct MainloopFwdSm90 {
                                            SeqlenInfo const& seqlen, int m_block, int head_kv,
                                            int batch, PackGqa const& packing, int thread_idx) {
     using namespace cute;
+    static_assert(kQStages == 1, "packed kernels keep one Q buffer");
     Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
     constexpr int kElemsPerChunk = 16 / int(sizeof(Element));
     constexpr int kChunksPerRow = kHeadDim / kElemsPerChunk;
@@ -528,21 +576,59 @@ struct MainloopFwdSm90 {
   // with work this CTA has done before this one. Hands Q's buffer back when release_q is set;
   // otherwise the caller does (when O reuses that buffer). The flex variant applies `mods`
   // (FlexTileMods: final scores, mask_mod on the blocks the walk marks); NoTileMods elsewhere.
+  // The S accumulator of one warpgroup's rows (MMA, MMA_M, MMA_N).
+  CUTLASS_DEVICE static auto make_fragment_s() {
+    return cute::partition_fragment_C(TiledMmaQK{}, cute::select<0, 1>(TileShapeQK{}));
+  }
+
+  // A tile's first S = Q K^T, issued (not waited for) in the warpgroup's turn: the first K stage
+  // at smem_pipe_read (not consumed here: mma releases it) against Q of the CTA's tile number q.
+  // mma issues it itself, or the kernel does under the previous tile's last P V (s_issued).
+  // operands_ready false: no such tile is coming; the GEMM still runs, outside the turns and
+  // without waiting, on whatever the buffers hold, and its result is never read.
+  template <class TensorS>
+  CUTLASS_DEVICE static void issue_first_qk(TensorStorage& storage, QBarriers& barrier_q, int q,
+                                            bool q_by_tma, PipelineK& pipeline_k,
+                                            PipelineState const& smem_pipe_read, TensorS& tSrS,
+                                            int thread_idx, bool operands_ready = true) {
+    using namespace cute;
+    Tensor sQ = make_tensor(make_smem_ptr(q_buffer(storage, q)), SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
+    TiledMmaQK tiled_mma_qk;
+    auto thr_mma_qk = tiled_mma_qk.get_thread_slice(thread_idx);
+    Tensor tSrQ = thr_mma_qk.partition_fragment_A(sQ);
+    Tensor tSrK = thr_mma_qk.partition_fragment_B(sK);
+    int const warp_group = thread_idx / cutlass::NumThreadsPerWarpGroup;
+    if (operands_ready) {
+      pipeline_k.consumer_wait(smem_pipe_read);
+      if (q_by_tma) barrier_q.wait_full(q);
+      warp_scheduler_barrier_sync(warp_group);
+    }
+    gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_qk, tSrQ,
+                                           tSrK(_, _, _, smem_pipe_read.index()), tSrS);
+    if (operands_ready) warp_scheduler_barrier_arrive(warp_group);
+  }
+
   // zero_v_tail: zero the V rows past mask.seqlen_k in the boundary block (clear_v_tail).
+  // tSrS: the S accumulator (make_fragment_s); s_issued: the tile's first Q K^T is already in
+  // flight into it (issue_first_qk).
   // under_last_pv: called once the tile's last P V is issued and before it is waited for, with
   // nothing in registers but the softmax state to work on: work that reads neither tOrO nor P
-  // (the row sums' reduction and the log-sum-exp of finalize) runs under that GEMM instead of
-  // after it.
-  template <class TensorO, class Softmax, class Walk, class TileMods, class UnderLastPv>
+  // (the row sums' reduction and the log-sum-exp of finalize, the next tile's first Q K^T) runs
+  // under that GEMM instead of after it. It returns whether it issued a GEMM (into tSrS), and
+  // then has waited for the P V itself, leaving that GEMM in flight.
+  template <class TensorO, class TensorS, class Softmax, class Walk, class TileMods,
+            class UnderLastPv>
   CUTLASS_DEVICE static void mma(TensorStorage& storage, QBarriers& barrier_q, int q_loads,
                                  bool q_by_tma, bool release_q, PipelineK& pipeline_k,
                                  PipelineV& pipeline_v,
-                                 PipelineState& smem_pipe_read, TensorO& tOrO, Softmax& softmax,
+                                 PipelineState& smem_pipe_read, TensorO& tOrO, TensorS& tSrS,
+                                 bool s_issued, Softmax& softmax,
                                  FwdMask<kBlockM, kBlockN> const& mask, float softcap_scale,
                                  int thread_idx, int m_block, Walk walk, TileMods const& mods,
                                  bool zero_v_tail, UnderLastPv&& under_last_pv) {
     using namespace cute;
-    Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
+    Tensor sQ = make_tensor(make_smem_ptr(q_buffer(storage, q_loads)), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
     Tensor sVt = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutVt{});
     int const warp_group = thread_idx / cutlass::NumThreadsPerWarpGroup;
@@ -554,8 +640,6 @@ struct MainloopFwdSm90 {
     Tensor tSrQ = thr_mma_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K)
     Tensor tSrK = thr_mma_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stages)
     Tensor tOrV = thr_mma_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stages)
-    Tensor tSrS =
-        partition_fragment_C(tiled_mma_qk, select<0, 1>(TileShapeQK{}));  // (MMA, MMA_M, MMA_N)
     Tensor tScS = thr_mma_qk.partition_C(make_identity_tensor(select<0, 1>(TileShapeQK{})));
     Tensor tOrP = make_tensor<Element>(acc_as_a_operand_layout(tSrS.layout()));
 
@@ -597,12 +681,10 @@ struct MainloopFwdSm90 {
                                         int(FwdNamedBarrier::kWarpGroupLocalWG0) + warp_group);
     };
 
-    pipeline_k.consumer_wait(smem_pipe_read);
-    if (q_by_tma) barrier_q.full.wait(q_loads & 1);
-    warp_scheduler_barrier_sync(warp_group);
-    gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_qk, tSrQ,
-                                           tSrK(_, _, _, smem_pipe_read.index()), tSrS);
-    warp_scheduler_barrier_arrive(warp_group);
+    if (!s_issued) {
+      issue_first_qk(storage, barrier_q, q_loads, q_by_tma, pipeline_k, smem_pipe_read, tSrS,
+                     thread_idx);
+    }
     warpgroup_wait<0>();
     trace::mark(thread_idx, trace::kFirstS);
     pipeline_k.consumer_release(smem_pipe_read);
@@ -647,13 +729,12 @@ struct MainloopFwdSm90 {
       ++smem_pipe_read;
     }
     trace::mark(thread_idx, trace::kLoopEnd);
-    if (release_q) barrier_q.empty.arrive();  // every Q K^T of this tile has completed
+    if (release_q) barrier_q.release(q_loads);  // every Q K^T of this tile has completed
     softmax.rescale_o(tOrO, scores_scale);
     pipeline_v.consumer_wait(smem_pipe_read_v);
     gemm</*kZeroInit=*/false, /*kWait=*/-1>(tiled_mma_pv, tOrP,
                                             tOrV(_, _, _, smem_pipe_read_v.index()), tOrO);
-    under_last_pv();
-    warpgroup_wait<0>();
+    if (!under_last_pv()) warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
     pipeline_v.consumer_release(smem_pipe_read_v);
   }
