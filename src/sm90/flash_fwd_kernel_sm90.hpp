@@ -142,7 +142,7 @@ struct FlashFwdKernelSm90 {
   static constexpr bool kFinalizeUnderLastPv = !kStreamKTail && (kSeparateO || !kPackGqa);
   // Each warpgroup issues the next tile's first Q K^T under its last P V, before this tile's
   // finalize and epilogue, so that the tensor cores have it while those run (the mainloop's second
-  // Q buffer, kQStages; hdims 64-128 plain and softcap with two MMA warpgroups, bench/NOTES.md).
+  // Q buffer, kQStages: hdim 128 plain and softcap, bench/NOTES.md).
   static constexpr bool kNextQkUnderEpilogue = Mainloop::kQStages > 1;
   static_assert(!kNextQkUnderEpilogue || (kSeparateO && kFinalizeUnderLastPv && !kStreamKTail && !kPackGqa),
                 "the next tile's first Q K^T: Q by TMA into its own buffer, O into its own");
