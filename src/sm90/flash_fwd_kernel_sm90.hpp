@@ -37,9 +37,12 @@ namespace cuflash::sm90 {
 // kNarrow_: the second tile of the plain hdim64 kernel (fwd_tile_size).
 // kStreamKPieces_: the kernel that runs the stream-K tail's pieces (stream_k_sm90.hpp) after the
 // plain kernel has run the whole waves.
+// kSingleQ_: one Q buffer, without the next tile's first Q K^T under the epilogue, in a kernel
+// that would have it (mainloop_fwd_sm90.hpp, kQStages): the hdim128 kernels' tiles of few
+// n-blocks (fwd_next_qk_pays).
 template <class Element_, int kHeadDim_, int kHeadDimV_, bool kHasSoftcap_, bool kIsSplit_,
           class Variant_ = variants::NoVariant, bool kIsPaged_ = false, bool kPackGqa_ = false,
-          bool kNarrow_ = false, bool kStreamKPieces_ = false>
+          bool kNarrow_ = false, bool kStreamKPieces_ = false, bool kSingleQ_ = false>
 struct FwdConfig {
   using Element = Element_;
   using Variant = Variant_;
@@ -52,6 +55,7 @@ struct FwdConfig {
   static constexpr bool kPackGqa = kPackGqa_;  // packed GQA tiles (pack_gqa_sm90.hpp)
   static constexpr bool kNarrow = kNarrow_;
   static constexpr bool kStreamKPieces = kStreamKPieces_;
+  static constexpr bool kSingleQ = kSingleQ_;
   static constexpr FwdTileSize kTile =
       fwd_tile_size(kHeadDim, kHeadDimV, Variant::kIsFlex, kHasSoftcap, kNarrow_);
   static constexpr int kBlockM = kTile.block_m;
@@ -60,7 +64,8 @@ struct FwdConfig {
   static constexpr int kNumMmaWarpGroups = kBlockM / 64;
 };
 
-// The kernel of a config's stream-K tail pieces.
+// The kernel of a config's stream-K tail pieces (one Q buffer either way, so kSingleQ is dropped:
+// one pieces' kernel serves both).
 template <class Config>
 using StreamKPiecesConfig =
     FwdConfig<typename Config::Element, Config::kHeadDim, Config::kHeadDimV, Config::kHasSoftcap,

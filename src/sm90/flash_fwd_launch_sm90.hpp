@@ -112,6 +112,16 @@ void run_flash_fwd_sm90(FwdParams& params, cudaStream_t stream) {
       return;
     }
   }
+  // A kernel that issues the next tile's first Q K^T under the epilogue also holds one that does
+  // not, for tiles of few n-blocks, where that lost (fwd_next_qk_pays).
+  if constexpr (MainloopFwdSm90<Config>::kQStages > 1) {
+    if (!fwd_next_qk_pays(params.seqlen_k, params.window_left, params.window_right)) {
+      launch_flash_fwd_sm90<FwdConfig<Element, kHeadDim, kHeadDimV, kHasSoftcap, kIsSplit, Variant, kIsPaged,
+                                      kPackGqa, /*kNarrow=*/false, /*kStreamKPieces=*/false,
+                                      /*kSingleQ=*/true>>(params, stream);
+      return;
+    }
+  }
   launch_flash_fwd_sm90<Config>(params, stream);
 }
 

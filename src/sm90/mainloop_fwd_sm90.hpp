@@ -144,7 +144,8 @@ struct MainloopFwdSm90 {
 
   // Q buffers. Two where the kernel's tile loop issues the next tile's first Q K^T under this
   // tile's epilogue: the plain and softcap kernels (dense K / V, whole tiles, Q by TMA) at hdim
-  // 128, measured +1-2% from 2k keys on, even at 1k and 3-4% slower at 512 (bench/NOTES.md);
+  // 128, measured +1-2% from 2k keys on, even at 1k and 3-4% slower at 512 (bench/NOTES.md;
+  // so the launch takes the kSingleQ kernel for tiles of few n-blocks, fwd_next_qk_pays);
   // elsewhere one. It lost 3-7% on hdim 64's 128-row tile, 3-4% on its 192-row tile (three
   // warpgroups), and moved hdim 96 by -1 to +0.4%; hdim 192 / 256 have no room for a second Q.
   static constexpr int kSmemBytesQ = kBlockM * kHeadDim * int(sizeof(Element));
@@ -152,7 +153,7 @@ struct MainloopFwdSm90 {
   static constexpr int kSmemBytesO = kBlockM * kHeadDimV * int(sizeof(Element));
   static constexpr bool kNextQkEligible = !kIsFlex && !kIsPaged && !Config::kIsSplit &&
                                           !Config::kPackGqa && !Config::kStreamKPieces &&
-                                          kNumMmaWarpGroups == 2 && kHeadDim == 128 &&
+                                          !Config::kSingleQ && kNumMmaWarpGroups == 2 && kHeadDim == 128 &&
                                           kHeadDimV == 128;
   static constexpr int kQStages =
       kNextQkEligible && 2 * kSmemBytesQ + kSmemBytesKV + kSmemBytesO + 2048 <= 227 * 1024 ? 2 : 1;

@@ -44,6 +44,23 @@ constexpr FwdTileSize fwd_tile_size(int head_dim, int head_dim_v, bool flex, boo
   return tile;
 }
 
+// Whether the hdim128 kernels that issue the next tile's first Q K^T under the epilogue (two Q
+// buffers) should, rather than their one-Q twin, for keys seqlen_k and a window (< 0: unbounded):
+// when a tile visits at least kMinBlocks 128-key n-blocks. Measured on the H200 (bf16, 16k
+// tokens, bench/NOTES.md "the next tile's first Q K^T"): 512 keys (4 n-blocks) -3.5% non-causal
+// and causal, 1k (8) within 0.5%, 2k-16k +1-2%. A window bounded on both sides caps a tile's
+// keys at the window plus its 128 rows.
+inline bool fwd_next_qk_pays(int seqlen_k, int window_left, int window_right) {
+  constexpr int kBlockN = 128;
+  constexpr int kMinBlocks = 8;
+  long long keys = seqlen_k;
+  if (window_left >= 0 && window_right >= 0) {
+    long long const span = (long long)window_left + window_right + 128;
+    keys = span < keys ? span : keys;
+  }
+  return (keys + kBlockN - 1) / kBlockN >= kMinBlocks;
+}
+
 // Whether the plain hdim64 kernel should run its 128-row tile rather than the 192-row one for a
 // problem of seqlen_q x seqlen_k rows and keys with a window (< 0: unbounded; causal is
 // window_right 0, bottom-right aligned). Cost model: the MMA area a tile computes, block_m x
