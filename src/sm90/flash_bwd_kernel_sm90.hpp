@@ -171,6 +171,7 @@ struct FlashBwdKernelSm90 {
     } else {
       cutlass::arch::warpgroup_reg_alloc<kMmaRegs>();
       Coords const c = coords();
+      trace::mark_bwd(c.thread_idx, trace::kStart);
       Tensor tdKrdK = partition_fragment_C(typename Mainloop::TiledMmadK{}, typename Epilogue::ShapedKAcc{});
       Tensor tdVrdV = partition_fragment_C(typename Mainloop::TiledMmadV{}, typename Epilogue::ShapedVAcc{});
       bool const any_rows = Mainloop::mma(params.mainloop, ss.tensors, pipeline_q, pipeline_do, ss.barrier_kv, c.seq,
@@ -182,6 +183,7 @@ struct FlashBwdKernelSm90 {
       Coords const ce = coords();
       Epilogue::store(params.epilogue, ss.tensors, tdKrdK, tdVrdV, any_rows, ce.thread_idx, ce.seq, ce.n_block, ce.head,
                       ce.batch);
+      trace::mark_bwd(ce.thread_idx, trace::kEnd);
     }
   }
 };

@@ -262,6 +262,11 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
                                   : dim3(num_n_blocks, num_heads, batch);
     kernel<<<grid, Kernel::NumThreads, kSmem, stream>>>(kernel_params);
     check_launch("the backward main kernel");
+#if CUFLASH_BWD_TRACE
+    trace::dump_after_launch("bwdtrace", 0, int(std::min<long long>(
+                                                (long long)grid.x * grid.y * grid.z, trace::kMaxCtas)),
+                             stream);
+#endif
   }
 
   // Postprocess: dQ, and dK / dV for GQA.

@@ -75,7 +75,7 @@ void launch_flash_fwd_sm90(FwdParams& params, cudaStream_t stream) {
     kernel<<<grid, Kernel::kNumThreads, Kernel::kSharedStorageBytes, stream>>>(kernel_params);
     check_launch(cudaGetLastError(), "cuflash forward: kernel launch failed");
 #if CUFLASH_FWD_TRACE
-    trace::dump_after_launch(0, int(grid.x), stream);
+    trace::dump_after_launch("fwdtrace", 0, int(grid.x), stream);
 #endif
   }
   if constexpr (Kernel::kStreamKEligible) {
@@ -91,7 +91,7 @@ void launch_flash_fwd_sm90(FwdParams& params, cudaStream_t stream) {
                PiecesKernel::kSharedStorageBytes, stream>>>(pieces_params);
       check_launch(cudaGetLastError(), "cuflash forward: stream-K pieces launch failed");
 #if CUFLASH_FWD_TRACE
-      trace::dump_after_launch(1, tail.sk_ctas, stream);
+      trace::dump_after_launch("fwdtrace", 1, tail.sk_ctas, stream);
 #endif
     }
   }

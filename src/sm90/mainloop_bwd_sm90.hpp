@@ -23,6 +23,7 @@
 
 #include "sm90/dq_out_sm90.hpp"
 #include "sm90/flex_bwd_sm90.hpp"
+#include "sm90/trace_sm90.hpp"
 #include "sm90/tile_size_bwd_sm90.hpp"
 #include "sm90/utils_sm90.hpp"
 #include "variants/variant.hpp"
@@ -1022,6 +1023,7 @@ struct MainloopBwdSm90 {
       int const stage_q = read_q.index();
       int const stage_do = read_do.index();
       int const stage_ds = kStagesdS == 1 ? 0 : stage_q;
+      trace::mark_bwd(thread_idx, trace::kBwdStep);
 
       if (m_block == q_tail_block) {
         pipeline_q.consumer_wait(read_q);
@@ -1036,6 +1038,7 @@ struct MainloopBwdSm90 {
       Tensor tSrS = partition_fragment_C(tiled_mma_SdP, ShapeSAcc{});
       pipeline_q.consumer_wait(read_q);
       wgmma_gemm<true, -1, SdP_swapAB>(tiled_mma_SdP, tSrQ(_, _, _, stage_q), tSrK, tSrS);
+      trace::mark_bwd(thread_idx, trace::kBwdQ);
       // Row statistics are read from smem where they are used rather than held in registers:
       // with S^T tiles each thread covers many rows.
       float const* lse = smem.lse.data() + stage_q * kStatsStride + row_base;
@@ -1086,6 +1089,7 @@ struct MainloopBwdSm90 {
 
       // dS = P (dP - dPsum) [* dtanh]
       warpgroup_wait<0>();
+      trace::mark_bwd(thread_idx, trace::kBwdSdP);
       Tensor dS = make_tensor(tdPrdP.data(), scores.layout());
       CUTLASS_PRAGMA_UNROLL
       for (int mi = 0; mi < kRows; ++mi) {
@@ -1105,6 +1109,7 @@ struct MainloopBwdSm90 {
         cutlass::arch::NamedBarrier::sync(NumMmaThreads, uint32_t(BwdBarrier::kPdS));
       }
       cute::copy(smem_tiled_copy_PdS, smem_thr_copy_PdS.retile_S(rdS), tdSsdS(_, _, _, stage_ds));
+      trace::mark_bwd(thread_idx, trace::kBwdDs);
 
       using ShapedQAcc = std::conditional_t<!dQ_swapAB, Shape<Int<kBlockM>, Int<kHeadDim>>, Shape<Int<kHeadDim>, Int<kBlockM>>>;
       Tensor tdQrdQ = partition_fragment_C(tiled_mma_dQ, ShapedQAcc{});
@@ -1180,12 +1185,14 @@ struct MainloopBwdSm90 {
         wgmma_gemm_m_slice<false, 1, dKV_swapAB, 1, 2>(tiled_mma_dV, tdVrP, tdVrdO_cur, tdVrdV);
         dq_atomics_wait();
         dq_out(Int<0>{});
+        trace::mark_bwd(thread_idx, trace::kBwdDq0);
         // dK_0 += dS^T Q; waiting for all but it completes dV_1 (the dV MMA is done with dO).
         wgmma_gemm_m_slice<false, -1, dKV_swapAB, 0, 2>(tiled_mma_dK, tdKrdS, tdKrQ_cur, tdKrdK);
         warpgroup_wait<1>();
         pipeline_do.consumer_release(read_do);
         wgmma_gemm_m_slice<true, 0, dQ_swapAB, 1, 2>(tiled_mma_dQ, tdQrdS_cur, tdQrK, tdQrdQ);
         dq_out(Int<1>{});
+        trace::mark_bwd(thread_idx, trace::kBwdDq1);
         dq_piece += kDqPieces;
         dq_atomics_release();
         wgmma_gemm_m_slice<false, -1, dKV_swapAB, 1, 2>(tiled_mma_dK, tdKrdS, tdKrQ_cur, tdKrdK);
@@ -1229,9 +1236,11 @@ struct MainloopBwdSm90 {
           dq_atomics(Int<0>{}, Int<kDqVecs>{});
           dq_atomics_release();
         }
+        trace::mark_bwd(thread_idx, trace::kBwdDq0);
       }
 
       warpgroup_wait<0>();
+      trace::mark_bwd(thread_idx, trace::kBwdStepEnd);
       pipeline_q.consumer_release(read_q);  // the dK MMA is done with Q
       ++read_q;
       ++read_do;

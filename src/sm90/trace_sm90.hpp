@@ -1,10 +1,12 @@
-// A timeline of the forward kernel's consumer warpgroups, for finding where a tile's time goes
-// (per-tile fixed cost, the stream-K meet). Built only with -DCUFLASH_FWD_TRACE=1 (a diagnostic
-// build); otherwise every call below compiles to nothing.
+// A timeline of the MMA warpgroups, for finding where the time goes: in the forward kernel a
+// tile's stages (per-tile fixed cost, the stream-K meet), in the backward main kernel a row
+// block's step. Built only with -DCUFLASH_FWD_TRACE=1 / -DCUFLASH_BWD_TRACE=1 (diagnostic builds);
+// otherwise every call below compiles to nothing.
 //
-// Each MMA warpgroup's first thread records (event, SM clock) pairs in a global buffer; after each
-// launch the host waits and prints them (dump_after_launch), so a traced call is synchronous.
-// bench/trace_fwd.py reads the lines.
+// Each MMA warpgroup's first thread (of the first two warpgroups, in the first kMaxCtas CTAs)
+// records (event, SM clock) pairs in a global buffer; after each launch the host waits and prints
+// them (dump_after_launch), so a traced call is synchronous. bench/trace_fwd.py and
+// bench/trace_bwd.py read the lines.
 #pragma once
 
 #include <cutlass/cutlass.h>
@@ -16,6 +18,10 @@
 #ifndef CUFLASH_FWD_TRACE
 #define CUFLASH_FWD_TRACE 0
 #endif
+#ifndef CUFLASH_BWD_TRACE
+#define CUFLASH_BWD_TRACE 0
+#endif
+#define CUFLASH_TRACE (CUFLASH_FWD_TRACE || CUFLASH_BWD_TRACE)
 
 namespace cuflash::sm90::trace {
 
@@ -30,12 +36,20 @@ enum Event : int {
   kMeetDone = 7,     // stream-K: state written (not last) or merged (last)
   kEpilogue = 8,   // the epilogue has issued the tile's stores
   kEnd = 9,        // the warpgroup leaves the tile loop
+  // Backward main kernel, per row block (step) of a column block:
+  kBwdStep = 10,     // the step begins: before the wait for Q
+  kBwdQ = 11,        // Q has landed and S = Q K^T is issued
+  kBwdSdP = 12,      // S and dP = dO V^T have completed
+  kBwdDs = 13,       // P and dS computed and stored to shared memory
+  kBwdDq0 = 14,      // the first half of dQ handed out (the sliced hdim256 kernels; else all dQ)
+  kBwdDq1 = 15,      // the second half of dQ handed out (sliced kernels)
+  kBwdStepEnd = 16,  // every MMA of the step has completed; Q released
 };
 
-constexpr int kMaxEvents = 160;
+constexpr int kMaxEvents = 1024;
 constexpr int kMaxCtas = 264;
 
-#if CUFLASH_FWD_TRACE
+#if CUFLASH_TRACE
 // Per (CTA, warpgroup): the events' SM clocks and codes, how many, and the global timer at the
 // warpgroup's start (to place the CTAs on one time line). One copy per translation unit, read
 // back by that unit's launch (dump_after_launch).
@@ -51,13 +65,14 @@ CUTLASS_DEVICE int* counts() {
 }
 #endif
 
-// thread_idx: the thread's index among the MMA threads (warpgroup = thread_idx / 128). Global
-// stores only (no call): a call would serialise the kernel's WGMMAs (ptxas C7510).
-CUTLASS_DEVICE void mark(int thread_idx, Event event) {
-#if CUFLASH_FWD_TRACE
-  if (thread_idx % 128 != 0 || thread_idx >= 256 || blockIdx.x >= kMaxCtas) return;
+// cta: the CTA's place in the trace (< kMaxCtas or not traced); thread_idx: the thread's index
+// among the MMA threads (warpgroup = thread_idx / 128). Global stores only (no call): a call
+// would serialise the kernel's WGMMAs (ptxas C7510).
+CUTLASS_DEVICE void mark_at(int cta, int thread_idx, Event event) {
+#if CUFLASH_TRACE
+  if (thread_idx % 128 != 0 || thread_idx >= 256 || cta >= kMaxCtas) return;
   int const wg = thread_idx / 128;
-  int const slot = int(blockIdx.x) * 2 + wg;
+  int const slot = cta * 2 + wg;
   if (event == kStart || event == kEnd) {
     unsigned long long ns;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
@@ -71,17 +86,46 @@ CUTLASS_DEVICE void mark(int thread_idx, Event event) {
   counts()[wg] = k + 1;
   g_counts[slot] = k + 1;
 #else
+  (void)cta;
   (void)thread_idx;
   (void)event;
 #endif
 }
 
+// Forward: the persistent CTAs by their index.
+CUTLASS_DEVICE void mark(int thread_idx, Event event) {
 #if CUFLASH_FWD_TRACE
+  mark_at(int(blockIdx.x), thread_idx, event);
+#else
+  (void)thread_idx;
+  (void)event;
+#endif
+}
+
+// Backward: the CTAs in launch order (the first kMaxCtas of the grid, about two waves). The
+// grid position is read anew at each mark (volatile reads): computed once and kept, it took
+// registers through the step loop and the plain hdim128 kernel spilled.
+CUTLASS_DEVICE void mark_bwd(int thread_idx, Event event) {
+#if CUFLASH_BWD_TRACE
+  uint32_t x, y, z, nx, ny;
+  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(x));
+  asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(y));
+  asm volatile("mov.u32 %0, %%ctaid.z;" : "=r"(z));
+  asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(nx));
+  asm volatile("mov.u32 %0, %%nctaid.y;" : "=r"(ny));
+  mark_at(int(x + nx * (y + ny * z)), thread_idx, event);
+#else
+  (void)thread_idx;
+  (void)event;
+#endif
+}
+
+#if CUFLASH_TRACE
 // Host: after a launch of `ctas` CTAs, waits for it and prints its events, one line each:
-// "fwdtrace <kernel> <cta> <warpgroup> <event> <cycles since the warpgroup's start>
-// <global ns at the warpgroup's start> <global ns at its end>"; kernel 0 plain, 1 stream-K
-// pieces.
-inline void dump_after_launch(int kernel, int ctas, cudaStream_t stream) {
+// "<tag> <kernel> <cta> <warpgroup> <event> <cycles since the warpgroup's start>
+// <global ns at the warpgroup's start> <global ns at its end>"; tag fwdtrace (kernel 0 plain,
+// 1 stream-K pieces) or bwdtrace (kernel 0: the main kernel).
+inline void dump_after_launch(char const* tag, int kernel, int ctas, cudaStream_t stream) {
   static long long clocks[kMaxCtas * 2 * kMaxEvents];
   static int events[kMaxCtas * 2 * kMaxEvents];
   static int counts_host[kMaxCtas * 2];
@@ -95,7 +139,7 @@ inline void dump_after_launch(int kernel, int ctas, cudaStream_t stream) {
   cudaMemcpyFromSymbol(end_ns, g_end_ns, sizeof(end_ns));
   for (int slot = 0; slot < 2 * (ctas < kMaxCtas ? ctas : kMaxCtas); ++slot) {
     for (int k = 0; k < counts_host[slot]; ++k)
-      std::printf("fwdtrace %d %d %d %d %lld %llu %llu\n", kernel, slot / 2, slot % 2,
+      std::printf("%s %d %d %d %d %lld %llu %llu\n", tag, kernel, slot / 2, slot % 2,
                   events[slot * kMaxEvents + k], clocks[slot * kMaxEvents + k] - clocks[slot * kMaxEvents],
                   start_ns[slot], end_ns[slot]);
   }

@@ -1,5 +1,6 @@
 """The benchmark helpers that run without a GPU: bench/ncu_stall_top.py on a small source page,
-bench/det_order_model.py on small launches, bench/trace_fwd.py on a made-up timeline."""
+bench/det_order_model.py on small launches, bench/trace_fwd.py and bench/trace_bwd.py on made-up
+timelines."""
 
 import importlib.util
 import pathlib
@@ -116,3 +117,37 @@ def test_trace_fwd_without_trace_lines(capsys):
     trace = load("trace_fwd")
     assert trace.analyse(["fwdtrace-call-end"], None, 16) == 1
     assert "CUFLASH_FWD_TRACE" in capsys.readouterr().out
+
+
+def bwd_trace_lines(cycles_per_stage, clock_ghz, steps=3):
+    """Two backward calls of one CTA with two warpgroups, each `steps` steps of the sliced
+    kernel's events, every stage taking cycles_per_stage (the second call's twice the first's)."""
+    lines = []
+    for call in range(2):
+        scale = cycles_per_stage * (call + 1)
+        for wg in (0, 1):
+            events = [0] + [10, 11, 12, 13, 14, 15, 16] * steps + [9]
+            end_ns = 1000 + round((len(events) - 1) * scale / clock_ghz)
+            for k, event in enumerate(events):
+                lines.append(f"bwdtrace 0 0 {wg} {event} {k * scale} 1000 {end_ns}")
+        lines.append("bwdtrace-call-end")
+    return lines
+
+
+def test_trace_bwd_steps(capsys):
+    trace = load("trace_bwd")
+    assert trace.analyse(bwd_trace_lines(1720, 1.72), None) == 0
+    out = capsys.readouterr().out
+    assert "SM clock from the global timer: 1.720 GHz" in out
+    # Each stage 3440 cycles at 1.72 GHz: 2 us; a step is seven stages.
+    line = next(line for line in out.splitlines() if "wg1 ds -> dq0" in line)
+    assert "mean    2.00 us" in line and "n=   3" in line
+    line = next(line for line in out.splitlines() if "step to step" in line)
+    assert "n=4 mean 14.00 us" in line
+    assert "start to first step: mean 2.00 us" in out and "(epilogue): mean 2.00 us" in out
+
+
+def test_trace_bwd_without_trace_lines(capsys):
+    trace = load("trace_bwd")
+    assert trace.analyse(["fwdtrace 0 0 0 0 0 0 0", "bwdtrace-call-end"], None) == 1
+    assert "CUFLASH_BWD_TRACE" in capsys.readouterr().out
