@@ -51,8 +51,9 @@ constexpr int kMaxCtas = 264;
 
 #if CUFLASH_TRACE
 // Per (CTA, warpgroup): the events' SM clocks and codes, how many, and the global timer at the
-// warpgroup's start (to place the CTAs on one time line). One copy per translation unit, read
-// back by that unit's launch (dump_after_launch).
+// warpgroup's start (to place the CTAs on one time line). One copy per translation unit (6.5 MB
+// of device memory each: build only the kernels to trace, CUFLASH_KERNEL_REGEX), read back by
+// that unit's launch (dump_after_launch).
 static __device__ long long g_clocks[kMaxCtas * 2 * kMaxEvents];
 static __device__ int g_events[kMaxCtas * 2 * kMaxEvents];
 static __device__ int g_counts[kMaxCtas * 2];
