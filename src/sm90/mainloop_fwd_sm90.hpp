@@ -573,11 +573,6 @@ struct MainloopFwdSm90 {
     }
   }
 
-  // Consumer: accumulates the unnormalised output of this thread's rows into tOrO and leaves
-  // the running max/sum in softmax over the n-blocks of `walk` (at least one). q_loads: tiles
-  // with work this CTA has done before this one. Hands Q's buffer back when release_q is set;
-  // otherwise the caller does (when O reuses that buffer). The flex variant applies `mods`
-  // (FlexTileMods: final scores, mask_mod on the blocks the walk marks); NoTileMods elsewhere.
   // The S accumulator of one warpgroup's rows (MMA, MMA_M, MMA_N).
   CUTLASS_DEVICE static auto make_fragment_s() {
     return cute::partition_fragment_C(TiledMmaQK{}, cute::select<0, 1>(TileShapeQK{}));
@@ -611,6 +606,11 @@ struct MainloopFwdSm90 {
     if (operands_ready) warp_scheduler_barrier_arrive(warp_group);
   }
 
+  // Consumer: accumulates the unnormalised output of this thread's rows into tOrO and leaves
+  // the running max/sum in softmax over the n-blocks of `walk` (at least one). q_loads: tiles
+  // with work this CTA has done before this one. Hands Q's buffer back when release_q is set;
+  // otherwise the caller does (when O reuses that buffer). The flex variant applies `mods`
+  // (FlexTileMods: final scores, mask_mod on the blocks the walk marks); NoTileMods elsewhere.
   // zero_v_tail: zero the V rows past mask.seqlen_k in the boundary block (clear_v_tail).
   // tSrS: the S accumulator (make_fragment_s); s_issued: the tile's first Q K^T is already in
   // flight into it (issue_first_qk).
