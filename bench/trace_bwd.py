@@ -13,7 +13,6 @@ measured against the global timer (or at --clock GHz):
 """
 import argparse
 import os
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -43,12 +42,10 @@ def run_calls(args):
 
 
 def analyse(lines, clock_ghz):
-    streams, bounds = trace_common.last_call(lines, "bwdtrace")
-    if streams is None:
-        print("no trace lines: is the extension built with -DCUFLASH_BWD_TRACE=1?")
+    loaded = trace_common.load(lines, "bwdtrace", "CUFLASH_BWD_TRACE", clock_ghz)
+    if loaded is None:
         return 1
-    ghz = trace_common.clock_ghz(streams, bounds, clock_ghz)
-    us = lambda c: c / (ghz * 1e3)  # noqa: E731
+    streams, bounds, us = loaded
     spans, totals = trace_common.spans_of(streams, 0, us)
     trace_common.print_kernel(streams, bounds, 0, "main", us, spans, totals)
     # Whole steps (step to step) and what lies outside them: before the first step (K / V loads,
@@ -76,24 +73,17 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_shape_args(parser, seqlen=2048)
     parser.add_argument("--deterministic", action="store_true")
-    parser.add_argument("--clock", type=float, default=None,
-                        help="SM clock in GHz for the conversion (default: measured against the global timer)")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    trace_common.add_args(parser)
     args = parser.parse_args()
     if args.child:
         run_calls(args)
         return 0
-    command = [sys.executable, os.path.abspath(__file__), "--child", "--hdim", str(args.hdim), "--seqlen",
-               str(args.seqlen), "--tokens", str(args.tokens), "--causal", str(args.causal)]
-    if args.deterministic:
-        command.append("--deterministic")
-    child = subprocess.run(command, capture_output=True, text=True)
-    if child.returncode != 0:
-        print(child.stderr[-4000:])
-        return child.returncode
+    lines, status = trace_common.child_lines(__file__, args, ["--deterministic"] if args.deterministic else [])
+    if lines is None:
+        return status
     print(f"backward hdim {args.hdim} seqlen {args.seqlen} tokens {args.tokens} causal {args.causal} "
           f"deterministic {int(args.deterministic)}")
-    return analyse(child.stdout.splitlines(), args.clock)
+    return analyse(lines, args.clock)
 
 
 if __name__ == "__main__":

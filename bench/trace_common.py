@@ -2,7 +2,11 @@
 and bench/trace_bwd.py: each line is "<tag> <kernel> <cta> <warpgroup> <event> <cycles since the
 warpgroup's start> <global ns at its start> <global ns at its end>", and "<tag>-call-end" closes
 a call."""
+import argparse
 import collections
+import os
+import subprocess
+import sys
 
 # By event code (trace::Event).
 EVENTS = ["start", "tile", "first_s", "first_p", "loop_end", "mma_end", "meet_arrived",
@@ -30,6 +34,17 @@ def last_call(lines, tag):
         streams[key].append((int(event), int(cycles)))
         bounds[key] = (int(start_ns), int(end_ns))
     return streams, bounds
+
+
+def load(lines, tag, build_flag, given_clock):
+    """The last call's (streams, bounds) and a cycles-to-microseconds function, or None (after
+    saying which build is missing) when there are no lines."""
+    streams, bounds = last_call(lines, tag)
+    if streams is None:
+        print(f"no trace lines: is the extension built with -D{build_flag}=1?")
+        return None
+    ghz = clock_ghz(streams, bounds, given_clock)
+    return streams, bounds, lambda c: c / (ghz * 1e3)
 
 
 def clock_ghz(streams, bounds, given):
@@ -77,3 +92,23 @@ def print_kernel(streams, bounds, kernel, name, us, spans, totals):
     first = min(key[1] for key in streams if key[0] == kernel)
     stream = streams.get((kernel, first, 0), [])
     print("  first warpgroup's events (us):", " ".join(f"{EVENTS[e]}@{us(c):.1f}" for e, c in stream[:40]))
+
+
+def add_args(parser):
+    """The options both tools take beside the shape (bench_common.add_shape_args)."""
+    parser.add_argument("--clock", type=float, default=None,
+                        help="SM clock in GHz for the conversion (default: measured against the global timer)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+
+
+def child_lines(script, args, extra=()):
+    """Runs `script` again as the child (--child) on the same shape, in its own process so that
+    only its calls print; (its stdout lines, 0), or (None, its exit status) after printing its
+    stderr's end."""
+    command = [sys.executable, os.path.abspath(script), "--child", "--hdim", str(args.hdim), "--seqlen",
+               str(args.seqlen), "--tokens", str(args.tokens), "--causal", str(args.causal), *extra]
+    child = subprocess.run(command, capture_output=True, text=True)
+    if child.returncode != 0:
+        print(child.stderr[-4000:])
+        return None, child.returncode
+    return child.stdout.splitlines(), 0

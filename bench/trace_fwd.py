@@ -12,7 +12,6 @@ clock measured against the global timer, or at --clock GHz):
 import argparse
 import ctypes
 import os
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -37,12 +36,10 @@ def run_calls(args):
 
 def analyse(lines, clock_ghz, n_blocks):
     # The last call's lines only (the first is a warm-up).
-    streams, bounds = trace_common.last_call(lines, "fwdtrace")
-    if streams is None:
-        print("no trace lines: is the extension built with -DCUFLASH_FWD_TRACE=1?")
+    loaded = trace_common.load(lines, "fwdtrace", "CUFLASH_FWD_TRACE", clock_ghz)
+    if loaded is None:
         return 1
-    ghz = trace_common.clock_ghz(streams, bounds, clock_ghz)
-    us = lambda c: c / (ghz * 1e3)  # noqa: E731
+    streams, bounds, us = loaded
     for kernel in sorted({key[0] for key in streams}):
         spans, totals = trace_common.spans_of(streams, kernel, us)
         name = "plain" if kernel == 0 else "stream-K pieces"
@@ -56,22 +53,17 @@ def analyse(lines, clock_ghz, n_blocks):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_shape_args(parser, seqlen=2048)
-    parser.add_argument("--clock", type=float, default=None,
-                        help="SM clock in GHz for the conversion (default: measured against the global timer)")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    trace_common.add_args(parser)
     args = parser.parse_args()
     if args.child:
         run_calls(args)
         return 0
-    child = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--hdim", str(args.hdim),
-                            "--seqlen", str(args.seqlen), "--tokens", str(args.tokens),
-                            "--causal", str(args.causal)], capture_output=True, text=True)
-    if child.returncode != 0:
-        print(child.stderr[-4000:])
-        return child.returncode
+    lines, status = trace_common.child_lines(__file__, args)
+    if lines is None:
+        return status
     print(f"hdim {args.hdim} seqlen {args.seqlen} tokens {args.tokens} causal {args.causal} "
           f"CUFLASH_FWD_STREAM_K={os.environ.get('CUFLASH_FWD_STREAM_K', 'auto')}")
-    return analyse(child.stdout.splitlines(), args.clock, (args.seqlen + 127) // 128)
+    return analyse(lines, args.clock, (args.seqlen + 127) // 128)
 
 
 if __name__ == "__main__":

@@ -83,19 +83,24 @@ def test_run_settings_names_the_pass():
 
 
 
-def trace_lines(cycles_per_stage, clock_ghz):
-    """Two calls (a warm-up, then the one analysed) of one CTA with two warpgroups, two tiles
-    each, every stage taking cycles_per_stage; the global timer ends each warpgroup at its last
-    event's cycles over clock_ghz."""
+def timeline_lines(tag, events, cycles_per_stage, clock_ghz):
+    """Two calls (a warm-up, then the one analysed) of one CTA with two warpgroups, each making
+    `events`, every stage taking cycles_per_stage in the warm-up and twice that in the second
+    call; the global timer ends each warpgroup at its last event's cycles over clock_ghz."""
     lines = []
     for call in range(2):
+        scale = cycles_per_stage * (call + 1)
         for wg in (0, 1):
-            events = [0] + [1, 2, 3, 4, 5, 8] * 2 + [9]
-            end_ns = 1000 + round((len(events) - 1) * cycles_per_stage * (call + 1) / clock_ghz)
+            end_ns = 1000 + round((len(events) - 1) * scale / clock_ghz)
             for k, event in enumerate(events):
-                lines.append(f"fwdtrace 0 0 {wg} {event} {k * cycles_per_stage * (call + 1)} 1000 {end_ns}")
-        lines.append("fwdtrace-call-end")
+                lines.append(f"{tag} 0 0 {wg} {event} {k * scale} 1000 {end_ns}")
+        lines.append(f"{tag}-call-end")
     return lines
+
+
+def trace_lines(cycles_per_stage, clock_ghz):
+    """Forward: two tiles per warpgroup."""
+    return timeline_lines("fwdtrace", [0] + [1, 2, 3, 4, 5, 8] * 2 + [9], cycles_per_stage, clock_ghz)
 
 
 def test_trace_fwd_measures_the_clock_and_the_stages(capsys):
@@ -120,18 +125,9 @@ def test_trace_fwd_without_trace_lines(capsys):
 
 
 def bwd_trace_lines(cycles_per_stage, clock_ghz, steps=3):
-    """Two backward calls of one CTA with two warpgroups, each `steps` steps of the sliced
-    kernel's events, every stage taking cycles_per_stage (the second call's twice the first's)."""
-    lines = []
-    for call in range(2):
-        scale = cycles_per_stage * (call + 1)
-        for wg in (0, 1):
-            events = [0] + [10, 11, 12, 13, 14, 15, 16] * steps + [9]
-            end_ns = 1000 + round((len(events) - 1) * scale / clock_ghz)
-            for k, event in enumerate(events):
-                lines.append(f"bwdtrace 0 0 {wg} {event} {k * scale} 1000 {end_ns}")
-        lines.append("bwdtrace-call-end")
-    return lines
+    """Backward: `steps` steps of the sliced kernel's events per warpgroup."""
+    return timeline_lines("bwdtrace", [0] + [10, 11, 12, 13, 14, 15, 16] * steps + [9], cycles_per_stage,
+                          clock_ghz)
 
 
 def test_trace_bwd_steps(capsys):
