@@ -51,14 +51,14 @@ constexpr FwdTileSize fwd_tile_size(int head_dim, int head_dim_v, bool flex, boo
 // and causal, 1k (8) within 0.5%, 2k-16k +1-2%. A window bounded on both sides caps a tile's
 // keys at the window plus its 128 rows.
 inline bool fwd_next_qk_pays(int seqlen_k, int window_left, int window_right) {
-  constexpr int kBlockN = 128;
+  constexpr FwdTileSize kTile = fwd_tile_size(128, 128);
   constexpr int kMinBlocks = 8;
   long long keys = seqlen_k;
   if (window_left >= 0 && window_right >= 0) {
-    long long const span = (long long)window_left + window_right + 128;
+    long long const span = (long long)window_left + window_right + kTile.block_m;
     keys = span < keys ? span : keys;
   }
-  return (keys + kBlockN - 1) / kBlockN >= kMinBlocks;
+  return (keys + kTile.block_n - 1) / kTile.block_n >= kMinBlocks;
 }
 
 // Whether the plain hdim64 kernel should run its 128-row tile rather than the 192-row one for a

@@ -15,6 +15,8 @@
 
 #include <cstdio>
 
+#include "sm90/utils_sm90.hpp"
+
 #ifndef CUFLASH_FWD_TRACE
 #define CUFLASH_FWD_TRACE 0
 #endif
@@ -108,13 +110,8 @@ CUTLASS_DEVICE void mark(int thread_idx, Event event) {
 // registers through the step loop and the plain hdim128 kernel spilled.
 CUTLASS_DEVICE void mark_bwd(int thread_idx, Event event) {
 #if CUFLASH_BWD_TRACE
-  uint32_t x, y, z, nx, ny;
-  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(x));
-  asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(y));
-  asm volatile("mov.u32 %0, %%ctaid.z;" : "=r"(z));
-  asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(nx));
-  asm volatile("mov.u32 %0, %%nctaid.y;" : "=r"(ny));
-  mark_at(int(x + nx * (y + ny * z)), thread_idx, event);
+  mark_at(int(ctaid_volatile<0>() + nctaid_volatile<0>() * (ctaid_volatile<1>() + nctaid_volatile<1>() * ctaid_volatile<2>())),
+          thread_idx, event);
 #else
   (void)thread_idx;
   (void)event;

@@ -104,4 +104,33 @@ CUTLASS_DEVICE void semaphore_increment(int* ptr) {
   asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(ptr) : "memory");
 }
 
+// blockIdx / threadIdx.x read anew at each use (not merged with earlier reads by the compiler).
+template <int Dim>
+CUTE_DEVICE uint32_t ctaid_volatile() {
+  uint32_t v;
+  if constexpr (Dim == 0) {
+    asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(v));
+  } else if constexpr (Dim == 1) {
+    asm volatile("mov.u32 %0, %%ctaid.y;\n" : "=r"(v));
+  } else {
+    asm volatile("mov.u32 %0, %%ctaid.z;\n" : "=r"(v));
+  }
+  return v;
+}
+template <int Dim>
+CUTE_DEVICE uint32_t nctaid_volatile() {
+  uint32_t v;
+  if constexpr (Dim == 0) {
+    asm volatile("mov.u32 %0, %%nctaid.x;\n" : "=r"(v));
+  } else {
+    asm volatile("mov.u32 %0, %%nctaid.y;\n" : "=r"(v));
+  }
+  return v;
+}
+CUTE_DEVICE uint32_t tid_x_volatile() {
+  uint32_t v;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(v));
+  return v;
+}
+
 }  // namespace cuflash::sm90
