@@ -112,7 +112,7 @@ if has_step test; then
   grep -E "^\[  FAILED  \]|Failure|error" "$OUT/tests.log" | head -30 | tee -a "$SUMMARY"
   [[ $rc -ne 0 ]] && status=1
   # The tests again under extra VAR=value settings (a launch-time switch such as
-  # CUFLASH_FWD_HDIM64_ROWS=128): TEST_ENV_B over GTEST_FILTER_B, TEST_ENV_C over GTEST_FILTER_C
+  # CUFLASH_FWD_SHORT_KERNEL=short): TEST_ENV_B over GTEST_FILTER_B, TEST_ENV_C over GTEST_FILTER_C
   # (each defaulting to GTEST_FILTER), logs tests_b.log / tests_c.log.
   for pass in B C; do
     env_var=TEST_ENV_$pass filter_var=GTEST_FILTER_$pass

@@ -55,7 +55,7 @@ FwdParams device_fwd_params(const ForwardArgs& args, const detail::AttentionShap
   refuse_expression_mods(args.opts, args.opts.expression_forward_kernel);
   FwdParams params = detail::make_fwd_params(args, shape);
   params.num_sm = sm90::device_sm_count(shape.device.index);
-  params.tile_rows = detail::fwd_hdim64_rows();
+  params.short_kernel = detail::fwd_short_kernel();
   params.zero_v_tail = detail::fwd_zero_v_tail(params);
   params.num_splits = detail::choose_num_splits(params, args.num_splits, params.num_sm);
   // The heuristics may only pick kernels the build has; an explicit request that the build

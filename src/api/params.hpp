@@ -53,6 +53,9 @@ struct BlockSparseParams {
   const unsigned char* row_class = nullptr;
 };
 
+// A forward kernel's twin for short work (FwdParams::short_kernel).
+enum class FwdShortKernel { kAuto, kLong, kShort };
+
 struct FwdParams {
   // q: (B, Sq, H, D) or packed (total_q, H, D) with cu_seqlens_q (batch stride unused).
   const void* q = nullptr;
@@ -128,11 +131,12 @@ struct FwdParams {
   // built-in flex kernels; 0: none.
   std::uintptr_t expression_kernel = 0;
 
-  // Rows per tile where a kernel has two compiled tiles (the plain hdim64 kernel: 192 rows on
-  // three MMA warpgroups, or 128 on two for short sequences; not its split-KV, paged or packed
-  // GQA kernels, which calls take when the heuristics pick them); 0: the launcher picks by
-  // fwd_narrow_tile_pays (sm90/tile_size_sm90.hpp). From CUFLASH_FWD_HDIM64_ROWS.
-  int tile_rows = 0;
+  // Which of a forward kernel and its twin for short work runs, where one has a twin: the plain
+  // hdim64 kernel's 128-row tile on two MMA warpgroups (its long kernel: 192 rows on three), the
+  // hdim128 kernels' one-Q kernel (their long kernels issue the next tile's first Q K^T under
+  // the epilogue). kAuto: the launch picks by sm90::fwd_narrow_tile_pays / fwd_next_qk_pays.
+  // From CUFLASH_FWD_SHORT_KERNEL.
+  FwdShortKernel short_kernel = FwdShortKernel::kAuto;
   // The sm90 forward zeroes the V rows past the sequence's keys in each tile's boundary block
   // before the P V GEMM: their P is 0, but memory past seqused_k (a cache's unused tail) may hold
   // NaN or Inf, and 0 * NaN is NaN. From CUFLASH_FWD_ZERO_V_TAIL (resolve_fwd_zero_v_tail: by

@@ -412,7 +412,7 @@ int fwd_stream_k_ctas(const FwdParams& params, FwdStreamK setting) {
   const KernelHeadDims dims = kernel_head_dims(params.head_dim, params.head_dim_v);
   const bool softcap = params.softcap > 0.f;
   // The plain hdim64 kernel's second tile, as its launch picks it (run_flash_fwd_sm90).
-  const bool narrow = !softcap && sm90::fwd_plain_narrow_tile(params.tile_rows, params.seqlen_q, params.seqlen_k,
+  const bool narrow = !softcap && sm90::fwd_plain_narrow_tile(params.short_kernel, params.seqlen_q, params.seqlen_k,
                                                               params.window_left, params.window_right);
   const sm90::FwdTileSize tile = sm90::fwd_tile_size(dims.head_dim, dims.head_dim_v, /*flex=*/false, softcap, narrow);
   if (!sm90::fwd_stream_k_tile(tile, dims.head_dim, dims.head_dim_v)) return 0;
@@ -477,16 +477,18 @@ bool fwd_zero_v_tail(const FwdParams& params) {
   return resolve_fwd_zero_v_tail(parse_fwd_zero_v_tail(std::getenv("CUFLASH_FWD_ZERO_V_TAIL")), params);
 }
 
-int parse_fwd_hdim64_rows(const char* value) {
-  return parse_setting<int>("CUFLASH_FWD_HDIM64_ROWS", value, {{"auto", 0}, {"192", 192}, {"128", 128}});
+FwdShortKernel parse_fwd_short_kernel(const char* value) {
+  return parse_setting<FwdShortKernel>(
+      "CUFLASH_FWD_SHORT_KERNEL", value,
+      {{"auto", FwdShortKernel::kAuto}, {"long", FwdShortKernel::kLong}, {"short", FwdShortKernel::kShort}});
 }
 
-int fwd_hdim64_rows() {
-  // The plain hdim64 forward has a 192-row tile (three MMA warpgroups) and a 128-row one (two)
-  // for short causal sequences, narrow windows and decoding; "auto" (the default) picks by the
-  // measured cost model fwd_narrow_tile_pays, 192 or 128 force one for timing.
-  static const int rows = parse_fwd_hdim64_rows(std::getenv("CUFLASH_FWD_HDIM64_ROWS"));
-  return rows;
+FwdShortKernel fwd_short_kernel() {
+  // "auto" (the default) picks per call by the measured rules (fwd_narrow_tile_pays,
+  // fwd_next_qk_pays); "long" and "short" force one kernel, for timing and for testing the twin
+  // on every shape.
+  static const FwdShortKernel choice = parse_fwd_short_kernel(std::getenv("CUFLASH_FWD_SHORT_KERNEL"));
+  return choice;
 }
 
 BwdLaunchChoice parse_bwd_order(const char* value) {

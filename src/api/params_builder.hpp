@@ -87,11 +87,11 @@ bool resolve_fwd_zero_v_tail(FwdZeroVTail setting, const FwdParams& params);
 // The choice from CUFLASH_FWD_ZERO_V_TAIL (read at every call) resolved for `params`.
 bool fwd_zero_v_tail(const FwdParams& params);
 
-// Rows per tile of the plain hdim64 forward (FwdParams::tile_rows): "auto" (or null / empty;
-// 0: by the sequence lengths), "192" or "128". Throws kInvalidArgument otherwise.
-int parse_fwd_hdim64_rows(const char* value);
-// The process's choice, from CUFLASH_FWD_HDIM64_ROWS, read once.
-int fwd_hdim64_rows();
+// Which of a forward kernel and its twin for short work runs (FwdParams::short_kernel): "auto"
+// (or null / empty), "long" or "short". Throws kInvalidArgument otherwise.
+FwdShortKernel parse_fwd_short_kernel(const char* value);
+// The process's choice, from CUFLASH_FWD_SHORT_KERNEL, read once.
+FwdShortKernel fwd_short_kernel();
 
 // Launch order of the backward main kernel's CTAs (BwdParams::launch_order, launch_head_group):
 // "auto" (or null / empty), "columns", "heads" or "heads:G" (G >= 1 heads at a time). Throws

@@ -102,10 +102,10 @@ template <class Element, int kHeadDim, int kHeadDimV, bool kHasSoftcap, bool kIs
 void run_flash_fwd_sm90(FwdParams& params, cudaStream_t stream) {
   using Config = FwdConfig<Element, kHeadDim, kHeadDimV, kHasSoftcap, kIsSplit, Variant, kIsPaged, kPackGqa>;
   // The plain kernel of a head dim whose tile has three MMA warpgroups also holds a 128-row tile
-  // on two, for short sequences (params.tile_rows, fwd_narrow_tile_pays).
+  // on two, for short sequences (params.short_kernel, fwd_narrow_tile_pays).
   if constexpr (Config::kNumMmaWarpGroups == 3 && !kHasSoftcap && !kIsSplit && !Variant::kIsFlex &&
                 !kIsPaged && !kPackGqa) {
-    if (fwd_plain_narrow_tile(params.tile_rows, params.seqlen_q, params.seqlen_k,
+    if (fwd_plain_narrow_tile(params.short_kernel, params.seqlen_q, params.seqlen_k,
                               params.window_left, params.window_right)) {
       launch_flash_fwd_sm90<FwdConfig<Element, kHeadDim, kHeadDimV, kHasSoftcap, kIsSplit, Variant, kIsPaged,
                                       kPackGqa, /*kNarrow=*/true>>(params, stream);
@@ -113,9 +113,9 @@ void run_flash_fwd_sm90(FwdParams& params, cudaStream_t stream) {
     }
   }
   // A kernel that issues the next tile's first Q K^T under the epilogue also holds one that does
-  // not, for tiles of few n-blocks, where that lost (fwd_next_qk_pays).
+  // not, for tiles of few n-blocks, where that lost (params.short_kernel, fwd_next_qk_pays).
   if constexpr (MainloopFwdSm90<Config>::kQStages > 1) {
-    if (!fwd_next_qk_pays(params.seqlen_k, params.window_left, params.window_right)) {
+    if (fwd_single_q_kernel(params.short_kernel, params.seqlen_k, params.window_left, params.window_right)) {
       launch_flash_fwd_sm90<FwdConfig<Element, kHeadDim, kHeadDimV, kHasSoftcap, kIsSplit, Variant, kIsPaged,
                                       kPackGqa, /*kNarrow=*/false, /*kStreamKPieces=*/false,
                                       /*kSingleQ=*/true>>(params, stream);

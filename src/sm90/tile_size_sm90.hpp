@@ -3,6 +3,8 @@
 // and O reuses Q's buffer.
 #pragma once
 
+#include "api/params.hpp"
+
 namespace cuflash::sm90 {
 
 struct FwdTileSize {
@@ -46,13 +48,14 @@ constexpr FwdTileSize fwd_tile_size(int head_dim, int head_dim_v, bool flex, boo
 
 // Whether the hdim128 kernels that issue the next tile's first Q K^T under the epilogue (two Q
 // buffers) should, rather than their one-Q twin, for keys seqlen_k and a window (< 0: unbounded):
-// when a tile visits at least kMinBlocks 128-key n-blocks. Measured on the H200 (bf16, 16k
-// tokens, bench/NOTES.md "the next tile's first Q K^T"): 512 keys (4 n-blocks) -3.5% non-causal
-// and causal, 1k (8) within 0.5%, 2k-16k +1-2%. A window bounded on both sides caps a tile's
-// keys at the window plus its 128 rows.
+// when a tile visits more than 8 128-key n-blocks. Measured on the H200 (bf16, 16k tokens, both
+// kernels in one call, bench/NOTES.md "the one-Q twin, measured"): against the twin, 512 keys
+// (4 n-blocks) -3% non-causal and -4% causal, 1k (8) -0.2% and -0.9%, 2k +0.3%; against the
+// kernel before it, 2k-16k +1-2%. A window bounded on both sides caps a tile's keys at the
+// window plus its 128 rows.
 inline bool fwd_next_qk_pays(int seqlen_k, int window_left, int window_right) {
   constexpr FwdTileSize kTile = fwd_tile_size(128, 128);
-  constexpr int kMinBlocks = 8;
+  constexpr int kMinBlocks = 9;
   long long keys = seqlen_k;
   if (window_left >= 0 && window_right >= 0) {
     long long const span = (long long)window_left + window_right + kTile.block_m;
@@ -92,13 +95,23 @@ inline bool fwd_narrow_tile_pays(int seqlen_q, int seqlen_k, int window_left, in
   return area(128) * kNarrowCost < area(192);
 }
 
-// Whether the plain (not softcap) hdim64 kernel runs its 128-row tile for a call: tile_rows is
-// FwdParams::tile_rows (128 or 192 forced, 0: by fwd_narrow_tile_pays). The launch and
+// Whether a kernel with a twin for short work runs the twin: `choice` is FwdParams::short_kernel
+// (kLong / kShort forced), `pays` the twin's rule for the call.
+constexpr bool fwd_short_kernel_runs(FwdShortKernel choice, bool pays) {
+  return choice == FwdShortKernel::kShort || (choice == FwdShortKernel::kAuto && pays);
+}
+
+// Whether the plain (not softcap) hdim64 kernel runs its 128-row tile for a call. The launch and
 // dispatch's stream-K count both ask this.
-inline bool fwd_plain_narrow_tile(int tile_rows, int seqlen_q, int seqlen_k, int window_left,
+inline bool fwd_plain_narrow_tile(FwdShortKernel choice, int seqlen_q, int seqlen_k, int window_left,
                                   int window_right) {
-  return tile_rows == 128 ||
-         (tile_rows == 0 && fwd_narrow_tile_pays(seqlen_q, seqlen_k, window_left, window_right));
+  return fwd_short_kernel_runs(choice, fwd_narrow_tile_pays(seqlen_q, seqlen_k, window_left, window_right));
+}
+
+// Whether an hdim128 kernel that issues the next tile's first Q K^T under the epilogue runs its
+// one-Q twin for a call.
+inline bool fwd_single_q_kernel(FwdShortKernel choice, int seqlen_k, int window_left, int window_right) {
+  return fwd_short_kernel_runs(choice, !fwd_next_qk_pays(seqlen_k, window_left, window_right));
 }
 
 // A tile's cost beyond its n-blocks, in n-blocks: the first Q K^T and softmax with no P V beside

@@ -390,13 +390,24 @@ TEST(ParamsForward, SplitHeuristicAndBuffers) {
   EXPECT_EQ(reinterpret_cast<char*>(p.lse_partial), workspace.data() + out_bytes);
 }
 
-TEST(ParamsForward, Hdim64TileRowsChoice) {
-  EXPECT_EQ(parse_fwd_hdim64_rows(nullptr), 0);
-  EXPECT_EQ(parse_fwd_hdim64_rows(""), 0);
-  EXPECT_EQ(parse_fwd_hdim64_rows("192"), 192);
-  EXPECT_EQ(parse_fwd_hdim64_rows("128"), 128);
-  EXPECT_EQ(parse_fwd_hdim64_rows("auto"), 0);
-  expect_setting_refused(parse_fwd_hdim64_rows, "64", "CUFLASH_FWD_HDIM64_ROWS");
+TEST(ParamsForward, ShortKernelChoice) {
+  EXPECT_EQ(parse_fwd_short_kernel(nullptr), FwdShortKernel::kAuto);
+  EXPECT_EQ(parse_fwd_short_kernel(""), FwdShortKernel::kAuto);
+  EXPECT_EQ(parse_fwd_short_kernel("long"), FwdShortKernel::kLong);
+  EXPECT_EQ(parse_fwd_short_kernel("short"), FwdShortKernel::kShort);
+  EXPECT_EQ(parse_fwd_short_kernel("auto"), FwdShortKernel::kAuto);
+  expect_setting_refused(parse_fwd_short_kernel, "128", "CUFLASH_FWD_SHORT_KERNEL");
+  // "long" and "short" override both twins' rules; "auto" follows them.
+  using sm90::fwd_plain_narrow_tile;
+  using sm90::fwd_single_q_kernel;
+  EXPECT_TRUE(fwd_plain_narrow_tile(FwdShortKernel::kAuto, 512, 512, -1, 0));
+  EXPECT_FALSE(fwd_plain_narrow_tile(FwdShortKernel::kLong, 512, 512, -1, 0));
+  EXPECT_FALSE(fwd_plain_narrow_tile(FwdShortKernel::kAuto, 8192, 8192, -1, -1));
+  EXPECT_TRUE(fwd_plain_narrow_tile(FwdShortKernel::kShort, 8192, 8192, -1, -1));
+  EXPECT_TRUE(fwd_single_q_kernel(FwdShortKernel::kAuto, 512, -1, -1));
+  EXPECT_FALSE(fwd_single_q_kernel(FwdShortKernel::kLong, 512, -1, -1));
+  EXPECT_FALSE(fwd_single_q_kernel(FwdShortKernel::kAuto, 8192, -1, -1));
+  EXPECT_TRUE(fwd_single_q_kernel(FwdShortKernel::kShort, 8192, -1, -1));
 }
 
 TEST(ParamsBackward, LaunchOrderChoice) {
@@ -499,17 +510,19 @@ TEST(ParamsForward, NarrowTileCostModel) {
 
 TEST(ParamsForward, NextQkRule) {
   using sm90::fwd_next_qk_pays;
-  // Measured: 512 keys lost 3.5% with the next Q K^T under the epilogue, 1k even, 2k on gained.
+  // Measured against the one-Q twin: 512 keys lost 3-4% with the next Q K^T under the epilogue,
+  // 1k 0.2-0.9%, 2k on gained.
   EXPECT_FALSE(fwd_next_qk_pays(512, -1, -1));
   EXPECT_FALSE(fwd_next_qk_pays(512, -1, 0));
-  EXPECT_FALSE(fwd_next_qk_pays(896, -1, -1));
-  EXPECT_TRUE(fwd_next_qk_pays(897, -1, -1));
-  EXPECT_TRUE(fwd_next_qk_pays(1024, -1, -1));
-  EXPECT_TRUE(fwd_next_qk_pays(1024, -1, 0));
+  EXPECT_FALSE(fwd_next_qk_pays(1024, -1, -1));
+  EXPECT_FALSE(fwd_next_qk_pays(1024, -1, 0));
+  EXPECT_TRUE(fwd_next_qk_pays(1025, -1, -1));
+  EXPECT_TRUE(fwd_next_qk_pays(2048, -1, 0));
   EXPECT_TRUE(fwd_next_qk_pays(16384, -1, -1));
   // A window bounded on both sides caps a tile's keys; one side alone does not.
   EXPECT_FALSE(fwd_next_qk_pays(16384, 256, 0));
   EXPECT_TRUE(fwd_next_qk_pays(16384, 1024, 0));
+  EXPECT_FALSE(fwd_next_qk_pays(16384, 512, 0));
   EXPECT_TRUE(fwd_next_qk_pays(16384, 256, -1));
   EXPECT_FALSE(fwd_next_qk_pays(0, -1, -1));
 }
@@ -639,7 +652,7 @@ TEST(ParamsForward, StreamKTailChoice) {
   // nor the head dims above 128.
   p.head_dim = p.head_dim_v = 64;
   EXPECT_EQ(fwd_stream_k_ctas(p, FwdStreamK::kAlways), 0);
-  p.tile_rows = 128;
+  p.short_kernel = FwdShortKernel::kShort;
   EXPECT_GT(fwd_stream_k_ctas(p, FwdStreamK::kAlways), 0);
   p.head_dim = 192;
   p.head_dim_v = 128;
