@@ -161,7 +161,9 @@ struct FlashBwdKernelSm90 {
 
 template <class Kernel>
 __global__ void __launch_bounds__(Kernel::NumThreads, 1) flash_bwd_kernel_sm90(CUTE_GRID_CONSTANT typename Kernel::Params const params) {
-  extern __shared__ char smem_buf[];
+  // Aligned as the swizzled TMA buffers need, also when a diagnostic build adds static shared
+  // memory before it (trace_sm90.hpp).
+  extern __shared__ __align__(1024) char smem_buf[];
   Kernel{}(params, smem_buf);
 }
 
