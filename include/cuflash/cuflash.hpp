@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,17 @@ std::size_t backward_workspace_size(const BackwardArgs& args);
 
 void forward(const ForwardArgs& args, StreamHandle stream = nullptr, Workspace workspace = {});
 void backward(const BackwardArgs& args, StreamHandle stream = nullptr, Workspace workspace = {});
+
+// The workspace from the caller's allocator: called once per call that needs workspace, with
+// the bytes (> 0), on the calling thread after the arguments are checked and before any launch.
+// It returns memory of at least that many bytes, 256-byte aligned, that work queued on `stream`
+// may use until it completes: a stream-ordered allocator (PyTorch's caching allocator on the
+// current stream, as the Python package passes) whose block the caller frees when the call
+// returns. Without workspace to give (or with an empty allocator) a call takes stream-ordered
+// memory of its own, as above.
+using WorkspaceAllocator = std::function<Workspace(std::size_t bytes)>;
+void forward(const ForwardArgs& args, StreamHandle stream, const WorkspaceAllocator& allocate);
+void backward(const BackwardArgs& args, StreamHandle stream, const WorkspaceAllocator& allocate);
 void combine(const CombineArgs& args, StreamHandle stream = nullptr);
 
 // Check arguments only (what forward/backward/combine do first).

@@ -9,7 +9,7 @@ No framework is imported here: a framework can only be in use if its module is a
 from __future__ import annotations
 
 import sys
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -83,6 +83,12 @@ class Framework:
     def export(self, x: Any) -> Any:
         """What crosses to the extension module by DLPack."""
         return x
+
+    def workspace_allocator(self, like: Any) -> Optional[Callable[[int], Any]]:
+        """A callable (bytes) -> an exported device array of that many bytes on `like`'s device,
+        stream-ordered on `stream(like)`, for the extension's workspace; None: the extension
+        takes stream-ordered memory of its own (CUDA's default pool)."""
+        return None
 
     def finish(self, outputs: Sequence[Any], stream: int, like: Any) -> List[Any]:
         """The outputs as returned to the caller (on `like`'s device), once the extension has
@@ -179,6 +185,14 @@ class TorchFramework(Framework):
     def export(self, x):
         # DLPack export refuses tensors that require grad; autograd is handled above this layer.
         return x.detach()
+
+    def workspace_allocator(self, like):
+        # From the caching allocator, on the current stream (the one the call runs on): counted
+        # in torch.cuda.memory_allocated, reused across calls, never a driver allocation per call.
+        if like.device.type != "cuda":
+            return None
+        torch, device = self.torch, like.device
+        return lambda nbytes: torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 class CupyFramework(Framework):

@@ -665,7 +665,8 @@ def _run_forward(call: _Call) -> Tuple[Tensor, Tensor]:
     _C.forward(call.export(call.q), call.export(call.k), call.export(call.v), call.export(out),
                lse=call.export(lse), learnable_sink=call.export(call.learnable_sink),
                page_table=call.export(call.page_table), num_splits=call.num_splits, pack_gqa=call.pack_gqa,
-               stream=stream, expression_kernel=call.expression_kernels[0], **call.common_kwargs())
+               stream=stream, expression_kernel=call.expression_kernels[0],
+               workspace_allocator=framework.workspace_allocator(call.q), **call.common_kwargs())
     out, lse = framework.finish([out, lse], stream, like=call.q)
     return out, lse
 
@@ -684,7 +685,8 @@ def _run_backward(call: _Call, out: Tensor, dout: Tensor, lse: Tensor
                 call.export(dout), call.export(lse), call.export(dq), call.export(dk), call.export(dv),
                 learnable_sink=call.export(call.learnable_sink), d_sink=call.export(d_sink),
                 page_table=call.export(call.page_table), deterministic=call.deterministic, stream=stream,
-                expression_kernel=call.expression_kernels[1], **call.common_kwargs())
+                expression_kernel=call.expression_kernels[1],
+                workspace_allocator=framework.workspace_allocator(call.q), **call.common_kwargs())
     dq, dk, dv, d_sink = framework.finish([dq, dk, dv, d_sink], stream, like=call.q)
     return dq, dk, dv, d_sink
 

@@ -16,6 +16,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #if CUFLASH_PYTHON_HAS_CUDA
@@ -195,6 +196,33 @@ CommonArgs make_common(const OptIn& cu_seqlens_q, const OptIn& cu_seqlens_k, con
   return common;
 }
 
+// The workspace through the caller's allocator, a Python callable (bytes) -> a DLPack array of
+// at least that many bytes (None: the call takes stream-ordered memory of its own). Called with
+// the GIL, which the call has released around it; the array is kept until the call returns.
+class PythonWorkspace {
+ public:
+  explicit PythonWorkspace(nb::object allocator) : allocator_(std::move(allocator)) {}
+  // The allocator for cuflash::forward / backward; empty without a callable.
+  cuflash::WorkspaceAllocator get() {
+    if (allocator_.is_none()) return {};
+    return [this](std::size_t bytes) {
+      nb::gil_scoped_acquire acquire;
+      array_ = allocator_(bytes);
+      OutArray const view = nb::cast<OutArray>(array_);
+      std::size_t const given = view.nbytes();
+      if (given < bytes) {
+        throw nb::value_error(("workspace_allocator: asked for " + std::to_string(bytes) + " bytes, returned " +
+                               std::to_string(given)).c_str());
+      }
+      return cuflash::Workspace{view.data(), given};
+    };
+  }
+
+ private:
+  nb::object allocator_;
+  nb::object array_;
+};
+
 void forward(const InArray& q, const InArray& k, const InArray& v, const OutArray& out, const OptOut& lse,
              const OptIn& learnable_sink, const OptIn& cu_seqlens_q, const OptIn& cu_seqlens_k,
              const OptIn& seqused_q, const OptIn& seqused_k, std::optional<std::int64_t> max_seqlen_q,
@@ -206,7 +234,8 @@ void forward(const InArray& q, const InArray& k, const InArray& v, const OutArra
              const std::vector<OptIn>& block_sparse, int block_m, int block_n, int num_splits,
              std::optional<bool> pack_gqa, std::uintptr_t stream,
              const std::vector<std::int32_t>& score_mod_program,
-             const std::vector<std::int32_t>& mask_mod_program, std::uintptr_t expression_kernel) {
+             const std::vector<std::int32_t>& mask_mod_program, std::uintptr_t expression_kernel,
+             nb::object workspace_allocator) {
   cuflash::ForwardArgs args;
   args.q = to_view(q, "q");
   args.k = to_view(k, "k");
@@ -224,8 +253,10 @@ void forward(const InArray& q, const InArray& k, const InArray& v, const OutArra
   args.opts.expression_forward_kernel = expression_kernel;
   args.num_splits = num_splits;
   args.pack_gqa = pack_gqa;
+  PythonWorkspace workspace(std::move(workspace_allocator));  // outlives the released GIL below
+  cuflash::WorkspaceAllocator const allocate = workspace.get();
   nb::gil_scoped_release release;
-  cuflash::forward(args, to_stream(stream));
+  cuflash::forward(args, to_stream(stream), allocate);
 }
 
 void backward(const InArray& q, const InArray& k, const InArray& v, const InArray& out, const InArray& dout,
@@ -239,7 +270,8 @@ void backward(const InArray& q, const InArray& k, const InArray& v, const InArra
               const std::vector<double>& mask_mod_scalars, const std::vector<InArray>& mask_mod_aux,
               const std::vector<OptIn>& block_sparse, int block_m, int block_n, bool deterministic,
               std::uintptr_t stream, const std::vector<std::int32_t>& score_mod_program,
-              const std::vector<std::int32_t>& mask_mod_program, std::uintptr_t expression_kernel) {
+              const std::vector<std::int32_t>& mask_mod_program, std::uintptr_t expression_kernel,
+              nb::object workspace_allocator) {
   cuflash::BackwardArgs args;
   args.q = to_view(q, "q");
   args.k = to_view(k, "k");
@@ -261,8 +293,10 @@ void backward(const InArray& q, const InArray& k, const InArray& v, const InArra
   args.opts = std::move(common.opts);
   args.opts.expression_backward_kernel = expression_kernel;
   args.deterministic = deterministic;
+  PythonWorkspace workspace(std::move(workspace_allocator));  // outlives the released GIL below
+  cuflash::WorkspaceAllocator const allocate = workspace.get();
   nb::gil_scoped_release release;
-  cuflash::backward(args, to_stream(stream));
+  cuflash::backward(args, to_stream(stream), allocate);
 }
 
 void combine(const InArray& out_partial, const InArray& lse_partial, const OutArray& out, const OptOut& lse,
@@ -450,9 +484,11 @@ NB_MODULE(_C, m) {
         "block_sparse"_a = std::vector<OptIn>{}, "block_m"_a = 128, "block_n"_a = 128, "num_splits"_a = 1,
         "pack_gqa"_a.none() = nb::none(), "stream"_a = 0,
         "score_mod_program"_a = std::vector<std::int32_t>{}, "mask_mod_program"_a = std::vector<std::int32_t>{},
-        "expression_kernel"_a = 0,
+        "expression_kernel"_a = 0, "workspace_allocator"_a = nb::none(),
         "Runs cuflash::forward, writing out (and lse when given). Arguments are unchecked views; "
-        "expression_kernel: a launcher compiled at run time for expression mods (cuflash._jit).");
+        "expression_kernel: a launcher compiled at run time for expression mods (cuflash._jit); "
+        "workspace_allocator: (bytes) -> a device array of at least that many bytes, usable on the "
+        "stream (None: stream-ordered memory of the call's own).");
   m.def("backward", &backward, "q"_a, "k"_a, "v"_a, "out"_a, "dout"_a, "lse"_a, "dq"_a, "dk"_a, "dv"_a,
         "learnable_sink"_a.none() = nb::none(), "d_sink"_a.none() = nb::none(),
         "cu_seqlens_q"_a.none() = nb::none(), "cu_seqlens_k"_a.none() = nb::none(),
@@ -465,9 +501,9 @@ NB_MODULE(_C, m) {
         "mask_mod_aux"_a = std::vector<InArray>{}, "block_sparse"_a = std::vector<OptIn>{}, "block_m"_a = 128,
         "block_n"_a = 128, "deterministic"_a = false, "stream"_a = 0,
         "score_mod_program"_a = std::vector<std::int32_t>{}, "mask_mod_program"_a = std::vector<std::int32_t>{},
-        "expression_kernel"_a = 0,
-        "Runs cuflash::backward, writing dq, dk, dv (and d_sink when given); expression_kernel as for "
-        "forward."); 
+        "expression_kernel"_a = 0, "workspace_allocator"_a = nb::none(),
+        "Runs cuflash::backward, writing dq, dk, dv (and d_sink when given); expression_kernel and "
+        "workspace_allocator as for forward."); 
   m.def("combine", &combine, "out_partial"_a, "lse_partial"_a, "out"_a, "lse"_a.none() = nb::none(),
         "cu_seqlens"_a.none() = nb::none(), "seqused"_a.none() = nb::none(), "stream"_a = 0,
         "Runs cuflash::combine: merges split-KV partial results by their log-sum-exp.");

@@ -35,9 +35,17 @@ DeviceGuard::~DeviceGuard() {
   if (cudaGetDevice(&current) == cudaSuccess && current != previous_) cudaSetDevice(previous_);
 }
 
-DeviceWorkspace::DeviceWorkspace(Workspace given, std::size_t bytes, StreamHandle stream)
+DeviceWorkspace::DeviceWorkspace(Workspace given, const WorkspaceAllocator* allocate, std::size_t bytes,
+                                 StreamHandle stream)
     : stream_(stream) {
   if (bytes == 0) return;
+  if (given.data == nullptr && allocate != nullptr && *allocate) {
+    given = (*allocate)(bytes);
+    if (given.data == nullptr) {
+      throw Error(Error::Kind::kInvalidArgument, "workspace",
+                  "workspace: the allocator returned no memory for " + std::to_string(bytes) + " bytes");
+    }
+  }
   if (given.data != nullptr) {
     if (given.bytes < bytes) {
       throw Error(Error::Kind::kInvalidArgument, "workspace",

@@ -4,6 +4,7 @@
 
 #include <cstddef>
 
+#include "cuflash/cuflash.hpp"
 #include "cuflash/tensor.hpp"
 
 namespace cuflash::detail {
@@ -20,11 +21,12 @@ class DeviceGuard {
   int previous_ = -1;
 };
 
-// `bytes` of device memory: the caller's workspace when it is given (it must be large enough
-// and 256-byte aligned), else stream-ordered memory freed on the same stream afterwards.
+// `bytes` of device memory: the caller's workspace when it is given, else, with an allocator
+// (not null, not empty), what it returns for `bytes` (either must be large enough and 256-byte
+// aligned), else stream-ordered memory freed on the same stream afterwards.
 class DeviceWorkspace {
  public:
-  DeviceWorkspace(Workspace given, std::size_t bytes, StreamHandle stream);
+  DeviceWorkspace(Workspace given, const WorkspaceAllocator* allocate, std::size_t bytes, StreamHandle stream);
   ~DeviceWorkspace();
   DeviceWorkspace(const DeviceWorkspace&) = delete;
   DeviceWorkspace& operator=(const DeviceWorkspace&) = delete;

@@ -128,7 +128,10 @@ std::size_t backward_workspace_size(const BackwardArgs& args) {
 #endif
 }
 
-void forward(const ForwardArgs& args, StreamHandle stream, Workspace workspace) {
+namespace {
+
+void run_forward_call(const ForwardArgs& args, StreamHandle stream, Workspace workspace,
+                      const WorkspaceAllocator* allocate) {
   const detail::AttentionShape shape = detail::check_forward(args);
   if (on_cpu(shape.device)) {
     reference::forward(args);
@@ -140,7 +143,7 @@ void forward(const ForwardArgs& args, StreamHandle stream, Workspace workspace) 
   FwdParams params = device_fwd_params(args, shape);
   if (args.out.numel() == 0) return;  // no query rows: nothing to write
   detail::FwdScheduler const scheduler = detail::fwd_scheduler();
-  detail::DeviceWorkspace buffers(workspace, detail::forward_workspace_bytes(params, scheduler),
+  detail::DeviceWorkspace buffers(workspace, allocate, detail::forward_workspace_bytes(params, scheduler),
                                   stream);
   detail::assign_forward_workspace(params, buffers.data(), scheduler);
   sm90::run_forward(params, stream);
@@ -150,11 +153,13 @@ void forward(const ForwardArgs& args, StreamHandle stream, Workspace workspace) 
 #else
   (void)stream;
   (void)workspace;
+  (void)allocate;
   throw_not_built();
 #endif
 }
 
-void backward(const BackwardArgs& args, StreamHandle stream, Workspace workspace) {
+void run_backward_call(const BackwardArgs& args, StreamHandle stream, Workspace workspace,
+                       const WorkspaceAllocator* allocate) {
   const detail::AttentionShape shape = detail::check_backward(args);
   if (on_cpu(shape.device)) {
     reference::backward(args);
@@ -167,7 +172,7 @@ void backward(const BackwardArgs& args, StreamHandle stream, Workspace workspace
   // Paged k/v: gathered into dense rows in the workspace, the gradients summed back into pages.
   const std::size_t bytes =
       shape.paged ? sm90::paged_backward_workspace_bytes(params) : sm90::backward_workspace_bytes(params);
-  detail::DeviceWorkspace buffers(workspace, bytes, stream);
+  detail::DeviceWorkspace buffers(workspace, allocate, bytes, stream);
   params.workspace = buffers.data();
   params.workspace_bytes = bytes;
   if (shape.paged) {
@@ -178,8 +183,27 @@ void backward(const BackwardArgs& args, StreamHandle stream, Workspace workspace
 #else
   (void)stream;
   (void)workspace;
+  (void)allocate;
   throw_not_built();
 #endif
+}
+
+}  // namespace
+
+void forward(const ForwardArgs& args, StreamHandle stream, Workspace workspace) {
+  run_forward_call(args, stream, workspace, nullptr);
+}
+
+void forward(const ForwardArgs& args, StreamHandle stream, const WorkspaceAllocator& allocate) {
+  run_forward_call(args, stream, {}, &allocate);
+}
+
+void backward(const BackwardArgs& args, StreamHandle stream, Workspace workspace) {
+  run_backward_call(args, stream, workspace, nullptr);
+}
+
+void backward(const BackwardArgs& args, StreamHandle stream, const WorkspaceAllocator& allocate) {
+  run_backward_call(args, stream, {}, &allocate);
 }
 
 void combine(const CombineArgs& args, StreamHandle stream) {

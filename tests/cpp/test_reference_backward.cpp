@@ -456,5 +456,27 @@ TEST(ReferenceBackward, DeterministicAndRepeatable) {
   }
 }
 
+// A caller's workspace allocator is not asked for anything on CPU tensors (they need no
+// workspace), and the calls give what they give without one.
+TEST(PublicApi, WorkspaceAllocatorUnusedOnCpu) {
+  CaseConfig c;
+  c.seqlen_q = 5;
+  c.seqlen_k = 9;
+  c.causal = true;
+  c.seed = 191;
+  AttentionCase ac(c);
+  ac.run_backward();
+  int calls = 0;
+  WorkspaceAllocator const allocate = [&](std::size_t) {
+    ++calls;
+    return Workspace{};
+  };
+  forward(ac.forward_args(), nullptr, allocate);
+  ac.check_forward();
+  backward(ac.backward_args(), nullptr, allocate);
+  ac.check_backward();
+  EXPECT_EQ(calls, 0);
+}
+
 }  // namespace
 }  // namespace cuflash::testing

@@ -75,6 +75,72 @@ def test_torch_forward_backward(rng, causal):
         assert_close(to_f64(tensor.grad), e, "bfloat16", scale=max(1.0, np.abs(e).max()), what=name)
 
 
+def test_torch_workspace_from_caching_allocator(rng, monkeypatch):
+    # The workspace of torch calls comes from torch's caching allocator (one request per call
+    # that needs workspace: the causal forward's tile counter, the backward's dQ accumulator), is
+    # returned to it when the call returns, and the results are those of the reference.
+    torch = torch_cuda()
+    from cuflash import _tensors
+
+    requested = []
+    original = _tensors.TorchFramework.workspace_allocator
+
+    def recording(self, like):
+        allocate = original(self, like)
+        assert allocate is not None
+
+        def wrapped(nbytes):
+            requested.append(nbytes)
+            return allocate(nbytes)
+
+        return wrapped
+
+    monkeypatch.setattr(_tensors.TorchFramework, "workspace_allocator", recording)
+    q, k, v = (torch.from_numpy(x.astype(np.float32)).cuda().bfloat16().requires_grad_(True)
+               for x in reference_inputs(rng, "bfloat16"))
+    with skip_if_not_built():
+        out, lse = cuflash.flash_attn_func(q, k, v, causal=True)
+    assert len(requested) == 1 and requested[0] > 0
+    dout = torch.randn_like(out)
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    with skip_if_not_built():
+        out.backward(dout)
+    torch.cuda.synchronize()
+    assert len(requested) == 2 and requested[1] > 0
+    # What stays allocated is the three gradients; the workspace went back to the cache.
+    grads = sum(t.grad.numel() * t.grad.element_size() for t in (q, k, v))
+    assert torch.cuda.memory_allocated() - allocated <= grads + 4096
+    opts = ref.Options(causal=True)
+    args = [to_f64(t) for t in (q, k, v)]
+    expected_out, expected_lse = ref.forward_dense(*args, opts)
+    assert_close(to_f64(out), expected_out, "bfloat16", what="out")
+    assert_lse_close(to_f64(lse), expected_lse)
+    expected = ref.backward_dense(to_f64(dout), *args, to_f64(out), opts)
+    for name, tensor, e in zip(("dq", "dk", "dv"), (q, k, v), expected[:3]):
+        assert_close(to_f64(tensor.grad), e, "bfloat16", scale=max(1.0, np.abs(e).max()), what=name)
+
+
+def test_torch_workspace_allocator_too_small(monkeypatch):
+    # An allocator that returns less than it was asked for is refused by name.
+    torch = torch_cuda()
+    from cuflash import _tensors
+
+    monkeypatch.setattr(_tensors.TorchFramework, "workspace_allocator",
+                        lambda self, like: lambda nbytes: torch.empty(1, dtype=torch.uint8, device=like.device))
+    q = torch.randn(1, 256, 2, 128, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="workspace_allocator: asked for"), skip_if_not_built():
+        cuflash.flash_attn_func(q, q, q, causal=True)
+        torch.cuda.synchronize()
+
+
+def test_torch_cpu_tensors_have_no_workspace_allocator():
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from cuflash import _tensors
+
+    assert _tensors.TorchFramework().workspace_allocator(torch.zeros(1)) is None
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_torch_paged_kv_backward(rng, deterministic):
     """Paged KV under autograd on the GPU: the gradients of the page pools against the CPU
