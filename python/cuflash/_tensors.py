@@ -195,6 +195,11 @@ class TorchFramework(Framework):
         return lambda nbytes: torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
+def _on_device(cupy: Any, device: Any, nbytes: int) -> Any:
+    with device:
+        return cupy.empty(nbytes, dtype=cupy.uint8)
+
+
 class CupyFramework(Framework):
     name = "cupy"
 
@@ -234,6 +239,12 @@ class CupyFramework(Framework):
 
     def stream(self, x):
         return int(self.cupy.cuda.get_current_stream().ptr)
+
+    def workspace_allocator(self, like):
+        # From CuPy's memory pool, whose blocks are kept per stream: the call runs on the
+        # current stream, where the block is allocated and, once the call returns, freed.
+        cupy, device = self.cupy, like.device
+        return lambda nbytes: _on_device(cupy, device, nbytes)
 
 
 class JaxFramework(Framework):
