@@ -105,8 +105,23 @@ configure_and_build() {
     -DPython3_EXECUTABLE="$PYTHON"
   log "Building with $CUFLASH_JOBS jobs"
   local start=$SECONDS
-  cmake --build "$CUFLASH_BUILD_DIR" -j "$CUFLASH_JOBS"
+  local build_log="$CUFLASH_BUILD_DIR/build_output.log"
+  cmake --build "$CUFLASH_BUILD_DIR" -j "$CUFLASH_JOBS" 2>&1 | tee "$build_log"
   log "Built in $((SECONDS - start)) s"
+  check_wgmma_pipelining "$build_log"
+}
+
+# ptxas names the kernels whose WGMMAs it had to serialise ("(C75xx) Potential Performance Loss:
+# wgmma.mma_async instructions are serialized ..."): each GEMM is then waited for before the next
+# is issued, a large loss that no test sees. A build that prints one fails, naming them.
+check_wgmma_pipelining() {
+  local found
+  found=$(grep -o "(C75[0-9][0-9]) Potential Performance Loss: wgmma[^']*'[^']*'" "$1" | sort -u || true)
+  if [ -n "$found" ]; then
+    echo "error: ptxas serialised the WGMMAs of these kernels (see $1):" >&2
+    echo "$found" >&2
+    return 1
+  fi
 }
 
 setup_environment() {

@@ -515,20 +515,29 @@ struct FlashFwdKernelSm90 {
               return false;
             }
           };
-          auto run_mma = [&](auto& tSrS) {
-            Mainloop::mma(storage.tensors, storage.barrier_q, q_loads, /*q_by_tma=*/!packed,
-                          /*release_q=*/kSeparateO && !packed, pipeline_k, pipeline_v,
-                          smem_pipe_read, tOrO, tSrS, s_issued, softmax, work.mask,
-                          params.softcap_scale, thread_idx, tile.m_block, work.walk,
-                          tile_mods(params, tile, work.seqlen), zero_v_tail(p, tile),
-                          [&] { return under_last_pv(tSrS); });
-          };
+          // The mainloop in a lambda, forced inline in the flex kernels: their mainloop makes it
+          // large enough for the inliner to leave it a call, and a call serialises every WGMMA
+          // (ptxas C7510). The other kernels keep it as the inliner treats it (forcing it there
+          // reschedules their SASS, which is what was measured).
+#define CUFLASH_FWD_RUN_MMA(tSrS)                                                                  \
+  Mainloop::mma(storage.tensors, storage.barrier_q, q_loads, /*q_by_tma=*/!packed,                 \
+                /*release_q=*/kSeparateO && !packed, pipeline_k, pipeline_v, smem_pipe_read, tOrO, \
+                tSrS, s_issued, softmax, work.mask, params.softcap_scale, thread_idx, tile.m_block, \
+                work.walk, tile_mods(params, tile, work.seqlen), zero_v_tail(p, tile),             \
+                [&] { return under_last_pv(tSrS); })
+          auto run_mma = [&](auto& tSrS) { CUFLASH_FWD_RUN_MMA(tSrS); };
+          auto run_mma_inlined = [&](auto& tSrS) CUTLASS_LAMBDA_FUNC_INLINE { CUFLASH_FWD_RUN_MMA(tSrS); };
+#undef CUFLASH_FWD_RUN_MMA
           if constexpr (kNextQkUnderEpilogue) {
             run_mma(tSrS_carried);
           } else {
             // A fresh accumulator per tile: nothing in it lives past the tile.
             auto tSrS = Mainloop::make_fragment_s();
-            run_mma(tSrS);
+            if constexpr (Variant::kIsFlex) {
+              run_mma_inlined(tSrS);
+            } else {
+              run_mma(tSrS);
+            }
           }
           trace::mark(thread_idx, trace::kMmaEnd);
           if constexpr (kStreamKTail) {
