@@ -96,22 +96,23 @@ inline bool fwd_narrow_tile_pays(int seqlen_q, int seqlen_k, int window_left, in
 }
 
 // Whether a kernel with a twin for short work runs the twin: `choice` is FwdParams::short_kernel
-// (kLong / kShort forced), `pays` the twin's rule for the call.
-constexpr bool fwd_short_kernel_runs(FwdShortKernel choice, bool pays) {
-  return choice == FwdShortKernel::kShort || (choice == FwdShortKernel::kAuto && pays);
+// (kLong / kShort forced), `pays()` the twin's rule for the call, asked only under kAuto.
+template <class Pays>
+bool fwd_short_kernel_runs(FwdShortKernel choice, Pays const& pays) {
+  return choice == FwdShortKernel::kAuto ? pays() : choice == FwdShortKernel::kShort;
 }
 
 // Whether the plain (not softcap) hdim64 kernel runs its 128-row tile for a call. The launch and
 // dispatch's stream-K count both ask this.
 inline bool fwd_plain_narrow_tile(FwdShortKernel choice, int seqlen_q, int seqlen_k, int window_left,
                                   int window_right) {
-  return fwd_short_kernel_runs(choice, fwd_narrow_tile_pays(seqlen_q, seqlen_k, window_left, window_right));
+  return fwd_short_kernel_runs(choice, [&] { return fwd_narrow_tile_pays(seqlen_q, seqlen_k, window_left, window_right); });
 }
 
 // Whether an hdim128 kernel that issues the next tile's first Q K^T under the epilogue runs its
 // one-Q twin for a call.
 inline bool fwd_single_q_kernel(FwdShortKernel choice, int seqlen_k, int window_left, int window_right) {
-  return fwd_short_kernel_runs(choice, !fwd_next_qk_pays(seqlen_k, window_left, window_right));
+  return fwd_short_kernel_runs(choice, [&] { return !fwd_next_qk_pays(seqlen_k, window_left, window_right); });
 }
 
 // A tile's cost beyond its n-blocks, in n-blocks: the first Q K^T and softmax with no P V beside

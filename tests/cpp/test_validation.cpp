@@ -11,6 +11,9 @@
 #include <vector>
 
 #include "cuflash/cuflash.hpp"
+#if CUFLASH_HAS_CUDA
+#include "api/device_workspace.hpp"
+#endif
 
 namespace cuflash {
 namespace {
@@ -1239,6 +1242,28 @@ TEST_F(CombineValidation, CombineValidatesBeforeRunning) {
   CombineArgs args = dense_combine();
   args.out = tensor(DType::kBFloat16, {2, 64, 8, 64});
   EXPECT_INVALID(combine(args), "out", "expected shape (2, 64, 8, 128)");
+}
+
+// What a caller's workspace allocator returns is checked as a given workspace is, before any
+// device work: no memory, too few bytes and a misaligned pointer are refused by name.
+TEST(Dispatch, WorkspaceAllocatorResultChecked) {
+#if CUFLASH_HAS_CUDA
+  const auto with = [](Workspace returned) {
+    return [returned] {
+      const WorkspaceAllocator allocate = [returned](std::size_t) { return returned; };
+      detail::DeviceWorkspace workspace(Workspace{}, &allocate, 1024, nullptr);
+    };
+  };
+  alignas(256) static char memory[2048];
+  expect_error(with(Workspace{}), Error::Kind::kInvalidArgument, "workspace",
+               {"the allocator returned no memory for 1024 bytes"});
+  expect_error(with(Workspace{memory, 512}), Error::Kind::kInvalidArgument, "workspace",
+               {"expected at least 1024 bytes, got 512"});
+  expect_error(with(Workspace{memory + 16, 1024}), Error::Kind::kInvalidArgument, "workspace",
+               {"256-byte aligned pointer"});
+#else
+  GTEST_SKIP() << "this build has no CUDA (no device workspace)";
+#endif
 }
 
 // --- Builds without CUDA ------------------------------------------------------------------
