@@ -72,6 +72,11 @@ def main():
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     import cuflash
 
+    # Each (mask, shape) is a compilation of its own (dynamic=False); past dynamo's recompile
+    # limit (8) FlexAttention would run unfused (the scores materialised), timing the wrong thing.
+    for limit in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, limit):
+            setattr(torch._dynamo.config, limit, 256)
     flex = torch.compile(flex_attention, dynamic=False)
     gpu = torch.cuda.get_device_name()
     date = common.utc_now()

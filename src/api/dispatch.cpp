@@ -74,6 +74,15 @@ FwdParams device_fwd_params(const ForwardArgs& args, const detail::AttentionShap
   // for the call.
   if (params.pack_gqa && !params.pack_gqa_requested && !sm90::forward_kernel_built(params))
     params.pack_gqa = false;
+  // Document masks: block lists built from the ids (detail::document_lists_apply) where the call
+  // runs unsplit (the split count is chosen from the keys each row block visits, which the host
+  // cannot count through lists) and packed tiles, if any, can read them.
+  if (params.num_splits == 1 &&
+      detail::document_lists_apply(args.opts, args.seq, shape, args.opts.expression_forward_kernel)) {
+    FwdParams listed = params;
+    detail::plan_document_block_lists(listed.block_sparse, shape, /*backward=*/false);
+    if (!listed.pack_gqa || detail::block_lists_refuse_packing(listed).empty()) params = listed;
+  }
   params.stream_k_ctas = detail::fwd_stream_k_ctas(params);
   return params;
 }
@@ -87,7 +96,23 @@ BwdParams device_bwd_params(const BackwardArgs& args, const detail::AttentionSha
   params.launch_head_group = launch.head_group;
   params.dq_path = static_cast<int>(detail::bwd_dq_path());
   params.det_walk = static_cast<int>(detail::bwd_det_walk());
+  if (detail::document_lists_apply(args.opts, args.seq, shape, args.opts.expression_backward_kernel))
+    detail::plan_document_block_lists(params.block_sparse, shape, /*backward=*/true);
   return params;
+}
+
+// Bytes of the document block lists that dispatch builds at the start of the workspace, before
+// the kernels' own buffers (0 where the call has none to build: no document mask, or the
+// caller's lists).
+std::size_t document_lists_bytes(const AttentionOptions& opts, const BlockSparseParams& bs, int batch) {
+  return bs.enabled && !opts.block_sparse ? sm90::document_block_lists_bytes(bs, batch) : 0;
+}
+
+template <class Params>
+void build_document_lists(Params& params, std::size_t bytes, void* workspace, StreamHandle stream) {
+  if (bytes == 0) return;
+  sm90::build_document_block_lists(params.block_sparse, params.mask_mod, params.batch, params.seqlen_q,
+                                   params.seqlen_k, workspace, stream);
 }
 
 #else
@@ -109,7 +134,9 @@ std::size_t forward_workspace_size(const ForwardArgs& args) {
 #if CUFLASH_HAS_CUDA
   require_device();
   detail::DeviceGuard guard(shape.device.index);
-  return detail::forward_workspace_bytes(device_fwd_params(args, shape), detail::fwd_scheduler());
+  const FwdParams params = device_fwd_params(args, shape);
+  return document_lists_bytes(args.opts, params.block_sparse, params.batch) +
+         detail::forward_workspace_bytes(params, detail::fwd_scheduler());
 #else
   throw_not_built();
 #endif
@@ -122,7 +149,8 @@ std::size_t backward_workspace_size(const BackwardArgs& args) {
   require_device();
   detail::DeviceGuard guard(shape.device.index);
   const BwdParams params = device_bwd_params(args, shape);
-  return shape.paged ? sm90::paged_backward_workspace_bytes(params) : sm90::backward_workspace_bytes(params);
+  return document_lists_bytes(args.opts, params.block_sparse, params.batch) +
+         (shape.paged ? sm90::paged_backward_workspace_bytes(params) : sm90::backward_workspace_bytes(params));
 #else
   throw_not_built();
 #endif
@@ -143,9 +171,12 @@ void run_forward_call(const ForwardArgs& args, StreamHandle stream, Workspace wo
   FwdParams params = device_fwd_params(args, shape);
   if (args.out.numel() == 0) return;  // no query rows: nothing to write
   detail::FwdScheduler const scheduler = detail::fwd_scheduler();
-  detail::DeviceWorkspace buffers(workspace, allocate, detail::forward_workspace_bytes(params, scheduler),
-                                  stream);
-  detail::assign_forward_workspace(params, buffers.data(), scheduler);
+  std::size_t const list_bytes = document_lists_bytes(args.opts, params.block_sparse, params.batch);
+  detail::DeviceWorkspace buffers(workspace, allocate,
+                                  list_bytes + detail::forward_workspace_bytes(params, scheduler), stream);
+  char* const base = static_cast<char*>(buffers.data());
+  build_document_lists(params, list_bytes, base, stream);
+  detail::assign_forward_workspace(params, base == nullptr ? nullptr : base + list_bytes, scheduler);
   sm90::run_forward(params, stream);
   if (params.num_splits > 1) {
     sm90::run_combine(detail::make_split_combine_params(params, args, shape), stream);
@@ -170,10 +201,13 @@ void run_backward_call(const BackwardArgs& args, StreamHandle stream, Workspace 
   detail::DeviceGuard guard(shape.device.index);
   BwdParams params = device_bwd_params(args, shape);
   // Paged k/v: gathered into dense rows in the workspace, the gradients summed back into pages.
+  const std::size_t list_bytes = document_lists_bytes(args.opts, params.block_sparse, params.batch);
   const std::size_t bytes =
       shape.paged ? sm90::paged_backward_workspace_bytes(params) : sm90::backward_workspace_bytes(params);
-  detail::DeviceWorkspace buffers(workspace, allocate, bytes, stream);
-  params.workspace = buffers.data();
+  detail::DeviceWorkspace buffers(workspace, allocate, list_bytes + bytes, stream);
+  char* const base = static_cast<char*>(buffers.data());
+  build_document_lists(params, list_bytes, base, stream);
+  params.workspace = base == nullptr ? nullptr : base + list_bytes;
   params.workspace_bytes = bytes;
   if (shape.paged) {
     sm90::run_paged_backward(params, stream);

@@ -23,6 +23,12 @@ std::size_t backward_workspace_bytes(const BwdParams& params);
 // backward above on them, the gradients summed back into the pages (paged_bwd_sm90.cu).
 void run_paged_backward(BwdParams& params, StreamHandle stream);
 std::size_t paged_backward_workspace_bytes(const BwdParams& params);
+// Block lists of a document mask (MaskModKind::kDocument, ids in mask_mod.aux[0]) built on the
+// GPU into `workspace` (document_block_lists_bytes of it) for the block sizes and counts that
+// `bs` holds; sets bs's list pointers. See document_block_lists_sm90.cu.
+std::size_t document_block_lists_bytes(const BlockSparseParams& bs, int batch);
+void build_document_block_lists(BlockSparseParams& bs, const ModParams& mask_mod, int batch, int seqlen_q,
+                                int seqlen_k, void* workspace, StreamHandle stream);
 std::vector<std::string> built_kernels();
 // The backward ones, e.g. "bwd bf16 hdim128" (defined with the backward dispatch).
 std::vector<std::string> built_backward_kernels();

@@ -258,6 +258,22 @@ CombineParams make_combine_params(const CombineArgs& args, const CombineShape& s
   return p;
 }
 
+bool document_lists_apply(const AttentionOptions& opts, const SequenceLayout& seq,
+                          const AttentionShape& shape, std::uintptr_t expression_kernel) {
+  return opts.mask_mod.kind == MaskModKind::kDocument && !opts.block_sparse && expression_kernel == 0 &&
+         (!shape.varlen_q || seq.max_seqlen_q) && (!shape.varlen_k || seq.max_seqlen_k);
+}
+
+void plan_document_block_lists(BlockSparseParams& bs, const AttentionShape& shape, bool backward) {
+  bs = BlockSparseParams{};
+  bs.enabled = true;
+  bs.row_lists = backward;
+  bs.num_heads_b = 1;
+  bs.block_m = bs.block_n = kDocumentListBlock;
+  bs.num_row_blocks = static_cast<int>((shape.seqlen_q + kDocumentListBlock - 1) / kDocumentListBlock);
+  bs.num_col_blocks = static_cast<int>((shape.seqlen_k + kDocumentListBlock - 1) / kDocumentListBlock);
+}
+
 std::string block_lists_refuse_packing(const FwdParams& params) {
   const BlockSparseParams& bs = params.block_sparse;
   if (!bs.enabled) return "";

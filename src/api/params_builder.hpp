@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 #include "api/params.hpp"
@@ -41,6 +42,20 @@ inline constexpr int kFlexFwdTileRows = 128;
 // kFlexFwdTileRows / group query rows of every head of its group: the lists must be the same
 // for all heads (broadcast, head dim 1) and a list row block must hold whole packed tiles.
 std::string block_lists_refuse_packing(const FwdParams& params);
+
+// Document masks (MaskModKind::kDocument) without block lists of the caller's: dispatch builds
+// block lists from the ids on the GPU (sm90::build_document_block_lists; 128 x 128 blocks, one
+// list for all heads), so that the flex kernels visit only the blocks whose rows and keys can
+// share a document and skip the per-element check where all are one document. Not for kernels
+// compiled at run time (`expression_kernel`), nor for packed sequences given without
+// max_seqlen_q / max_seqlen_k (the longest may be unknown; the lists would then count total_q /
+// total_k positions per sequence).
+inline constexpr int kDocumentListBlock = 128;
+bool document_lists_apply(const AttentionOptions& opts, const SequenceLayout& seq,
+                          const AttentionShape& shape, std::uintptr_t expression_kernel);
+// The lists' shape in `bs` (enabled, block sizes, counts, broadcast over heads; forward row-block
+// lists, which the backward tabulates as it does a caller's); the pointers come with the build.
+void plan_document_block_lists(BlockSparseParams& bs, const AttentionShape& shape, bool backward);
 
 // num_splits <= 0 picks the split-KV heuristic of the seed (one split for short keys, else as
 // many as fill the SMs, at most 128); the result is in [1, kMaxSplits].

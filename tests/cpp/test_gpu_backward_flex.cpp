@@ -45,6 +45,11 @@ struct FlexBwdCase {
   bool varlen = false;  // packed rows; sequence 1 has no queries, the others drawn up to seqlen_q/k
   // Block sparsity: 0 off, else the lists' head count (1: broadcast, or heads).
   int sparse_heads = 0;
+  // Document ids: runs of 1..doc_length_max positions; numbered in order (documents packed one
+  // after another), or with doc_ids_unsorted each run's id drawn from 0..3 (documents
+  // interleaved, ids not monotone).
+  int doc_length_max = 150;
+  bool doc_ids_unsorted = false;
   int block_m = 128, block_n = 128;
   bool full_lists = true, mask_lists = true;
   // Column blocks left with no block at all (their dk / dv are 0).
@@ -102,11 +107,11 @@ struct Problem : gpu_testing::RowLayout {
     if (c.mask_mod == MaskModKind::kDocument) {
       // Documents of random lengths; with seqlen_q > seqlen_k the last ones hold queries only.
       doc_len = std::max(c.seqlen_q, c.seqlen_k);
-      std::uniform_int_distribution<int> doc_length(1, 150);
+      std::uniform_int_distribution<int> doc_length(1, c.doc_length_max), any_doc(0, 3);
       for (int b = 0; b < c.batch; ++b) {
         int doc = 0, left = doc_length(rng);
         for (int i = 0; i < doc_len; ++i) {
-          if (left-- == 0) ++doc, left = doc_length(rng);
+          if (left-- == 0) doc = c.doc_ids_unsorted ? any_doc(rng) : doc + 1, left = doc_length(rng);
           doc_ids.push_back(doc);
         }
       }
@@ -508,6 +513,33 @@ std::vector<FlexBwdCase> flex_cases() {
   c = {};
   c.label = "document_empty_rows", c.seqlen_q = 400, c.seqlen_k = 150,
   c.mask_mod = MaskModKind::kDocument;
+  add(c);
+  // Documents longer than a block: the lists built from the ids (forward row-block lists,
+  // tabulated per column block) skip the blocks of other documents.
+  c = {};
+  c.label = "document_long_gqa", c.batch = 2, c.seqlen_q = 1100, c.seqlen_k = 1100, c.heads = 4,
+  c.heads_kv = 2, c.mask_mod = MaskModKind::kDocument, c.doc_length_max = 700;
+  add(c);
+  c = {};
+  c.label = "document_long_causal_softcap", c.seqlen_q = 900, c.seqlen_k = 1000, c.causal = true,
+  c.softcap = 20.f, c.mask_mod = MaskModKind::kDocument, c.doc_length_max = 500;
+  add(c);
+  c = {};
+  c.label = "document_unsorted", c.batch = 2, c.seqlen_q = 800, c.seqlen_k = 800,
+  c.mask_mod = MaskModKind::kDocument, c.doc_length_max = 300, c.doc_ids_unsorted = true;
+  add(c);
+  c = {};
+  c.label = "varlen_document_long", c.batch = 3, c.seqlen_q = 1000, c.seqlen_k = 1000, c.varlen = true,
+  c.mask_mod = MaskModKind::kDocument, c.doc_length_max = 400;
+  add(c);
+  c = {};
+  c.label = "deterministic_document_long_causal", c.batch = 2, c.seqlen_q = 700, c.seqlen_k = 700,
+  c.head_dim = 256, c.causal = true, c.mask_mod = MaskModKind::kDocument, c.doc_length_max = 400,
+  c.deterministic = true;
+  add(c);
+  c = {};
+  c.label = "document_long", c.seqlen_q = 1000, c.seqlen_k = 1000, c.head_dim = 64,
+  c.mask_mod = MaskModKind::kDocument, c.doc_length_max = 600;
   add(c);
   // varlen: positions count from each sequence's start
   c = {};

@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include "api/kernels.hpp"
+#include "api/params_builder.hpp"
 #include "cuflash/cuflash.hpp"
 #include "gpu_test_problem.hpp"
 #include "gpu_test_util.hpp"
@@ -41,6 +43,11 @@ struct FlexCase {
   bool varlen = false;  // packed rows; sequence 1 is empty, the others drawn up to seqlen_q/k
   // Block sparsity: 0 off, else the lists' head count (1: broadcast, or heads).
   int sparse_heads = 0;
+  // Document ids: runs of 1..doc_length_max positions; numbered in order (documents packed one
+  // after another), or with doc_ids_unsorted each run's id drawn from 0..3 (documents
+  // interleaved, ids not monotone).
+  int doc_length_max = 150;
+  bool doc_ids_unsorted = false;
   int block_m = 128, block_n = 128;
   bool full_lists = true, mask_lists = true;
   // Row blocks left with no block at all (every output row 0, lse -inf).
@@ -95,11 +102,11 @@ struct Problem : gpu_testing::RowLayout {
       // Documents of random lengths; with seqlen_q > seqlen_k the last ones hold queries only,
       // so their rows see no key.
       doc_len = std::max(c.seqlen_q, c.seqlen_k);
-      std::uniform_int_distribution<int> doc_length(1, 150);
+      std::uniform_int_distribution<int> doc_length(1, c.doc_length_max), any_doc(0, 3);
       for (int b = 0; b < c.batch; ++b) {
         int doc = 0, left = doc_length(rng);
         for (int i = 0; i < doc_len; ++i) {
-          if (left-- == 0) ++doc, left = doc_length(rng);
+          if (left-- == 0) doc = c.doc_ids_unsorted ? any_doc(rng) : doc + 1, left = doc_length(rng);
           doc_ids.push_back(doc);
         }
       }
@@ -428,6 +435,24 @@ std::vector<FlexCase> flex_cases() {
   c.label = "document_empty_rows", c.seqlen_q = 400, c.seqlen_k = 150,
   c.mask_mod = MaskModKind::kDocument;
   add(c);
+  // Documents longer than a block: the lists built from the ids skip the blocks of other
+  // documents and run whole-document blocks without the per-element check.
+  c = {};
+  c.label = "document_long_gqa", c.batch = 2, c.seqlen_q = 1100, c.seqlen_k = 1100, c.heads = 4,
+  c.heads_kv = 2, c.mask_mod = MaskModKind::kDocument, c.doc_length_max = 700;
+  add(c);
+  c = {};
+  c.label = "document_long_causal_softcap", c.seqlen_q = 900, c.seqlen_k = 1000, c.causal = true,
+  c.softcap = 20.f, c.mask_mod = MaskModKind::kDocument, c.doc_length_max = 500;
+  add(c);
+  c = {};
+  c.label = "document_unsorted", c.batch = 2, c.seqlen_q = 800, c.seqlen_k = 800,
+  c.mask_mod = MaskModKind::kDocument, c.doc_length_max = 300, c.doc_ids_unsorted = true;
+  add(c);
+  c = {};
+  c.label = "varlen_document_long", c.batch = 3, c.seqlen_q = 1000, c.seqlen_k = 1000, c.varlen = true,
+  c.mask_mod = MaskModKind::kDocument, c.doc_length_max = 400;
+  add(c);
   // varlen: positions count from each sequence's start
   c = {};
   c.label = "varlen_document_causal", c.batch = 4, c.seqlen_q = 300, c.seqlen_k = 333, c.heads = 4,
@@ -663,6 +688,85 @@ TEST(GpuForwardFlexUnsupported, BlockSmallerThanTileIsRefused) {
   bs.mask_block_idx = TensorView(idx.data(), DType::kInt32, {1, 1, 1, 2}, kCuda);
   call.args.opts.block_sparse = bs;
   expect_not_supported(call.args, "block_sparse");
+}
+
+
+// The lists that dispatch builds from document ids (sm90::build_document_block_lists): every
+// (row block, column block) pair listed as its ids say, columns ascending: ranges of ids that do
+// not overlap leave the pair out, one id on both sides makes it full, anything else masked.
+// Sequence 0 has documents packed in order (lists leave blocks out and hold full ones),
+// sequence 1 interleaved ids; the keys outnumber the queries, and the ids run past both.
+TEST(GpuDocumentBlockLists, ClassifyEveryBlockPair) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  constexpr int kBatch = 2, kSeqlenQ = 1000, kSeqlenK = 1300, kLength = 1400;
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<int> run(1, 500), any_doc(0, 3);
+  std::vector<int> ids;
+  for (int b = 0; b < kBatch; ++b) {
+    int doc = 0, left = run(rng);
+    for (int i = 0; i < kLength; ++i) {
+      if (left-- == 0) doc = b == 0 ? doc + 1 : any_doc(rng), left = run(rng);
+      ids.push_back(doc);
+    }
+  }
+  detail::AttentionShape shape;
+  shape.seqlen_q = kSeqlenQ;
+  shape.seqlen_k = kSeqlenK;
+  BlockSparseParams bs;
+  detail::plan_document_block_lists(bs, shape, /*backward=*/false);
+  ASSERT_EQ(bs.num_row_blocks, 8);
+  ASSERT_EQ(bs.num_col_blocks, 11);
+  DeviceBuffer device_ids = DeviceBuffer::from(ids);
+  ModParams mod;
+  mod.kind = int(MaskModKind::kDocument);
+  mod.num_aux = 1;
+  mod.aux[0] = device_ids.data();
+  mod.aux_cols[0] = kLength;
+  DeviceBuffer workspace(sm90::document_block_lists_bytes(bs, kBatch));
+  sm90::build_document_block_lists(bs, mod, kBatch, kSeqlenQ, kSeqlenK, workspace.data(), nullptr);
+  gpu_testing::check_cuda(cudaDeviceSynchronize(), "document block lists");
+  auto copy = [](const int* from, std::size_t count) {
+    std::vector<int> host(count);
+    gpu_testing::check_cuda(cudaMemcpy(host.data(), from, count * sizeof(int), cudaMemcpyDeviceToHost), "cudaMemcpy");
+    return host;
+  };
+  const int rows = bs.num_row_blocks, cols = bs.num_col_blocks;
+  const std::vector<int> mask_cnt = copy(bs.mask_block_cnt, kBatch * rows),
+                         full_cnt = copy(bs.full_block_cnt, kBatch * rows),
+                         mask_idx = copy(bs.mask_block_idx, std::size_t(kBatch) * rows * cols),
+                         full_idx = copy(bs.full_block_idx, std::size_t(kBatch) * rows * cols);
+  int skipped = 0, full = 0;
+  for (int b = 0; b < kBatch; ++b) {
+    auto range = [&](int begin, int end) {
+      const auto first = ids.begin() + b * kLength + begin, last = ids.begin() + b * kLength + end;
+      return std::make_pair(*std::min_element(first, last), *std::max_element(first, last));
+    };
+    for (int m = 0; m < rows; ++m) {
+      const auto q = range(m * 128, std::min((m + 1) * 128, kSeqlenQ));
+      std::vector<int> want_mask, want_full;
+      for (int n = 0; n < cols; ++n) {
+        const auto k = range(n * 128, std::min((n + 1) * 128, kSeqlenK));
+        if (k.second < q.first || q.second < k.first) {
+          skipped += b == 0;
+        } else if (q.first == q.second && k.first == k.second) {
+          want_full.push_back(n);
+          full += b == 0;
+        } else {
+          want_mask.push_back(n);
+        }
+      }
+      const int list = b * rows + m;
+      SCOPED_TRACE("sequence " + std::to_string(b) + ", row block " + std::to_string(m));
+      ASSERT_EQ(mask_cnt[list], int(want_mask.size()));
+      ASSERT_EQ(full_cnt[list], int(want_full.size()));
+      EXPECT_EQ(std::vector<int>(mask_idx.begin() + list * cols, mask_idx.begin() + list * cols + mask_cnt[list]),
+                want_mask);
+      EXPECT_EQ(std::vector<int>(full_idx.begin() + list * cols, full_idx.begin() + list * cols + full_cnt[list]),
+                want_full);
+    }
+  }
+  EXPECT_GT(skipped, 0) << "the packed documents were meant to leave blocks out";
+  EXPECT_GT(full, 0) << "the packed documents were meant to give whole-document blocks";
 }
 
 }  // namespace

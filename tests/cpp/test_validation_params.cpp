@@ -288,6 +288,66 @@ TEST(ParamsForward, ModsAndBlockSparsity) {
   EXPECT_EQ(p.block_sparse.num_col_blocks, 2);
 }
 
+TEST(ParamsForward, DocumentMaskBlockLists) {
+  // Dispatch builds block lists from document ids when the caller gives none; not for kernels
+  // compiled at run time, nor for packed sequences without their longest length.
+  ForwardArgs args;
+  args.q = tensor(DType::kFloat32, {2, 300, 4, 64});
+  args.k = tensor(DType::kFloat32, {2, 1000, 4, 64});
+  args.v = tensor(DType::kFloat32, {2, 1000, 4, 64});
+  args.out = tensor(DType::kFloat32, {2, 300, 4, 64});
+  args.opts.mask_mod.kind = MaskModKind::kDocument;
+  args.opts.mask_mod.aux = {tensor(DType::kInt32, {2, 1000})};
+  const AttentionShape shape = check_forward(args);
+  EXPECT_TRUE(document_lists_apply(args.opts, args.seq, shape, 0));
+  EXPECT_FALSE(document_lists_apply(args.opts, args.seq, shape, /*expression_kernel=*/1));
+
+  BlockSparseParams bs;
+  plan_document_block_lists(bs, shape, /*backward=*/false);
+  EXPECT_TRUE(bs.enabled);
+  EXPECT_FALSE(bs.row_lists);
+  EXPECT_EQ(bs.num_heads_b, 1);
+  EXPECT_EQ(bs.block_m, kDocumentListBlock);
+  EXPECT_EQ(bs.block_n, kDocumentListBlock);
+  EXPECT_EQ(bs.num_row_blocks, 3);  // ceil(300 / 128)
+  EXPECT_EQ(bs.num_col_blocks, 8);  // ceil(1000 / 128)
+  EXPECT_EQ(bs.mask_block_cnt, nullptr);  // set when the lists are built
+  plan_document_block_lists(bs, shape, /*backward=*/true);
+  EXPECT_TRUE(bs.row_lists);  // the backward tabulates the forward's lists
+
+  ForwardArgs other = args;
+  other.opts.mask_mod = MaskMod{};
+  other.opts.mask_mod.kind = MaskModKind::kCausal;
+  EXPECT_FALSE(document_lists_apply(other.opts, other.seq, check_forward(other), 0));
+
+  std::vector<std::int32_t> cnt(2 * 3, 0), idx(2 * 3 * 8, 0);
+  other = args;
+  BlockSparseTensors given;
+  given.mask_block_cnt = TensorView(cnt.data(), DType::kInt32, {2, 1, 3});
+  given.mask_block_idx = TensorView(idx.data(), DType::kInt32, {2, 1, 3, 8});
+  other.opts.block_sparse = given;
+  EXPECT_FALSE(document_lists_apply(other.opts, other.seq, check_forward(other), 0));
+
+  // Packed: only with max_seqlen_q and max_seqlen_k.
+  std::vector<std::int32_t> cu_q = {0, 100, 300}, cu_k = {0, 600, 1000};
+  other = args;
+  other.q = tensor(DType::kFloat32, {300, 4, 64});
+  other.out = tensor(DType::kFloat32, {300, 4, 64});
+  other.k = tensor(DType::kFloat32, {1000, 4, 64});
+  other.v = tensor(DType::kFloat32, {1000, 4, 64});
+  other.seq.cu_seqlens_q = TensorView(cu_q.data(), DType::kInt32, {3});
+  other.seq.cu_seqlens_k = TensorView(cu_k.data(), DType::kInt32, {3});
+  EXPECT_FALSE(document_lists_apply(other.opts, other.seq, check_forward(other), 0));
+  other.seq.max_seqlen_q = 200;
+  EXPECT_FALSE(document_lists_apply(other.opts, other.seq, check_forward(other), 0));
+  other.seq.max_seqlen_k = 600;
+  const AttentionShape packed = check_forward(other);
+  EXPECT_TRUE(document_lists_apply(other.opts, other.seq, packed, 0));
+  plan_document_block_lists(bs, packed, /*backward=*/false);
+  EXPECT_EQ(bs.num_row_blocks, 2);  // ceil(200 / 128)
+  EXPECT_EQ(bs.num_col_blocks, 5);  // ceil(600 / 128)
+}
+
 TEST(ParamsForward, EmptyAuxTensorOfAnEmptyProblem) {
   // No query or key rows: document ids of length 0 are valid and have 2 rows of 0 columns.
   ForwardArgs args;
