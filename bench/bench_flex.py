@@ -8,17 +8,19 @@ Masks (top-left aligned, seqlen_q == seqlen_k):
   window     q - W <= kv <= q            cuflash.masks.sliding_window(W)
   document   doc[q] == doc[kv]           cuflash.masks.document(doc_ids); 4 to 8 random documents
                                           per sequence, different per batch row
-For causal and window the plain cuflash kernel (causal=True / window_size=(W, 0)) runs as a
-third column: what the flex kernel costs over it.
+Columns: cuflash_flex (mask_mod alone; at these equal lengths causal and window fold into a
+window and run on the plain kernels, document builds its block lists from the ids), cuflash_sparse
+(the flex kernel driven by the mask's block lists, cuflash.block_sparse.create_block_mask, as
+FlexAttention is given its BlockMask), for causal and window cuflash_plain (causal=True /
+window_size=(W, 0)), and flexattention.
 
 Shapes as bench_fwd.py (bf16, or --dtype fp16; batch * seqlen = 16k tokens, heads * head_dim =
 2048). TFLOP/s count only the visible (q, kv) pairs: 4 * B * H * D * visible / time, the same
 count for every column of a mask, so ratios are time ratios. Timing: bench_common.time_ms. Outputs are checked
 against FlexAttention's (max abs difference relative to its max) before timing.
 
---deterministic (with --backward): three more cuflash columns, the flex kernel with the mask's
-block lists (cuflash.block_sparse.create_block_mask; cuflash_sparse), and both deterministic
-(cuflash_flex_det, cuflash_sparse_det): what the fixed dQ order costs over each.
+--deterministic (with --backward): two more cuflash columns, cuflash_flex_det and
+cuflash_sparse_det: what the fixed dQ order costs over each.
 
 --backward: each column runs its forward once with autograd, then each timed call is
 torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), as bench_bwd.py; FLOPs are 2.5x the
@@ -111,16 +113,19 @@ def main():
                     q, k, v, mask_mod=cuflash.masks.document(doc))}
             else:
                 raise SystemExit(f"--masks: unknown mask {mask!r}; choose from {', '.join(MASKS)}")
+            # The flex kernel driven by the mask's block lists (what FlexAttention is given): for
+            # causal and window, whose cuflash_flex column runs the plain kernels at equal lengths
+            # (the mask_mod folded into a window), this is the flex kernel's own speed.
+            cu_mask = {"causal": lambda: cuflash.masks.causal(),
+                       "window": lambda: cuflash.masks.sliding_window(W),
+                       "document": lambda: cuflash.masks.document(doc)}[mask]()
+            lists = cuflash.block_sparse.create_block_mask(cu_mask, batch, seqlen, seqlen)
+            lists = {name: torch.from_numpy(x).cuda() for name, x in lists._asdict().items()}
+            columns["cuflash_sparse"] = lambda m=cu_mask, ls=lists: cuflash.flash_attn_func(
+                q, k, v, mask_mod=m, **ls)
             if args.deterministic:
-                cu_mask = {"causal": lambda: cuflash.masks.causal(),
-                           "window": lambda: cuflash.masks.sliding_window(W),
-                           "document": lambda: cuflash.masks.document(doc)}[mask]()
-                lists = cuflash.block_sparse.create_block_mask(cu_mask, batch, seqlen, seqlen)
-                lists = {name: torch.from_numpy(x).cuda() for name, x in lists._asdict().items()}
                 columns["cuflash_flex_det"] = lambda m=cu_mask: cuflash.flash_attn_func(
                     q, k, v, mask_mod=m, deterministic=True)
-                columns["cuflash_sparse"] = lambda m=cu_mask, ls=lists: cuflash.flash_attn_func(
-                    q, k, v, mask_mod=m, **ls)
                 columns["cuflash_sparse_det"] = lambda m=cu_mask, ls=lists: cuflash.flash_attn_func(
                     q, k, v, mask_mod=m, deterministic=True, **ls)
             block_mask = create_block_mask(mask_mod, batch, None, seqlen, seqlen, device="cuda")
@@ -163,8 +168,9 @@ def main():
                 print(f"{mask:>9} hdim={hdim} seqlen={seqlen} {name:>14}: {tflops:7.1f} TFLOP/s  err {err:.1e}",
                       flush=True)
             common.write_json(records, json_path)
-    det_header = f" {'flex_det/flex':>14} {'sparse/flex':>12} {'sparse_det/sparse':>18}" if args.deterministic else ""
-    print(f"\n{'mask':>9} {'hdim':>4} {'seqlen':>6} {'flex/FlexAttention':>19} {'flex/plain':>11}{det_header}")
+    det_header = f" {'flex_det/flex':>14} {'sparse_det/sparse':>18}" if args.deterministic else ""
+    print(f"\n{'mask':>9} {'hdim':>4} {'seqlen':>6} {'flex/FlexAttention':>19} {'flex/plain':>11}"
+          f" {'sparse/FlexAttention':>21}{det_header}")
     for hdim, seqlen, _, _ in common.grid(args):
         for mask in args.masks.split(","):
             get = {r["impl"]: r[metric] for r in records
@@ -176,9 +182,9 @@ def main():
             det = ""
             if args.deterministic:
                 det = (f" {get['cuflash_flex_det'] / get['cuflash_flex']:14.3f}"
-                       f" {get['cuflash_sparse'] / get['cuflash_flex']:12.3f}"
                        f" {get['cuflash_sparse_det'] / get['cuflash_sparse']:18.3f}")
-            print(f"{mask:>9} {hdim:>4} {seqlen:>6} {get['cuflash_flex'] / get['flexattention']:19.3f} {ratio_plain}{det}")
+            print(f"{mask:>9} {hdim:>4} {seqlen:>6} {get['cuflash_flex'] / get['flexattention']:19.3f} {ratio_plain}"
+                  f" {get['cuflash_sparse'] / get['flexattention']:21.3f}{det}")
     return 0
 
 

@@ -54,6 +54,7 @@ void refuse_expression_mods(const AttentionOptions& opts, std::uintptr_t express
 FwdParams device_fwd_params(const ForwardArgs& args, const detail::AttentionShape& shape) {
   refuse_expression_mods(args.opts, args.opts.expression_forward_kernel);
   FwdParams params = detail::make_fwd_params(args, shape);
+  detail::fold_window_mask_mod(params);
   params.num_sm = sm90::device_sm_count(shape.device.index);
   params.short_kernel = detail::fwd_short_kernel();
   params.zero_v_tail = detail::fwd_zero_v_tail(params);
@@ -90,6 +91,7 @@ FwdParams device_fwd_params(const ForwardArgs& args, const detail::AttentionShap
 BwdParams device_bwd_params(const BackwardArgs& args, const detail::AttentionShape& shape) {
   refuse_expression_mods(args.opts, args.opts.expression_backward_kernel);
   BwdParams params = detail::make_bwd_params(args, shape);
+  detail::fold_window_mask_mod(params);
   params.num_sm = sm90::device_sm_count(shape.device.index);
   BwdLaunchChoice const launch = detail::bwd_launch_order();
   params.launch_order = static_cast<int>(launch.order);

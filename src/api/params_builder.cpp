@@ -258,6 +258,41 @@ CombineParams make_combine_params(const CombineArgs& args, const CombineShape& s
   return p;
 }
 
+namespace {
+
+template <class Params>
+bool fold_window_mask_mod_into(Params& p) {
+  // A mask_mod side at or past 2^30 (ModParams::whole) is unbounded.
+  auto side = [](float x) { return ModParams::whole(x) >= (1 << 30) ? -1 : ModParams::whole(x); };
+  int left = -1, right = -1;
+  if (p.mask_mod.kind == int(MaskModKind::kCausal)) {
+    right = 0;
+  } else if (p.mask_mod.kind == int(MaskModKind::kSlidingWindow)) {
+    left = side(p.mask_mod.scalars[0]);
+    right = side(p.mask_mod.scalars[1]);
+  } else {
+    return false;
+  }
+  if (p.score_mod.kind != 0 || p.block_sparse.enabled || p.expression_kernel != 0 || p.seqlen_q != p.seqlen_k ||
+      p.cu_seqlens_q != nullptr || p.cu_seqlens_k != nullptr || p.seqused_q != nullptr || p.seqused_k != nullptr ||
+      p.page_table != nullptr)
+    return false;
+  // The tighter of two sides, -1 being unbounded.
+  auto tighter = [](int a, int b) { return a < 0 ? b : b < 0 ? a : std::min(a, b); };
+  const MaskWindow w = normalize_window(false, tighter(p.window_left, left), tighter(p.window_right, right));
+  p.is_causal = w.is_causal;
+  p.is_local = w.is_local;
+  p.window_left = w.window_left;
+  p.window_right = w.window_right;
+  p.mask_mod = ModParams{};
+  return true;
+}
+
+}  // namespace
+
+bool fold_window_mask_mod(FwdParams& params) { return fold_window_mask_mod_into(params); }
+bool fold_window_mask_mod(BwdParams& params) { return fold_window_mask_mod_into(params); }
+
 bool document_lists_apply(const AttentionOptions& opts, const SequenceLayout& seq,
                           const AttentionShape& shape, std::uintptr_t expression_kernel) {
   return opts.mask_mod.kind == MaskModKind::kDocument && !opts.block_sparse && expression_kernel == 0 &&

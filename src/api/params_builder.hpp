@@ -43,6 +43,15 @@ inline constexpr int kFlexFwdTileRows = 128;
 // for all heads (broadcast, head dim 1) and a list row block must hold whole packed tiles.
 std::string block_lists_refuse_packing(const FwdParams& params);
 
+// A built-in causal or sliding-window mask_mod alone (no score_mod, block lists or kernel
+// compiled at run time) on dense sequences of one length (seqlen_q == seqlen_k; no cu_seqlens,
+// seqused or page table) is a window: its top-left alignment is then the options' bottom-right
+// one. Folded here into causal / window (intersected with the call's own), so the call runs on
+// the plain kernels, which mask by position instead of evaluating the mask_mod per element.
+// Returns whether it folded (params unchanged otherwise).
+bool fold_window_mask_mod(FwdParams& params);
+bool fold_window_mask_mod(BwdParams& params);
+
 // Document masks (MaskModKind::kDocument) without block lists of the caller's: dispatch builds
 // block lists from the ids on the GPU (sm90::build_document_block_lists; 128 x 128 blocks, one
 // list for all heads), so that the flex kernels visit only the blocks whose rows and keys can

@@ -478,8 +478,19 @@ std::vector<FlexBwdCase> flex_cases() {
   c.score_mod = ScoreModKind::kRelativeBias;
   add(c);
   // mask_mods
+  // Equal dense lengths: causal and sliding-window mask_mods run as windows on the plain kernels
+  // (fold_window_mask_mod), here with the call's own window on top; the other cases run the flex
+  // kernels.
   c = {};
   c.label = "mask_causal", c.seqlen_q = 1023, c.seqlen_k = 1023, c.mask_mod = MaskModKind::kCausal;
+  add(c);
+  c = {};
+  c.label = "sliding_window_with_window", c.batch = 2, c.seqlen_q = 600, c.seqlen_k = 600, c.window_left = 40,
+  c.mask_mod = MaskModKind::kSlidingWindow, c.mask_scalars = {64, 16};
+  add(c);
+  c = {};
+  c.label = "sliding_window_sk_gt_sq", c.seqlen_q = 650, c.seqlen_k = 700,
+  c.mask_mod = MaskModKind::kSlidingWindow, c.mask_scalars = {64, 16};
   add(c);
   c = {};
   c.label = "mask_causal_sq_gt_sk", c.seqlen_q = 300, c.seqlen_k = 100,

@@ -7,6 +7,8 @@
 #include <map>
 #include <set>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "api/params_builder.hpp"
@@ -346,6 +348,90 @@ TEST(ParamsForward, DocumentMaskBlockLists) {
   plan_document_block_lists(bs, packed, /*backward=*/false);
   EXPECT_EQ(bs.num_row_blocks, 2);  // ceil(200 / 128)
   EXPECT_EQ(bs.num_col_blocks, 5);  // ceil(600 / 128)
+}
+
+TEST(ParamsForward, WindowMaskModFoldsIntoTheWindow) {
+  // Dense, seqlen_q == seqlen_k: a causal or sliding-window mask_mod alone is a window, run by
+  // the plain kernels, intersected with the call's causal / window options.
+  ForwardArgs args;
+  args.q = tensor(DType::kBFloat16, {2, 256, 4, 64});
+  args.k = tensor(DType::kBFloat16, {2, 256, 4, 64});
+  args.v = tensor(DType::kBFloat16, {2, 256, 4, 64});
+  args.out = tensor(DType::kBFloat16, {2, 256, 4, 64});
+  auto folded = [](const ForwardArgs& a) {
+    FwdParams p = make_fwd_params(a, check_forward(a));
+    const bool did = fold_window_mask_mod(p);
+    return std::make_pair(did, p);
+  };
+  args.opts.mask_mod.kind = MaskModKind::kCausal;
+  auto [did, p] = folded(args);
+  EXPECT_TRUE(did);
+  EXPECT_EQ(p.mask_mod.kind, 0);
+  EXPECT_FALSE(needs_flex(p));
+  EXPECT_TRUE(p.is_causal);
+  EXPECT_FALSE(p.is_local);
+  EXPECT_EQ(p.window_right, 0);
+
+  args.opts.mask_mod.kind = MaskModKind::kSlidingWindow;
+  args.opts.mask_mod.scalars = {100, 20};
+  args.opts.window_left = 50;  // tighter on the left, unbounded on the right
+  std::tie(did, p) = folded(args);
+  EXPECT_TRUE(did);
+  EXPECT_TRUE(p.is_local);
+  EXPECT_EQ(p.window_left, 50);
+  EXPECT_EQ(p.window_right, 20);
+
+  args.opts.window_left = -1;
+  args.opts.causal = true;
+  args.opts.mask_mod.scalars = {100, 20};
+  std::tie(did, p) = folded(args);
+  EXPECT_TRUE(did);
+  EXPECT_TRUE(p.is_local);
+  EXPECT_EQ(p.window_left, 100);
+  EXPECT_EQ(p.window_right, 0);
+
+  args.opts.causal = false;
+  args.opts.mask_mod.scalars = {double(1 << 30), 0};  // unbounded on the left: causal
+  std::tie(did, p) = folded(args);
+  EXPECT_TRUE(did);
+  EXPECT_TRUE(p.is_causal);
+  EXPECT_FALSE(p.is_local);
+
+  // Not folded: other mask_mods, a score_mod, unequal lengths, packed sequences.
+  auto expect_kept = [&](ForwardArgs a, const char* why) {
+    auto [kept_did, kept] = folded(a);
+    EXPECT_FALSE(kept_did) << why;
+    EXPECT_EQ(kept.mask_mod.kind, int(a.opts.mask_mod.kind)) << why;
+  };
+  ForwardArgs other = args;
+  other.opts.mask_mod = MaskMod{};
+  other.opts.mask_mod.kind = MaskModKind::kPrefixLM;
+  other.opts.mask_mod.scalars = {10};
+  expect_kept(other, "prefix_lm");
+  other = args;
+  other.opts.score_mod.kind = ScoreModKind::kAlibi;
+  other.opts.score_mod.aux = {tensor(DType::kFloat32, {4})};
+  expect_kept(other, "score_mod");
+  other = args;
+  other.k = tensor(DType::kBFloat16, {2, 300, 4, 64});
+  other.v = tensor(DType::kBFloat16, {2, 300, 4, 64});
+  expect_kept(other, "seqlen_k != seqlen_q: top-left and bottom-right differ");
+  std::vector<std::int32_t> cu = {0, 100, 256};
+  other = args;
+  for (TensorView* t : {&other.q, &other.k, &other.v, &other.out}) *t = tensor(DType::kBFloat16, {256, 4, 64});
+  other.seq.cu_seqlens_q = TensorView(cu.data(), DType::kInt32, {3});
+  other.seq.cu_seqlens_k = TensorView(cu.data(), DType::kInt32, {3});
+  other.seq.max_seqlen_q = other.seq.max_seqlen_k = 156;
+  expect_kept(other, "packed sequences: lengths per sequence");
+
+  BackwardArgs bwd;
+  bwd.q = bwd.k = bwd.v = bwd.out = bwd.dout = bwd.dq = bwd.dk = bwd.dv = tensor(DType::kBFloat16, {2, 256, 4, 64});
+  bwd.lse = tensor(DType::kFloat32, {2, 4, 256});
+  bwd.opts.mask_mod.kind = MaskModKind::kCausal;
+  BwdParams b = make_bwd_params(bwd, check_backward(bwd));
+  EXPECT_TRUE(fold_window_mask_mod(b));
+  EXPECT_TRUE(b.is_causal);
+  EXPECT_FALSE(needs_flex(b));
 }
 
 TEST(ParamsForward, EmptyAuxTensorOfAnEmptyProblem) {
