@@ -6,8 +6,10 @@ calls (a warm-up, then the one analysed) on the benchmark's shape (16k tokens, h
 = 2048) in a child process, collects the lines the main kernel's launch prints for its first
 CTAs (trace::kMaxCtas, about two waves) and shows, per MMA warpgroup, the mean time of each stage
 of a step (one row block of a column block: Q landed and S issued, S and dP done, P and dS
-stored, dQ handed out, every MMA done) in microseconds, SM cycles converted at the clock
-measured against the global timer (or at --clock GHz):
+stored, dQ handed out, every MMA done; in the sliced hdim256 kernels also both warpgroups' dS
+stored (pds), dV_0 / dQ_0 done (mma0) and dK_0 / dQ_1 done (mma1), so that the dQ halves' stores
+(mma0 -> dq0, mma1 -> dq1) show apart from the MMAs) in microseconds, SM cycles converted at the
+clock measured against the global timer (or at --clock GHz):
 
     PYTHONPATH=<package> python3 bench/trace_bwd.py --hdim 256 --seqlen 2048 [--deterministic]
 """

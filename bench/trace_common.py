@@ -11,7 +11,7 @@ import sys
 # By event code (trace::Event).
 EVENTS = ["start", "tile", "first_s", "first_p", "loop_end", "mma_end", "meet_arrived",
           "meet_done", "epilogue", "end",
-          "step", "q", "sdp", "ds", "dq0", "dq1", "step_end"]
+          "step", "q", "sdp", "ds", "dq0", "dq1", "step_end", "pds", "mma0", "mma1"]
 END = EVENTS.index("end")
 
 

@@ -27,6 +27,7 @@ namespace cuflash::sm90 {
 namespace {
 
 constexpr int kThreads = 128;
+constexpr int kMaxGridY = 65535;  // sequences beyond it are taken by the same CTAs in turn
 
 struct DocumentIds {
   int const* ids;
@@ -61,61 +62,66 @@ __device__ int2 id_range(DocumentIds const& doc, int b, long long begin, int siz
   return make_int2(lo, hi);
 }
 
-// grid (max(row blocks, column blocks), batch): block x's row range and column range.
+// grid (max(row blocks, column blocks), sequences up to kMaxGridY): block x's row range and column
+// range of every gridDim.y-th sequence.
 __global__ void __launch_bounds__(kThreads)
-    document_block_ranges_kernel(DocumentIds doc, BlockSparseParams bs, int seqlen_q, int seqlen_k,
+    document_block_ranges_kernel(DocumentIds doc, BlockSparseParams bs, int batch, int seqlen_q, int seqlen_k,
                                  int2* row_ranges, int2* col_ranges) {
-  int const b = int(blockIdx.y), x = int(blockIdx.x);
+  int const x = int(blockIdx.x);
   long long const q_end = min(seqlen_q, doc.length), k_end = min(seqlen_k, doc.length);
-  if (x < bs.num_row_blocks) {
-    int2 const r = id_range(doc, b, (long long)x * bs.block_m, bs.block_m, q_end);
-    if (threadIdx.x == 0) row_ranges[(long long)b * bs.num_row_blocks + x] = r;
-  }
-  if (x < bs.num_col_blocks) {
-    int2 const r = id_range(doc, b, (long long)x * bs.block_n, bs.block_n, k_end);
-    if (threadIdx.x == 0) col_ranges[(long long)b * bs.num_col_blocks + x] = r;
+  for (int b = int(blockIdx.y); b < batch; b += int(gridDim.y)) {
+    if (x < bs.num_row_blocks) {
+      int2 const r = id_range(doc, b, (long long)x * bs.block_m, bs.block_m, q_end);
+      if (threadIdx.x == 0) row_ranges[(long long)b * bs.num_row_blocks + x] = r;
+    }
+    if (x < bs.num_col_blocks) {
+      int2 const r = id_range(doc, b, (long long)x * bs.block_n, bs.block_n, k_end);
+      if (threadIdx.x == 0) col_ranges[(long long)b * bs.num_col_blocks + x] = r;
+    }
   }
 }
 
-// grid (row blocks, batch): the lists of one row block, compacted 128 columns at a time in
-// ascending order (ballots within a warp, warp totals through shared memory).
+// grid (row blocks, sequences up to kMaxGridY): the lists of one row block of every gridDim.y-th
+// sequence, compacted 128 columns at a time in ascending order (ballots within a warp, warp
+// totals through shared memory).
 __global__ void __launch_bounds__(kThreads)
-    document_block_lists_kernel(BlockSparseParams bs, int2 const* row_ranges, int2 const* col_ranges,
+    document_block_lists_kernel(BlockSparseParams bs, int batch, int2 const* row_ranges, int2 const* col_ranges,
                                 int* mask_cnt, int* mask_idx, int* full_cnt, int* full_idx) {
   __shared__ int warp_mask[kThreads / 32], warp_full[kThreads / 32];
-  int const b = int(blockIdx.y);
-  long long const list = (long long)b * bs.num_row_blocks + blockIdx.x;
-  int const cols = bs.num_col_blocks;
-  int2 const rows = row_ranges[list];
-  int2 const* col_range = col_ranges + (long long)b * cols;
-  int* const masks = mask_idx + list * cols;
-  int* const fulls = full_idx + list * cols;
-  int const lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
-  unsigned const lanes_below = (1u << lane) - 1u;
-  int masked = 0, full = 0;  // entries written so far (the same in every thread)
-  for (int first = 0; first < cols; first += kThreads) {
-    int const n = first + int(threadIdx.x);
-    int block_class = 0;
-    if (n < cols && rows.x <= rows.y) {
-      int2 const c = col_range[n];
-      if (c.x <= c.y && c.x <= rows.y && rows.x <= c.y)
-        block_class = (rows.x == rows.y && c.x == c.y && c.x == rows.x) ? 2 : 1;
+  for (int b = int(blockIdx.y); b < batch; b += int(gridDim.y)) {
+    long long const list = (long long)b * bs.num_row_blocks + blockIdx.x;
+    int const cols = bs.num_col_blocks;
+    int2 const rows = row_ranges[list];
+    int2 const* col_range = col_ranges + (long long)b * cols;
+    int* const masks = mask_idx + list * cols;
+    int* const fulls = full_idx + list * cols;
+    int const lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
+    unsigned const lanes_below = (1u << lane) - 1u;
+    int masked = 0, full = 0;  // entries written so far (the same in every thread)
+    for (int first = 0; first < cols; first += kThreads) {
+      int const n = first + int(threadIdx.x);
+      int block_class = 0;
+      if (n < cols && rows.x <= rows.y) {
+        int2 const c = col_range[n];
+        if (c.x <= c.y && c.x <= rows.y && rows.x <= c.y)
+          block_class = (rows.x == rows.y && c.x == c.y && c.x == rows.x) ? 2 : 1;
+      }
+      unsigned const mask_bits = __ballot_sync(0xffffffffu, block_class == 1);
+      unsigned const full_bits = __ballot_sync(0xffffffffu, block_class == 2);
+      if (lane == 0) warp_mask[warp] = __popc(mask_bits), warp_full[warp] = __popc(full_bits);
+      __syncthreads();
+      int mask_at = masked + __popc(mask_bits & lanes_below), full_at = full + __popc(full_bits & lanes_below);
+      for (int w = 0; w < kThreads / 32; ++w) {
+        if (w < warp) mask_at += warp_mask[w], full_at += warp_full[w];
+        masked += warp_mask[w];
+        full += warp_full[w];
+      }
+      if (block_class == 1) masks[mask_at] = n;
+      if (block_class == 2) fulls[full_at] = n;
+      __syncthreads();  // warp_mask / warp_full are rewritten by the next chunk
     }
-    unsigned const mask_bits = __ballot_sync(0xffffffffu, block_class == 1);
-    unsigned const full_bits = __ballot_sync(0xffffffffu, block_class == 2);
-    if (lane == 0) warp_mask[warp] = __popc(mask_bits), warp_full[warp] = __popc(full_bits);
-    __syncthreads();
-    int mask_at = masked + __popc(mask_bits & lanes_below), full_at = full + __popc(full_bits & lanes_below);
-    for (int w = 0; w < kThreads / 32; ++w) {
-      if (w < warp) mask_at += warp_mask[w], full_at += warp_full[w];
-      masked += warp_mask[w];
-      full += warp_full[w];
-    }
-    if (block_class == 1) masks[mask_at] = n;
-    if (block_class == 2) fulls[full_at] = n;
-    __syncthreads();  // warp_mask / warp_full are rewritten by the next chunk
+    if (threadIdx.x == 0) mask_cnt[list] = masked, full_cnt[list] = full;
   }
-  if (threadIdx.x == 0) mask_cnt[list] = masked, full_cnt[list] = full;
 }
 
 struct ListsLayout {
@@ -172,11 +178,12 @@ void build_document_block_lists(BlockSparseParams& bs, ModParams const& mask_mod
                         int(std::min<std::int64_t>(mask_mod.aux_cols[0], INT_MAX))};
   auto const cuda_stream = static_cast<cudaStream_t>(stream);
   int const range_blocks = std::max(bs.num_row_blocks, bs.num_col_blocks);
-  document_block_ranges_kernel<<<dim3(range_blocks, batch), kThreads, 0, cuda_stream>>>(
-      doc, bs, seqlen_q, seqlen_k, row_ranges, col_ranges);
+  int const grid_y = std::min(batch, kMaxGridY);
+  document_block_ranges_kernel<<<dim3(range_blocks, grid_y), kThreads, 0, cuda_stream>>>(
+      doc, bs, batch, seqlen_q, seqlen_k, row_ranges, col_ranges);
   check_launch("ranges");
-  document_block_lists_kernel<<<dim3(bs.num_row_blocks, batch), kThreads, 0, cuda_stream>>>(
-      bs, row_ranges, col_ranges, mask_cnt, mask_idx, full_cnt, full_idx);
+  document_block_lists_kernel<<<dim3(bs.num_row_blocks, grid_y), kThreads, 0, cuda_stream>>>(
+      bs, batch, row_ranges, col_ranges, mask_cnt, mask_idx, full_cnt, full_idx);
   check_launch("lists");
 }
 

@@ -1180,9 +1180,11 @@ struct MainloopBwdSm90 {
         // dS visible to every warpgroup before dQ = dS K.
         cutlass::arch::fence_view_async_shared();
         cutlass::arch::NamedBarrier::sync(NumMmaThreads, uint32_t(BwdBarrier::kPdS));
+        trace::mark_bwd(thread_idx, trace::kBwdPdS);
         wgmma_gemm_m_slice<true, -1, dQ_swapAB, 0, 2>(tiled_mma_dQ, tdQrdS_cur, tdQrK, tdQrdQ);
         // dV_1; waiting for all but it completes dV_0 and dQ_0.
         wgmma_gemm_m_slice<false, 1, dKV_swapAB, 1, 2>(tiled_mma_dV, tdVrP, tdVrdO_cur, tdVrdV);
+        trace::mark_bwd(thread_idx, trace::kBwdMma0);
         dq_atomics_wait();
         dq_out(Int<0>{});
         trace::mark_bwd(thread_idx, trace::kBwdDq0);
@@ -1197,6 +1199,7 @@ struct MainloopBwdSm90 {
         // half's stores as well lost 2-3%.
         wgmma_gemm_m_slice<true, -1, dQ_swapAB, 1, 2>(tiled_mma_dQ, tdQrdS_cur, tdQrK, tdQrdQ);
         wgmma_gemm_m_slice<false, 1, dKV_swapAB, 1, 2>(tiled_mma_dK, tdKrdS, tdKrQ_cur, tdKrdK);
+        trace::mark_bwd(thread_idx, trace::kBwdMma1);
         dq_out(Int<1>{});
         trace::mark_bwd(thread_idx, trace::kBwdDq1);
         dq_piece += kDqPieces;

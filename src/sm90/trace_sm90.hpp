@@ -46,6 +46,10 @@ enum Event : int {
   kBwdDq0 = 14,      // the first half of dQ handed out (the sliced hdim256 kernels; else all dQ)
   kBwdDq1 = 15,      // the second half of dQ handed out (sliced kernels)
   kBwdStepEnd = 16,  // every MMA of the step has completed; Q released
+  // Inside the sliced hdim256 kernels' dV / dK / dQ MMAs (between kBwdDs and kBwdDq1):
+  kBwdPdS = 17,   // both warpgroups' dS stored (the P / dS barrier passed); dV_0 issued before it
+  kBwdMma0 = 18,  // dV_0 and dQ_0 have completed (dV_1 issued): the first dQ half's stores follow
+  kBwdMma1 = 19,  // dK_0 and dQ_1 have completed (dK_1 issued): the second half's stores follow
 };
 
 constexpr int kMaxEvents = 1024;

@@ -58,10 +58,15 @@ def test_torch_forward_backward(rng, causal):
     torch = torch_cuda()
     q, k, v = (torch.from_numpy(x.astype(np.float32)).cuda().bfloat16().requires_grad_(True)
                for x in reference_inputs(rng, "bfloat16"))
+    check_torch_autograd(torch, q, k, v, ref.Options(causal=causal), causal=causal)
+
+
+def check_torch_autograd(torch, q, k, v, opts, **kwargs):
+    """cuflash.flash_attn_func(q, k, v, **kwargs) and its backward under autograd (bf16 CUDA
+    tensors that require grad) against the reference with `opts`."""
     with skip_if_not_built():
-        out, lse = cuflash.flash_attn_func(q, k, v, causal=causal)
+        out, lse = cuflash.flash_attn_func(q, k, v, **kwargs)
     assert out.is_cuda and out.dtype == torch.bfloat16 and lse.is_cuda
-    opts = ref.Options(causal=causal)
     args = [to_f64(t) for t in (q, k, v)]
     expected_out, expected_lse = ref.forward_dense(*args, opts)
     assert_close(to_f64(out), expected_out, "bfloat16", what="out")
@@ -89,20 +94,8 @@ def test_torch_document_mask(rng):
     q, k, v = (torch.from_numpy(rng.standard_normal((batch, seqlen, heads, dim)).astype(np.float32))
                .cuda().bfloat16().requires_grad_(True) for _ in range(3))
     doc = torch.from_numpy(ids).cuda()
-    with skip_if_not_built():
-        out, lse = cuflash.flash_attn_func(q, k, v, causal=True, mask_mod=cuflash.masks.document(doc))
     opts = ref.Options(causal=True, mask=lambda b, i, j: ids[b][i] == ids[b][j])
-    args = [to_f64(t) for t in (q, k, v)]
-    expected_out, expected_lse = ref.forward_dense(*args, opts)
-    assert_close(to_f64(out), expected_out, "bfloat16", what="out")
-    assert_lse_close(to_f64(lse), expected_lse)
-
-    dout = torch.randn_like(out)
-    with skip_if_not_built():
-        out.backward(dout)
-    expected = ref.backward_dense(to_f64(dout), *args, to_f64(out), opts)
-    for name, tensor, e in zip(("dq", "dk", "dv"), (q, k, v), expected[:3]):
-        assert_close(to_f64(tensor.grad), e, "bfloat16", scale=max(1.0, np.abs(e).max()), what=name)
+    check_torch_autograd(torch, q, k, v, opts, causal=True, mask_mod=cuflash.masks.document(doc))
 
 
 def test_torch_workspace_from_caching_allocator(rng, monkeypatch):
