@@ -50,11 +50,12 @@ void refuse_expression_mods(const AttentionOptions& opts, std::uintptr_t express
   if (opts.mask_mod.kind == MaskModKind::kExpression) refuse("mask_mod");
 }
 
-// Forward parameters with the device facts: SM count and split count.
-FwdParams device_fwd_params(const ForwardArgs& args, const detail::AttentionShape& shape) {
+// Forward parameters with the device facts: SM count and split count. `fold`: a causal /
+// sliding-window mask_mod folded into the window where it is one (detail::fold_window_mask_mod).
+FwdParams device_fwd_params(const ForwardArgs& args, const detail::AttentionShape& shape, bool fold) {
   refuse_expression_mods(args.opts, args.opts.expression_forward_kernel);
   FwdParams params = detail::make_fwd_params(args, shape);
-  detail::fold_window_mask_mod(params);
+  if (fold) detail::fold_window_mask_mod(params);
   params.num_sm = sm90::device_sm_count(shape.device.index);
   params.short_kernel = detail::fwd_short_kernel();
   params.zero_v_tail = detail::fwd_zero_v_tail(params);
@@ -88,10 +89,26 @@ FwdParams device_fwd_params(const ForwardArgs& args, const detail::AttentionShap
   return params;
 }
 
+// A mask_mod folded into a window runs on the plain kernels; a build without the plain kernel for
+// the call (CUFLASH_FEATURES, CUFLASH_KERNEL_REGEX) runs the flex kernel as before.
+bool folded_kernel_missing(const AttentionOptions& opts, const ModParams& mask_mod, bool built) {
+  return opts.mask_mod.kind != MaskModKind::kNone && mask_mod.kind == 0 && !built;
+}
+
+FwdParams device_fwd_params(const ForwardArgs& args, const detail::AttentionShape& shape) {
+  FwdParams params = device_fwd_params(args, shape, /*fold=*/true);
+  if (folded_kernel_missing(args.opts, params.mask_mod, sm90::forward_kernel_built(params)))
+    params = device_fwd_params(args, shape, /*fold=*/false);
+  return params;
+}
+
 BwdParams device_bwd_params(const BackwardArgs& args, const detail::AttentionShape& shape) {
   refuse_expression_mods(args.opts, args.opts.expression_backward_kernel);
   BwdParams params = detail::make_bwd_params(args, shape);
-  detail::fold_window_mask_mod(params);
+  BwdParams const unfolded = params;
+  if (detail::fold_window_mask_mod(params) &&
+      folded_kernel_missing(args.opts, params.mask_mod, sm90::backward_kernel_built(params)))
+    params = unfolded;
   params.num_sm = sm90::device_sm_count(shape.device.index);
   BwdLaunchChoice const launch = detail::bwd_launch_order();
   params.launch_order = static_cast<int>(launch.order);

@@ -19,6 +19,8 @@ bool forward_kernel_built(const FwdParams& params);
 void run_combine(const CombineParams& params, StreamHandle stream);
 void run_backward(BwdParams& params, StreamHandle stream);
 std::size_t backward_workspace_bytes(const BwdParams& params);
+// Whether the backward kernel that `params` would launch is in this build.
+bool backward_kernel_built(const BwdParams& params);
 // The backward with paged k/v (params.page_table): the pages gathered into dense rows, the
 // backward above on them, the gradients summed back into the pages (paged_bwd_sm90.cu).
 void run_paged_backward(BwdParams& params, StreamHandle stream);

@@ -271,6 +271,13 @@ void run_backward(BwdParams& params, StreamHandle stream) {
   entry->launch(params, static_cast<cudaStream_t>(stream));
 }
 
+bool backward_kernel_built(const BwdParams& params) {
+  std::string const name = kernel_name(params);
+  for (const BwdEntry* entry = kBwdEntries; entry->name != nullptr; ++entry)
+    if (name == entry->name) return true;
+  return false;
+}
+
 std::vector<std::string> built_backward_kernels() {
   std::vector<std::string> names;
   for (const BwdEntry* entry = kBwdEntries; entry->name != nullptr; ++entry) {
