@@ -112,6 +112,16 @@ void run_flash_fwd_sm90(FwdParams& params, cudaStream_t stream) {
       return;
     }
   }
+  // The flex kernel at head dim 64 (unsplit, unpaged, unpacked) also holds a 192-row tile on
+  // three MMA warpgroups, for calls without a caller's block lists (params.flex_wide_tile).
+  if constexpr (Variant::kIsFlex && kHeadDim <= 64 && kHeadDimV <= 64 && !kIsSplit && !kIsPaged && !kPackGqa) {
+    if (params.flex_wide_tile) {
+      launch_flash_fwd_sm90<FwdConfig<Element, kHeadDim, kHeadDimV, kHasSoftcap, kIsSplit, Variant, kIsPaged,
+                                      kPackGqa, /*kNarrow=*/false, /*kStreamKPieces=*/false, /*kSingleQ=*/false,
+                                      /*kWideFlex=*/true>>(params, stream);
+      return;
+    }
+  }
   // A kernel that issues the next tile's first Q K^T under the epilogue also holds one that does
   // not, for tiles of few n-blocks, where that lost (params.short_kernel, fwd_next_qk_pays).
   if constexpr (MainloopFwdSm90<Config>::kQStages > 1) {

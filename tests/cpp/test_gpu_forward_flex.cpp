@@ -399,6 +399,31 @@ std::vector<FlexCase> flex_cases() {
   c.window_left = 100, c.window_right = 20, c.score_mod = ScoreModKind::kRelativeBias;
   add(c);
   // mask_mods
+  // Head dims 64 and 256 (the hdim64 flex kernel has a 192-row twin: CUFLASH_FWD_SHORT_KERNEL=long).
+  c = {};
+  c.label = "prefix_lm_alibi", c.batch = 2, c.seqlen_q = 700, c.seqlen_k = 700, c.head_dim = 64,
+  c.score_mod = ScoreModKind::kAlibi, c.mask_mod = MaskModKind::kPrefixLM, c.mask_scalars = {150};
+  add(c);
+  c = {};
+  c.label = "document_long_causal", c.seqlen_q = 1000, c.seqlen_k = 1000, c.head_dim = 64,
+  c.causal = true, c.mask_mod = MaskModKind::kDocument, c.doc_length_max = 500;
+  add(c);
+  c = {};
+  c.label = "mask_causal_sk_gt_sq_relative_bias", c.seqlen_q = 450, c.seqlen_k = 800, c.head_dim = 64,
+  c.heads = 4, c.heads_kv = 2, c.score_mod = ScoreModKind::kRelativeBias, c.mask_mod = MaskModKind::kCausal;
+  add(c);
+  c = {};
+  c.label = "varlen_document_softcap", c.batch = 3, c.seqlen_q = 600, c.seqlen_k = 600, c.head_dim = 64,
+  c.varlen = true, c.softcap = 20.f, c.mask_mod = MaskModKind::kDocument, c.doc_length_max = 300;
+  add(c);
+  c = {};
+  c.label = "sparse_alibi", c.seqlen_q = 500, c.seqlen_k = 500, c.head_dim = 64,
+  c.score_mod = ScoreModKind::kAlibi, c.sparse_heads = 1;
+  add(c);
+  c = {};
+  c.label = "document_long_relative_bias", c.seqlen_q = 800, c.seqlen_k = 800, c.head_dim = 256,
+  c.score_mod = ScoreModKind::kRelativeBias, c.mask_mod = MaskModKind::kDocument, c.doc_length_max = 400;
+  add(c);
   // Equal dense lengths: causal and sliding-window mask_mods run as windows on the plain kernels
   // (fold_window_mask_mod), here with the call's own window on top; the other cases run the flex
   // kernels.
