@@ -70,6 +70,8 @@ struct Problem {
   std::vector<int> page_table;  // (B, max_pages)
   std::vector<float> q, k, v;   // values already rounded to the input dtype
   std::vector<float> slopes;    // ALiBi, (H,)
+  std::vector<int> doc_ids;     // document mask, (B, doc_len): documents of 1..300 positions in order
+  int doc_len = 0;
   float scale = 1.f;
 
   explicit Problem(const PagedCase& pc) : c(pc) {
@@ -126,14 +128,27 @@ struct Problem {
     // dtype-rounded naive scores with an error so large that the accuracy rule could not catch a
     // wrong kernel.
     for (int h = 0; h < c.heads; ++h) slopes.push_back(std::ldexp(1.f, -(h % 4) - 7));
+    if (c.mask_mod == MaskModKind::kDocument) {
+      doc_len = std::max(c.seqlen_q, capacity);
+      std::uniform_int_distribution<int> doc_length(1, 300);
+      for (int b = 0; b < c.batch; ++b) {
+        int doc = 0, left = doc_length(rng);
+        for (int i = 0; i < doc_len; ++i) {
+          if (left-- == 0) ++doc, left = doc_length(rng);
+          doc_ids.push_back(doc);
+        }
+      }
+    }
   }
 
   // The built-in mods at query i, key j of head h (positions in their sequence).
   float modded(float s, int h, int i, int j) const {
     return c.score_mod == ScoreModKind::kAlibi ? s + slopes[h] * float(j - i) : s;
   }
-  bool mask_mod_keeps(int i, int j) const {
+  bool mask_mod_keeps(int b, int i, int j) const {
     switch (c.mask_mod) {
+      case MaskModKind::kDocument:
+        return doc_ids[std::size_t(b) * doc_len + i] == doc_ids[std::size_t(b) * doc_len + j];
       case MaskModKind::kSlidingWindow:
         return i - j <= c.mask_scalars[0] && j - i <= c.mask_scalars[1];
       case MaskModKind::kPrefixLM:
@@ -191,7 +206,7 @@ Result naive_low_precision(const Problem& pb) {
           const int diag = i + sk - sq;
           if ((right >= 0 && j > diag + right) || (c.window_left >= 0 && j < diag - c.window_left))
             continue;
-          if (!pb.mask_mod_keeps(i, j)) continue;
+          if (!pb.mask_mod_keeps(b, i, j)) continue;
           const float* krow = &pb.k[(pb.key_row(b, j) * c.heads_kv + hk) * c.head_dim];
           float dot = 0.f;
           for (int d = 0; d < c.head_dim; ++d) dot += qs[d] * krow[d];
@@ -224,7 +239,7 @@ Result naive_low_precision(const Problem& pb) {
 // ForwardArgs for data at `device`: q/out/lse/k/v pointers, the int arrays page_table,
 // cu_seqlens_q, seqused_k, and the ALiBi slopes.
 struct ArgPointers {
-  void *q, *k, *v, *out, *lse, *page_table, *cu_seqlens_q, *seqused_k, *slopes;
+  void *q, *k, *v, *out, *lse, *page_table, *cu_seqlens_q, *seqused_k, *slopes, *doc_ids;
 };
 
 ForwardArgs make_args(const Problem& pb, DType dtype, Device device, const ArgPointers& ptr) {
@@ -252,6 +267,8 @@ ForwardArgs make_args(const Problem& pb, DType dtype, Device device, const ArgPo
     args.opts.score_mod.aux = {TensorView(ptr.slopes, DType::kFloat32, {H}, device)};
   args.opts.mask_mod.kind = c.mask_mod;
   args.opts.mask_mod.scalars = c.mask_scalars;
+  if (c.mask_mod == MaskModKind::kDocument)
+    args.opts.mask_mod.aux = {TensorView(ptr.doc_ids, DType::kInt32, {B, pb.doc_len}, device)};
   return args;
 }
 
@@ -261,9 +278,10 @@ Result run_reference(const Problem& pb) {
   std::vector<float> lse(pb.lse_size(), std::nanf(""));
   std::vector<int> page_table = pb.page_table, cu_q = pb.cu_seqlens_q(), used_k = pb.used_k;
   std::vector<float> slopes = pb.slopes;
+  std::vector<int> doc_ids = pb.doc_ids;
   forward(make_args(pb, DType::kFloat32, kCpu,
                     {q.data(), k.data(), v.data(), out.data(), lse.data(), page_table.data(),
-                     cu_q.data(), used_k.data(), slopes.data()}));
+                     cu_q.data(), used_k.data(), slopes.data(), doc_ids.data()}));
   return {std::vector<double>(out.begin(), out.end()), std::vector<double>(lse.begin(), lse.end())};
 }
 
@@ -278,9 +296,10 @@ Result run_gpu(const Problem& pb) {
   DeviceBuffer cu_q = DeviceBuffer::from(pb.cu_seqlens_q());
   DeviceBuffer used_k = DeviceBuffer::from(pb.used_k);
   DeviceBuffer slopes = DeviceBuffer::from(pb.slopes);
+  DeviceBuffer doc_ids = DeviceBuffer::from(pb.doc_ids);
   ForwardArgs args = make_args(pb, c.dtype, kCuda,
-                               {q.data(), k.data(), v.data(), out.data(), lse.data(),
-                                page_table.data(), cu_q.data(), used_k.data(), slopes.data()});
+                               {q.data(), k.data(), v.data(), out.data(), lse.data(), page_table.data(),
+                                cu_q.data(), used_k.data(), slopes.data(), doc_ids.data()});
   args.num_splits = c.num_splits;
   args.pack_gqa = c.pack_gqa;
   std::optional<gpu_testing::ScopedEnv> zero_v_tail;
@@ -441,6 +460,12 @@ std::vector<PagedCase> paged_cases() {
       c.label = "prefix_lm_softcap_seqused", c.batch = 3, c.seqlen_q = 200, c.heads = 2,
       c.heads_kv = 2, c.page_size = page_size, c.max_pages = pages_for(260), c.seqused = true,
       c.softcap = 20.f, c.mask_mod = MaskModKind::kPrefixLM, c.mask_scalars = {50};
+      c.head_dim = kernel.d, c.head_dim_v = kernel.dv, c.dtype = kernel.dtype;
+      add(c);
+      // Documents over the pages: the lists built from the ids count max_pages * page_size keys.
+      c = {};
+      c.label = "document_seqused_gqa", c.batch = 2, c.seqlen_q = 300, c.heads = 4, c.heads_kv = 2,
+      c.page_size = page_size, c.max_pages = pages_for(700), c.seqused = true, c.mask_mod = MaskModKind::kDocument;
       c.head_dim = kernel.d, c.head_dim_v = kernel.dv, c.dtype = kernel.dtype;
       add(c);
       c = {};
