@@ -92,15 +92,16 @@ FwdParams device_fwd_params(const ForwardArgs& args, const detail::AttentionShap
   return params;
 }
 
-// A mask_mod folded into a window runs on the plain kernels; a build without the plain kernel for
-// the call (CUFLASH_FEATURES, CUFLASH_KERNEL_REGEX) runs the flex kernel as before.
-bool folded_kernel_missing(const AttentionOptions& opts, const ModParams& mask_mod, bool built) {
-  return opts.mask_mod.kind != MaskModKind::kNone && mask_mod.kind == 0 && !built;
+// Whether the call's mask_mod was folded into a window (it then runs on the plain kernels; a
+// build without the plain kernel for the call, CUFLASH_FEATURES / CUFLASH_KERNEL_REGEX, runs the
+// flex kernel as before). The kernel tables are searched only for folded calls.
+bool mask_mod_folded(const AttentionOptions& opts, const ModParams& mask_mod) {
+  return opts.mask_mod.kind != MaskModKind::kNone && mask_mod.kind == 0;
 }
 
 FwdParams device_fwd_params(const ForwardArgs& args, const detail::AttentionShape& shape) {
   FwdParams params = device_fwd_params(args, shape, /*fold=*/true);
-  if (folded_kernel_missing(args.opts, params.mask_mod, sm90::forward_kernel_built(params)))
+  if (mask_mod_folded(args.opts, params.mask_mod) && !sm90::forward_kernel_built(params))
     params = device_fwd_params(args, shape, /*fold=*/false);
   return params;
 }
@@ -109,9 +110,7 @@ BwdParams device_bwd_params(const BackwardArgs& args, const detail::AttentionSha
   refuse_expression_mods(args.opts, args.opts.expression_backward_kernel);
   BwdParams params = detail::make_bwd_params(args, shape);
   BwdParams const unfolded = params;
-  if (detail::fold_window_mask_mod(params) &&
-      folded_kernel_missing(args.opts, params.mask_mod, sm90::backward_kernel_built(params)))
-    params = unfolded;
+  if (detail::fold_window_mask_mod(params) && !sm90::backward_kernel_built(params)) params = unfolded;
   params.num_sm = sm90::device_sm_count(shape.device.index);
   BwdLaunchChoice const launch = detail::bwd_launch_order();
   params.launch_order = static_cast<int>(launch.order);
