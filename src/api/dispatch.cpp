@@ -76,16 +76,13 @@ FwdParams device_fwd_params(const ForwardArgs& args, const detail::AttentionShap
   // for the call.
   if (params.pack_gqa && !params.pack_gqa_requested && !sm90::forward_kernel_built(params))
     params.pack_gqa = false;
-  params.flex_wide_tile = detail::fwd_flex_wide_tile(params, params.short_kernel);
   // Document masks: block lists built from the ids (detail::document_lists_apply) where the call
   // runs unsplit (the split count is chosen from the keys each row block visits, which the host
-  // cannot count through lists) and packed tiles, if any, can read them; in row blocks of the
-  // flex tile's rows.
+  // cannot count through lists) and packed tiles, if any, can read them.
   if (params.num_splits == 1 &&
       detail::document_lists_apply(args.opts, args.seq, shape, args.opts.expression_forward_kernel)) {
     FwdParams listed = params;
-    detail::plan_document_block_lists(listed.block_sparse, shape, /*backward=*/false,
-                                      params.flex_wide_tile ? detail::kFlexFwdWideTileRows : detail::kDocumentListBlock);
+    detail::plan_document_block_lists(listed.block_sparse, shape, /*backward=*/false);
     if (!listed.pack_gqa || detail::block_lists_refuse_packing(listed).empty()) params = listed;
   }
   params.stream_k_ctas = detail::fwd_stream_k_ctas(params);

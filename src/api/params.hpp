@@ -137,9 +137,6 @@ struct FwdParams {
   // the epilogue). kAuto: the launch picks by sm90::fwd_narrow_tile_pays / fwd_next_qk_pays.
   // From CUFLASH_FWD_SHORT_KERNEL.
   FwdShortKernel short_kernel = FwdShortKernel::kAuto;
-  // The flex kernel at head dim 64 runs its 192-row tile on three MMA warpgroups instead of the
-  // 128-row one (set by dispatch: detail::fwd_flex_wide_tile).
-  bool flex_wide_tile = false;
   // The sm90 forward zeroes the V rows past the sequence's keys in each tile's boundary block
   // before the P V GEMM: their P is 0, but memory past seqused_k (a cache's unused tail) may hold
   // NaN or Inf, and 0 * NaN is NaN. From CUFLASH_FWD_ZERO_V_TAIL (resolve_fwd_zero_v_tail: by
@@ -292,7 +289,7 @@ struct BwdLaunchChoice {
 
 // The layout version: bumped with every change to the members of FwdParams, BwdParams or
 // ModParams, since a member added into tail padding leaves the sizes below as they were.
-constexpr std::uint64_t kParamsLayoutVersion = 16;
+constexpr std::uint64_t kParamsLayoutVersion = 17;
 
 // Whether a call needs the flex kernels (variants::FlexVariant): a score_mod, a mask_mod or block
 // lists. FwdParams and BwdParams alike.

@@ -299,21 +299,14 @@ bool document_lists_apply(const AttentionOptions& opts, const SequenceLayout& se
          (!shape.varlen_q || seq.max_seqlen_q) && (!shape.varlen_k || seq.max_seqlen_k);
 }
 
-void plan_document_block_lists(BlockSparseParams& bs, const AttentionShape& shape, bool backward,
-                               int block_m) {
+void plan_document_block_lists(BlockSparseParams& bs, const AttentionShape& shape, bool backward) {
   bs = BlockSparseParams{};
   bs.enabled = true;
   bs.row_lists = backward;
   bs.num_heads_b = 1;
-  bs.block_m = block_m;
-  bs.block_n = kDocumentListBlock;
-  bs.num_row_blocks = static_cast<int>((shape.seqlen_q + block_m - 1) / block_m);
+  bs.block_m = bs.block_n = kDocumentListBlock;
+  bs.num_row_blocks = static_cast<int>((shape.seqlen_q + kDocumentListBlock - 1) / kDocumentListBlock);
   bs.num_col_blocks = static_cast<int>((shape.seqlen_k + kDocumentListBlock - 1) / kDocumentListBlock);
-}
-
-bool fwd_flex_wide_tile(const FwdParams& p, FwdShortKernel choice) {
-  return needs_flex(p) && p.head_dim <= 64 && p.head_dim_v <= 64 && p.num_splits <= 1 && p.page_table == nullptr &&
-         !p.pack_gqa && !p.block_sparse.enabled && p.expression_kernel == 0 && choice == FwdShortKernel::kLong;
 }
 
 std::string block_lists_refuse_packing(const FwdParams& params) {

@@ -35,10 +35,8 @@ CombineParams make_combine_params(const CombineArgs& args, const CombineShape& s
 // asked), nor for block lists that packed tiles cannot read (block_lists_refuse_packing).
 bool choose_pack_gqa(const FwdParams& params);
 
-// Rows of the sm90 flex forward tile (sm90/tile_size_sm90.hpp; dispatch asserts it), and of the
-// hdim64 flex kernel's wide tile (FwdParams::flex_wide_tile).
+// Rows of the sm90 flex forward tile (sm90/tile_size_sm90.hpp; dispatch asserts it).
 inline constexpr int kFlexFwdTileRows = 128;
-inline constexpr int kFlexFwdWideTileRows = 192;
 
 // Why block lists cannot drive packed GQA tiles, or "" when they can. A packed flex tile holds
 // kFlexFwdTileRows / group query rows of every head of its group: the lists must be the same
@@ -66,16 +64,7 @@ bool document_lists_apply(const AttentionOptions& opts, const SequenceLayout& se
                           const AttentionShape& shape, std::uintptr_t expression_kernel);
 // The lists' shape in `bs` (enabled, block sizes, counts, broadcast over heads; forward row-block
 // lists, which the backward tabulates as it does a caller's); the pointers come with the build.
-// `block_m`: the forward's list row block, a multiple of its flex tile's rows.
-void plan_document_block_lists(BlockSparseParams& bs, const AttentionShape& shape, bool backward,
-                               int block_m = kDocumentListBlock);
-
-// Whether the flex forward runs its 192-row tile (three MMA warpgroups) at head dim 64
-// (FwdParams::flex_wide_tile): a flex call of head dims up to 64, unsplit, unpaged, unpacked,
-// without a caller's block lists or a kernel compiled at run time, under `choice`
-// (CUFLASH_FWD_SHORT_KERNEL): `long` takes it; `auto` and `short` keep the 128-row tile until
-// the two are measured against each other.
-bool fwd_flex_wide_tile(const FwdParams& params, FwdShortKernel choice);
+void plan_document_block_lists(BlockSparseParams& bs, const AttentionShape& shape, bool backward);
 
 // num_splits <= 0 picks the split-KV heuristic of the seed (one split for short keys, else as
 // many as fill the SMs, at most 128); the result is in [1, kMaxSplits].

@@ -86,12 +86,9 @@ void check_flex(const FwdParams& p) {
   // A kernel tile must lie inside one BlockMask row block, and a BlockMask column block must
   // be a whole number of kernel n-blocks. (Packed tiles hold fewer query rows; checked above.)
   auto const [hdim, hdim_v] = kernel_head_dims(p);
-  FwdTileSize const tile = fwd_tile_size(hdim, hdim_v, /*flex=*/true, /*softcap=*/false, /*narrow=*/false,
-                                         p.flex_wide_tile);
+  FwdTileSize const tile = fwd_tile_size(hdim, hdim_v, /*flex=*/true);
   static_assert(fwd_tile_size(128, 128, /*flex=*/true).block_m == detail::kFlexFwdTileRows &&
-                fwd_tile_size(256, 256, /*flex=*/true).block_m == detail::kFlexFwdTileRows &&
-                fwd_tile_size(64, 64, true, false, false, /*wide_flex=*/true).block_m ==
-                    detail::kFlexFwdWideTileRows);
+                fwd_tile_size(256, 256, /*flex=*/true).block_m == detail::kFlexFwdTileRows);
   if ((!p.pack_gqa && p.block_sparse.block_m % tile.block_m != 0) ||
       p.block_sparse.block_n % tile.block_n != 0) {
     not_supported("block_sparse", "the sm90 forward kernel for head dim " + std::to_string(hdim) +

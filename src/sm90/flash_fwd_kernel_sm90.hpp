@@ -40,11 +40,9 @@ namespace cuflash::sm90 {
 // kSingleQ_: one Q buffer, without the next tile's first Q K^T under the epilogue, in a kernel
 // that would have it (mainloop_fwd_sm90.hpp, kQStages): the hdim128 kernels' tiles of few
 // n-blocks (fwd_next_qk_pays).
-// kWideFlex_: the hdim64 flex kernel's 192-row tile (fwd_tile_size, FwdParams::flex_wide_tile).
 template <class Element_, int kHeadDim_, int kHeadDimV_, bool kHasSoftcap_, bool kIsSplit_,
           class Variant_ = variants::NoVariant, bool kIsPaged_ = false, bool kPackGqa_ = false,
-          bool kNarrow_ = false, bool kStreamKPieces_ = false, bool kSingleQ_ = false,
-          bool kWideFlex_ = false>
+          bool kNarrow_ = false, bool kStreamKPieces_ = false, bool kSingleQ_ = false>
 struct FwdConfig {
   using Element = Element_;
   using Variant = Variant_;
@@ -59,7 +57,7 @@ struct FwdConfig {
   static constexpr bool kStreamKPieces = kStreamKPieces_;
   static constexpr bool kSingleQ = kSingleQ_;
   static constexpr FwdTileSize kTile =
-      fwd_tile_size(kHeadDim, kHeadDimV, Variant::kIsFlex, kHasSoftcap, kNarrow_, kWideFlex_);
+      fwd_tile_size(kHeadDim, kHeadDimV, Variant::kIsFlex, kHasSoftcap, kNarrow_);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kStages = kTile.stages;

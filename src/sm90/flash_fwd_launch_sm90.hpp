@@ -5,7 +5,6 @@
 #include <cuda_runtime.h>
 
 #include <string>
-#include <type_traits>
 
 #include "api/params.hpp"
 #include "cuflash/error.hpp"
@@ -110,18 +109,6 @@ void run_flash_fwd_sm90(FwdParams& params, cudaStream_t stream) {
                               params.window_left, params.window_right)) {
       launch_flash_fwd_sm90<FwdConfig<Element, kHeadDim, kHeadDimV, kHasSoftcap, kIsSplit, Variant, kIsPaged,
                                       kPackGqa, /*kNarrow=*/true>>(params, stream);
-      return;
-    }
-  }
-  // The built-in flex kernel at head dim 64 (unsplit, unpaged, unpacked) also holds a 192-row tile
-  // on three MMA warpgroups, for calls without a caller's block lists (params.flex_wide_tile; never
-  // set for kernels compiled at run time, which therefore leave it out).
-  if constexpr (std::is_same_v<Variant, variants::FlexVariant> && kHeadDim <= 64 && kHeadDimV <= 64 && !kIsSplit &&
-                !kIsPaged && !kPackGqa) {
-    if (params.flex_wide_tile) {
-      launch_flash_fwd_sm90<FwdConfig<Element, kHeadDim, kHeadDimV, kHasSoftcap, kIsSplit, Variant, kIsPaged,
-                                      kPackGqa, /*kNarrow=*/false, /*kStreamKPieces=*/false, /*kSingleQ=*/false,
-                                      /*kWideFlex=*/true>>(params, stream);
       return;
     }
   }

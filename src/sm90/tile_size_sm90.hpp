@@ -33,16 +33,14 @@ constexpr FwdTileSize fwd_tile_size(int head_dim, int head_dim_v) {
 // fit the 160 registers of three (ptxas spills 24 bytes).
 // `narrow`: the plain hdim64 kernel's second tile, 128 x 128 on two MMA warpgroups, for short
 // sequences, where 192-row tiles pad the last block and (causal) compute more of the diagonal.
-// `wide_flex`: the hdim64 flex kernel's second tile, 192 rows on three MMA warpgroups as the
-// plain kernel's, for calls without a caller's BlockMask (FwdParams::flex_wide_tile).
 constexpr FwdTileSize fwd_tile_size(int head_dim, int head_dim_v, bool flex, bool softcap = false,
-                                    bool narrow = false, bool wide_flex = false) {
+                                    bool narrow = false) {
   FwdTileSize tile = fwd_tile_size(head_dim, head_dim_v);
   if (narrow && head_dim <= 64) tile = {128, 128, 2};
   if (softcap && head_dim <= 64) tile = {128, 192, 2};
   if (flex) {
-    // 128 rows: a BlockMask row block (128 by default) must hold whole kernel tiles.
-    tile.block_m = wide_flex && head_dim <= 64 ? 192 : 128;
+    // 128 rows too: a BlockMask row block must hold whole kernel tiles.
+    tile.block_m = 128;
     tile.block_n = tile.block_n >= 128 ? 128 : 64;
   }
   return tile;

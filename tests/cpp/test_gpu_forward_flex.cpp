@@ -399,7 +399,7 @@ std::vector<FlexCase> flex_cases() {
   c.window_left = 100, c.window_right = 20, c.score_mod = ScoreModKind::kRelativeBias;
   add(c);
   // mask_mods
-  // Head dims 64 and 256 (the hdim64 flex kernel has a 192-row twin: CUFLASH_FWD_SHORT_KERNEL=long).
+  // Head dims 64 and 256.
   c = {};
   c.label = "prefix_lm_alibi", c.batch = 2, c.seqlen_q = 700, c.seqlen_k = 700, c.head_dim = 64,
   c.score_mod = ScoreModKind::kAlibi, c.mask_mod = MaskModKind::kPrefixLM, c.mask_scalars = {150};

@@ -434,45 +434,6 @@ TEST(ParamsForward, WindowMaskModFoldsIntoTheWindow) {
   EXPECT_FALSE(needs_flex(b));
 }
 
-TEST(ParamsForward, FlexWideTileChoice) {
-  // The hdim64 flex kernel's 192-row tile: only under CUFLASH_FWD_SHORT_KERNEL=long (until
-  // measured), only for flex calls at head dims up to 64 that are unsplit, unpaged, unpacked and
-  // without a caller's block lists.
-  ForwardArgs args;
-  args.q = tensor(DType::kBFloat16, {2, 1000, 4, 64});
-  args.k = tensor(DType::kBFloat16, {2, 1200, 4, 64});
-  args.v = tensor(DType::kBFloat16, {2, 1200, 4, 64});
-  args.out = tensor(DType::kBFloat16, {2, 1000, 4, 64});
-  args.opts.score_mod.kind = ScoreModKind::kAlibi;
-  args.opts.score_mod.aux = {tensor(DType::kFloat32, {4})};
-  FwdParams p = make_fwd_params(args, check_forward(args));
-  EXPECT_TRUE(fwd_flex_wide_tile(p, FwdShortKernel::kLong));
-  EXPECT_FALSE(fwd_flex_wide_tile(p, FwdShortKernel::kAuto));
-  EXPECT_FALSE(fwd_flex_wide_tile(p, FwdShortKernel::kShort));
-  FwdParams other = p;
-  other.num_splits = 2;
-  EXPECT_FALSE(fwd_flex_wide_tile(other, FwdShortKernel::kLong));
-  other = p;
-  other.pack_gqa = true;
-  EXPECT_FALSE(fwd_flex_wide_tile(other, FwdShortKernel::kLong));
-  other = p;
-  other.block_sparse.enabled = true;
-  EXPECT_FALSE(fwd_flex_wide_tile(other, FwdShortKernel::kLong));
-  other = p;
-  other.head_dim = other.head_dim_v = 96;
-  EXPECT_FALSE(fwd_flex_wide_tile(other, FwdShortKernel::kLong));
-  other = p;
-  other.score_mod = ModParams{};  // no flex: the plain kernel's own tiles
-  EXPECT_FALSE(fwd_flex_wide_tile(other, FwdShortKernel::kLong));
-  // The forward's document lists in row blocks of the wide tile.
-  BlockSparseParams bs;
-  plan_document_block_lists(bs, check_forward(args), /*backward=*/false, kFlexFwdWideTileRows);
-  EXPECT_EQ(bs.block_m, 192);
-  EXPECT_EQ(bs.block_n, 128);
-  EXPECT_EQ(bs.num_row_blocks, 6);  // ceil(1000 / 192)
-  EXPECT_EQ(bs.num_col_blocks, 10);  // ceil(1200 / 128)
-}
-
 TEST(ParamsForward, EmptyAuxTensorOfAnEmptyProblem) {
   // No query or key rows: document ids of length 0 are valid and have 2 rows of 0 columns.
   ForwardArgs args;
