@@ -975,10 +975,23 @@ struct MainloopBwdSm90 {
           for (int mi = 0; mi < kRows; ++mi) {
             int const row = tile_row + row_base + row_offset(mi);
             if (row >= seq.seqlen_q) { continue; }
-            CUTLASS_PRAGMA_UNROLL
-            for (int ni = 0; ni < kCols; ++ni) {
-              int const col = tile_col + col_base + col_offset(ni);
-              if (col < seq.seqlen_k && !mod.visible(batch, head, row, col)) { scores(mi, ni) = -INFINITY; }
+            if constexpr (variants::HasRowInterval<std::decay_t<decltype(mod)>>::value) {
+              // The row's keys as one interval (as the forward's FlexTileMods::mask); columns past
+              // seqlen_k are hidden by the length mask either way.
+              int col_begin = tile_col, col_end = tile_col + kBlockN;
+              mod.row_interval(row, col_begin, col_end);
+              col_begin -= tile_col + col_base;
+              col_end -= tile_col + col_base;
+              CUTLASS_PRAGMA_UNROLL
+              for (int ni = 0; ni < kCols; ++ni) {
+                if (col_offset(ni) < col_begin || col_offset(ni) >= col_end) { scores(mi, ni) = -INFINITY; }
+              }
+            } else {
+              CUTLASS_PRAGMA_UNROLL
+              for (int ni = 0; ni < kCols; ++ni) {
+                int const col = tile_col + col_base + col_offset(ni);
+                if (col < seq.seqlen_k && !mod.visible(batch, head, row, col)) { scores(mi, ni) = -INFINITY; }
+              }
             }
           }
         }

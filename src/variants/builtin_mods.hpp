@@ -6,12 +6,18 @@
 // backward, `grad(s, b, h, q_idx, kv_idx)`. Mask mods also have block-level hooks over a
 // rectangle of positions: `col_range` narrows the keys any of the rows can see (forward),
 // `row_range` the queries that can see any of the columns (backward), `all_visible` tells when
-// no element of the rectangle is hidden (so the per-element check can be skipped).
+// no element of the rectangle is hidden (so the per-element check can be skipped). Masks whose
+// rows each see one interval of keys also have `row_interval(q_idx, col_begin, col_end)`, which
+// narrows [col_begin, col_end) to the keys row q_idx sees, so that a tile is masked with two
+// compares per element, as the plain kernels' causal and window masks (HasRowInterval).
 // ScoreModSwitch / MaskModSwitch hold one built-in chosen at run time; `visit` calls a generic
 // callable with the concrete functor, so the kind is tested once per tile, not per element.
 #pragma once
 
 #include <cutlass/cutlass.h>
+
+#include <type_traits>
+#include <utility>
 
 #include "api/params.hpp"
 #include "cuflash/options.hpp"
@@ -62,6 +68,9 @@ struct CausalMaskMod {
                                 int& col_end) const {
     col_end = min(col_end, row_max + 1);
   }
+  CUTLASS_DEVICE void row_interval(int q_idx, int& /*col_begin*/, int& col_end) const {
+    col_end = min(col_end, q_idx + 1);
+  }
   CUTLASS_DEVICE void row_range(int col_min, int /*col_max*/, int& row_begin,
                                 int& /*row_end*/) const {
     row_begin = max(row_begin, col_min);
@@ -82,6 +91,10 @@ struct SlidingWindowMaskMod {
     if (left >= 0) col_begin = max(col_begin, row_min - left);
     if (right >= 0) col_end = min(col_end, row_max + right + 1);
   }
+  CUTLASS_DEVICE void row_interval(int q_idx, int& col_begin, int& col_end) const {
+    if (left >= 0) col_begin = max(col_begin, q_idx - left);
+    if (right >= 0 && right < col_end - q_idx) col_end = q_idx + right + 1;  // no overflow for large right
+  }
   CUTLASS_DEVICE void row_range(int col_min, int col_max, int& row_begin, int& row_end) const {
     if (right >= 0) row_begin = max(row_begin, col_min - right);
     if (left >= 0) row_end = min(row_end, col_max + left + 1);
@@ -100,6 +113,9 @@ struct PrefixLMMaskMod {
   CUTLASS_DEVICE void col_range(int /*row_min*/, int row_max, int& /*col_begin*/,
                                 int& col_end) const {
     col_end = min(col_end, max(row_max + 1, prefix));
+  }
+  CUTLASS_DEVICE void row_interval(int q_idx, int& /*col_begin*/, int& col_end) const {
+    col_end = min(col_end, max(q_idx + 1, prefix));
   }
   CUTLASS_DEVICE void row_range(int col_min, int /*col_max*/, int& row_begin,
                                 int& /*row_end*/) const {
@@ -159,6 +175,14 @@ struct ScoreModSwitch {
     }
   }
 };
+
+// Whether a mask_mod has the row_interval hook (the built-ins above but DocumentMaskMod; not the
+// functors generated from Python callables).
+template <class Mod, class = void>
+struct HasRowInterval : std::false_type {};
+template <class Mod>
+struct HasRowInterval<Mod, std::void_t<decltype(std::declval<Mod const&>().row_interval(
+                               0, std::declval<int&>(), std::declval<int&>()))>> : std::true_type {};
 
 // One built-in mask_mod, chosen at run time (MaskModKind value).
 struct MaskModSwitch {

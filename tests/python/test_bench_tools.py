@@ -1,6 +1,6 @@
 """The benchmark helpers that run without a GPU: bench/ncu_stall_top.py on a small source page,
 bench/det_order_model.py on small launches, bench/trace_fwd.py and bench/trace_bwd.py on made-up
-timelines."""
+timelines, bench/probe_flex_lists.py's list merging."""
 
 import importlib.util
 import pathlib
@@ -147,3 +147,17 @@ def test_trace_bwd_without_trace_lines(capsys):
     trace = load("trace_bwd")
     assert trace.analyse(["fwdtrace 0 0 0 0 0 0 0", "bwdtrace-call-end"], None) == 1
     assert "CUFLASH_BWD_TRACE" in capsys.readouterr().out
+
+
+def test_probe_flex_lists_merges_both_lists():
+    import numpy as np
+
+    probe = load("probe_flex_lists")
+    full_cnt = np.array([[[2, 0]]], np.int32)
+    full_idx = np.array([[[[3, 1, 0, 0], [0, 0, 0, 0]]]], np.int32)
+    mask_cnt = np.array([[[1, 2]]], np.int32)
+    mask_idx = np.array([[[[2, 0, 0, 0], [3, 0, 0, 0]]]], np.int32)
+    counts, indices = probe.merged(full_cnt, full_idx, mask_cnt, mask_idx)
+    assert counts.tolist() == [[[3, 2]]]
+    # Ascending, the unused tail left at 0.
+    assert indices.tolist() == [[[[1, 2, 3, 0], [0, 3, 0, 0]]]]
