@@ -10,8 +10,10 @@
 // rows each see one interval of keys also have `row_interval(q_idx, col_begin, col_end)`, which
 // narrows [col_begin, col_end) to the keys row q_idx sees, so that a tile is masked with two
 // compares per element, as the plain kernels' causal and window masks (HasRowInterval).
-// ScoreModSwitch / MaskModSwitch hold one built-in chosen at run time; `visit` calls a generic
-// callable with the concrete functor, so the kind is tested once per tile, not per element.
+// The mask mods' hooks are host-callable too, so that their agreement is checked on the CPU
+// (tests/cpp/cuda/test_mask_mod_hooks.cu). ScoreModSwitch / MaskModSwitch hold one built-in
+// chosen at run time; `visit` calls a generic callable with the concrete functor, so the kind is
+// tested once per tile, not per element.
 #pragma once
 
 #include <cutlass/cutlass.h>
@@ -61,21 +63,21 @@ struct NoMaskMod {};
 
 // kv_idx <= q_idx.
 struct CausalMaskMod {
-  CUTLASS_DEVICE bool visible(int /*b*/, int /*h*/, int q_idx, int kv_idx) const {
+  CUTLASS_HOST_DEVICE bool visible(int /*b*/, int /*h*/, int q_idx, int kv_idx) const {
     return kv_idx <= q_idx;
   }
-  CUTLASS_DEVICE void col_range(int /*row_min*/, int row_max, int& /*col_begin*/,
+  CUTLASS_HOST_DEVICE void col_range(int /*row_min*/, int row_max, int& /*col_begin*/,
                                 int& col_end) const {
     col_end = min(col_end, row_max + 1);
   }
-  CUTLASS_DEVICE void row_interval(int q_idx, int& /*col_begin*/, int& col_end) const {
+  CUTLASS_HOST_DEVICE void row_interval(int q_idx, int& /*col_begin*/, int& col_end) const {
     col_end = min(col_end, q_idx + 1);
   }
-  CUTLASS_DEVICE void row_range(int col_min, int /*col_max*/, int& row_begin,
+  CUTLASS_HOST_DEVICE void row_range(int col_min, int /*col_max*/, int& row_begin,
                                 int& /*row_end*/) const {
     row_begin = max(row_begin, col_min);
   }
-  CUTLASS_DEVICE bool all_visible(int row_min, int /*row_max*/, int /*col_first*/,
+  CUTLASS_HOST_DEVICE bool all_visible(int row_min, int /*row_max*/, int /*col_first*/,
                                   int col_last) const {
     return col_last <= row_min;
   }
@@ -84,22 +86,22 @@ struct CausalMaskMod {
 // q_idx - kv_idx <= left and kv_idx - q_idx <= right; a negative side is unbounded.
 struct SlidingWindowMaskMod {
   int left, right;
-  CUTLASS_DEVICE bool visible(int /*b*/, int /*h*/, int q_idx, int kv_idx) const {
+  CUTLASS_HOST_DEVICE bool visible(int /*b*/, int /*h*/, int q_idx, int kv_idx) const {
     return (left < 0 || q_idx - kv_idx <= left) && (right < 0 || kv_idx - q_idx <= right);
   }
-  CUTLASS_DEVICE void col_range(int row_min, int row_max, int& col_begin, int& col_end) const {
+  CUTLASS_HOST_DEVICE void col_range(int row_min, int row_max, int& col_begin, int& col_end) const {
     if (left >= 0) col_begin = max(col_begin, row_min - left);
     if (right >= 0) col_end = min(col_end, row_max + right + 1);
   }
-  CUTLASS_DEVICE void row_interval(int q_idx, int& col_begin, int& col_end) const {
+  CUTLASS_HOST_DEVICE void row_interval(int q_idx, int& col_begin, int& col_end) const {
     if (left >= 0) col_begin = max(col_begin, q_idx - left);
     if (right >= 0 && right < col_end - q_idx) col_end = q_idx + right + 1;  // no overflow for large right
   }
-  CUTLASS_DEVICE void row_range(int col_min, int col_max, int& row_begin, int& row_end) const {
+  CUTLASS_HOST_DEVICE void row_range(int col_min, int col_max, int& row_begin, int& row_end) const {
     if (right >= 0) row_begin = max(row_begin, col_min - right);
     if (left >= 0) row_end = min(row_end, col_max + left + 1);
   }
-  CUTLASS_DEVICE bool all_visible(int row_min, int row_max, int col_first, int col_last) const {
+  CUTLASS_HOST_DEVICE bool all_visible(int row_min, int row_max, int col_first, int col_last) const {
     return (left < 0 || row_max - col_first <= left) && (right < 0 || col_last - row_min <= right);
   }
 };
@@ -107,21 +109,21 @@ struct SlidingWindowMaskMod {
 // kv_idx <= q_idx or kv_idx < prefix.
 struct PrefixLMMaskMod {
   int prefix;
-  CUTLASS_DEVICE bool visible(int /*b*/, int /*h*/, int q_idx, int kv_idx) const {
+  CUTLASS_HOST_DEVICE bool visible(int /*b*/, int /*h*/, int q_idx, int kv_idx) const {
     return kv_idx <= q_idx || kv_idx < prefix;
   }
-  CUTLASS_DEVICE void col_range(int /*row_min*/, int row_max, int& /*col_begin*/,
+  CUTLASS_HOST_DEVICE void col_range(int /*row_min*/, int row_max, int& /*col_begin*/,
                                 int& col_end) const {
     col_end = min(col_end, max(row_max + 1, prefix));
   }
-  CUTLASS_DEVICE void row_interval(int q_idx, int& /*col_begin*/, int& col_end) const {
+  CUTLASS_HOST_DEVICE void row_interval(int q_idx, int& /*col_begin*/, int& col_end) const {
     col_end = min(col_end, max(q_idx + 1, prefix));
   }
-  CUTLASS_DEVICE void row_range(int col_min, int /*col_max*/, int& row_begin,
+  CUTLASS_HOST_DEVICE void row_range(int col_min, int /*col_max*/, int& row_begin,
                                 int& /*row_end*/) const {
     if (col_min >= prefix) row_begin = max(row_begin, col_min);
   }
-  CUTLASS_DEVICE bool all_visible(int row_min, int /*row_max*/, int /*col_first*/,
+  CUTLASS_HOST_DEVICE bool all_visible(int row_min, int /*row_max*/, int /*col_first*/,
                                   int col_last) const {
     return col_last <= row_min || col_last < prefix;
   }
@@ -131,13 +133,13 @@ struct PrefixLMMaskMod {
 struct DocumentMaskMod {
   int const* ids;
   long long stride;
-  CUTLASS_DEVICE bool visible(int b, int /*h*/, int q_idx, int kv_idx) const {
+  CUTLASS_HOST_DEVICE bool visible(int b, int /*h*/, int q_idx, int kv_idx) const {
     int const* row = ids + b * stride;
     return row[q_idx] == row[kv_idx];
   }
-  CUTLASS_DEVICE void col_range(int, int, int&, int&) const {}
-  CUTLASS_DEVICE void row_range(int, int, int&, int&) const {}
-  CUTLASS_DEVICE bool all_visible(int, int, int, int) const { return false; }
+  CUTLASS_HOST_DEVICE void col_range(int, int, int&, int&) const {}
+  CUTLASS_HOST_DEVICE void row_range(int, int, int&, int&) const {}
+  CUTLASS_HOST_DEVICE bool all_visible(int, int, int, int) const { return false; }
 };
 
 // One built-in score_mod, chosen at run time (ScoreModKind value).
@@ -161,7 +163,7 @@ struct ScoreModSwitch {
   }
 
   template <class Fn>
-  CUTLASS_DEVICE void visit(Fn&& fn) const {
+  CUTLASS_HOST_DEVICE void visit(Fn&& fn) const {
     switch (kind) {
       case int(ScoreModKind::kAlibi):
         fn(AlibiScoreMod{table});
