@@ -40,6 +40,13 @@ constexpr BwdEntry kBwdEntries[] = {
     {nullptr, nullptr}};
 #undef CUFLASH_BUILT_BWD
 
+// The table's entry of the kernel `name`, or the terminator (name nullptr) if not built.
+const BwdEntry* find_entry(const std::string& name) {
+  const BwdEntry* entry = kBwdEntries;
+  while (entry->name != nullptr && name != entry->name) ++entry;
+  return entry;
+}
+
 [[noreturn]] void not_supported(const char* argument, const std::string& message) {
   throw Error(Error::Kind::kNotSupported, argument, message);
 }
@@ -215,9 +222,7 @@ std::size_t backward_workspace_bytes(const BwdParams& params) {
 
 void run_backward(BwdParams& params, StreamHandle stream) {
   check_supported(params);
-  std::string const name = kernel_name(params);
-  const BwdEntry* entry = kBwdEntries;
-  while (entry->name != nullptr && name != entry->name) ++entry;
+  const BwdEntry* const entry = find_entry(kernel_name(params));
   // A kernel module compiled at run time for expression mods (python/cuflash/_jit.py) stands in
   // for the built-in flex kernel.
   bool const expression = params.expression_kernel != 0;
@@ -271,12 +276,7 @@ void run_backward(BwdParams& params, StreamHandle stream) {
   entry->launch(params, static_cast<cudaStream_t>(stream));
 }
 
-bool backward_kernel_built(const BwdParams& params) {
-  std::string const name = kernel_name(params);
-  for (const BwdEntry* entry = kBwdEntries; entry->name != nullptr; ++entry)
-    if (name == entry->name) return true;
-  return false;
-}
+bool backward_kernel_built(const BwdParams& params) { return find_entry(kernel_name(params))->name != nullptr; }
 
 std::vector<std::string> built_backward_kernels() {
   std::vector<std::string> names;

@@ -41,6 +41,13 @@ constexpr FwdEntry kFwdEntries[] = {
     {nullptr, nullptr}};
 #undef CUFLASH_BUILT_FWD
 
+// The table's entry of the kernel `name`, or the terminator (name nullptr) if not built.
+const FwdEntry* find_entry(const std::string& name) {
+  const FwdEntry* entry = kFwdEntries;
+  while (entry->name != nullptr && name != entry->name) ++entry;
+  return entry;
+}
+
 [[noreturn]] void not_supported(const char* argument, const std::string& message) {
   throw Error(Error::Kind::kNotSupported, argument, message);
 }
@@ -165,11 +172,9 @@ void run_forward(FwdParams& params, StreamHandle stream) {
     return;
   }
   std::string const name = fwd_kernel_name(params);
-  for (const FwdEntry* entry = kFwdEntries; entry->name != nullptr; ++entry) {
-    if (name == entry->name) {
-      entry->launch(params, static_cast<cudaStream_t>(stream));
-      return;
-    }
+  if (const FwdEntry* const entry = find_entry(name); entry->name != nullptr) {
+    entry->launch(params, static_cast<cudaStream_t>(stream));
+    return;
   }
   throw Error(Error::Kind::kNotBuilt, "q",
               "the sm90 forward kernel '" + describe(name) +
@@ -178,12 +183,7 @@ void run_forward(FwdParams& params, StreamHandle stream) {
                   "CUFLASH_DTYPES naming it, and CUFLASH_FEATURES holding its features");
 }
 
-bool forward_kernel_built(const FwdParams& params) {
-  std::string const name = fwd_kernel_name(params);
-  for (const FwdEntry* entry = kFwdEntries; entry->name != nullptr; ++entry)
-    if (name == entry->name) return true;
-  return false;
-}
+bool forward_kernel_built(const FwdParams& params) { return find_entry(fwd_kernel_name(params))->name != nullptr; }
 
 std::vector<std::string> built_kernels() {
   std::vector<std::string> names;
