@@ -423,6 +423,18 @@ std::vector<BwdCase> backward_cases() {
       c.label = "deterministic_causal_tall", c.batch = 2, c.seqlen_q = 900, c.seqlen_k = 300, c.heads = 3,
       c.heads_kv = 3, c.causal = true, c.seqused = true, c.deterministic = true;
       add(c);
+      // Deterministic causal / local without GQA: more CTAs than an H200 has SMs (144 at hdim128,
+      // 234 at hdim256), so later column blocks launch as earlier ones end; and a local window
+      // over packed sequences, whose column blocks walk unequal numbers of row blocks.
+      c = {};
+      c.label = "deterministic_causal_mha_many_ctas", c.batch = 3, c.seqlen_q = 1024, c.seqlen_k = 1024,
+      c.heads = 6, c.heads_kv = 6, c.causal = true, c.deterministic = true;
+      add(c);
+      c = {};
+      c.label = "deterministic_varlen_local_mha", c.batch = 3, c.seqlen_q = 520, c.seqlen_k = 500,
+      c.heads = 3, c.heads_kv = 3, c.varlen = true, c.window_left = 130, c.window_right = 20,
+      c.deterministic = true;
+      add(c);
       // More CTAs than SMs (160-256: 5-8 column blocks per head, none dividing 132): on 132 SMs
       // some head's column blocks split over two launch windows and rotate within each (the
       // rotated walks auto takes here; as many rows as keys, so that no group has more column
