@@ -9,7 +9,10 @@ of a step (one row block of a column block: Q landed and S issued, S and dP done
 stored, dQ handed out, every MMA done; in the sliced hdim256 kernels also both warpgroups' dS
 stored (pds), dV_0 / dQ_0 done (mma0) and dK_0 / dQ_1 done (mma1), so that the dQ halves' stores
 (mma0 -> dq0, mma1 -> dq1) show apart from the MMAs) in microseconds, SM cycles converted at the
-clock measured against the global timer (or at --clock GHz):
+clock measured against the global timer (or at --clock GHz). Deterministic runs also show the
+dQ warp's waits for each row block's turn (the earlier column blocks' adds), by the step of the
+walk they fall on, and what share of the warp's time they take; the kernels whose dQ goes through
+one shared-memory buffer show the MMA warpgroups' wait for it in "ds -> dq_buffer":
 
     PYTHONPATH=<package> python3 bench/trace_bwd.py --hdim 256 --seqlen 2048 [--deterministic]
 """
@@ -22,6 +25,9 @@ import bench_common as common  # noqa: E402
 import trace_common  # noqa: E402
 
 STEP, STEP_END = trace_common.EVENTS.index("step"), trace_common.EVENTS.index("step_end")
+TURN_WAIT, TURN = trace_common.EVENTS.index("turn_wait"), trace_common.EVENTS.index("turn")
+# Steps of a walk grouped for the turn waits: [lo, hi).
+STEP_BUCKETS = [(0, 1), (1, 2), (2, 4), (4, 8), (8, 16), (16, 1 << 30)]
 
 
 def run_calls(args):
@@ -68,7 +74,33 @@ def analyse(lines, clock_ghz):
     if before:
         print(f"  start to first step: mean {sum(before) / len(before):.2f} us; last step's end to the "
               f"warpgroup's end (epilogue): mean {sum(after) / max(len(after), 1):.2f} us")
+    print_turn_waits(streams, us)
     return 0
+
+
+def print_turn_waits(streams, us):
+    """The dQ warp's waits for the deterministic order's turns: per step of the walk (the k-th
+    row block a column block adds), and their share of each warp's time from start to end."""
+    by_step = [[] for _ in STEP_BUCKETS]
+    shares = []
+    for key, stream in streams.items():
+        if key[0] != 0 or key[2] != trace_common.DQ_WARP:
+            continue
+        waits = [us(c1 - c0) for (e0, c0), (e1, c1) in zip(stream, stream[1:]) if e0 == TURN_WAIT and e1 == TURN]
+        for step, wait in enumerate(waits):
+            next(bucket for bucket, (lo, hi) in zip(by_step, STEP_BUCKETS) if lo <= step < hi).append(wait)
+        if waits and stream[-1][0] == trace_common.END and stream[-1][1] > 0:
+            shares.append(sum(waits) / us(stream[-1][1]))
+    if not shares:
+        return
+    shares.sort()
+    print(f"  dQ warp turn waits: {len(shares)} warps; share of the warp's time: median "
+          f"{shares[len(shares) // 2]:.2f}, min {shares[0]:.2f}, max {shares[-1]:.2f}")
+    for (lo, hi), waits in zip(STEP_BUCKETS, by_step):
+        if waits:
+            steps = f"{lo}" if hi == lo + 1 else (f"{lo}-{hi - 1}" if hi < 1 << 30 else f"{lo}+")
+            print(f"    steps {steps:>6}: n={len(waits):5d} mean {sum(waits) / len(waits):7.2f} us "
+                  f"max {max(waits):7.2f} us")
 
 
 def main():

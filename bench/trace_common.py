@@ -11,7 +11,10 @@ import sys
 # By event code (trace::Event).
 EVENTS = ["start", "tile", "first_s", "first_p", "loop_end", "mma_end", "meet_arrived",
           "meet_done", "epilogue", "end",
-          "step", "q", "sdp", "ds", "dq0", "dq1", "step_end", "pds", "mma0", "mma1"]
+          "step", "q", "sdp", "ds", "dq0", "dq1", "step_end", "pds", "mma0", "mma1",
+          "turn_wait", "turn", "released", "dq_buffer"]
+# The backward's dQ warp records as warpgroup 2 (the MMA warpgroups are 0 and 1).
+DQ_WARP = 2
 END = EVENTS.index("end")
 
 
@@ -61,14 +64,16 @@ def clock_ghz(streams, bounds, given):
 
 
 def spans_of(streams, kernel, us):
-    """Gaps between consecutive events per warpgroup, named "wg<w> <from> -> <to>", and each
-    warpgroup's time from start to end, for one kernel."""
+    """Gaps between consecutive events per warpgroup, named "wg<w> <from> -> <to>", and each MMA
+    warpgroup's time from start to end, for one kernel (the dQ warp's spans are named wg2 and
+    left out of the totals)."""
     spans = collections.defaultdict(list)
     totals = []
     for key, stream in sorted(streams.items()):
         if key[0] != kernel:
             continue
-        totals.append(us(stream[-1][1]))
+        if key[2] != DQ_WARP:
+            totals.append(us(stream[-1][1]))
         for (e0, c0), (e1, c1) in zip(stream, stream[1:]):
             spans[f"wg{key[2]} {EVENTS[e0]} -> {EVENTS[e1]}"].append(us(c1 - c0))
     return spans, totals
@@ -85,10 +90,12 @@ def print_kernel(streams, bounds, kernel, name, us, spans, totals):
           f"{(min(ends) - t0) / 1e3:.1f} and {(max(ends) - t0) / 1e3:.1f} us after the first start")
     late = sorted(((b[1] - t0) / 1e3, key[1], key[2]) for key, b in bounds.items() if key[0] == kernel)[-4:]
     print("  last to end (us, cta, wg):", ", ".join(f"{t:.1f} {c} {w}" for t, c, w in late))
+    dq_warps = sum(1 for key in streams if key[0] == kernel and key[2] == DQ_WARP)
     for span, values in sorted(spans.items(), key=lambda kv: -sum(kv[1])):
+        per = dq_warps if span.startswith(f"wg{DQ_WARP} ") else len(totals)
         print(f"  {span:32s} n={len(values):4d} mean {sum(values) / len(values):7.2f} us"
               f"  min {min(values):7.2f}  max {max(values):7.2f}  total/wg "
-              f"{sum(values) / len(totals):8.1f} us")
+              f"{sum(values) / max(per, 1):8.1f} us")
     first = min(key[1] for key in streams if key[0] == kernel)
     stream = streams.get((kernel, first, 0), [])
     print("  first warpgroup's events (us):", " ".join(f"{EVENTS[e]}@{us(c):.1f}" for e, c in stream[:40]))

@@ -123,6 +123,7 @@ struct FlashBwdKernelSm90 {
       // Taken here, not kept from the start: held across the setup it spilled in the plain
       // sliced hdim256 kernel.
       int const warp_idx_in_wg = cutlass::canonical_warp_idx_sync() % cutlass::NumWarpsPerWarpGroup;
+      trace::mark_bwd_dq_warp(trace::kStart);
       if (warp_idx_in_wg == 0) {
         Mainloop::load(params.mainloop, ss.tensors, pipeline_q, pipeline_do, ss.barrier_kv, c.seq, c.n_block, c.head,
                        c.batch);
@@ -139,6 +140,7 @@ struct FlashBwdKernelSm90 {
       } else if (warp_idx_in_wg == 1 && params.mainloop.dq_order_warp) {
         Mainloop::order_dq(params.mainloop, c.seq, c.n_block, c.head, c.batch);
       }
+      trace::mark_bwd_dq_warp(trace::kEnd);
     } else {
       cutlass::arch::warpgroup_reg_alloc<kMmaRegs>();
       Coords const c = coords();

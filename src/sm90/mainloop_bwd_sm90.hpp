@@ -611,7 +611,9 @@ struct MainloopBwdSm90 {
     } else {
       rank = lane0 ? dq_rank(p, seq, g, n_block, m_block) : 0;
     }
+    trace::mark_bwd_dq_warp(trace::kBwdTurnWait);
     if (lane0) { semaphore_poll_eq(semaphore + m_block, rank); }
+    trace::mark_bwd_dq_warp(trace::kBwdTurn);
     __syncwarp();
   }
 
@@ -719,6 +721,7 @@ struct MainloopBwdSm90 {
             // over them (no fence.sc between: it cost a tenth of the deterministic speed).
             asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
             semaphore_increment(semaphore + m_block);
+            trace::mark_bwd_dq_warp(trace::kBwdReleased);
           }
           __syncwarp();
           CUTLASS_PRAGMA_UNROLL
@@ -757,6 +760,7 @@ struct MainloopBwdSm90 {
         cutlass::arch::NamedBarrier::arrive(NumMmaThreads + cutlass::NumThreadsPerWarp, uint32_t(BwdBarrier::kDqReady));
         cutlass::arch::NamedBarrier::sync(NumMmaThreads + cutlass::NumThreadsPerWarp, uint32_t(BwdBarrier::kDqDone));
         if (lane0) { semaphore_increment(semaphore + m_block); }
+        trace::mark_bwd_dq_warp(trace::kBwdReleased);
         __syncwarp();
       }
     }
@@ -811,7 +815,10 @@ struct MainloopBwdSm90 {
           pending = false;
           __syncwarp();
           cutlass::arch::NamedBarrier::sync(NumMmaWG * cutlass::NumThreadsPerWarp, uint32_t(BwdBarrier::kDqLanded));
-          if (wg == 0 && lane0) { semaphore_increment(semaphore + m_block); }
+          if (wg == 0 && lane0) {
+            semaphore_increment(semaphore + m_block);
+            trace::mark_bwd_dq_warp(trace::kBwdReleased);
+          }
           __syncwarp();
         }
       }
@@ -1246,6 +1253,7 @@ struct MainloopBwdSm90 {
         if constexpr (kDqViaSmem) {
           cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp,
                                             uint32_t(BwdBarrier::kDqEmpty) + wg_idx);
+          trace::mark_bwd(thread_idx, trace::kBwdDqBuffer);
           float4* sdq = reinterpret_cast<float4*>(smem.dq.data() + wg_idx * (kDqChunk / NumMmaWG));
           CUTLASS_PRAGMA_UNROLL
           for (int i = 0; i < kDqVecs; ++i) { sdq[i * cutlass::NumThreadsPerWarpGroup + thread_in_wg] = dq_vec(i); }

@@ -146,6 +146,32 @@ def test_trace_bwd_steps(capsys):
     assert "start to first step: mean 2.00 us" in out and "(epilogue): mean 2.00 us" in out
 
 
+def test_trace_bwd_turn_waits(capsys):
+    trace = load("trace_bwd")
+    # The MMA warpgroups' steps as above, and a dQ warp (warpgroup 2) that waits 1, 3 and 5
+    # stages for its three turns (2, 6 and 10 us at 2 us a stage), each add taking one stage.
+    lines = bwd_trace_lines(1720, 1.72)
+    call_end = len(lines) - 1 - lines[::-1].index("bwdtrace-call-end")
+    events, cycles, k = [(0, 0)], 3440, 0
+    for wait in (1, 3, 5):
+        events += [(20, k), (21, k + wait), (22, k + wait + 1)]
+        k += wait + 1
+    events.append((9, k + 1))
+    end_ns = 1000 + round((k + 1) * cycles / 1.72)
+    dq_warp = [f"bwdtrace 0 0 2 {event} {stage * cycles} 1000 {end_ns}" for event, stage in events]
+    assert trace.analyse(lines[:call_end] + dq_warp + lines[call_end:], None) == 0
+    out = capsys.readouterr().out
+    # Waits of 18 stages' 2 us against the warp's 13 stages: share 18 / 26 = 0.69.
+    assert "dQ warp turn waits: 1 warps; share of the warp's time: median 0.69" in out
+    assert "steps      0: n=    1 mean    2.00 us" in out
+    assert "steps    2-3: n=    1 mean   10.00 us" in out
+    line = next(line for line in out.splitlines() if "wg2 turn_wait -> turn" in line)
+    assert "n=   3" in line and "total/wg     18.0 us" in line
+    # The MMA warpgroups' totals leave the dQ warp out.
+    line = next(line for line in out.splitlines() if "wg1 ds -> dq0" in line)
+    assert "mean    2.00 us" in line
+
+
 def test_trace_bwd_without_trace_lines(capsys):
     trace = load("trace_bwd")
     assert trace.analyse(["fwdtrace 0 0 0 0 0 0 0", "bwdtrace-call-end"], None) == 1
