@@ -153,6 +153,9 @@ std::size_t forward_workspace_size(const ForwardArgs& args) {
   require_device();
   detail::DeviceGuard guard(shape.device.index);
   const FwdParams params = device_fwd_params(args, shape);
+  // Unsupported calls fail here already, as forward would (which has nothing to run without
+  // query rows).
+  if (args.out.numel() > 0) sm90::check_forward_supported(params);
   return document_lists_bytes(args.opts, params.block_sparse, params.batch) +
          detail::forward_workspace_bytes(params, detail::fwd_scheduler());
 #else
@@ -188,6 +191,9 @@ void run_forward_call(const ForwardArgs& args, StreamHandle stream, Workspace wo
   detail::DeviceGuard guard(shape.device.index);
   FwdParams params = device_fwd_params(args, shape);
   if (args.out.numel() == 0) return;  // no query rows: nothing to write
+  // Before the caller's allocator and the document lists' kernel: an unsupported call fails
+  // with nothing allocated or launched.
+  sm90::check_forward_supported(params);
   detail::FwdScheduler const scheduler = detail::fwd_scheduler();
   std::size_t const list_bytes = document_lists_bytes(args.opts, params.block_sparse, params.batch);
   detail::DeviceWorkspace buffers(workspace, allocate,

@@ -11,8 +11,11 @@
 
 namespace cuflash::sm90 {
 
-// Throws cuflash::Error(kNotBuilt) naming the CMake option when the configuration
-// (dtype, head dims, features) was not compiled into this build.
+// Throws cuflash::Error(kNotSupported) naming the argument the kernels cannot take, or
+// kNotBuilt naming the CMake option when the configuration (dtype, head dims, features) was
+// not compiled into this build: what run_forward checks first, callable before the workspace
+// is sized or allocated.
+void check_forward_supported(const FwdParams& params);
 void run_forward(FwdParams& params, StreamHandle stream);
 // Whether the forward kernel that `params` (num_splits included) would launch is in this build.
 bool forward_kernel_built(const FwdParams& params);

@@ -142,12 +142,7 @@ void check_tma_operand(const char* argument, const void* data,
 
 }  // namespace
 
-void run_forward(FwdParams& params, StreamHandle stream) {
-  if (params.num_splits > 1 && (params.out_partial == nullptr || params.lse_partial == nullptr)) {
-    throw Error(
-        Error::Kind::kInvalidArgument, "num_splits",
-        "split-KV needs out_partial and lse_partial buffers (allocated by cuflash::forward)");
-  }
+void check_forward_supported(const FwdParams& params) {
   if (DType(params.dtype) != DType::kFloat16 && DType(params.dtype) != DType::kBFloat16) {
     not_supported("q",
                   std::string("the sm90 forward kernel takes float16 or bfloat16 inputs, got ") +
@@ -165,22 +160,31 @@ void run_forward(FwdParams& params, StreamHandle stream) {
                     {params.v_row_stride, params.v_head_stride, params.v_batch_stride});
   check_tma_operand("out", params.out,
                     {params.o_row_stride, params.o_head_stride, params.o_batch_stride});
+  // A kernel module compiled at run time for expression mods stands in for the built one.
+  if (params.expression_kernel != 0) return;
+  std::string const name = fwd_kernel_name(params);
+  if (find_entry(name)->name == nullptr) {
+    throw Error(Error::Kind::kNotBuilt, "q",
+                "the sm90 forward kernel '" + describe(name) +
+                    "' is not in this build (CUFLASH_KERNEL_SET=" + CUFLASH_KERNEL_SET +
+                    "); reconfigure with -DCUFLASH_KERNEL_SET=all, or =custom with CUFLASH_HDIMS and "
+                    "CUFLASH_DTYPES naming it, and CUFLASH_FEATURES holding its features");
+  }
+}
 
+void run_forward(FwdParams& params, StreamHandle stream) {
+  if (params.num_splits > 1 && (params.out_partial == nullptr || params.lse_partial == nullptr)) {
+    throw Error(
+        Error::Kind::kInvalidArgument, "num_splits",
+        "split-KV needs out_partial and lse_partial buffers (allocated by cuflash::forward)");
+  }
+  check_forward_supported(params);
   if (params.expression_kernel != 0) {  // compiled at run time for expression mods
     reinterpret_cast<ExpressionFwdLauncher>(params.expression_kernel)(&params,
                                                                       static_cast<cudaStream_t>(stream));
     return;
   }
-  std::string const name = fwd_kernel_name(params);
-  if (const FwdEntry* const entry = find_entry(name); entry->name != nullptr) {
-    entry->launch(params, static_cast<cudaStream_t>(stream));
-    return;
-  }
-  throw Error(Error::Kind::kNotBuilt, "q",
-              "the sm90 forward kernel '" + describe(name) +
-                  "' is not in this build (CUFLASH_KERNEL_SET=" + CUFLASH_KERNEL_SET +
-                  "); reconfigure with -DCUFLASH_KERNEL_SET=all, or =custom with CUFLASH_HDIMS and "
-                  "CUFLASH_DTYPES naming it, and CUFLASH_FEATURES holding its features");
+  find_entry(fwd_kernel_name(params))->launch(params, static_cast<cudaStream_t>(stream));
 }
 
 bool forward_kernel_built(const FwdParams& params) { return find_entry(fwd_kernel_name(params))->name != nullptr; }

@@ -695,6 +695,45 @@ TEST(GpuForwardFlexUnsupported, PackGqaWithUnreadableBlockListsIsRefused) {
   expect_not_supported(call.args, "pack_gqa");
 }
 
+// A call the kernels cannot take fails before the caller's allocator is asked for workspace and
+// before the document mask's lists are built (both need workspace here), and so does sizing it.
+TEST(GpuForwardFlexUnsupported, RefusedBeforeTheWorkspace) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  if (!is_built("fwd bf16 hdim128 flex")) GTEST_SKIP() << "hdim128 bf16 flex not built";
+  SmallCall call;
+  DeviceBuffer ids = DeviceBuffer::from(std::vector<int>(256, 0));
+  call.args.opts.mask_mod = {};
+  call.args.opts.mask_mod.kind = MaskModKind::kDocument;
+  call.args.opts.mask_mod.aux = {TensorView(ids.data(), DType::kInt32, {1, 256}, kCuda)};
+  // Rows of q 260 elements apart: not a multiple of 8, which TMA needs.
+  DeviceBuffer q_padded{64 * 260 * 2};
+  call.args.q = TensorView(q_padded.data(), DType::kBFloat16, {1, 64, 2, 128}, {64 * 260, 260, 128, 1}, kCuda);
+  int allocations = 0;
+  WorkspaceAllocator const allocate = [&](std::size_t bytes) {
+    ++allocations;
+    return Workspace{nullptr, bytes};
+  };
+  try {
+    forward(call.args, nullptr, allocate);
+    ADD_FAILURE() << "the call ran";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.kind(), Error::Kind::kNotSupported) << error.what();
+    EXPECT_EQ(error.argument(), "q") << error.what();
+  }
+  EXPECT_EQ(allocations, 0);
+  try {
+    forward_workspace_size(call.args);
+    ADD_FAILURE() << "the workspace was sized";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.kind(), Error::Kind::kNotSupported) << error.what();
+  }
+  // Aligned rows: the same call runs (and takes workspace for the lists).
+  call.args.q = TensorView(call.q.data(), DType::kBFloat16, {1, 64, 2, 128}, kCuda);
+  EXPECT_GT(forward_workspace_size(call.args), 0u);
+  EXPECT_NO_THROW(forward(call.args));
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
 // The flex kernels at head dim 256 have no V-tail zeroing: the setting is refused there.
 TEST(GpuForwardFlexUnsupported, ZeroVTailAtHeadDim256IsRefused) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
