@@ -5,9 +5,9 @@
 //
 // Each MMA warpgroup's first thread (of the first two warpgroups, in the first kMaxCtas CTAs)
 // records (event, SM clock) pairs in a global buffer, and in the backward so does the first dQ
-// warp of the producer warpgroup (the deterministic order's turns, as a third "warpgroup", 2); after each launch the host waits and prints
-// them (dump_after_launch), so a traced call is synchronous. bench/trace_fwd.py and
-// bench/trace_bwd.py read the lines.
+// warp of the producer warpgroup (the deterministic order's turns, as a third "warpgroup", 2).
+// After each launch the host waits and prints them (dump_after_launch), so a traced call is
+// synchronous. bench/trace_fwd.py and bench/trace_bwd.py read the lines.
 #pragma once
 
 #include <cutlass/cutlass.h>
@@ -64,8 +64,8 @@ constexpr int kMaxCtas = 264;
 constexpr int kSlotsPerCta = 3;  // MMA warpgroups 0 and 1, the backward's first dQ warp
 
 #if CUFLASH_TRACE
-// Per (CTA, recording slot): the events' SM clocks and codes, how many, and the global timer at the
-// warpgroup's start (to place the CTAs on one time line). One copy per translation unit (10 MB
+// Per (CTA, recording slot): the events' SM clocks and codes, how many, and the global timer at
+// the slot's start (to place the CTAs on one time line). One copy per translation unit (10 MB
 // of device memory each: build only the kernels to trace, CUFLASH_KERNEL_REGEX), read back by
 // that unit's launch (dump_after_launch).
 static __device__ long long g_clocks[kMaxCtas * kSlotsPerCta * kMaxEvents];
