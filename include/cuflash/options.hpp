@@ -105,7 +105,9 @@ struct SequenceLayout {
 
 // Outputs (out, lse, dq, dk, dv and combine's out, lse) may be padded or permuted, but no two
 // of their elements may share memory: a zero stride on a dimension of size > 1, or strides
-// under which dimensions overlap, are refused.
+// under which dimensions overlap, are refused. Two outputs of one call must not share memory
+// either (they are written at once); that is the caller's to keep, not checked (interleaved
+// views of one buffer, such as the gradients of a packed qkv tensor, are fine).
 struct ForwardArgs {
   TensorView q, k, v;
   TensorView out;                          // preallocated, q's dtype, (..., H, Dv)
