@@ -189,8 +189,12 @@ struct FlashFwdKernelSm90 {
   static Params to_params(FwdParams const& p) {
     bool const has_softcap = p.softcap > 0.f;
     // The flex variant's accumulators hold final scores (FlexTileMods::score), so only the
-    // change to base 2 is left for the exponent.
-    float const exp_scale = kIsFlex ? 1.f : has_softcap ? p.softcap : p.softmax_scale;
+    // change to base 2 is left for the exponent; with kFlexScaleInExp, and neither softcap nor
+    // score_mod, they hold <q, k> and the exponent takes the softmax scale as the plain kernel's.
+    bool const flex_scale_in_exp =
+        kIsFlex && kFlexScaleInExp && !has_softcap && p.score_mod.kind == int(ScoreModKind::kNone);
+    float const exp_scale = kIsFlex ? (flex_scale_in_exp ? p.softmax_scale : 1.f)
+                                    : has_softcap ? p.softcap : p.softmax_scale;
     // Causal-like masks (the window options; the causal, sliding-window and prefix-LM mask_mods)
     // give the last m-blocks the most keys.
     bool const longest_first = p.window_right >= 0 || p.window_left >= 0 ||
@@ -198,6 +202,10 @@ struct FlashFwdKernelSm90 {
                                 p.mask_mod.kind <= int(MaskModKind::kPrefixLM));
     int const pack_group = kPackGqa ? p.num_heads / p.num_heads_kv : 1;
     int const tile_heads = pack_group > 1 ? p.num_heads_kv : p.num_heads;
+    typename Variant::Params variant = Variant::to_params(p);
+    if constexpr (kIsFlex) {
+      if (flex_scale_in_exp) variant.score_scale = 1.f;  // the multiply FlexTileMods::score skips
+    }
     return {Mainloop::to_params(p),
             p,
             float(M_LOG2E) * exp_scale,
@@ -212,7 +220,7 @@ struct FlashFwdKernelSm90 {
                                 tile_heads / p.num_heads_kv,
                                 tile_heads * p.batch * (kIsSplit ? p.num_splits : 1))),
             StreamKTail{},
-            Variant::to_params(p),
+            variant,
             Epilogue::to_params(p)};
   }
 
