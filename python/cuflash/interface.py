@@ -657,10 +657,20 @@ def _prepare(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, s
 # Running the extension
 
 
+# Packed rows past the last sequence (cu_seqlens[-1] < total, a padded batch) belong to no
+# sequence and the kernels do not write them: outputs that hold such rows are allocated zeroed
+# (out, lse and dq with cu_seqlens_q, dk and dv with cu_seqlens_k), so that those rows read 0
+# rather than whatever the memory held (NaN in a gradient reaches the weights through autograd).
+# Finding them would need cu_seqlens on the host; the fill costs less than that synchronisation.
+def _output_alloc(framework, packed: bool):
+    return framework.zeros if packed else framework.empty
+
+
 def _run_forward(call: _Call) -> Tuple[Tensor, Tensor]:
     framework = call.framework
-    out = framework.empty(call.out_shape, call.dtype, like=call.q)
-    lse = framework.empty(call.lse_shape, "float32", like=call.q)
+    alloc = _output_alloc(framework, call.cu_seqlens_q is not None)
+    out = alloc(call.out_shape, call.dtype, like=call.q)
+    lse = alloc(call.lse_shape, "float32", like=call.q)
     stream = call.stream()
     _C.forward(call.export(call.q), call.export(call.k), call.export(call.v), call.export(out),
                lse=call.export(lse), learnable_sink=call.export(call.learnable_sink),
@@ -674,9 +684,11 @@ def _run_forward(call: _Call) -> Tuple[Tensor, Tensor]:
 def _run_backward(call: _Call, out: Tensor, dout: Tensor, lse: Tensor
                   ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     framework = call.framework
-    dq = framework.empty(_shape(call.q), call.dtype, like=call.q)
-    dk = framework.empty(_shape(call.k), call.dtype, like=call.q)
-    dv = framework.empty(_shape(call.v), call.dtype, like=call.q)
+    dq = _output_alloc(framework, call.cu_seqlens_q is not None)(_shape(call.q), call.dtype, like=call.q)
+    # Paged k / v: every page row is written (pages no sequence reads get zeros).
+    alloc_kv = _output_alloc(framework, call.cu_seqlens_k is not None and call.page_table is None)
+    dk = alloc_kv(_shape(call.k), call.dtype, like=call.q)
+    dv = alloc_kv(_shape(call.v), call.dtype, like=call.q)
     d_sink = None
     if call.learnable_sink is not None:
         d_sink = framework.zeros((call.num_heads,), "float32", like=call.q)

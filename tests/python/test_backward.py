@@ -114,6 +114,33 @@ def test_varlen(rng, causal):
     check_grads(grads, expected)
 
 
+def test_varlen_rows_past_the_last_sequence(rng):
+    # A padded batch: 7 query and 5 key rows after the last sequence belong to none. The outputs
+    # that the package allocates hold zeros there (not whatever the memory held), forward and
+    # backward; the sequences' rows are as without the padding.
+    lengths_q, lengths_k = [6, 11], [9, 13]
+    q, cu_q = packed(rng, lengths_q, 4, 32)
+    k, cu_k = packed(rng, lengths_k, 2, 32)
+    q_pad = np.concatenate([q, randn(rng, (7, 4, 32))])
+    k_pad = np.concatenate([k, randn(rng, (5, 2, 32))])
+    v_pad = randn(rng, k_pad.shape)
+    out, lse = cuflash.flash_attn_varlen_func(q_pad, k_pad, v_pad, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                              causal=True)
+    rows = int(cu_q[-1])
+    assert np.all(out[rows:] == 0) and np.all(lse[:, rows:] == 0)
+    out_seq, lse_seq = cuflash.flash_attn_varlen_func(q, k, v_pad[:int(cu_k[-1])], cu_q, cu_k, max(lengths_q),
+                                                      max(lengths_k), causal=True)
+    np.testing.assert_array_equal(out[:rows], out_seq)
+    np.testing.assert_array_equal(lse[:, :rows], lse_seq)
+    dout = randn(rng, out.shape)
+    dq, dk, dv, _ = cuflash.flash_attn_backward(dout, q_pad, k_pad, v_pad, out, lse, cu_q, cu_k, max(lengths_q),
+                                                max(lengths_k), causal=True)
+    keys = int(cu_k[-1])
+    assert np.all(dq[rows:] == 0) and np.all(dk[keys:] == 0) and np.all(dv[keys:] == 0)
+    for g in (dq, dk, dv):
+        assert np.all(np.isfinite(g.astype(np.float32)))
+
+
 @pytest.mark.parametrize("page_size,max_pages", [(8, 3), (24, 1)])
 def test_paged_kv(rng, page_size, max_pages):
     # The gradients of a paged forward (the path torch autograd takes, and flash_attn_backward
