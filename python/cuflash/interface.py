@@ -771,8 +771,23 @@ def _torch_custom_ops():
     return _torch_ops
 
 
+def _refuse_mod_tensor_grads(call: _Call) -> None:
+    """Under torch grad mode, a tensor that a score_mod / mask_mod reads and that requires grad is
+    refused: the backward computes the gradients of q, k, v and learnable_sink only, and that
+    tensor's would silently stay None (a learnable bias table that never trains)."""
+    if not sys.modules["torch"].is_grad_enabled():
+        return
+    for argument, (_, _, aux) in (("score_mod", call.score_mod), ("mask_mod", call.mask_mod)):
+        for i, tensor in enumerate(aux):
+            if getattr(tensor, "requires_grad", False):
+                _fail(NotImplementedError, argument,
+                      f"its tensor aux[{i}] requires grad, but cuflash computes the gradients of q, k, v "
+                      f"and learnable_sink only; pass it detached (a constant) or call under torch.no_grad()")
+
+
 def _attention(call: _Call) -> Tuple[Tensor, Tensor]:
     if call.framework.name == "torch":
+        _refuse_mod_tensor_grads(call)
         # Traced callables go through the autograd.Function: the custom ops' schema holds only
         # the built-in variants.
         ops = None if call.has_expression else _torch_custom_ops()
@@ -911,8 +926,8 @@ def flash_attn_varlen_func(
         deterministic: as in flash_attn_func.
         score_mod: score_mod(score, b, h, q_idx, kv_idx[, *aux_tensors]) -> new score, a
             Python callable (traced once into an expression program with its derivative, see
-            cuflash.mods), or a built-in from cuflash.scores (alibi, relative_bias); not with
-            softcap. Callables run on the CPU reference for CPU tensors and on kernels
+            cuflash.mods), or a built-in from cuflash.scores (alibi, relative_bias); with
+            softcap, score_mod takes the soft-capped score. Callables run on the CPU reference for CPU tensors and on kernels
             compiled at run time for CUDA tensors (nvcc and the CUTLASS headers needed then;
             see cuflash._jit).
         aux_tensors: tensors a score_mod reads: extra trailing arguments of a callable, or the

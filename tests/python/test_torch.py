@@ -199,3 +199,16 @@ def test_opcheck(gen, torch_path):
     call = cuflash.interface._prepare(q, k, v, causal=True, learnable_sink=sink)
     torch.library.opcheck(torch.ops.cuflash.fwd.default, (q, k, v, sink), ops.flatten(call),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+def test_mod_tensors_that_require_grad_are_refused(gen):
+    # The backward gives no gradient to the tensors a score_mod reads: one that requires grad is
+    # refused under grad mode (it would silently never train) and taken as a constant otherwise.
+    q, k, v = tensors(gen, [(1, 16, 4, 32), (1, 16, 4, 32), (1, 16, 4, 32)])
+    slopes = torch.tensor(cuflash.scores.alibi_slopes(4)).requires_grad_(True)
+    with pytest.raises(NotImplementedError, match="score_mod: its tensor aux.0. requires grad"):
+        cuflash.flash_attn_func(q, k, v, score_mod=cuflash.scores.alibi(slopes))
+    out, _ = cuflash.flash_attn_func(q, k, v, score_mod=cuflash.scores.alibi(slopes.detach()))
+    with torch.no_grad():
+        out_no_grad, _ = cuflash.flash_attn_func(q, k, v, score_mod=cuflash.scores.alibi(slopes))
+    assert torch.equal(out.detach(), out_no_grad)
