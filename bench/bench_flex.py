@@ -119,7 +119,7 @@ def main():
             cu_mask = {"causal": lambda: cuflash.masks.causal(),
                        "window": lambda: cuflash.masks.sliding_window(W),
                        "document": lambda: cuflash.masks.document(doc)}[mask]()
-            lists = cuflash.block_sparse.create_block_mask(cu_mask, batch, seqlen, seqlen)
+            lists = cuflash.block_sparse.create_block_mask(cu_mask, batch, None, seqlen, seqlen)
             lists = {name: torch.from_numpy(x).cuda() for name, x in lists._asdict().items()}
             columns["cuflash_sparse"] = lambda m=cu_mask, ls=lists: cuflash.flash_attn_func(
                 q, k, v, mask_mod=m, **ls)

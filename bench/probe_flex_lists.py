@@ -49,7 +49,7 @@ def main():
             q, k, v = (torch.randn(batch, seqlen, heads, hdim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
             for mask in ("causal", "window"):
                 mod = cuflash.masks.causal() if mask == "causal" else cuflash.masks.sliding_window(W)
-                lists = block_sparse.create_block_mask(mod, batch, seqlen, seqlen)
+                lists = block_sparse.create_block_mask(mod, batch, None, seqlen, seqlen)
                 all_cnt, all_idx = merged(lists.full_block_cnt, lists.full_block_idx, lists.mask_block_cnt,
                                           lists.mask_block_idx)
                 none = np.zeros_like(all_cnt)

@@ -70,22 +70,72 @@ def _mask_function(mask_mod: MaskMod, doc_ids: Optional[np.ndarray]):
     raise ValueError(f"mask_mod: no block-mask rule for {mask_mod!r}")
 
 
-def create_block_mask(mask_mod: MaskMod, batch: int, seqlen_q: int, seqlen_k: int,
-                      block_m: int = BLOCK_M, block_n: int = BLOCK_N) -> BlockLists:
-    """Evaluates a built-in mask_mod on the CPU and returns the forward block lists (head dim
-    1, broadcast over heads): full blocks (every in-range pair kept), mask blocks (some kept),
-    the rest skipped. Pass them to flash_attn_func together with the same mask_mod."""
+def _callable_mask_function(mask_mod: Any):
+    """A FlexAttention-style mask_mod(b, h, q_idx, kv_idx) -> bool callable, evaluated on NumPy
+    integer arrays (it must work elementwise with NumPy operators, as `q_idx >= kv_idx` does)."""
+
+    def keep(b, h, qi, ki):
+        try:
+            result = mask_mod(np.int64(b), np.int64(h), qi, ki)
+        except Exception as error:  # the callable's own failure, named with what it was given
+            raise TypeError(f"mask_mod: evaluating it on NumPy index arrays (b, h scalars, q_idx, kv_idx "
+                            f"broadcast) failed: {error!r}; write it with elementwise operators, or use a "
+                            f"built-in from cuflash.masks") from error
+        return np.asarray(result, dtype=bool)
+
+    return keep
+
+
+def create_block_mask(mask_mod: Any, B: Optional[int], H: Optional[int], Q_LEN: int, KV_LEN: int,
+                      device: Any = None, BLOCK_SIZE: Any = (BLOCK_M, BLOCK_N)) -> BlockLists:
+    """The forward block lists of a mask, with FlexAttention's ``create_block_mask`` signature:
+    full blocks (every in-range pair kept), mask blocks (some kept), the rest skipped. Pass them
+    to flash_attn_func together with the same mask_mod.
+
+    mask_mod: a built-in from cuflash.masks (top-left aligned, as FlexAttention's), or a
+    callable mask_mod(b, h, q_idx, kv_idx) -> bool that works on NumPy index arrays.
+    B, H: batch and heads; None broadcasts (a list of 1 over that dimension; built-ins do not
+    depend on the head, so their lists always have one head). Q_LEN, KV_LEN: sequence lengths.
+    device: accepted for compatibility; the lists are NumPy arrays, which the attention functions
+    move to q's device. BLOCK_SIZE: an int or (block_m, block_n), default 128 x 128.
+    Evaluated on the CPU, pair by pair: for long sequences prefer the mask_mod alone (causal and
+    windows fold into the kernels' own masks, document masks build their lists on the GPU)."""
     from ._tensors import framework_of
 
-    if not isinstance(mask_mod, MaskMod):
-        raise TypeError(f"mask_mod: expected a cuflash.masks object, got {type(mask_mod).__name__}")
-    doc_ids = None
-    if mask_mod.aux:
-        doc_ids = framework_of(mask_mod.aux[0]).to_numpy(mask_mod.aux[0])
-    keep = _mask_function(mask_mod, doc_ids)
+    if isinstance(BLOCK_SIZE, (tuple, list)):
+        if len(BLOCK_SIZE) != 2:
+            raise ValueError(f"BLOCK_SIZE: expected an int or (block_m, block_n), got {BLOCK_SIZE!r}")
+        block_m, block_n = (int(x) for x in BLOCK_SIZE)
+    else:
+        block_m = block_n = int(BLOCK_SIZE)
+    if block_m <= 0 or block_n <= 0:
+        raise ValueError(f"BLOCK_SIZE: expected positive block sizes, got {BLOCK_SIZE!r}")
+    for name, value in (("B", B), ("H", H)):
+        if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
+            raise ValueError(f"{name}: expected a positive int or None (broadcast), got {value!r}")
+    for name, value in (("Q_LEN", Q_LEN), ("KV_LEN", KV_LEN)):
+        if not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(f"{name}: expected a length (int >= 0), got {value!r}")
+    if device is not None and not isinstance(device, str) and type(device).__name__ != "device":
+        raise TypeError(f"device: expected None, a device string or a torch.device, got {type(device).__name__}")
+    batch = 1 if B is None else int(B)
+    if isinstance(mask_mod, MaskMod):
+        doc_ids = None
+        if mask_mod.aux:
+            doc_ids = framework_of(mask_mod.aux[0]).to_numpy(mask_mod.aux[0])
+        builtin = _mask_function(mask_mod, doc_ids)
+        heads = 1
+        keep = lambda b, h, qi, ki: builtin(b, qi, ki)  # noqa: E731
+    elif callable(mask_mod):
+        heads = 1 if H is None else int(H)
+        keep = _callable_mask_function(mask_mod)
+    else:
+        raise TypeError(f"mask_mod: expected a cuflash.masks object or a callable mask_mod(b, h, q_idx, "
+                        f"kv_idx), got {type(mask_mod).__name__}")
+    seqlen_q, seqlen_k = int(Q_LEN), int(KV_LEN)
     rows = -(-seqlen_q // block_m)
     cols = -(-seqlen_k // block_n)
-    shape = (batch, 1, rows)
+    shape = (batch, heads, rows)
     full_cnt = np.zeros(shape, np.int32)
     mask_cnt = np.zeros(shape, np.int32)
     full_idx = np.zeros(shape + (cols,), np.int32)
@@ -93,15 +143,16 @@ def create_block_mask(mask_mod: MaskMod, batch: int, seqlen_q: int, seqlen_k: in
     q_positions = np.arange(seqlen_q)
     k_positions = np.arange(seqlen_k)
     for b in range(batch):
-        kept = keep(b, q_positions[:, None], k_positions[None, :])
-        kept = np.broadcast_to(kept, (seqlen_q, seqlen_k))
-        for m in range(rows):
-            for n in range(cols):
-                block = kept[m * block_m:(m + 1) * block_m, n * block_n:(n + 1) * block_n]
-                if block.all():
-                    full_idx[b, 0, m, full_cnt[b, 0, m]] = n
-                    full_cnt[b, 0, m] += 1
-                elif block.any():
-                    mask_idx[b, 0, m, mask_cnt[b, 0, m]] = n
-                    mask_cnt[b, 0, m] += 1
+        for h in range(heads):
+            kept = keep(b, h, q_positions[:, None], k_positions[None, :])
+            kept = np.broadcast_to(kept, (seqlen_q, seqlen_k))
+            for m in range(rows):
+                for n in range(cols):
+                    block = kept[m * block_m:(m + 1) * block_m, n * block_n:(n + 1) * block_n]
+                    if block.all():
+                        full_idx[b, h, m, full_cnt[b, h, m]] = n
+                        full_cnt[b, h, m] += 1
+                    elif block.any():
+                        mask_idx[b, h, m, mask_cnt[b, h, m]] = n
+                        mask_cnt[b, h, m] += 1
     return BlockLists(full_cnt, full_idx, mask_cnt, mask_idx)

@@ -451,10 +451,47 @@ def test_block_sparse_paged(rng):
 def test_block_mask_builder_matches_mask(rng):
     doc = document_ids(rng, 2, 300)
     mask_mod = cuflash.masks.document(doc)
-    lists = cuflash.block_sparse.create_block_mask(mask_mod, 2, 300, 300)
+    lists = cuflash.block_sparse.create_block_mask(mask_mod, 2, None, 300, 300)
     q, k, v = qkv(rng, 2, 300, 300, 2, 2, 32)
     opts = ref.Options(mask=lambda b, i, j: doc[b][i] == doc[b][j])
     check_dense(q, k, v, opts, mask_mod=mask_mod, **lists._asdict())
+
+
+def test_block_mask_builder_takes_flexattention_arguments(rng):
+    # FlexAttention's create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE): a
+    # callable mask_mod(b, h, q_idx, kv_idx) evaluated per head, B / H None broadcast, and the
+    # same lists from the callable as from the built-in.
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    built_in = cuflash.block_sparse.create_block_mask(cuflash.masks.causal(), None, None, 300, 200,
+                                                      BLOCK_SIZE=128)
+    from_callable = cuflash.block_sparse.create_block_mask(causal, None, None, 300, 200, device="cpu")
+    for a, b in zip(built_in, from_callable):
+        np.testing.assert_array_equal(a, b)
+    assert built_in.mask_block_cnt.shape == (1, 1, 3) and built_in.mask_block_idx.shape == (1, 1, 3, 2)
+    # Row block 0 (rows 0-127) sees column block 0 in part; row block 2 sees both column blocks whole.
+    assert list(built_in.mask_block_cnt[0, 0]) == [1, 1, 0]
+    assert list(built_in.full_block_cnt[0, 0]) == [0, 1, 2]
+
+    # A head-dependent callable gets one list per head; head 0's (causal) drive a causal call.
+    def every_other_head_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) | (h % 2 == 1)
+
+    lists = cuflash.block_sparse.create_block_mask(every_other_head_causal, 2, 2, 256, 256, BLOCK_SIZE=(128, 128))
+    assert lists.full_block_cnt.shape == (2, 2, 2)
+    assert list(lists.full_block_cnt[0, 1]) == [2, 2] and list(lists.full_block_cnt[0, 0]) == [0, 1]
+    q, k, v = qkv(rng, 2, 256, 256, 2, 2, 32)
+    opts = ref.Options(mask=lambda b, i, j: j <= i)
+    check_dense(q[:, :, :1], k[:, :, :1], v[:, :, :1], opts, mask_mod=cuflash.masks.causal(),
+                **{name: np.ascontiguousarray(x[:, :1]) for name, x in lists._asdict().items()})
+
+    with pytest.raises(ValueError, match="BLOCK_SIZE"):
+        cuflash.block_sparse.create_block_mask(causal, 1, 1, 64, 64, BLOCK_SIZE=(128, 128, 1))
+    with pytest.raises(ValueError, match="H: expected"):
+        cuflash.block_sparse.create_block_mask(causal, 1, 0, 64, 64)
+    with pytest.raises(TypeError, match="mask_mod: evaluating it"):
+        cuflash.block_sparse.create_block_mask(lambda b, h, q_idx, kv_idx: undefined_name, 1, 1, 64, 64)  # noqa: F821
 
 
 def test_transpose_block_lists(rng):
