@@ -581,6 +581,22 @@ BwdDetWalk bwd_det_walk() {
   return walk;
 }
 
+BwdDqSemaphores parse_bwd_dq_semaphores(const char* value) {
+  return parse_setting<BwdDqSemaphores>("CUFLASH_BWD_DQ_SEMAPHORES", value,
+                                        {{"packed", BwdDqSemaphores::kPacked}, {"lines", BwdDqSemaphores::kLines}});
+}
+
+BwdDqSemaphores bwd_dq_semaphores() {
+  // CUFLASH_BWD_DQ_SEMAPHORES: the semaphores' layout, so that both can be timed in one binary.
+  // Read once per process.
+  static const BwdDqSemaphores choice = parse_bwd_dq_semaphores(std::getenv("CUFLASH_BWD_DQ_SEMAPHORES"));
+  return choice;
+}
+
+int dq_semaphore_stride(BwdDqSemaphores choice) {
+  return choice == BwdDqSemaphores::kLines ? 128 / int(sizeof(int)) : 1;
+}
+
 BwdDqPath bwd_dq_path() {
   // CUFLASH_BWD_DQ: how the sliced hdim256 backward adds dQ to global memory, so that the paths
   // can be timed in one binary. Read once per process.

@@ -136,6 +136,14 @@ BwdDetWalk parse_bwd_det_walk(const char* value);
 // The process's choice, from CUFLASH_BWD_DET_WALK, read once.
 BwdDetWalk bwd_det_walk();
 
+// Where the deterministic backward's dQ semaphores lie: "packed" (or null / empty) or "lines".
+// Throws kInvalidArgument otherwise.
+BwdDqSemaphores parse_bwd_dq_semaphores(const char* value);
+// The process's choice, from CUFLASH_BWD_DQ_SEMAPHORES, read once; and the BwdParams stride
+// (ints between row blocks' semaphores) it means.
+BwdDqSemaphores bwd_dq_semaphores();
+int dq_semaphore_stride(BwdDqSemaphores choice);
+
 // The forward's whole workspace: the split-KV buffers, then (tiles of unequal cost, dynamic
 // scheduling) the tile counter in a 256-byte slot of its own, then (equal tiles, stream-K not
 // off) the stream-K tail's counters and partial states.

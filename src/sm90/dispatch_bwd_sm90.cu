@@ -151,9 +151,11 @@ WorkspaceLayout workspace_layout(const BwdParams& p) {
     layout.dk_accum = buffers.take(sizeof(float) * p.num_heads_kv * k_rows * dims.head_dim);
     layout.dv_accum = buffers.take(sizeof(float) * p.num_heads_kv * k_rows * dims.head_dim_v);
   }
-  // dQ semaphores per (batch, head, row block), then dK / dV ones per (batch, kv head, column block).
+  // dQ semaphores per (batch, head, row block), dq_semaphore_stride ints apart, then dK / dV
+  // ones per (batch, kv head, column block).
   std::size_t const num_semaphores =
-      std::size_t(p.batch) * p.num_heads * num_m_blocks + std::size_t(p.batch) * p.num_heads_kv * num_n_blocks;
+      std::size_t(p.batch) * p.num_heads * num_m_blocks * std::size_t(p.dq_semaphore_stride) +
+      std::size_t(p.batch) * p.num_heads_kv * num_n_blocks;
   layout.semaphore = buffers.take(p.deterministic ? sizeof(int) * num_semaphores : 0);
   layout.row_class = buffers.take(needs_row_classes(p) ? row_class_bytes(p) : 0);
   layout.total = buffers.total();

@@ -71,11 +71,11 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
     cudaMemsetAsync(params.dk_accum, 0, sizeof(float) * size_t(num_heads_kv) * k_rows_padded * kHeadDim, stream);
     cudaMemsetAsync(params.dv_accum, 0, sizeof(float) * size_t(num_heads_kv) * k_rows_padded * kHeadDimV, stream);
   }
-  int* dkv_semaphore = params.deterministic ? params.dq_semaphore + size_t(batch) * num_heads * num_m_blocks : nullptr;
+  size_t const num_dq_semaphores = size_t(batch) * num_heads * num_m_blocks * size_t(params.dq_semaphore_stride);
+  int* dkv_semaphore = params.deterministic ? params.dq_semaphore + num_dq_semaphores : nullptr;
   if (params.deterministic) {
     cudaMemsetAsync(params.dq_semaphore, 0,
-                    sizeof(int) * (size_t(batch) * num_heads * num_m_blocks + size_t(batch) * num_heads_kv * num_n_blocks),
-                    stream);
+                    sizeof(int) * (num_dq_semaphores + size_t(batch) * num_heads_kv * num_n_blocks), stream);
   }
 
   // Preprocess: dPsum and lse_log2.
@@ -146,6 +146,7 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   ml.dpsum = params.dpsum;
   ml.dq_accum = params.dq_accum;
   ml.dq_semaphore = params.dq_semaphore;
+  ml.dq_semaphore_stride = params.dq_semaphore_stride;
   ml.q_rows_padded = q_rows_padded;
   ml.num_m_blocks = num_m_blocks;
   ml.seqlen_q = params.seqlen_q;

@@ -425,7 +425,8 @@ struct MainloopBwdSm90 {
     float const* lse_log2;  // (H, q_rows_padded)
     float const* dpsum;     // (H, q_rows_padded)
     float* dq_accum;        // (H, q_rows_padded, kHeadDim) in fragment-order chunks
-    int* dq_semaphore;      // (B, H, num_m_blocks), deterministic only
+    int* dq_semaphore;      // (B, H, num_m_blocks) x dq_semaphore_stride, deterministic only
+    int dq_semaphore_stride;  // ints from one row block's semaphore to the next
     int q_rows_padded;
     int num_m_blocks;
     int seqlen_q, seqlen_k;  // dense lengths, or max lengths when packed
@@ -601,6 +602,12 @@ struct MainloopBwdSm90 {
     return rank;
   }
 
+  // Deterministic dQ: the semaphores of (head, batch)'s row blocks, row block m at
+  // m * dq_semaphore_stride.
+  CUTE_DEVICE static int* dq_semaphores(Params const& p, int head, int batch) {
+    return p.dq_semaphore + (int64_t(batch) * p.num_heads + head) * p.num_m_blocks * p.dq_semaphore_stride;
+  }
+
   // Deterministic dQ: waits (lane 0, the whole warp calling) until row block m_block's earlier
   // contributors have added.
   CUTE_DEVICE static void await_turn(Params const& p, BwdSeqlen const& seq, RotationGroup const& g, int* semaphore,
@@ -612,7 +619,7 @@ struct MainloopBwdSm90 {
       rank = lane0 ? dq_rank(p, seq, g, n_block, m_block) : 0;
     }
     trace::mark_bwd_dq_warp(trace::kBwdTurnWait);
-    if (lane0) { semaphore_poll_eq(semaphore + m_block, rank); }
+    if (lane0) { semaphore_poll_eq(semaphore + m_block * p.dq_semaphore_stride, rank); }
     trace::mark_bwd_dq_warp(trace::kBwdTurn);
     __syncwarp();
   }
@@ -699,7 +706,7 @@ struct MainloopBwdSm90 {
       RotationGroup const rotation = rotation_group(p, seq, n_block, head, batch);
       constexpr int kWgChunk = kDqChunk / NumMmaWG;
       float* dq_accum = p.dq_accum + (int64_t(head) * p.q_rows_padded + seq.offset_q_padded) * kHeadDim;
-      int* semaphore = p.dq_semaphore + (int64_t(batch) * p.num_heads + head) * p.num_m_blocks;
+      int* semaphore = dq_semaphores(p, head, batch);
       bool const lane0 = cute::elect_one_sync();
       for (; walk.valid(); walk.next()) {
         int const m_block = walk.m_block;
@@ -720,7 +727,7 @@ struct MainloopBwdSm90 {
             // The full wait makes the adds visible to this thread; the release is cumulative
             // over them (no fence.sc between: it cost a tenth of the deterministic speed).
             asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-            semaphore_increment(semaphore + m_block);
+            semaphore_increment(semaphore + m_block * p.dq_semaphore_stride);
             trace::mark_bwd_dq_warp(trace::kBwdReleased);
           }
           __syncwarp();
@@ -752,14 +759,14 @@ struct MainloopBwdSm90 {
     if constexpr (!kDqViaSmem) {
       auto walk = make_walk(p, seq, n_block, head, batch);
       RotationGroup const rotation = rotation_group(p, seq, n_block, head, batch);
-      int* semaphore = p.dq_semaphore + (int64_t(batch) * p.num_heads + head) * p.num_m_blocks;
+      int* semaphore = dq_semaphores(p, head, batch);
       bool const lane0 = cute::elect_one_sync();
       for (; walk.valid(); walk.next()) {
         int const m_block = walk.m_block;
         await_turn(p, seq, rotation, semaphore, n_block, m_block, head, batch, lane0);
         cutlass::arch::NamedBarrier::arrive(NumMmaThreads + cutlass::NumThreadsPerWarp, uint32_t(BwdBarrier::kDqReady));
         cutlass::arch::NamedBarrier::sync(NumMmaThreads + cutlass::NumThreadsPerWarp, uint32_t(BwdBarrier::kDqDone));
-        if (lane0) { semaphore_increment(semaphore + m_block); }
+        if (lane0) { semaphore_increment(semaphore + m_block * p.dq_semaphore_stride); }
         trace::mark_bwd_dq_warp(trace::kBwdReleased);
         __syncwarp();
       }
@@ -781,7 +788,7 @@ struct MainloopBwdSm90 {
       auto walk = make_walk(p, seq, n_block, head, batch);
       float* dq_accum = p.dq_accum + (int64_t(head) * p.q_rows_padded + seq.offset_q_padded) * kHeadDim +
                         wg * (kDqChunk / NumMmaWG);
-      int* semaphore = p.dq_semaphore + (int64_t(batch) * p.num_heads + head) * p.num_m_blocks;
+      int* semaphore = dq_semaphores(p, head, batch);
       RotationGroup const rotation = rotation_group(p, seq, n_block, head, batch);
       bool const lane0 = cute::elect_one_sync();
       int piece = 0;         // pieces issued
@@ -816,7 +823,7 @@ struct MainloopBwdSm90 {
           __syncwarp();
           cutlass::arch::NamedBarrier::sync(NumMmaWG * cutlass::NumThreadsPerWarp, uint32_t(BwdBarrier::kDqLanded));
           if (wg == 0 && lane0) {
-            semaphore_increment(semaphore + m_block);
+            semaphore_increment(semaphore + m_block * p.dq_semaphore_stride);
             trace::mark_bwd_dq_warp(trace::kBwdReleased);
           }
           __syncwarp();

@@ -581,6 +581,14 @@ void expect_setting_choices(Parse parse, const char* variable, std::initializer_
   for (const char* bad : refused) expect_setting_refused(parse, bad, variable);
 }
 
+TEST(ParamsBackward, DqSemaphoresChoice) {
+  expect_setting_choices<decltype(&parse_bwd_dq_semaphores), BwdDqSemaphores>(
+      parse_bwd_dq_semaphores, "CUFLASH_BWD_DQ_SEMAPHORES",
+      {{"packed", BwdDqSemaphores::kPacked}, {"lines", BwdDqSemaphores::kLines}}, {"auto", "line", "32"});
+  EXPECT_EQ(dq_semaphore_stride(BwdDqSemaphores::kPacked), 1);
+  EXPECT_EQ(dq_semaphore_stride(BwdDqSemaphores::kLines) * int(sizeof(int)), 128);
+}
+
 TEST(ParamsBackward, DqPathChoice) {
   expect_setting_choices<decltype(&parse_bwd_dq_path), BwdDqPath>(
       parse_bwd_dq_path, "CUFLASH_BWD_DQ",
