@@ -362,12 +362,32 @@ def _resolve_variant(mod: Any, argument: str, cls: type, aux_tensors: Optional[L
     elif mod.name == "document":
         aux[0] = _aux_dtype(framework, aux[0], name=f"{argument} doc_ids", dtype="int32")
         shape = _shape(aux[0])
-        longest = max(call.seqlen_q if call.seqlen_q is not None else call.max_seqlen_q or call.total_q,
-                      call.seqlen_k if call.cu_seqlens_k is None else call.max_seqlen_k or call.seqlen_k)
+        # The ids cover the longest sequence: packed lengths from the max_seqlen hints, else
+        # read from host cu_seqlens (the bound total_q / total_k where they are on the device),
+        # paged keys as the page table addresses them (max_pages * page_size), as the C++ API.
+        seqlen_k = call.seqlen_k
+        if call.page_table is not None:
+            seqlen_k = int(call.page_table.shape[1]) * int(call.k.shape[1])
+        longest = max(
+            call.seqlen_q if call.cu_seqlens_q is None
+            else call.max_seqlen_q or _host_longest(call, call.cu_seqlens_q) or call.total_q,
+            seqlen_k if call.cu_seqlens_k is None
+            else call.max_seqlen_k or _host_longest(call, call.cu_seqlens_k) or seqlen_k)
         if len(shape) != 2 or shape[0] != batch or shape[1] < longest:
             _fail(ValueError, f"{argument} doc_ids",
                   f"expected shape (batch={batch}, L) with L >= max(seqlen_q, seqlen_k) = {longest}, got {shape}")
     return (mod.kind, list(mod.scalars), aux), from_aux_tensors
+
+
+def _host_longest(call: _Call, cu_seqlens: Tensor) -> Optional[int]:
+    """The longest packed sequence, read from cu_seqlens when it is on the host; else None."""
+    if call.device[0] != "cpu":
+        return None
+    try:
+        offsets = np.asarray(call.framework.to_numpy(cu_seqlens), np.int64)
+    except Exception:  # a traced array (JAX under jit) has no host values
+        return None
+    return int(np.max(np.diff(offsets))) if offsets.size >= 2 else None
 
 
 def _resolve_callable(mod: Any, argument: str, cls: type, aux_tensors: Optional[List[Tensor]],

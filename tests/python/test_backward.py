@@ -114,6 +114,32 @@ def test_varlen(rng, causal):
     check_grads(grads, expected)
 
 
+def test_document_ids_cover_the_longest_packed_sequence(rng):
+    # Without max_seqlen hints the document ids need to cover the longest sequence, read from the
+    # host cu_seqlens (as the C++ API does), not every packed row: two sequences of 4 take (2, 4).
+    cu = np.array([0, 4, 8], np.int32)
+    q, k, v = (randn(rng, (8, 2, 32)) for _ in range(3))
+    doc = np.array([[0, 0, 1, 1], [0, 1, 1, 1]], np.int32)
+    mask_mod = cuflash.masks.document(doc)
+    from cuflash import interface
+
+    # flash_attn_varlen_func keeps the seed's signature (no mask_mod): the forward as the torch
+    # ops run it.
+    out, lse = interface._run_forward(interface._prepare(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                                         mask_mod=mask_mod))
+    dout = randn(rng, out.shape)
+    grads = cuflash.flash_attn_backward(dout, q, k, v, out, lse, cu, cu, mask_mod=mask_mod)
+    opts = ref.Options(mask=lambda b, i, j: doc[b][i] == doc[b][j])
+    expected = [np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape), None]
+    for b, (start, length) in enumerate(ref.sequences(cu)):
+        rows = slice(start, start + length)
+        expected[0][rows], expected[1][rows], expected[2][rows], _ = ref.backward_one(
+            dout[rows], q[rows], k[rows], v[rows], out[rows], b, opts)
+    check_grads(grads, expected)
+    with pytest.raises(ValueError, match="mask_mod doc_ids"):
+        cuflash.flash_attn_backward(dout, q, k, v, out, lse, cu, cu, mask_mod=cuflash.masks.document(doc[:, :3]))
+
+
 def test_varlen_rows_past_the_last_sequence(rng):
     # A padded batch: 7 query and 5 key rows after the last sequence belong to none. The outputs
     # that the package allocates hold zeros there (not whatever the memory held), forward and
