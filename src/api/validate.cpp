@@ -227,6 +227,9 @@ void check_same_dtype(const TensorView& t, const std::string& name, DType dtype)
 struct HostLengths {
   bool known = false;
   std::vector<std::int64_t> q, k;  // per batch entry, after seqused
+  // Per batch entry, the whole sequence (cu_seqlens segment, dense length, or max_pages *
+  // page_size): what the max_seqlen hints stand for.
+  std::vector<std::int64_t> q_rows, k_rows;
 };
 
 // q, k, v (dtypes, shapes), the sequence layout and their sizes.
@@ -396,6 +399,8 @@ HostLengths check_host_sequences(const SequenceLayout& seq, const AttentionShape
     }
     lengths.q.push_back(len_q);
     lengths.k.push_back(len_k);
+    lengths.q_rows.push_back(capacity_q);
+    lengths.k_rows.push_back(capacity_k);
   }
   auto check_hint = [&](const std::optional<std::int64_t>& hint,
                         const std::vector<std::int64_t>& lens, const std::string& name,
@@ -418,8 +423,9 @@ struct KnownLengths {
   std::optional<std::int64_t> q, k;
 };
 
-// Fills seqlen_q / seqlen_k of packed layouts: the hint, the exact maximum from host memory,
-// or the bound total_q / total_k.
+// Fills seqlen_q / seqlen_k of packed layouts: the hint, the longest cu_seqlens segment from
+// host memory (what a hint stands for, so that block lists are shaped alike with and without
+// it, whatever seqused leaves of the sequences), or the bound total_q / total_k.
 KnownLengths resolve_lengths(const SequenceLayout& seq, const HostLengths& lengths,
                              AttentionShape& s) {
   auto longest = [](const std::vector<std::int64_t>& lens) {
@@ -431,7 +437,7 @@ KnownLengths resolve_lengths(const SequenceLayout& seq, const HostLengths& lengt
   } else if (seq.max_seqlen_q) {
     known.q = s.seqlen_q = *seq.max_seqlen_q;
   } else if (lengths.known) {
-    known.q = s.seqlen_q = longest(lengths.q);
+    known.q = s.seqlen_q = longest(lengths.q_rows);
   } else {
     s.seqlen_q = s.total_q;
   }
@@ -439,7 +445,7 @@ KnownLengths resolve_lengths(const SequenceLayout& seq, const HostLengths& lengt
     if (seq.max_seqlen_k) {
       known.k = s.seqlen_k = *seq.max_seqlen_k;
     } else if (lengths.known) {
-      known.k = s.seqlen_k = longest(lengths.k);
+      known.k = s.seqlen_k = longest(lengths.k_rows);
     } else {
       s.seqlen_k = s.total_k;
     }

@@ -834,6 +834,28 @@ TEST_F(ForwardValidation, BlockSparsityWithPackedOrPagedSequences) {
   args.opts.block_sparse->mask_block_idx = int_tensor(idx2, {2, 1, 2, 1});
   EXPECT_NO_THROW(validate(args));
 
+  // seqused does not change the count: the lists span the longest cu_seqlens segment with and
+  // without a hint, so a 130-row segment of which 20 rows are used is three 64-row blocks (the
+  // keys' 40 / 60 one 64-key block).
+  std::vector<std::int32_t> cu_long{0, 130, 150}, used_q{20, 20};
+  ForwardArgs used = varlen_forward();
+  used.q = tensor(DType::kFloat32, {150, 4, 64});
+  used.out = tensor(DType::kFloat32, {150, 4, 64});
+  used.lse = tensor(DType::kFloat32, {4, 150});
+  used.seq.cu_seqlens_q = int_tensor(cu_long, {3});
+  used.seq.seqused_q = int_tensor(used_q, {2});
+  std::vector<std::int32_t> cnt3(2 * 3, 0), idx3(2 * 3, 0);
+  used.opts.block_sparse = block_mask();
+  used.opts.block_sparse->mask_block_cnt = int_tensor(cnt3, {2, 1, 3});
+  used.opts.block_sparse->mask_block_idx = int_tensor(idx3, {2, 1, 3, 1});
+  EXPECT_NO_THROW(validate(used));
+  used.seq.max_seqlen_q = 130;
+  EXPECT_NO_THROW(validate(used));
+  used.seq.max_seqlen_q.reset();
+  used.opts.block_sparse->mask_block_cnt = int_tensor(cnt, {2, 1, 1});
+  used.opts.block_sparse->mask_block_idx = int_tensor(idx, {2, 1, 1, 1});
+  EXPECT_INVALID(validate(used), "mask_block_cnt", "expected shape (2, 1, 3)");
+
   // cu_seqlens in device memory: the lengths must be hinted.
   ForwardArgs device_args = varlen_forward();
   device_args.seq.cu_seqlens_q = TensorView(cu_q_.data(), DType::kInt32, {3}, kCuda0);
