@@ -163,11 +163,19 @@ def _device_str(device: Tuple[str, int]) -> str:
 
 
 def _maybe_contiguous(framework: Framework, x: Optional[Tensor]) -> Optional[Tensor]:
-    """Copies only when the last dimension is strided (the kernels need it contiguous)."""
+    """Copies only when the kernels cannot read the input as it is: a strided last dimension, or
+    on the GPU another stride that is not a multiple of 16 bytes (TMA's rule; the C++ API refuses
+    those naming the argument, here a contiguous copy stands in)."""
     if x is None or len(x.shape) == 0:
         return x
-    if framework.strides(x)[-1] != 1 and x.shape[-1] > 1:
+    shape, strides = _shape(x), framework.strides(x)
+    if strides[-1] != 1 and shape[-1] > 1:
         return framework.contiguous(x)
+    if framework.device(x)[0] == "cuda":
+        multiple = max(1, 16 // np.dtype(np.float16 if framework.dtype(x) in ("float16", "bfloat16")
+                                          else framework.dtype(x)).itemsize)
+        if any(stride % multiple != 0 for stride, size in zip(strides[:-1], shape[:-1]) if size > 1):
+            return framework.contiguous(x)
     return x
 
 

@@ -588,3 +588,30 @@ def test_import_does_not_import_torch():
     code = "import sys, cuflash; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_gpu_inputs_with_unaligned_strides_are_copied():
+    # On the GPU the kernels read q / k / v / dout by TMA, whose strides are multiples of 16
+    # bytes: other layouts go in as contiguous copies (the C++ API refuses them instead). A
+    # framework that says its arrays live on the GPU shows which inputs are copied.
+    from cuflash import interface
+    from cuflash._tensors import NumpyFramework
+
+    class OnGpu(NumpyFramework):
+        def device(self, x):
+            return ("cuda", 0)
+
+        def contiguous(self, x):
+            return ("copied", np.ascontiguousarray(x))
+
+    framework = OnGpu()
+    heads_130 = np.zeros((2, 10, 4, 130), np.float16)[..., :128]  # head stride 130 elements
+    assert interface._maybe_contiguous(framework, heads_130)[0] == "copied"
+    aligned = np.zeros((2, 10, 4, 136), np.float16)[..., :128]  # 136 elements: 272 bytes
+    assert interface._maybe_contiguous(framework, aligned) is aligned
+    # A dimension of size 1 is never stepped over, whatever its stride.
+    one_head = np.lib.stride_tricks.as_strided(np.zeros((2, 10, 1, 128), np.float16),
+                                               strides=(10 * 128 * 2, 128 * 2, 3 * 2, 2))
+    assert interface._maybe_contiguous(framework, one_head) is one_head
+    # On the CPU (the reference) any stride is read as it is.
+    assert interface._maybe_contiguous(NumpyFramework(), heads_130) is heads_130
