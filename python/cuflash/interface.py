@@ -172,8 +172,8 @@ def _maybe_contiguous(framework: Framework, x: Optional[Tensor]) -> Optional[Ten
     if strides[-1] != 1 and shape[-1] > 1:
         return framework.contiguous(x)
     if framework.device(x)[0] == "cuda":
-        multiple = max(1, 16 // np.dtype(np.float16 if framework.dtype(x) in ("float16", "bfloat16")
-                                          else framework.dtype(x)).itemsize)
+        itemsize = 2 if framework.dtype(x) == "bfloat16" else np.dtype(framework.dtype(x)).itemsize
+        multiple = max(1, 16 // itemsize)
         if any(stride % multiple != 0 for stride, size in zip(strides[:-1], shape[:-1]) if size > 1):
             return framework.contiguous(x)
     return x
@@ -373,9 +373,7 @@ def _resolve_variant(mod: Any, argument: str, cls: type, aux_tensors: Optional[L
         # The ids cover the longest sequence: packed lengths from the max_seqlen hints, else
         # read from host cu_seqlens (the bound total_q / total_k where they are on the device),
         # paged keys as the page table addresses them (max_pages * page_size), as the C++ API.
-        seqlen_k = call.seqlen_k
-        if call.page_table is not None:
-            seqlen_k = int(call.page_table.shape[1]) * int(call.k.shape[1])
+        seqlen_k = _addressed_keys(call)
         longest = max(
             call.seqlen_q if call.cu_seqlens_q is None
             else call.max_seqlen_q or _host_longest(call, call.cu_seqlens_q) or call.total_q,
@@ -385,6 +383,13 @@ def _resolve_variant(mod: Any, argument: str, cls: type, aux_tensors: Optional[L
             _fail(ValueError, f"{argument} doc_ids",
                   f"expected shape (batch={batch}, L) with L >= max(seqlen_q, seqlen_k) = {longest}, got {shape}")
     return (mod.kind, list(mod.scalars), aux), from_aux_tensors
+
+
+def _addressed_keys(call: _Call) -> int:
+    """Keys a sequence can hold: seqlen_k, or with a page table max_pages * page_size."""
+    if call.page_table is not None:
+        return int(call.page_table.shape[1]) * int(call.k.shape[1])
+    return call.seqlen_k
 
 
 def _host_longest(call: _Call, cu_seqlens: Tensor) -> Optional[int]:
@@ -466,23 +471,16 @@ def _check_block_sparse(call: _Call, lists: Sequence[Optional[Tensor]], names: S
     def longest(length, cu_seqlens, hint, side, block, blocks):
         if cu_seqlens is None or hint is not None:
             return length if cu_seqlens is None else hint
-        if call.device[0] == "cpu":
-            try:
-                offsets = np.asarray(framework.to_numpy(cu_seqlens), np.int64)
-            except Exception:  # a traced array (JAX under jit) has no host values
-                offsets = None
-            if offsets is not None and offsets.size >= 2:
-                return int(np.max(np.diff(offsets)))
+        host = _host_longest(call, cu_seqlens)
+        if host is not None:
+            return host
         _fail(ValueError, f"max_seqlen_{side}", f"block sparsity with cu_seqlens_{side} on the GPU (or traced) needs "
                                                 f"max_seqlen_{side}: the lists count ceil(max_seqlen_{side} / {block}) "
                                                 f"{blocks} blocks per sequence, and reading cu_seqlens_{side} would "
                                                 f"wait for the device")
 
     seqlen_q = longest(call.seqlen_q, call.cu_seqlens_q, call.max_seqlen_q, "q", BLOCK_M, "row")
-    seqlen_k = call.seqlen_k
-    if call.page_table is not None:
-        seqlen_k = int(call.page_table.shape[1]) * int(call.k.shape[1])
-    seqlen_k = longest(seqlen_k, call.cu_seqlens_k, call.max_seqlen_k, "k", BLOCK_N, "column")
+    seqlen_k = longest(_addressed_keys(call), call.cu_seqlens_k, call.max_seqlen_k, "k", BLOCK_N, "column")
     rows = -(-seqlen_q // BLOCK_M)
     cols = -(-seqlen_k // BLOCK_N)
     if transposed:

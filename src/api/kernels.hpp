@@ -13,9 +13,10 @@ namespace cuflash::sm90 {
 
 // Throws cuflash::Error(kNotSupported) naming the argument the kernels cannot take, or
 // kNotBuilt naming the CMake option when the configuration (dtype, head dims, features) was
-// not compiled into this build: what run_forward checks first, callable before the workspace
-// is sized or allocated.
+// not compiled into this build. Called before the workspace is sized or allocated.
 void check_forward_supported(const FwdParams& params);
+// Launches the forward of params that passed check_forward_supported (with the workspace
+// carved); a kernel not in the build still throws kNotBuilt.
 void run_forward(FwdParams& params, StreamHandle stream);
 // Whether the forward kernel that `params` (num_splits included) would launch is in this build.
 bool forward_kernel_built(const FwdParams& params);

@@ -140,6 +140,21 @@ void check_tma_operand(const char* argument, const void* data,
   }
 }
 
+// The built kernel that runs `params`; kNotBuilt naming the CMake options if it is not in this
+// build.
+const FwdEntry& built_entry(const FwdParams& params) {
+  std::string const name = fwd_kernel_name(params);
+  const FwdEntry* const entry = find_entry(name);
+  if (entry->name == nullptr) {
+    throw Error(Error::Kind::kNotBuilt, "q",
+                "the sm90 forward kernel '" + describe(name) +
+                    "' is not in this build (CUFLASH_KERNEL_SET=" + CUFLASH_KERNEL_SET +
+                    "); reconfigure with -DCUFLASH_KERNEL_SET=all, or =custom with CUFLASH_HDIMS and "
+                    "CUFLASH_DTYPES naming it, and CUFLASH_FEATURES holding its features");
+  }
+  return *entry;
+}
+
 }  // namespace
 
 void check_forward_supported(const FwdParams& params) {
@@ -161,15 +176,7 @@ void check_forward_supported(const FwdParams& params) {
   check_tma_operand("out", params.out,
                     {params.o_row_stride, params.o_head_stride, params.o_batch_stride});
   // A kernel module compiled at run time for expression mods stands in for the built one.
-  if (params.expression_kernel != 0) return;
-  std::string const name = fwd_kernel_name(params);
-  if (find_entry(name)->name == nullptr) {
-    throw Error(Error::Kind::kNotBuilt, "q",
-                "the sm90 forward kernel '" + describe(name) +
-                    "' is not in this build (CUFLASH_KERNEL_SET=" + CUFLASH_KERNEL_SET +
-                    "); reconfigure with -DCUFLASH_KERNEL_SET=all, or =custom with CUFLASH_HDIMS and "
-                    "CUFLASH_DTYPES naming it, and CUFLASH_FEATURES holding its features");
-  }
+  if (params.expression_kernel == 0) built_entry(params);
 }
 
 void run_forward(FwdParams& params, StreamHandle stream) {
@@ -178,13 +185,12 @@ void run_forward(FwdParams& params, StreamHandle stream) {
         Error::Kind::kInvalidArgument, "num_splits",
         "split-KV needs out_partial and lse_partial buffers (allocated by cuflash::forward)");
   }
-  check_forward_supported(params);
   if (params.expression_kernel != 0) {  // compiled at run time for expression mods
     reinterpret_cast<ExpressionFwdLauncher>(params.expression_kernel)(&params,
                                                                       static_cast<cudaStream_t>(stream));
     return;
   }
-  find_entry(fwd_kernel_name(params))->launch(params, static_cast<cudaStream_t>(stream));
+  built_entry(params).launch(params, static_cast<cudaStream_t>(stream));
 }
 
 bool forward_kernel_built(const FwdParams& params) { return find_entry(fwd_kernel_name(params))->name != nullptr; }

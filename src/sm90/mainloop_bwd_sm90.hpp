@@ -607,6 +607,9 @@ struct MainloopBwdSm90 {
   CUTE_DEVICE static int* dq_semaphores(Params const& p, int head, int batch) {
     return p.dq_semaphore + (int64_t(batch) * p.num_heads + head) * p.num_m_blocks * p.dq_semaphore_stride;
   }
+  CUTE_DEVICE static int* row_semaphore(Params const& p, int* semaphores, int m_block) {
+    return semaphores + m_block * p.dq_semaphore_stride;
+  }
 
   // Deterministic dQ: waits (lane 0, the whole warp calling) until row block m_block's earlier
   // contributors have added.
@@ -619,7 +622,7 @@ struct MainloopBwdSm90 {
       rank = lane0 ? dq_rank(p, seq, g, n_block, m_block) : 0;
     }
     trace::mark_bwd_dq_warp(trace::kBwdTurnWait);
-    if (lane0) { semaphore_poll_eq(semaphore + m_block * p.dq_semaphore_stride, rank); }
+    if (lane0) { semaphore_poll_eq(row_semaphore(p, semaphore, m_block), rank); }
     trace::mark_bwd_dq_warp(trace::kBwdTurn);
     __syncwarp();
   }
@@ -727,7 +730,7 @@ struct MainloopBwdSm90 {
             // The full wait makes the adds visible to this thread; the release is cumulative
             // over them (no fence.sc between: it cost a tenth of the deterministic speed).
             asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-            semaphore_increment(semaphore + m_block * p.dq_semaphore_stride);
+            semaphore_increment(row_semaphore(p, semaphore, m_block));
             trace::mark_bwd_dq_warp(trace::kBwdReleased);
           }
           __syncwarp();
@@ -766,7 +769,7 @@ struct MainloopBwdSm90 {
         await_turn(p, seq, rotation, semaphore, n_block, m_block, head, batch, lane0);
         cutlass::arch::NamedBarrier::arrive(NumMmaThreads + cutlass::NumThreadsPerWarp, uint32_t(BwdBarrier::kDqReady));
         cutlass::arch::NamedBarrier::sync(NumMmaThreads + cutlass::NumThreadsPerWarp, uint32_t(BwdBarrier::kDqDone));
-        if (lane0) { semaphore_increment(semaphore + m_block * p.dq_semaphore_stride); }
+        if (lane0) { semaphore_increment(row_semaphore(p, semaphore, m_block)); }
         trace::mark_bwd_dq_warp(trace::kBwdReleased);
         __syncwarp();
       }
@@ -823,7 +826,7 @@ struct MainloopBwdSm90 {
           __syncwarp();
           cutlass::arch::NamedBarrier::sync(NumMmaWG * cutlass::NumThreadsPerWarp, uint32_t(BwdBarrier::kDqLanded));
           if (wg == 0 && lane0) {
-            semaphore_increment(semaphore + m_block * p.dq_semaphore_stride);
+            semaphore_increment(row_semaphore(p, semaphore, m_block));
             trace::mark_bwd_dq_warp(trace::kBwdReleased);
           }
           __syncwarp();

@@ -93,7 +93,7 @@ CUTLASS_DEVICE void zero_smem_rows(ElementAddress const& element, int row_begin,
 // CUFLASH_POLL_SLEEP_NS (a build switch for a device A/B, 0 by default: the tight loop): each
 // failed poll then waits that long (nanosleep) before the next, so that many waiting CTAs load
 // the semaphores' lines less often while the writers' releases go to them (bench/NOTES.md,
-// "Deterministic backward: polls that back off").
+// "Deterministic backward: where the polls and releases land").
 #ifndef CUFLASH_POLL_SLEEP_NS
 #define CUFLASH_POLL_SLEEP_NS 0
 #endif
