@@ -236,9 +236,9 @@ struct BwdParams {
   // Deterministic runs without a window: where the column blocks' walks start, a BwdDetWalk
   // value. From CUFLASH_BWD_DET_WALK.
   int det_walk = 0;
-  // Deterministic runs: ints from one row block's dQ semaphore to the next (1: adjacent, a
-  // head's in one or two 128-byte lines; 32: a line each). From CUFLASH_BWD_DQ_SEMAPHORES.
-  int dq_semaphore_stride = 1;
+  // Deterministic runs: ints from one row block's dQ semaphore to the next (32: a 128-byte line
+  // each, the default; 1: adjacent). From CUFLASH_BWD_DQ_SEMAPHORES.
+  int dq_semaphore_stride = 32;
   // Rows per step and keys per column block of the backward tile that dispatch laid the
   // workspace out for (the tile depends on whether the kernel has a per-element score
   // derivative, and for the flex kernels on block lists); the launcher refuses to run a kernel
@@ -286,9 +286,10 @@ enum class BwdDqPath : int { kAuto = 0, kAtomics = 1, kBulk = 2 };
 // column blocks fit on the GPU at once, else ascending.
 enum class BwdDetWalk : int { kAuto = 0, kWaves = 1, kAscending = 2 };
 // Where the deterministic backward's dQ semaphores lie (BwdParams::dq_semaphore_stride):
-// kPacked: one int per row block, adjacent; kLines: each in a 128-byte line of its own, so that
-// CTAs polling or releasing different row blocks of a head do not share a line.
-enum class BwdDqSemaphores : int { kPacked = 0, kLines = 1 };
+// kLines (the default): each in a 128-byte line of its own, so that CTAs polling or releasing
+// different row blocks of a head do not share a line (4-5% faster at hdim128 causal than kPacked,
+// bench/NOTES.md); kPacked: one int per row block, adjacent.
+enum class BwdDqSemaphores : int { kLines = 0, kPacked = 1 };
 struct BwdLaunchChoice {
   BwdLaunchOrder order = BwdLaunchOrder::kAuto;
   int head_group = 0;  // kHeads: heads launched together; 0: all of a batch's

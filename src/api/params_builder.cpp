@@ -583,7 +583,7 @@ BwdDetWalk bwd_det_walk() {
 
 BwdDqSemaphores parse_bwd_dq_semaphores(const char* value) {
   return parse_setting<BwdDqSemaphores>("CUFLASH_BWD_DQ_SEMAPHORES", value,
-                                        {{"packed", BwdDqSemaphores::kPacked}, {"lines", BwdDqSemaphores::kLines}});
+                                        {{"lines", BwdDqSemaphores::kLines}, {"packed", BwdDqSemaphores::kPacked}});
 }
 
 BwdDqSemaphores bwd_dq_semaphores() {

@@ -90,19 +90,13 @@ CUTLASS_DEVICE void zero_smem_rows(ElementAddress const& element, int row_begin,
 
 // Spin until *ptr == value by one thread, polling without ordering and then acquiring once (an
 // acquire load per poll would also discard the L1 lines of the CTA's other warps each time).
-// CUFLASH_POLL_SLEEP_NS (a build switch for a device A/B, 0 by default: the tight loop): each
-// failed poll then waits that long (nanosleep) before the next, so that many waiting CTAs load
-// the semaphores' lines less often while the writers' releases go to them (bench/NOTES.md,
-// "Deterministic backward: where the polls and releases land").
-#ifndef CUFLASH_POLL_SLEEP_NS
-#define CUFLASH_POLL_SLEEP_NS 0
-#endif
+// A backoff between polls (nanosleep, 200 ns) measured no change: what costs is the semaphores
+// sharing a line, not how often it is polled (bench/NOTES.md).
 CUTLASS_DEVICE void semaphore_poll_eq(int const* ptr, int value) {
   int current;
   while (true) {
     asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];\n" : "=r"(current) : "l"(ptr) : "memory");
     if (current == value) break;
-    if constexpr (CUFLASH_POLL_SLEEP_NS > 0) __nanosleep(CUFLASH_POLL_SLEEP_NS);
   }
   asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
 }

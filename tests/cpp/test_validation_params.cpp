@@ -584,7 +584,7 @@ void expect_setting_choices(Parse parse, const char* variable, std::initializer_
 TEST(ParamsBackward, DqSemaphoresChoice) {
   expect_setting_choices<decltype(&parse_bwd_dq_semaphores), BwdDqSemaphores>(
       parse_bwd_dq_semaphores, "CUFLASH_BWD_DQ_SEMAPHORES",
-      {{"packed", BwdDqSemaphores::kPacked}, {"lines", BwdDqSemaphores::kLines}}, {"auto", "line", "32"});
+      {{"lines", BwdDqSemaphores::kLines}, {"packed", BwdDqSemaphores::kPacked}}, {"auto", "line", "32"});
   EXPECT_EQ(dq_semaphore_stride(BwdDqSemaphores::kPacked), 1);
   EXPECT_EQ(dq_semaphore_stride(BwdDqSemaphores::kLines) * int(sizeof(int)), 128);
 }
