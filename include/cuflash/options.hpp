@@ -122,6 +122,9 @@ struct ForwardArgs {
 struct BackwardArgs {
   TensorView q, k, v, out, dout;
   TensorView lse;                          // fp32, from forward
+  // fp32, lse's shape: the gradient that reaches lse when the caller uses it (return_lse). Since
+  // d lse_i / d s_ij = P_ij, it adds dlse_i * P_ij to dS (and to d_sink through P_sink). None: 0.
+  std::optional<TensorView> dlse;
   TensorView dq, dk, dv;                   // preallocated, shapes of q, k, v
   std::optional<TensorView> learnable_sink;
   std::optional<TensorView> d_sink;        // (H,) fp32; required when learnable_sink is given

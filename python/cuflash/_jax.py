@@ -249,8 +249,9 @@ def _attention_fn():
         dout, dlse = cotangents
         if not isinstance(dlse, SymbolicZero):
             raise NotImplementedError(
-                "lse: gradients through lse are not supported (cuflash differentiates out with respect to q, k, v "
-                "and learnable_sink); apply jax.lax.stop_gradient to lse where it feeds the loss")
+                "lse: gradients through lse are not taken with JAX arrays (the JAX custom call differentiates out "
+                "with respect to q, k, v and learnable_sink; torch and flash_attn_backward's dlse take them); apply "
+                "jax.lax.stop_gradient to lse where it feeds the loss")
         if isinstance(dout, SymbolicZero):
             dout = jax.numpy.zeros(out.shape, out.dtype)
         dq, dk, dv, d_sink = _backward_call(static, q, k, v, sink, extras, aux, out, dout, lse)

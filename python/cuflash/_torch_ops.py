@@ -80,7 +80,8 @@ def _(q, k, v, learnable_sink, cu_seqlens_q, *args):
 
 
 @torch.library.custom_op("cuflash::bwd", mutates_args=())
-def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, learnable_sink: Optional[Tensor],
+def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
+        learnable_sink: Optional[Tensor],
         cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], seqused_q: Optional[Tensor],
         seqused_k: Optional[Tensor], page_table: Optional[Tensor], max_seqlen_q: Optional[int],
         max_seqlen_k: Optional[int], softmax_scale: Optional[float], causal: bool, window_left: int,
@@ -91,15 +92,15 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                  max_seqlen_k, page_table, softmax_scale, causal, window_left, window_right, softcap, score_mod_kind,
                  score_mod_scalars, mask_mod_kind, mask_mod_scalars, aux, num_score_aux, block_sparse,
                  block_sparse_slots, 1, None, deterministic)
-    dq, dk, dv, d_sink = _interface._run_backward(call, out, dout.contiguous() if dout.stride(-1) != 1 else dout,
-                                                  lse)
+    dout, dlse = (None if t is None else t.contiguous() if t.stride(-1) != 1 else t for t in (dout, dlse))
+    dq, dk, dv, d_sink = _interface._run_backward(call, out, dout, lse, dlse)
     if d_sink is None:
         d_sink = q.new_zeros((0,), dtype=torch.float32)
     return dq, dk, dv, d_sink
 
 
 @bwd.register_fake
-def _(dout, q, k, v, out, lse, learnable_sink, *args):
+def _(dout, q, k, v, out, lse, dlse, learnable_sink, *args):
     heads = 0 if learnable_sink is None else q.shape[-2]
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             q.new_empty((heads,), dtype=torch.float32))
@@ -120,7 +121,6 @@ def _setup_context(ctx, inputs, output):
     named = dict(zip(_FWD_INPUTS, inputs))
     out, lse = output
     ctx.save_for_backward(*(named[n] for n in _TENSOR_INPUTS), out, lse)
-    ctx.mark_non_differentiable(lse)
     ctx.options = {n: named[n] for n in _OPTIONS}
     # Lists of tensors are kept as they are (they need no gradient).
     ctx.aux = named["aux"]
@@ -133,9 +133,13 @@ def _setup_context(ctx, inputs, output):
                         if isinstance(value, list) and all(isinstance(x, Tensor) for x in value)}
 
 
-def _backward(ctx, dout, _dlse):
+def _backward(ctx, dout, dlse):
+    # dlse, the gradient of lse (zeros or None when the loss does not use it), enters the
+    # backward's preprocess only: dPsum = rowsum(dO * O) - dlse.
     q, k, v, sink, cu_q, cu_k, used_q, used_k, page_table, out, lse = ctx.saved_tensors
-    dq, dk, dv, d_sink = bwd(dout, q, k, v, out, lse, sink, cu_q, cu_k, used_q, used_k, page_table, aux=ctx.aux,
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv, d_sink = bwd(dout, q, k, v, out, lse, dlse, sink, cu_q, cu_k, used_q, used_k, page_table, aux=ctx.aux,
                              block_sparse=ctx.block_sparse,
                              block_sparse_slots=ctx.block_sparse_slots, deterministic=ctx.deterministic, **ctx.options)
     grads = {name: [None] * length for name, length in ctx.list_lengths.items()}

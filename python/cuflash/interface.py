@@ -707,8 +707,9 @@ def _run_forward(call: _Call) -> Tuple[Tensor, Tensor]:
     return out, lse
 
 
-def _run_backward(call: _Call, out: Tensor, dout: Tensor, lse: Tensor
+def _run_backward(call: _Call, out: Tensor, dout: Tensor, lse: Tensor, dlse: Optional[Tensor] = None
                   ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """dlse: the gradient reaching lse (lse's shape, float32, last dim contiguous), or None."""
     framework = call.framework
     dq = _output_alloc(framework, call.cu_seqlens_q is not None)(_shape(call.q), call.dtype, like=call.q)
     # Paged k / v: every page row is written (pages no sequence reads get zeros).
@@ -721,7 +722,7 @@ def _run_backward(call: _Call, out: Tensor, dout: Tensor, lse: Tensor
     stream = call.stream()
     _C.backward(call.export(call.q), call.export(call.k), call.export(call.v), call.export(out),
                 call.export(dout), call.export(lse), call.export(dq), call.export(dk), call.export(dv),
-                learnable_sink=call.export(call.learnable_sink), d_sink=call.export(d_sink),
+                learnable_sink=call.export(call.learnable_sink), d_sink=call.export(d_sink), dlse=call.export(dlse),
                 page_table=call.export(call.page_table), deterministic=call.deterministic, stream=stream,
                 expression_kernel=call.expression_kernels[1],
                 workspace_allocator=framework.workspace_allocator(call.q), **call.common_kwargs())
@@ -729,9 +730,11 @@ def _run_backward(call: _Call, out: Tensor, dout: Tensor, lse: Tensor
     return dq, dk, dv, d_sink
 
 
-def _check_backward_inputs(call: _Call, out: Tensor, dout: Tensor, lse: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+def _check_backward_inputs(call: _Call, out: Tensor, dout: Tensor, lse: Tensor, dlse: Optional[Tensor] = None
+                           ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     framework = call.framework
-    for tensor, name in ((out, "out"), (dout, "dout"), (lse, "lse")):
+    named = [(out, "out"), (dout, "dout"), (lse, "lse")] + ([(dlse, "dlse")] if dlse is not None else [])
+    for tensor, name in named:
         _check_tensor(tensor, name, framework)
         _check_device(framework, tensor, name, call.device)
     _check_shape(out, "out", call.out_shape)
@@ -741,7 +744,12 @@ def _check_backward_inputs(call: _Call, out: Tensor, dout: Tensor, lse: Tensor) 
         if framework.dtype(tensor) != call.dtype:
             _fail(TypeError, name, f"expected the dtype of q ({call.dtype}), got {framework.dtype(tensor)}")
     _check_dtype(framework, lse, "lse", ("float32",))
-    return tuple(_maybe_contiguous(framework, t) for t in (out, dout, lse))
+    if dlse is not None:
+        _check_shape(dlse, "dlse", call.lse_shape)
+        _check_dtype(framework, dlse, "dlse", ("float32",))
+        dlse = _maybe_contiguous(framework, dlse)
+    out, dout, lse = (_maybe_contiguous(framework, t) for t in (out, dout, lse))
+    return out, dout, lse, dlse
 
 
 # ---------------------------------------------------------------------------------------------
@@ -765,15 +773,19 @@ def _torch_function():
             out, lse = _run_forward(call)
             ctx.save_for_backward(q, k, v, out, lse, learnable_sink)
             ctx.call = call
-            ctx.mark_non_differentiable(lse)
             return out, lse
 
         @staticmethod
-        def backward(ctx, dout, _dlse):
+        def backward(ctx, dout, dlse):
+            # Gradients of an output the loss does not use come as zeros (materialized) or None;
+            # dlse enters the preprocess only (dPsum = rowsum(dO * O) - dlse).
             q, k, v, out, lse, learnable_sink = ctx.saved_tensors
             call = replace(ctx.call, q=q, k=k, v=v, learnable_sink=learnable_sink)
+            if dout is None:
+                dout = call.framework.zeros(_shape(out), call.dtype, like=out)
             dout = _maybe_contiguous(call.framework, dout)
-            dq, dk, dv, d_sink = _run_backward(call, out, dout, lse)
+            dlse = _maybe_contiguous(call.framework, dlse)
+            dq, dk, dv, d_sink = _run_backward(call, out, dout, lse, dlse)
             if d_sink is not None:
                 d_sink = d_sink.to(learnable_sink.dtype)
             return dq, dk, dv, d_sink, None
@@ -901,7 +913,7 @@ def flash_attn_func(
         (out, lse): out (batch, seqlen_q, num_heads, head_dim_v) in q's dtype and lse
         (batch, num_heads, seqlen_q) float32, the log-sum-exp of each row's scores (-inf for a
         row with no visible key, whose out is 0). Arrays of q's framework and device; with
-        torch, out is differentiable with respect to q, k, v and learnable_sink.
+        torch, out and lse are differentiable with respect to q, k, v and learnable_sink.
 
     JAX: works inside jax.jit and under jax.grad / jax.vjp (out differentiable with respect to
     q, k, v and learnable_sink; a cotangent reaching lse raises NotImplementedError).
@@ -963,8 +975,8 @@ def flash_attn_varlen_func(
     Returns:
         (out, lse): out (total_q, num_heads, head_dim_v) (or (batch, seqlen_q, ...) for
         fixed-length q) in q's dtype and lse (num_heads, total_q) (or (batch, num_heads,
-        seqlen_q)) float32. With torch, out is differentiable with respect to q, k, v and
-        learnable_sink.
+        seqlen_q)) float32. With torch, out and lse are differentiable with respect to q, k, v
+        and learnable_sink.
 
     JAX: as flash_attn_func (jax.jit, jax.grad); cu_seqlens_*, seqused_*, page_table and
     aux_tensors may be traced, max_seqlen_* must be Python ints. With page_table the gradients
@@ -1007,11 +1019,14 @@ def flash_attn_backward(
     q_mask_block_cnt: Optional[Tensor] = None,
     q_mask_block_idx: Optional[Tensor] = None,
     page_table: Optional[Tensor] = None,
+    dlse: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     """The backward pass without autograd (for NumPy, CuPy and JAX arrays, or explicit use;
     JAX arrays may be traced, inside jax.jit).
 
-    Takes the forward's inputs, options, out and lse, and the gradient dout of out. The
+    Takes the forward's inputs, options, out and lse, the gradient dout of out and optionally
+    dlse, the gradient of lse (lse's shape, float32; for a loss that uses lse as well; not taken
+    with JAX arrays). The
     block-sparse backward lists (q_* : per column block, the row blocks that see it) are
     optional: without them the backward reads the forward lists (tabulated on the GPU). With
     page_table (as the forward's, k and v the pages), dk and dv are the gradients of the pages: a
@@ -1028,12 +1043,14 @@ def flash_attn_backward(
                     score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors,
                     block_sparse=(mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx),
                     q_block_sparse=(q_mask_block_cnt, q_mask_block_idx, q_full_block_cnt, q_full_block_idx))
-    out, dout, lse = _check_backward_inputs(call, out, dout, lse)
+    out, dout, lse, dlse = _check_backward_inputs(call, out, dout, lse, dlse)
     if _uses_jax_ffi(call.framework):
+        if dlse is not None:
+            _fail(NotImplementedError, "dlse", "not taken with JAX arrays (the JAX custom call has no gradient of lse)")
         from . import _jax
 
         return _jax.backward(call, out, dout, lse)
-    return _run_backward(call, out, dout, lse)
+    return _run_backward(call, out, dout, lse, dlse)
 
 
 def flash_attn_combine(

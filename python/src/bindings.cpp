@@ -261,7 +261,7 @@ void forward(const InArray& q, const InArray& k, const InArray& v, const OutArra
 
 void backward(const InArray& q, const InArray& k, const InArray& v, const InArray& out, const InArray& dout,
               const InArray& lse, const OutArray& dq, const OutArray& dk, const OutArray& dv,
-              const OptIn& learnable_sink, const OptOut& d_sink, const OptIn& cu_seqlens_q,
+              const OptIn& learnable_sink, const OptOut& d_sink, const OptIn& dlse, const OptIn& cu_seqlens_q,
               const OptIn& cu_seqlens_k, const OptIn& seqused_q, const OptIn& seqused_k,
               std::optional<std::int64_t> max_seqlen_q, std::optional<std::int64_t> max_seqlen_k,
               const OptIn& page_table, std::optional<double> softmax_scale, bool causal, int window_left,
@@ -284,6 +284,7 @@ void backward(const InArray& q, const InArray& k, const InArray& v, const InArra
   args.dv = to_view(dv, "dv");
   args.learnable_sink = to_view(learnable_sink, "learnable_sink");
   args.d_sink = to_view(d_sink, "d_sink");
+  args.dlse = to_view(dlse, "dlse");
   CommonArgs common = make_common(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
                                   page_table, softmax_scale, causal, window_left, window_right, softcap,
                                   score_mod_kind, score_mod_scalars, score_mod_aux, mask_mod_kind,
@@ -490,7 +491,7 @@ NB_MODULE(_C, m) {
         "workspace_allocator: (bytes) -> a device array of at least that many bytes, usable on the "
         "stream (None: stream-ordered memory of the call's own).");
   m.def("backward", &backward, "q"_a, "k"_a, "v"_a, "out"_a, "dout"_a, "lse"_a, "dq"_a, "dk"_a, "dv"_a,
-        "learnable_sink"_a.none() = nb::none(), "d_sink"_a.none() = nb::none(),
+        "learnable_sink"_a.none() = nb::none(), "d_sink"_a.none() = nb::none(), "dlse"_a.none() = nb::none(),
         "cu_seqlens_q"_a.none() = nb::none(), "cu_seqlens_k"_a.none() = nb::none(),
         "seqused_q"_a.none() = nb::none(), "seqused_k"_a.none() = nb::none(),
         "max_seqlen_q"_a.none() = nb::none(), "max_seqlen_k"_a.none() = nb::none(),
@@ -502,7 +503,8 @@ NB_MODULE(_C, m) {
         "block_n"_a = 128, "deterministic"_a = false, "stream"_a = 0,
         "score_mod_program"_a = std::vector<std::int32_t>{}, "mask_mod_program"_a = std::vector<std::int32_t>{},
         "expression_kernel"_a = 0, "workspace_allocator"_a = nb::none(),
-        "Runs cuflash::backward, writing dq, dk, dv (and d_sink when given); expression_kernel and "
+        "Runs cuflash::backward, writing dq, dk, dv (and d_sink when given); dlse: the gradient reaching lse, "
+        "if any; expression_kernel and "
         "workspace_allocator as for forward."); 
   m.def("combine", &combine, "out_partial"_a, "lse_partial"_a, "out"_a, "lse"_a.none() = nb::none(),
         "cu_seqlens"_a.none() = nb::none(), "seqused"_a.none() = nb::none(), "stream"_a = 0,

@@ -169,6 +169,7 @@ struct BwdParams {
   const void* out = nullptr;
   const void* dout = nullptr;
   const float* lse = nullptr;
+  const float* dlse = nullptr;  // lse's layout; null: no gradient reaches lse
   void* dq = nullptr;
   void* dk = nullptr;
   void* dv = nullptr;
@@ -182,6 +183,7 @@ struct BwdParams {
   std::int64_t dk_batch_stride = 0, dk_row_stride = 0, dk_head_stride = 0;
   std::int64_t dv_batch_stride = 0, dv_row_stride = 0, dv_head_stride = 0;
   std::int64_t lse_batch_stride = 0, lse_head_stride = 0;
+  std::int64_t dlse_batch_stride = 0, dlse_head_stride = 0;
 
   int batch = 0, seqlen_q = 0, seqlen_k = 0, num_heads = 0, num_heads_kv = 0;
   int head_dim = 0, head_dim_v = 0, total_q = 0, total_k = 0;
@@ -297,7 +299,7 @@ struct BwdLaunchChoice {
 
 // The layout version: bumped with every change to the members of FwdParams, BwdParams or
 // ModParams, since a member added into tail padding leaves the sizes below as they were.
-constexpr std::uint64_t kParamsLayoutVersion = 18;
+constexpr std::uint64_t kParamsLayoutVersion = 19;
 
 // Whether a call needs the flex kernels (variants::FlexVariant): a score_mod, a mask_mod or block
 // lists. FwdParams and BwdParams alike.

@@ -216,6 +216,11 @@ BwdParams make_bwd_params(const BackwardArgs& args, const AttentionShape& shape)
   p.dk_batch_stride = dk.batch, p.dk_row_stride = dk.row, p.dk_head_stride = dk.head;
   p.dv_batch_stride = dv.batch, p.dv_row_stride = dv.row, p.dv_head_stride = dv.head;
   p.lse_batch_stride = lse.batch, p.lse_head_stride = lse.head;
+  if (args.dlse) {
+    p.dlse = static_cast<const float*>(args.dlse->data);
+    const RowStrides dlse = lse_strides(*args.dlse);
+    p.dlse_batch_stride = dlse.batch, p.dlse_head_stride = dlse.head;
+  }
   p.deterministic = args.deterministic;
   p.pack_gqa = false;  // backward processes one query head per tile
   return p;

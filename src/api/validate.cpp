@@ -1045,12 +1045,14 @@ AttentionShape check_backward(const BackwardArgs& args) {
       {&args.out, "out"}, {&args.dout, "dout"}, {&args.lse, "lse"},
       {&args.dq, "dq"},   {&args.dk, "dk"},     {&args.dv, "dv"}};
   for (const auto& [t, name] : tensors) check_sane(*t, name);
+  if (args.dlse) check_sane(*args.dlse, "dlse");
   if (args.learnable_sink) check_sane(*args.learnable_sink, "learnable_sink");
   if (args.d_sink) check_sane(*args.d_sink, "d_sink");
   check_sane_sequences(args.seq);
 
   const Device device = args.q.device;
   for (const auto& [t, name] : tensors) check_device(*t, name, device);
+  if (args.dlse) check_device(*args.dlse, "dlse", device);
   if (args.learnable_sink) check_device(*args.learnable_sink, "learnable_sink", device);
   if (args.d_sink) check_device(*args.d_sink, "d_sink", device);
   check_sequence_devices(args.seq, device);
@@ -1059,6 +1061,7 @@ AttentionShape check_backward(const BackwardArgs& args) {
   check_like_out(args.out, "out", s);
   check_like_out(args.dout, "dout", s);
   check_lse(args.lse, "lse", s);
+  if (args.dlse) check_lse(*args.dlse, "dlse", s);
 
   const std::pair<const TensorView*, const TensorView*> grads[] = {
       {&args.dq, &args.q}, {&args.dk, &args.k}, {&args.dv, &args.v}};

@@ -1,10 +1,12 @@
 // Backward pass of the reference, accumulated in double:
-//   P = exp(S - lse), dP = dO V^T, D_i = rowsum(dO * O), dS = P * (dP - D) * dscore/draw,
+//   P = exp(S - lse), dP = dO V^T, D_i = rowsum(dO * O) - dlse_i, dS = P * (dP - D) * dscore/draw,
 //   dQ = scale * dS K, dK = scale * dS^T Q, dV = P^T dO, d_sink[h] = -sum_i exp(sink - lse_i) D_i.
 // The softmax statistics are recomputed in double from q, k and v rather than taken from the
-// lse argument, so that the oracle does not inherit the forward pass's fp32 rounding.
+// lse argument, so that the oracle does not inherit the forward pass's fp32 rounding. dlse, the
+// gradient reaching lse (d lse_i / d s_ij = P_ij, d lse_i / d sink = P_sink), enters through D.
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <vector>
 
 #include "reference/attention.hpp"
@@ -38,6 +40,8 @@ HeadGradients backward_head(const BackwardArgs& args, const AttentionProblem& pr
   HeadGradients grads;
   grads.dk.assign(seqlen_k * head_dim, 0.0);
   grads.dv.assign(seqlen_k * head_dim_v, 0.0);
+  const std::optional<TensorView> dlse =
+      args.dlse ? std::optional<TensorView>(lse_by_rows(*args.dlse)) : std::nullopt;
   std::vector<double> scores, slopes, dq_row(head_dim);
   for (std::int64_t i = 0; i < seqs.q.capacity[b]; ++i) {
     std::fill(dq_row.begin(), dq_row.end(), 0.0);
@@ -62,6 +66,7 @@ HeadGradients backward_head(const BackwardArgs& args, const AttentionProblem& pr
 
     double delta = 0.0;  // D_i, from the given output as on the GPU
     for (std::int64_t d = 0; d < head_dim_v; ++d) delta += do_row[d] * out[i * head_dim_v + d];
+    if (dlse) delta -= load(*dlse, seqs.q.offset(*dlse, b, i) + h * dlse->stride_of(-1));
 
     for (std::int64_t j = 0; j < seqlen_k; ++j) {
       if (scores[j] == kNegativeInfinity) continue;

@@ -91,6 +91,9 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   pre.do_head_stride = params.do_head_stride;
   pre.lse_batch_stride = params.lse_batch_stride;
   pre.lse_head_stride = params.lse_head_stride;
+  pre.dlse = params.dlse;
+  pre.dlse_batch_stride = params.dlse_batch_stride;
+  pre.dlse_head_stride = params.dlse_head_stride;
   pre.lse_log2 = params.lse_log2;
   pre.dpsum = params.dpsum;
   pre.q_rows_padded = q_rows_padded;

@@ -1,7 +1,9 @@
-// Backward preprocess for sm90: per query row, dPsum = rowsum(dO * O) and lse in log2 units,
+// Backward preprocess for sm90: per query row, dPsum = rowsum(dO * O) - dlse and lse in log2 units,
 // written to the padded workspace rows (see padded_rows in tile_size_bwd_sm90.hpp). Rows past
 // a sequence's end, and rows whose lse is -inf (no visible key), get lse_log2 = +inf and
 // dPsum = 0, so that the main kernel computes P = 0 for them without any row masking.
+// dlse, the gradient reaching lse (d lse_i / d s_ij = P_ij), enters only here:
+// dS = P * (dP - rowsum(dO * O)) + P * dlse = P * (dP - dPsum), and d_sink likewise.
 // A second small kernel reduces the learnable-sink gradient.
 #pragma once
 
@@ -16,9 +18,11 @@ struct PreprocessParams {
   void const* out;
   void const* dout;
   float const* lse;
+  float const* dlse;  // lse's layout, or null
   int64_t o_batch_stride, o_row_stride, o_head_stride;
   int64_t do_batch_stride, do_row_stride, do_head_stride;
   int64_t lse_batch_stride, lse_head_stride;
+  int64_t dlse_batch_stride, dlse_head_stride;
   float* lse_log2;  // (H, q_rows_padded)
   float* dpsum;     // (H, q_rows_padded)
   int q_rows_padded;
@@ -69,6 +73,9 @@ __global__ void __launch_bounds__(256) flash_bwd_preprocess_sm90(PreprocessParam
   Element const* out = static_cast<Element const*>(p.out) + (varlen ? 0 : batch * p.o_batch_stride) + head * p.o_head_stride;
   Element const* dout = static_cast<Element const*>(p.dout) + (varlen ? 0 : batch * p.do_batch_stride) + head * p.do_head_stride;
   float const* lse = p.lse + (varlen ? 0 : batch * p.lse_batch_stride) + head * p.lse_head_stride + offset;
+  float const* dlse = p.dlse == nullptr
+                          ? nullptr
+                          : p.dlse + (varlen ? 0 : batch * p.dlse_batch_stride) + head * p.dlse_head_stride + offset;
   int64_t const stats = int64_t(head) * p.q_rows_padded + offset_padded;
   for (int r = warp; r < kBlockM; r += 8) {
     int const row = m_block * kBlockM + r;
@@ -88,7 +95,10 @@ __global__ void __launch_bounds__(256) flash_bwd_preprocess_sm90(PreprocessParam
       float lse_log2 = INFINITY;
       if (row < seqlen) {
         float const l = lse[row];
-        if (l != -INFINITY) { lse_log2 = l * float(M_LOG2E); }
+        if (l != -INFINITY) {
+          lse_log2 = l * float(M_LOG2E);
+          if (dlse != nullptr) { sum -= dlse[row]; }
+        }
       }
       p.lse_log2[stats + row] = lse_log2;
       p.dpsum[stats + row] = row < seqlen ? sum : 0.f;

@@ -349,6 +349,7 @@ struct NaiveSequence {
   int seqlen_q = 0, seqlen_k = 0;
   std::vector<double> q, k, v;
   std::vector<double> out, dout;  // backward: the forward output under test and its gradient
+  std::vector<double> dlse;       // [h * seqlen_q + i], the gradient of lse; empty: none
 };
 
 inline bool naive_visible(const NaiveSpec& spec, int b, int h, std::int64_t i, std::int64_t j,
@@ -490,6 +491,8 @@ inline NaiveBackward naive_backward(const NaiveSpec& spec, int b, const NaiveSeq
       const double* out = &seq.out[(i * H + h) * Dv];
       double delta = 0.0;
       for (int d = 0; d < Dv; ++d) delta += dout[d] * out[d];
+      // d lse_i / d s_ij = p_ij and d lse_i / d sink = p_sink: dlse joins -delta.
+      if (!seq.dlse.empty()) delta -= seq.dlse[h * seq.seqlen_q + i];
       if (!spec.sink.empty()) result.d_sink[h] -= std::exp(spec.sink[h] - head.lse[i]) * delta;
       for (int j = 0; j < seq.seqlen_k; ++j) {
         if (head.s[i][j] == -kInf) continue;
@@ -548,6 +551,7 @@ struct CaseConfig {
   bool share_pages = false;               // batch 1 reuses batch 0's first page
   Layout layout = Layout::kContiguous;    // of q, k, v, out, lse, dout and the gradients
   bool with_lse = true;
+  bool with_dlse = false;  // backward: a random gradient of lse too (the loss adds sum(lse * dlse))
   std::optional<DType> sink_dtype;
   double sink_mean = 0.0;
   std::optional<float> softmax_scale;
@@ -611,6 +615,7 @@ class AttentionCase {
     args.out = out.view();
     args.dout = dout.view();
     args.lse = lse.view();
+    if (config.with_dlse) args.dlse = dlse.view();
     args.dq = dq.view();
     args.dk = dk.view();
     args.dv = dv.view();
@@ -641,6 +646,14 @@ class AttentionCase {
         }
       }
     }
+    dlse.poison();  // rows past the sequences stay poisoned: no backward may read them
+    if (config.with_dlse) {
+      for (int b = 0; b < batch; ++b) {
+        for (int i = 0; i < q_len[b]; ++i) {
+          for (int h = 0; h < config.heads; ++h) dlse.set(lse_index(b, i, h), normal());
+        }
+      }
+    }
     dq.poison();
     dk.poison();
     dv.poison();
@@ -648,7 +661,8 @@ class AttentionCase {
     call_backward(backward_args(), config.entry);
   }
 
-  // Sum of out * dout over the rows in use, in double: the loss whose gradient backward gives.
+  // Sum of out * dout (and with dlse of lse * dlse, over rows with a visible key) over the rows
+  // in use, in double: the loss whose gradient backward gives.
   double loss() const {
     double total = 0.0;
     for (int b = 0; b < batch; ++b) {
@@ -658,6 +672,8 @@ class AttentionCase {
             const Index index = q_index(b, i, h, d);
             total += out.at(index) * dout.at(index);
           }
+          const double row_lse = config.with_dlse ? lse.at(lse_index(b, i, h)) : 0.0;
+          if (row_lse != -kInf) total += row_lse * (config.with_dlse ? dlse.at(lse_index(b, i, h)) : 0.0);
         }
       }
     }
@@ -741,6 +757,11 @@ class AttentionCase {
           seq.out.push_back(out.at(q_index(b, i, h, d)));
           seq.dout.push_back(dout.at(q_index(b, i, h, d)));
         }
+      }
+    }
+    if (config.with_dlse) {
+      for (int h = 0; h < H; ++h) {
+        for (int i = 0; i < seq.seqlen_q; ++i) seq.dlse.push_back(dlse.at(lse_index(b, i, h)));
       }
     }
     for (int j = 0; j < seq.seqlen_k; ++j) {
@@ -856,7 +877,7 @@ class AttentionCase {
   std::vector<std::int64_t> q_start, k_start;
   std::vector<int> q_capacity, q_len, k_capacity, k_len;
   std::vector<std::vector<int>> pages;  // paged: page of each (b, page slot)
-  HostTensor q, k, v, out, lse, dout, dq, dk, dv;
+  HostTensor q, k, v, out, lse, dlse, dout, dq, dk, dv;
   HostTensor sink, d_sink, score_aux, documents;
   HostTensor cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table;
   HostTensor mask_cnt, mask_idx, full_cnt, full_idx, q_mask_cnt, q_mask_idx, q_full_cnt, q_full_idx;
@@ -922,6 +943,7 @@ class AttentionCase {
         DType::kFloat32,
         packed_q() ? Index{c.heads, total_q + extra_rows} : Index{batch, c.heads, c.seqlen_q},
         lse_layout);
+    dlse = HostTensor(DType::kFloat32, lse.shape(), lse_layout);
     d_sink = HostTensor(DType::kFloat32, {c.heads});
 
     std::vector<int> cu_q{0}, cu_k{0};

@@ -2,7 +2,8 @@
 // backward option the sm90 kernels support; dq / dk / dv / d_sink are poisoned before each run,
 // every element is checked for NaN and compared with the accuracy rule in gpu_test_util.hpp
 // (at most twice the error of the same backward done naively in the input dtype).
-// Deterministic mode runs twice and must agree bit for bit.
+// Deterministic mode runs twice and must agree bit for bit. Cases with dlse give the backward a
+// gradient reaching lse as well (the caller's loss uses return_lse).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -43,6 +44,7 @@ struct BwdCase {
   bool nan_tail = false;
   bool strided = false;  // every tensor, gradients included, lives in wider rows
   bool deterministic = false;
+  bool dlse = false;  // a random gradient of lse as well
   unsigned seed = 1;
 };
 
@@ -55,7 +57,7 @@ std::string case_name(const BwdCase& c) {
 // every 16-bit input is already rounded to the dtype.
 struct Problem : gpu_testing::RowLayout {
   BwdCase c;
-  std::vector<float> q, k, v, out, dout, lse, sink;
+  std::vector<float> q, k, v, out, dout, lse, dlse, sink;
   float scale = 1.f;
 
   explicit Problem(const BwdCase& bc) : RowLayout(bc, bc.seqused, true), c(bc) {
@@ -77,6 +79,14 @@ struct Problem : gpu_testing::RowLayout {
     }
     scale = 1.f / std::sqrt(float(c.head_dim));
     run_forward();
+    if (c.dlse) {
+      // NaN where lse is -inf (rows without a visible key, rows past the sequences): no
+      // gradient exists there, and neither backward may read it.
+      fill_normal(dlse, lse.size(), DType::kFloat32, normal, rng);
+      for (std::size_t i = 0; i < lse.size(); ++i) {
+        if (lse[i] == kNegInf) dlse[i] = std::nanf("");
+      }
+    }
     if (c.nan_tail) {
       fill_unused_rows_with_nan(q, /*query=*/true, c.heads, c.head_dim);
       fill_unused_rows_with_nan(out, /*query=*/true, c.heads, c.head_dim_v);
@@ -113,7 +123,8 @@ struct Grads {
 
 Grads run_reference(const Problem& pb) {
   const BwdCase& c = pb.c;
-  std::vector<float> q = pb.q, k = pb.k, v = pb.v, out = pb.out, dout = pb.dout, lse = pb.lse, sink = pb.sink;
+  std::vector<float> q = pb.q, k = pb.k, v = pb.v, out = pb.out, dout = pb.dout, lse = pb.lse, dlse = pb.dlse,
+                     sink = pb.sink;
   std::vector<float> dq(q.size(), std::nanf("")), dk(k.size(), std::nanf("")), dv(v.size(), std::nanf(""));
   std::vector<float> d_sink(c.heads, std::nanf(""));
   gpu_testing::HostSequences sequences(pb);
@@ -124,6 +135,7 @@ Grads run_reference(const Problem& pb) {
   args.out = pb.query_view(out.data(), DType::kFloat32, c.head_dim_v, kCpu);
   args.dout = pb.query_view(dout.data(), DType::kFloat32, c.head_dim_v, kCpu);
   args.lse = pb.lse_view(lse.data(), kCpu);
+  if (c.dlse) args.dlse = pb.lse_view(dlse.data(), kCpu);
   args.dq = pb.query_view(dq.data(), DType::kFloat32, c.head_dim, kCpu);
   args.dk = pb.key_view(dk.data(), DType::kFloat32, c.head_dim, kCpu);
   args.dv = pb.key_view(dv.data(), DType::kFloat32, c.head_dim_v, kCpu);
@@ -161,7 +173,7 @@ Grads naive_low_precision(const Problem& pb) {
         for (int d = 0; d < c.head_dim; ++d) qs[d] = r(pb.q[qrow * c.head_dim + d] * pb.scale);
         float delta = 0.f;
         for (int d = 0; d < c.head_dim_v; ++d) delta += pb.dout[qrow * c.head_dim_v + d] * pb.out[qrow * c.head_dim_v + d];
-        delta = r(delta);
+        delta = c.dlse ? r(delta - pb.dlse[pb.lse_index(b, h, i)]) : r(delta);
         if (c.sink) d_sink[h] -= std::exp(pb.sink[h] - lse) * delta;
         for (int j = 0; j < sk; ++j) {
           const int diag = i + sk - sq;
@@ -217,6 +229,7 @@ GpuRun run_gpu(const Problem& pb) {
   DeviceBuffer out = device_copy(pb.out, pb.rows_q, c.heads, c.head_dim_v);
   DeviceBuffer dout = device_copy(pb.dout, pb.rows_q, c.heads, c.head_dim_v);
   DeviceBuffer lse = DeviceBuffer::from(pb.lse);
+  DeviceBuffer dlse = c.dlse ? DeviceBuffer::from(pb.dlse) : DeviceBuffer{};
   DeviceBuffer dq = poisoned(pb.rows_q, c.heads, c.head_dim);
   DeviceBuffer dk = poisoned(pb.rows_k, c.heads_kv, c.head_dim);
   DeviceBuffer dv = poisoned(pb.rows_k, c.heads_kv, c.head_dim_v);
@@ -234,6 +247,7 @@ GpuRun run_gpu(const Problem& pb) {
   args.out = pb.query_view(out.data(), c.dtype, c.head_dim_v, kCuda, pad);
   args.dout = pb.query_view(dout.data(), c.dtype, c.head_dim_v, kCuda, pad);
   args.lse = pb.lse_view(lse.data(), kCuda);
+  if (c.dlse) args.dlse = pb.lse_view(dlse.data(), kCuda);
   args.dq = pb.query_view(dq.data(), c.dtype, c.head_dim, kCuda, pad);
   args.dk = pb.key_view(dk.data(), c.dtype, c.head_dim, kCuda, pad);
   args.dv = pb.key_view(dv.data(), c.dtype, c.head_dim_v, kCuda, pad);
@@ -502,6 +516,20 @@ std::vector<BwdCase> backward_cases() {
   c.label = "deterministic_many_columns", c.batch = 1, c.seqlen_q = 70, c.seqlen_k = 10700, c.heads = 2,
   c.heads_kv = 2, c.head_dim = 256, c.head_dim_v = 256, c.deterministic = true, c.seed = seed++;
   cases.push_back(c);
+  // A gradient reaching lse (dPsum = rowsum(dO * O) - dlse in the preprocess): with a sink and
+  // softcap over packed sequences with empty rows, and deterministic causal GQA, at every head dim.
+  for (auto [d, dv] : head_dims) {
+    c = {};
+    c.label = "dlse_varlen_sink_softcap", c.batch = 3, c.seqlen_q = 230, c.seqlen_k = 250, c.heads = 4,
+    c.heads_kv = 2, c.head_dim = d, c.head_dim_v = dv, c.varlen = true, c.sink = DType::kFloat32,
+    c.softcap = 20.f, c.dlse = true, c.seed = seed++;
+    cases.push_back(c);
+    c = {};
+    c.label = "dlse_causal_gqa_deterministic", c.batch = 2, c.seqlen_q = 300, c.seqlen_k = 300, c.heads = 4,
+    c.heads_kv = 1, c.head_dim = d, c.head_dim_v = dv, c.causal = true, c.deterministic = true, c.dlse = true,
+    c.seed = seed++;
+    cases.push_back(c);
+  }
   return cases;
 }
 

@@ -196,6 +196,38 @@ TEST(ReferenceBackwardFiniteDifferences, MaskModAndBlockSparsity) {
   check_gradients(c);
 }
 
+// A loss that also uses lse (return_lse): sum(out * dout) + sum(lse * dlse) over rows with a
+// visible key.
+TEST(ReferenceBackwardFiniteDifferences, GradientOfLse) {
+  CaseConfig c = small_case(40);
+  c.with_dlse = true;
+  check_gradients(c);
+  c = small_case(41);
+  c.with_dlse = true;
+  c.softcap = 1.5f;
+  c.softmax_scale = 0.6f;
+  c.sink_dtype = DType::kFloat32;
+  check_gradients(c);
+  // Rows without a visible key (causal, more queries than keys), GQA, a window.
+  c = small_case(42);
+  c.with_dlse = true;
+  c.causal = true;
+  c.seqlen_q = 6;
+  c.seqlen_k = 3;
+  c.heads = 4;
+  c.heads_kv = 2;
+  check_gradients(c);
+  c = small_case(43);
+  c.with_dlse = true;
+  c.packed_q = {3, 0, 4};
+  c.packed_k = {4, 2, 0};
+  c.seqused_q = {2, 0, 4};
+  c.window_left = 1;
+  c.window_right = 0;
+  c.layout = Layout::kStrided;
+  check_gradients(c);
+}
+
 TEST(ReferenceBackwardFiniteDifferences, PagedKv) {
   CaseConfig c = small_case(15);
   c.page_size = 3;
@@ -270,6 +302,31 @@ TEST(ReferenceBackward, Options) {
   for (CaseConfig& config : configs) {
     config.seed = seed++;
     check_naive(config);
+  }
+}
+
+TEST(ReferenceBackward, GradientOfLse) {
+  unsigned seed = 140;
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    CaseConfig c;
+    c.dtype = dtype;
+    c.with_dlse = true;
+    c.packed_q = {3, 0, 7, 1};
+    c.packed_k = {5, 4, 0, 9};
+    c.heads = 4;
+    c.heads_kv = 2;
+    c.causal = true;
+    c.sink_dtype = DType::kFloat32;
+    c.seed = seed++;
+    check_naive(c);
+    c = CaseConfig{};
+    c.dtype = dtype;
+    c.with_dlse = true;
+    c.softcap = 0.5f;
+    c.score_mod = ScoreModKind::kAlibi;
+    c.layout = Layout::kStrided;
+    c.seed = seed++;
+    check_naive(c);
   }
 }
 

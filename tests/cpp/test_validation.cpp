@@ -1017,6 +1017,19 @@ TEST_F(BackwardValidation, RequiresSinkGradient) {
   EXPECT_INVALID(validate(args), "d_sink", "given without learnable_sink");
 }
 
+TEST_F(BackwardValidation, GradientOfLseLikeLse) {
+  BackwardArgs args = dense_backward();
+  args.dlse = tensor(DType::kFloat32, {2, 8, 128});
+  EXPECT_NO_THROW(validate(args));
+  args.dlse = tensor(DType::kBFloat16, {2, 8, 128});
+  EXPECT_INVALID(validate(args), "dlse", "expected dtype float32, got bfloat16");
+  args.dlse = tensor(DType::kFloat32, {2, 128, 8});
+  EXPECT_INVALID(validate(args), "dlse",
+                 "expected shape (2, 8, 128) (batch, num_heads, seqlen_q), got (2, 128, 8)");
+  args.dlse = tensor(DType::kFloat32, {2, 8, 128}, kCuda0);
+  EXPECT_INVALID(validate(args), "dlse", "expected device cpu (the device of q), got cuda:0");
+}
+
 TEST_F(BackwardValidation, TransposedBlockListsCoverTheForwardOnes) {
   BackwardArgs args = dense_backward();
   // Dense problem of dense_backward: Sq = 128, Sk = 96; blocks of 64: 2 row, 2 column blocks.

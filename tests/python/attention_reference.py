@@ -114,8 +114,9 @@ def forward_one(q, k, v, b: int, opts: Options):
     return out, lse
 
 
-def backward_one(dout, q, k, v, out, b: int, opts: Options):
-    """dq, dk, dv, d_sink for one sequence, from the forward's inputs and out (float64)."""
+def backward_one(dout, q, k, v, out, b: int, opts: Options, dlse=None):
+    """dq, dk, dv, d_sink for one sequence, from the forward's inputs and out (float64); dlse (H,
+    Sq): the gradient of lse, for a loss that uses lse too (d lse_i / d s_ij = p_ij)."""
     q, k, v, out, dout = _f64(q), _f64(k), _f64(v), _f64(out), _f64(dout)
     heads, heads_kv = q.shape[1], k.shape[1]
     group = heads // heads_kv
@@ -131,6 +132,8 @@ def backward_one(dout, q, k, v, out, b: int, opts: Options):
     p = np.where(finite[..., None], np.exp(s - np.where(finite, lse, 0.0)[..., None]), 0.0)
     dp = np.einsum("ihd,jhd->hij", dout, vv)
     delta = np.einsum("ihd,ihd->hi", dout, out)
+    if dlse is not None:
+        delta = delta - np.where(finite, _f64(dlse), 0.0)
     ds = p * (dp - delta[..., None])
     if mod_grad is not None:
         ds = np.where(p > 0, ds * mod_grad, 0.0)
@@ -156,8 +159,9 @@ def forward_dense(q, k, v, opts: Options):
     return np.stack(outs), np.stack(lses)
 
 
-def backward_dense(dout, q, k, v, out, opts: Options):
-    parts = [backward_one(dout[b], q[b], k[b], v[b], out[b], b, opts) for b in range(q.shape[0])]
+def backward_dense(dout, q, k, v, out, opts: Options, dlse=None):
+    parts = [backward_one(dout[b], q[b], k[b], v[b], out[b], b, opts, None if dlse is None else dlse[b])
+             for b in range(q.shape[0])]
     dq, dk, dv = (np.stack([p[i] for p in parts]) for i in range(3))
     d_sink = None if opts.sink is None else np.sum([p[3] for p in parts], axis=0)
     return dq, dk, dv, d_sink

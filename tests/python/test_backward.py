@@ -114,6 +114,54 @@ def test_varlen(rng, causal):
     check_grads(grads, expected)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradient_of_lse(rng, causal):
+    # dlse: a loss that also uses lse. Causal (Sq > Sk, no sink): the first rows see no key, their
+    # lse is -inf and their dlse (NaN here) must not be read.
+    sink = None if causal else randn(rng, (4,), "float32")
+    q = randn(rng, (2, 30, 4, 32))
+    k, v = randn(rng, (2, 20, 2, 32)), randn(rng, (2, 20, 2, 32))
+    out, lse = cuflash.flash_attn_func(q, k, v, causal=causal, learnable_sink=sink, softcap=3.0)
+    dout = randn(rng, out.shape)
+    dlse = randn(rng, lse.shape, "float32")
+    dlse[np.isneginf(lse)] = np.nan
+    assert np.isneginf(lse).any() == causal
+    grads = cuflash.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, learnable_sink=sink, softcap=3.0,
+                                        dlse=dlse)
+    opts = ref.Options(causal=causal, sink=sink, softcap=3.0)
+    check_grads(grads, ref.backward_dense(dout, q, k, v, out, opts, dlse=dlse))
+    # Without dlse the gradients differ (the same call drops its term).
+    plain = cuflash.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, learnable_sink=sink, softcap=3.0)
+    assert not np.allclose(plain[0], grads[0])
+
+    lengths = [7, 0, 12]
+    qp, cu_q = packed(rng, lengths, 2, 32)
+    kp, cu_k = packed(rng, lengths, 2, 32)
+    vp = randn(rng, kp.shape)
+    out, lse = cuflash.flash_attn_varlen_func(qp, kp, vp, cu_q, cu_k, max(lengths), max(lengths), causal=causal)
+    dout = randn(rng, out.shape)
+    dlse = randn(rng, lse.shape, "float32")
+    grads = cuflash.flash_attn_backward(dout, qp, kp, vp, out, lse, cu_q, cu_k, max(lengths), max(lengths),
+                                        causal=causal, dlse=dlse)
+    opts = ref.Options(causal=causal)
+    expected = [np.zeros(qp.shape), np.zeros(kp.shape), np.zeros(vp.shape), None]
+    for b, ((q0, sq), (k0, sk)) in enumerate(zip(ref.sequences(cu_q), ref.sequences(cu_k))):
+        rows, keys = slice(q0, q0 + sq), slice(k0, k0 + sk)
+        dq, dk, dv, _ = ref.backward_one(dout[rows], qp[rows], kp[keys], vp[keys], out[rows], b, opts,
+                                         dlse=dlse[:, rows])
+        expected[0][rows], expected[1][keys], expected[2][keys] = dq, dk, dv
+    check_grads(grads, expected)
+
+
+def test_gradient_of_lse_checked(rng):
+    q = randn(rng, (1, 8, 2, 32))
+    out, lse = cuflash.flash_attn_func(q, q, q)
+    for bad, message in ((np.zeros((1, 2, 4), np.float32), r"dlse: expected shape \(1, 2, 8\)"),
+                         (np.zeros((1, 2, 8), np.float16), "dlse: expected dtype float32")):
+        with pytest.raises((ValueError, TypeError), match=message):
+            cuflash.flash_attn_backward(out, q, q, q, out, lse, dlse=bad)
+
+
 def test_document_ids_cover_the_longest_packed_sequence(rng):
     # Without max_seqlen hints the document ids need to cover the longest sequence, read from the
     # host cu_seqlens (as the C++ API does), not every packed row: two sequences of 4 take (2, 4).

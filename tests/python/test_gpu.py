@@ -80,6 +80,26 @@ def check_torch_autograd(torch, q, k, v, opts, **kwargs):
         assert_close(to_f64(tensor.grad), e, "bfloat16", scale=max(1.0, np.abs(e).max()), what=name)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_torch_gradient_through_lse(rng, deterministic):
+    """A loss that uses lse too: sum(out * dout) + sum(lse * dlse) under autograd on the GPU."""
+    torch = torch_cuda()
+    q, k, v = (torch.from_numpy(x.astype(np.float32)).cuda().bfloat16().requires_grad_(True)
+               for x in reference_inputs(rng, "bfloat16"))
+    sink = torch.from_numpy(rng.standard_normal(q.shape[2]).astype(np.float32)).cuda().requires_grad_(True)
+    with skip_if_not_built():
+        out, lse = cuflash.flash_attn_func(q, k, v, causal=True, learnable_sink=sink, deterministic=deterministic)
+        dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+        ((out.float() * dout.float()).sum() + (lse * dlse).sum()).backward()
+    args = [to_f64(t) for t in (q, k, v)]
+    opts = ref.Options(causal=True, sink=to_f64(sink))
+    expected = ref.backward_dense(to_f64(dout), *args, to_f64(out), opts, dlse=to_f64(dlse))
+    for name, tensor, e in zip(("dq", "dk", "dv"), (q, k, v), expected[:3]):
+        assert_close(to_f64(tensor.grad), e, "bfloat16", scale=max(1.0, np.abs(e).max()), what=name)
+    np.testing.assert_allclose(to_f64(sink.grad), expected[3], atol=2e-2 * max(1.0, np.abs(expected[3]).max()),
+                               rtol=2e-2)
+
+
 def test_torch_document_mask(rng):
     """A document mask on the GPU, forward and backward under autograd: the kernels run on the
     block lists that dispatch builds from the ids (documents longer than a 128-row block, so

@@ -47,7 +47,7 @@ def test_forward_and_autograd(gen, dtype, causal):
     sink = torch.randn(4, generator=gen).requires_grad_(True)
     out, lse = cuflash.flash_attn_func(q, k, v, causal=causal, learnable_sink=sink)
     assert isinstance(out, torch.Tensor) and out.dtype == dtype and out.shape == (2, 24, 4, 32)
-    assert lse.dtype == torch.float32 and lse.shape == (2, 4, 24) and not lse.requires_grad
+    assert lse.dtype == torch.float32 and lse.shape == (2, 4, 24) and lse.requires_grad
     assert out.requires_grad and out.grad_fn is not None
 
     opts = ref.Options(causal=causal, sink=to_numpy(sink))
@@ -64,6 +64,70 @@ def test_forward_and_autograd(gen, dtype, causal):
         assert_close(to_numpy(tensor.grad), e, dtype_name(dtype), scale=max(1.0, np.abs(e).max()), what=name)
     assert sink.grad is not None and sink.grad.dtype == sink.dtype
     np.testing.assert_allclose(to_numpy(sink.grad), expected[3], atol=2e-2, rtol=2e-2)
+
+
+def lse_loss_reference(q, k, v, sink, dout, dlse, causal, softcap=0.0):
+    """Gradients of sum(out * dout) + sum(lse * dlse) by torch autograd over a float64 naive
+    attention (bottom-right causal, GQA, sink, softcap); rows without a visible key add nothing."""
+    q, k, v, sink = (t.detach().double().requires_grad_(True) for t in (q, k, v, sink))
+    group = q.shape[2] // k.shape[2]
+    kk, vv = (t.repeat_interleave(group, dim=2) for t in (k, v))
+    scores = torch.einsum("bihd,bjhd->bhij", q, kk) / q.shape[-1] ** 0.5
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    if causal:
+        sq, sk = q.shape[1], k.shape[1]
+        visible = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + (sk - sq)
+        scores = scores.masked_fill(~visible, float("-inf"))
+    with_sink = torch.cat([scores, sink[None, :, None, None].expand(*scores.shape[:3], 1)], dim=-1)
+    lse = torch.logsumexp(with_sink, dim=-1)
+    p = torch.exp(scores - lse[..., None])
+    out = torch.einsum("bhij,bjhd->bihd", p, vv)
+    loss = (out * dout.double()).sum() + (lse * dlse.double()).sum()
+    loss.backward()
+    return out.detach(), lse.detach(), [t.grad for t in (q, k, v, sink)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradient_through_lse(gen, causal):
+    # A loss that uses lse too (return_lse): its gradient reaches q, k, v and the sink.
+    q, k, v = tensors(gen, [(2, 24, 4, 32), (2, 20, 2, 32), (2, 20, 2, 32)], torch.float32)
+    sink = torch.randn(4, generator=gen).requires_grad_(True)
+    out, lse = cuflash.flash_attn_func(q, k, v, causal=causal, learnable_sink=sink, softcap=5.0)
+    assert lse.requires_grad
+    dout = torch.randn(out.shape, generator=gen)
+    dlse = torch.randn(lse.shape, generator=gen)
+    ((out * dout).sum() + (lse * dlse).sum()).backward()
+    _, _, expected = lse_loss_reference(q, k, v, sink, dout, dlse, causal, softcap=5.0)
+    for name, tensor, e in zip(("dq", "dk", "dv", "d_sink"), (q, k, v, sink), expected):
+        e = e.numpy()
+        assert_close(to_numpy(tensor.grad), e, scale=max(1.0, np.abs(e).max()), what=name)
+    # lse alone in the loss (out's gradient then comes as zeros or None), through an expanded
+    # gradient (stride 0).
+    for t in (q, k, v, sink):
+        t.grad = None
+    out, lse = cuflash.flash_attn_func(q, k, v, causal=causal, learnable_sink=sink, softcap=5.0)
+    lse.sum().backward()
+    _, _, expected = lse_loss_reference(q, k, v, sink, torch.zeros(out.shape), torch.ones(lse.shape), causal,
+                                        softcap=5.0)
+    for name, tensor, e in zip(("dq", "dk", "dv", "d_sink"), (q, k, v, sink), expected):
+        e = e.numpy()
+        assert_close(to_numpy(tensor.grad), e, scale=max(1.0, np.abs(e).max()), what=name)
+
+
+def test_flash_attn_backward_takes_dlse(gen):
+    q, k, v = tensors(gen, [(1, 16, 2, 32)] * 3, torch.float32, requires_grad=False)
+    sink = torch.randn(2, generator=gen)
+    out, lse = cuflash.flash_attn_func(q, k, v, causal=True, learnable_sink=sink)
+    dout, dlse = torch.randn(out.shape, generator=gen), torch.randn(lse.shape, generator=gen)
+    dq, dk, dv, d_sink = cuflash.flash_attn_backward(dout, q, k, v, out, lse, causal=True, learnable_sink=sink,
+                                                     dlse=dlse)
+    _, _, expected = lse_loss_reference(q, k, v, sink, dout, dlse, True)
+    for name, got, e in zip(("dq", "dk", "dv", "d_sink"), (dq, dk, dv, d_sink), expected):
+        e = e.numpy()
+        assert_close(to_numpy(got), e, scale=max(1.0, np.abs(e).max()), what=name)
+    with pytest.raises(ValueError, match="dlse"):
+        cuflash.flash_attn_backward(dout, q, k, v, out, lse, causal=True, learnable_sink=sink, dlse=dlse[:, :, :8])
 
 
 def test_varlen_autograd_with_score_mod(gen):
