@@ -188,11 +188,11 @@ struct FlashFwdKernelSm90 {
 
   static Params to_params(FwdParams const& p) {
     bool const has_softcap = p.softcap > 0.f;
-    // The flex variant's accumulators hold final scores (FlexTileMods::score), so only the
-    // change to base 2 is left for the exponent; with kFlexScaleInExp, and neither softcap nor
-    // score_mod, they hold <q, k> and the exponent takes the softmax scale as the plain kernel's.
-    bool const flex_scale_in_exp =
-        kIsFlex && kFlexScaleInExp && !has_softcap && p.score_mod.kind == int(ScoreModKind::kNone);
+    // With softcap or a score_mod the flex variant's accumulators hold final scores
+    // (FlexTileMods::score), so only the change to base 2 is left for the exponent; without
+    // either they hold <q, k> and the exponent takes the softmax scale as the plain kernel's,
+    // which saves a multiply per score (+2-4% on block lists, bench/NOTES.md).
+    bool const flex_scale_in_exp = kIsFlex && !has_softcap && p.score_mod.kind == int(ScoreModKind::kNone);
     float const exp_scale = kIsFlex ? (flex_scale_in_exp ? p.softmax_scale : 1.f)
                                     : has_softcap ? p.softcap : p.softmax_scale;
     // Causal-like masks (the window options; the causal, sliding-window and prefix-LM mask_mods)

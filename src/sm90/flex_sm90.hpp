@@ -13,17 +13,7 @@
 #include "sm90/utils_sm90.hpp"
 #include "variants/variant.hpp"
 
-// A build switch for an A/B on the device, off by default (bench/NOTES.md, "Flex forward: the
-// softmax scale in the exponent"): without softcap and score_mod, the flex forward leaves <q, k>
-// unscaled and folds the softmax scale into the exponent, as the plain kernel does, instead of a
-// multiply per score (FlashFwdKernelSm90::to_params, FlexTileMods::score).
-#ifndef CUFLASH_FLEX_SCALE_IN_EXP
-#define CUFLASH_FLEX_SCALE_IN_EXP 0
-#endif
-
 namespace cuflash::sm90 {
-
-inline constexpr bool kFlexScaleInExp = CUFLASH_FLEX_SCALE_IN_EXP != 0;
 
 // The n-blocks of one tile, in the order the producer loads them and the consumers use them.
 // Without block lists: n_block_max - 1 down to n_block_min, all with mask_mod. With them (as
@@ -162,7 +152,7 @@ struct FlexTileMods {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(scores); ++i)
         scores(i) = score_scale * tanh_approx(scores(i) * tanh_scale);
-    } else if (!kFlexScaleInExp || score_scale != 1.f) {
+    } else if (score_scale != 1.f) {  // 1 without softcap and score_mod: the scale is in the exponent
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(scores); ++i) scores(i) *= score_scale;
     }

@@ -91,11 +91,11 @@ def lse_loss_reference(q, k, v, sink, dout, dlse, causal, softcap=0.0):
 @pytest.mark.parametrize("causal", [False, True])
 def test_gradient_through_lse(gen, causal):
     # A loss that uses lse too (return_lse): its gradient reaches q, k, v and the sink.
-    q, k, v = tensors(gen, [(2, 24, 4, 32), (2, 20, 2, 32), (2, 20, 2, 32)], torch.float32)
+    q, k, v = tensors(gen, [(2, 24, 4, 32), (2, 20, 2, 32), (2, 20, 2, 32)])
     sink = torch.randn(4, generator=gen).requires_grad_(True)
     out, lse = cuflash.flash_attn_func(q, k, v, causal=causal, learnable_sink=sink, softcap=5.0)
     assert lse.requires_grad
-    dout = torch.randn(out.shape, generator=gen)
+    dout = torch.randn(out.shape, generator=gen).half()
     dlse = torch.randn(lse.shape, generator=gen)
     ((out * dout).sum() + (lse * dlse).sum()).backward()
     _, _, expected = lse_loss_reference(q, k, v, sink, dout, dlse, causal, softcap=5.0)
@@ -116,10 +116,10 @@ def test_gradient_through_lse(gen, causal):
 
 
 def test_flash_attn_backward_takes_dlse(gen):
-    q, k, v = tensors(gen, [(1, 16, 2, 32)] * 3, torch.float32, requires_grad=False)
+    q, k, v = tensors(gen, [(1, 16, 2, 32)] * 3, requires_grad=False)
     sink = torch.randn(2, generator=gen)
     out, lse = cuflash.flash_attn_func(q, k, v, causal=True, learnable_sink=sink)
-    dout, dlse = torch.randn(out.shape, generator=gen), torch.randn(lse.shape, generator=gen)
+    dout, dlse = torch.randn(out.shape, generator=gen).half(), torch.randn(lse.shape, generator=gen)
     dq, dk, dv, d_sink = cuflash.flash_attn_backward(dout, q, k, v, out, lse, causal=True, learnable_sink=sink,
                                                      dlse=dlse)
     _, _, expected = lse_loss_reference(q, k, v, sink, dout, dlse, True)
