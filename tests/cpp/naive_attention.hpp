@@ -672,8 +672,10 @@ class AttentionCase {
             const Index index = q_index(b, i, h, d);
             total += out.at(index) * dout.at(index);
           }
-          const double row_lse = config.with_dlse ? lse.at(lse_index(b, i, h)) : 0.0;
-          if (row_lse != -kInf) total += row_lse * (config.with_dlse ? dlse.at(lse_index(b, i, h)) : 0.0);
+          if (config.with_dlse) {
+            const double row_lse = lse.at(lse_index(b, i, h));
+            if (row_lse != -kInf) total += row_lse * dlse.at(lse_index(b, i, h));
+          }
         }
       }
     }
