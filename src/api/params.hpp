@@ -51,6 +51,11 @@ struct BlockSparseParams {
   // (batch, list head, column block), the class of each row block, 0 not listed, 1 mask list,
   // 2 full list; the kernels' walks go upwards through it (sm90/flex_bwd_sm90.hpp).
   const unsigned char* row_class = nullptr;
+  // Backward (set by dispatch beside row_class): per (batch, list head, column block), two ints
+  // {num_row_blocks - first listed row block, last listed row block + 1}, both 0 when the column
+  // block lists none, so that a walk reads the classes between its first and last listed row
+  // blocks only instead of every row block of the sequence.
+  const int* row_bounds = nullptr;
 };
 
 // A forward kernel's twin for short work (FwdParams::short_kernel).
@@ -299,7 +304,7 @@ struct BwdLaunchChoice {
 
 // The layout version: bumped with every change to the members of FwdParams, BwdParams or
 // ModParams, since a member added into tail padding leaves the sizes below as they were.
-constexpr std::uint64_t kParamsLayoutVersion = 19;
+constexpr std::uint64_t kParamsLayoutVersion = 20;
 
 // Whether a call needs the flex kernels (variants::FlexVariant): a score_mod, a mask_mod or block
 // lists. FwdParams and BwdParams alike.

@@ -87,7 +87,8 @@ std::string kernel_name(const BwdParams& p) {
 
 // Byte offsets of the buffers that run_backward carves from the workspace (workspace_layout.hpp).
 struct WorkspaceLayout {
-  std::size_t lse_log2 = 0, dpsum = 0, dq_accum = 0, dk_accum = 0, dv_accum = 0, semaphore = 0, row_class = 0;
+  std::size_t lse_log2 = 0, dpsum = 0, dq_accum = 0, dk_accum = 0, dv_accum = 0, semaphore = 0, row_class = 0,
+              row_bounds = 0;
   std::size_t total = 0;
 };
 
@@ -100,12 +101,19 @@ std::size_t row_class_bytes(const BwdParams& p) {
   return std::size_t(p.batch) * bs.num_heads_b * bs.num_col_blocks * bs.num_row_blocks;
 }
 
+// BlockSparseParams::row_bounds: two ints per (batch, list head, column block).
+std::size_t row_bounds_bytes(const BwdParams& p) {
+  const BlockSparseParams& bs = p.block_sparse;
+  return std::size_t(p.batch) * bs.num_heads_b * bs.num_col_blocks * 2 * sizeof(int);
+}
+
 // One CTA per list: per (column block, list head, batch) for the column-block lists, which
 // first zeroes its column's bytes; per (row block, ...) for the forward's row-block lists, which
 // write their column blocks' bytes of that row (zeroed beforehand). 2 for the full list, then 1
 // for the mask list (a block both name gets mask_mod, which is right either way). Entries
-// outside the blocks are ignored.
-__global__ void block_row_classes_sm90(BlockSparseParams bs, unsigned char* classes) {
+// outside the blocks are ignored. Each listed row block also widens its column block's bounds
+// (BlockSparseParams::row_bounds, zeroed beforehand) by two atomic maxima.
+__global__ void block_row_classes_sm90(BlockSparseParams bs, unsigned char* classes, int* bounds) {
   int const rows = bs.num_row_blocks, cols = bs.num_col_blocks;
   int const outer_blocks = bs.row_lists ? rows : cols, inner_blocks = bs.row_lists ? cols : rows;
   long long const head_base = (static_cast<long long>(blockIdx.z) * bs.num_heads_b + blockIdx.y);
@@ -123,7 +131,13 @@ __global__ void block_row_classes_sm90(BlockSparseParams bs, unsigned char* clas
     int const n = min(max(cnt[list], 0), inner_blocks);
     for (int i = int(threadIdx.x); i < n; i += int(blockDim.x)) {
       int const block = idx[list * inner_blocks + i];
-      if (block >= 0 && block < inner_blocks) at(block) = value;
+      if (block >= 0 && block < inner_blocks) {
+        at(block) = value;
+        int const row = bs.row_lists ? int(blockIdx.x) : block;
+        int* const column_bounds = bounds + 2 * (head_base * cols + (bs.row_lists ? block : int(blockIdx.x)));
+        atomicMax(column_bounds, rows - row);
+        atomicMax(column_bounds + 1, row + 1);
+      }
     }
   };
   mark(bs.full_block_cnt, bs.full_block_idx, 2);
@@ -158,6 +172,7 @@ WorkspaceLayout workspace_layout(const BwdParams& p) {
       std::size_t(p.batch) * p.num_heads_kv * num_n_blocks;
   layout.semaphore = buffers.take(p.deterministic ? sizeof(int) * num_semaphores : 0);
   layout.row_class = buffers.take(needs_row_classes(p) ? row_class_bytes(p) : 0);
+  layout.row_bounds = buffers.take(needs_row_classes(p) ? row_bounds_bytes(p) : 0);
   layout.total = buffers.total();
   return layout;
 }
@@ -256,19 +271,24 @@ void run_backward(BwdParams& params, StreamHandle stream) {
   params.block_m = tile.block_m;
   params.block_n = tile.block_n;
   params.block_sparse.row_class = nullptr;
+  params.block_sparse.row_bounds = nullptr;
   if (needs_row_classes(params) && row_class_bytes(params) > 0) {
     auto* classes = reinterpret_cast<unsigned char*>(base + layout.row_class);
+    auto* bounds = reinterpret_cast<int*>(base + layout.row_bounds);
     const BlockSparseParams& bs = params.block_sparse;
     auto const cuda_stream = static_cast<cudaStream_t>(stream);
     if (bs.row_lists) cudaMemsetAsync(classes, 0, row_class_bytes(params), cuda_stream);
+    cudaMemsetAsync(bounds, 0, row_bounds_bytes(params), cuda_stream);
     int const outer_blocks = bs.row_lists ? bs.num_row_blocks : bs.num_col_blocks;
-    block_row_classes_sm90<<<dim3(outer_blocks, bs.num_heads_b, params.batch), 128, 0, cuda_stream>>>(bs, classes);
+    block_row_classes_sm90<<<dim3(outer_blocks, bs.num_heads_b, params.batch), 128, 0, cuda_stream>>>(bs, classes,
+                                                                                                      bounds);
     cudaError_t const launched = cudaGetLastError();
     if (launched != cudaSuccess) {
       throw Error(Error::Kind::kCuda, "block_sparse",
                   std::string("cuflash backward: launching the block-list class kernel failed: ") + cudaGetErrorString(launched));
     }
     params.block_sparse.row_class = classes;
+    params.block_sparse.row_bounds = bounds;
   }
   if (expression) {
     reinterpret_cast<void (*)(BwdParams*, cudaStream_t)>(params.expression_kernel)(

@@ -162,11 +162,15 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   ml.window_right = params.is_causal ? 0
                     : (!causal_or_local || params.window_right < 0 ? unbounded : std::min(params.window_right, unbounded));
   // With softcap, tanh takes S * scale / softcap and the result is scaled back by softcap. The
-  // flex variant turns S into final scores itself (scale or softcap, then score_mod).
+  // flex variant turns S into final scores itself (scale or softcap, then score_mod); without
+  // softcap or a score_mod nothing reads the scaled score, so the scale goes into the exponent
+  // as in the plain kernel, one multiply per score fewer (the forward's flex_scale_in_exp).
   if constexpr (Mainloop::kIsFlex) {
-    ml.softmax_scale_log2 = float(M_LOG2E);
+    bool const scale_in_exp = !HasSoftcap && params.score_mod.kind == int(ScoreModKind::kNone);
+    ml.softmax_scale_log2 = scale_in_exp ? params.softmax_scale * float(M_LOG2E) : float(M_LOG2E);
     ml.softcap_val = 0.f;
     ml.flex = Variant::to_params(params);
+    if (scale_in_exp) { ml.flex.score_scale = 1.f; }
   } else {
     ml.softmax_scale_log2 = HasSoftcap ? params.softcap * float(M_LOG2E) : params.softmax_scale * float(M_LOG2E);
     ml.softcap_val = HasSoftcap ? params.softmax_scale / params.softcap : 0.f;

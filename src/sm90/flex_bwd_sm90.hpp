@@ -54,7 +54,7 @@ struct MBlockRange<true> {
 // same function of the column block.
 template <int kBlockM, int kBlockN>
 struct FlexColumnWalk {
-  int m_block_min, m_block_max;  // the window's m-blocks, narrowed by mask_mod without lists
+  int m_block_min, m_block_max;  // the window's m-blocks, narrowed by mask_mod or by the lists' bounds
   unsigned char const* row_class;  // with lists: this column block's row-block classes
   int sub_blocks;  // kernel m-blocks per list block; 0 without lists
   int m_block;     // the m-block the walk stands on
@@ -95,6 +95,13 @@ struct FlexColumnWalk {
         col_block;
     walk.row_class = bs.row_class + list * bs.num_row_blocks;
     walk.sub_blocks = bs.block_m / kBlockM;
+    // Only the row blocks between the first and the last that the lists name: a long sequence
+    // has many row blocks, and seeking through each unlisted one is a dependent load.
+    int const first_listed = bs.num_row_blocks - bs.row_bounds[2 * list];
+    int const end_listed = bs.row_bounds[2 * list + 1];
+    walk.m_block_min = cute::max(walk.m_block_min, first_listed * walk.sub_blocks);
+    walk.m_block_max = cute::min(walk.m_block_max, end_listed * walk.sub_blocks);
+    walk.m_block = walk.m_block_min;
     walk.any = walk.seek();
     return walk;
   }

@@ -954,7 +954,7 @@ struct MainloopBwdSm90 {
           scores(i) = score_scale * t;
           grad(i) = 1.f - t * t;
         }
-      } else {
+      } else if (kHasScoreGrad || score_scale != 1.f) {  // 1 without a score_mod: the scale is in the exponent
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < size(scores); ++i) {
           scores(i) *= score_scale;
