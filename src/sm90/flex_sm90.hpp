@@ -188,13 +188,36 @@ struct FlexTileMods {
         }
         Tensor scores = make_tensor(tSrS.data(), acc_rowcol_layout(tSrS.layout()));
         Tensor coords = make_tensor(tScS.data(), acc_rowcol_layout(tScS.layout()));
+        using Mod = std::decay_t<decltype(mod)>;
+        if constexpr (variants::HasKeyCompare<Mod>::value) {
+          // Key compares: one key per row and one per column instead of two loads (each behind a
+          // branch) per score. Rows and columns are clamped into the sequence: columns past
+          // seqlen_k are hidden by the length mask, rows past seqlen_q are never stored.
+          constexpr int kRows = decltype(size<0>(scores))::value;
+          int row_keys[kRows];
+          CUTLASS_PRAGMA_UNROLL
+          for (int m = 0; m < kRows; ++m) {
+            int row, row_head;
+            place(min(m_block * kBlockM + int(get<0>(coords(m, 0))), seqlen_q - 1), row, row_head);
+            row_keys[m] = mod.row_key(batch, row);
+          }
+          CUTLASS_PRAGMA_UNROLL
+          for (int n = 0; n < size<1>(scores); ++n) {
+            int const col_key = mod.col_key(batch, min(col_first + int(get<1>(coords(0, n))), seqlen_k - 1));
+            CUTLASS_PRAGMA_UNROLL
+            for (int m = 0; m < kRows; ++m) {
+              if (row_keys[m] != col_key) scores(m, n) = -INFINITY;
+            }
+          }
+          return;
+        }
         CUTLASS_PRAGMA_UNROLL
         for (int m = 0; m < size<0>(scores); ++m) {
           int const tile_row = m_block * kBlockM + get<0>(coords(m, 0));
           if (tile_row >= seqlen_q) continue;
           int row, row_head;
           place(tile_row, row, row_head);
-          if constexpr (variants::HasRowInterval<std::decay_t<decltype(mod)>>::value) {
+          if constexpr (variants::HasRowInterval<Mod>::value) {
             // The row's keys as one interval, relative to the block: two compares per element
             // (evaluating the mask per element cost more than the block's softmax). Columns past
             // seqlen_k are hidden by the length mask either way.

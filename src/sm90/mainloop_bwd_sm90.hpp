@@ -988,11 +988,29 @@ struct MainloopBwdSm90 {
                               cute::min(tile_col + kBlockN, seq.seqlen_k) - 1)) {
             return;
           }
+          using Mod = std::decay_t<decltype(mod)>;
+          // Key compares (as the forward's FlexTileMods::mask): the thread's column keys once,
+          // columns clamped into the sequence (the length mask hides those past it). Not in the
+          // softcap kernels, which this raises from 38 to 74 bytes of spills (hdim128, ptxas 13.0).
+          constexpr bool kKeys = variants::HasKeyCompare<Mod>::value && !HasSoftcap;
+          int col_keys[kKeys ? kCols : 1];
+          if constexpr (kKeys) {
+            CUTLASS_PRAGMA_UNROLL
+            for (int ni = 0; ni < kCols; ++ni) {
+              col_keys[ni] = mod.col_key(batch, cute::min(tile_col + col_base + col_offset(ni), seq.seqlen_k - 1));
+            }
+          }
           CUTLASS_PRAGMA_UNROLL
           for (int mi = 0; mi < kRows; ++mi) {
             int const row = tile_row + row_base + row_offset(mi);
             if (row >= seq.seqlen_q) { continue; }
-            if constexpr (variants::HasRowInterval<std::decay_t<decltype(mod)>>::value) {
+            if constexpr (kKeys) {
+              int const row_key = mod.row_key(batch, row);
+              CUTLASS_PRAGMA_UNROLL
+              for (int ni = 0; ni < kCols; ++ni) {
+                if (col_keys[ni] != row_key) { scores(mi, ni) = -INFINITY; }
+              }
+            } else if constexpr (variants::HasRowInterval<Mod>::value) {
               // The row's keys as one interval (as the forward's FlexTileMods::mask); columns past
               // seqlen_k are hidden by the length mask either way.
               int col_begin = tile_col, col_end = tile_col + kBlockN;

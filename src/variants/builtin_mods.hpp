@@ -137,6 +137,10 @@ struct DocumentMaskMod {
     int const* row = ids + b * stride;
     return row[q_idx] == row[kv_idx];
   }
+  // visible(b, h, q, kv) == (row_key(b, q) == col_key(b, kv)): the kernels load one key per row
+  // and per column of a block instead of two per score (HasKeyCompare).
+  CUTLASS_HOST_DEVICE int row_key(int b, int q_idx) const { return ids[b * stride + q_idx]; }
+  CUTLASS_HOST_DEVICE int col_key(int b, int kv_idx) const { return ids[b * stride + kv_idx]; }
   CUTLASS_HOST_DEVICE void col_range(int, int, int&, int&) const {}
   CUTLASS_HOST_DEVICE void row_range(int, int, int&, int&) const {}
   CUTLASS_HOST_DEVICE bool all_visible(int, int, int, int) const { return false; }
@@ -185,6 +189,14 @@ struct HasRowInterval : std::false_type {};
 template <class Mod>
 struct HasRowInterval<Mod, std::void_t<decltype(std::declval<Mod const&>().row_interval(
                                0, std::declval<int&>(), std::declval<int&>()))>> : std::true_type {};
+
+// Whether a mask_mod is an equality of a key per query and a key per key position (row_key /
+// col_key, DocumentMaskMod).
+template <class Mod, class = void>
+struct HasKeyCompare : std::false_type {};
+template <class Mod>
+struct HasKeyCompare<Mod, std::void_t<decltype(std::declval<Mod const&>().row_key(0, 0)),
+                                      decltype(std::declval<Mod const&>().col_key(0, 0))>> : std::true_type {};
 
 // One built-in mask_mod, chosen at run time (MaskModKind value).
 struct MaskModSwitch {
