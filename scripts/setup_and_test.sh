@@ -20,6 +20,7 @@ if [ ! -f pyproject.toml ] || [ ${#python_tests[@]} -eq 0 ]; then
   exit 0
 fi
 
+install_test_packages
 log "Installing the Python package (pip install .)"
 start=$SECONDS
 CMAKE_BUILD_PARALLEL_LEVEL="$CUFLASH_JOBS" \

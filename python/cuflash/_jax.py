@@ -3,8 +3,7 @@
 The extension's XLA FFI handlers (python/src/jax_ffi.cpp) run the CPU reference on the CPU
 backend and the sm_90a kernels on the GPU backend, on the stream that XLA gives. They are
 registered with JAX on first use. ``jax.custom_vjp`` gives the gradients of q, k, v and
-learnable_sink; lse is an output without a gradient (a cotangent that reaches it raises
-NotImplementedError naming lse).
+learnable_sink, with the cotangent of lse (a loss that uses lse) taken as the backward's dlse.
 
 Imported only when JAX arrays reach cuflash (jax is already imported then). Eager JAX arrays
 take the same path as traced ones; the extension built without the handlers (no jax at
@@ -30,7 +29,7 @@ BACKWARD_TARGET = "cuflash_backward"
 # the `operands` attribute says that OPTIONAL_OPERANDS[i] is passed (python/src/jax_ffi.cpp).
 OPTIONAL_OPERANDS = ("learnable_sink", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "page_table",
                      "mask_block_cnt", "mask_block_idx", "full_block_cnt", "full_block_idx",
-                     "q_mask_block_cnt", "q_mask_block_idx", "q_full_block_cnt", "q_full_block_idx")
+                     "q_mask_block_cnt", "q_mask_block_idx", "q_full_block_cnt", "q_full_block_idx", "dlse")
 _FIRST_BLOCK_LIST = OPTIONAL_OPERANDS.index("mask_block_cnt")
 _FIRST_BACKWARD_LIST = OPTIONAL_OPERANDS.index("q_mask_block_cnt")
 
@@ -211,10 +210,11 @@ def transpose_block_lists(cnt, idx, num_col_blocks: int):
     return q_cnt, q_idx
 
 
-def _backward_call(static: _Static, q, k, v, sink, extras, aux, out, dout, lse):
+def _backward_call(static: _Static, q, k, v, sink, extras, aux, out, dout, lse, dlse=None):
+    """dlse: the gradient reaching lse (lse's shape, float32), or None."""
     jax = _jax()
     _register()
-    extras = _backward_block_lists(extras)
+    extras = _backward_block_lists(extras) + (dlse,)
     operands, bits = _operands(sink, extras, aux, forward=False)
     results = [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in (q, k, v)]
     if sink is not None:
@@ -247,14 +247,11 @@ def _attention_fn():
     def backward(static, residuals, cotangents):
         q, k, v, sink, extras, aux, out, lse = residuals
         dout, dlse = cotangents
-        if not isinstance(dlse, SymbolicZero):
-            raise NotImplementedError(
-                "lse: gradients through lse are not taken with JAX arrays (the JAX custom call differentiates out "
-                "with respect to q, k, v and learnable_sink; torch and flash_attn_backward's dlse take them); apply "
-                "jax.lax.stop_gradient to lse where it feeds the loss")
+        # A loss that uses lse: dlse enters the backward's preprocess (dPsum = rowsum(dO * O) - dlse).
+        dlse = None if isinstance(dlse, SymbolicZero) else dlse.astype(np.float32)
         if isinstance(dout, SymbolicZero):
             dout = jax.numpy.zeros(out.shape, out.dtype)
-        dq, dk, dv, d_sink = _backward_call(static, q, k, v, sink, extras, aux, out, dout, lse)
+        dq, dk, dv, d_sink = _backward_call(static, q, k, v, sink, extras, aux, out, dout, lse, dlse)
         if d_sink is not None:
             d_sink = d_sink.astype(sink.dtype)
         return dq, dk, dv, d_sink, None, None
@@ -281,8 +278,8 @@ def attention(call) -> Tuple[Any, Any]:
     return _attention_fn()(_static(call), call.q, call.k, call.v, call.learnable_sink, _extras(call), _aux(call))
 
 
-def backward(call, out, dout, lse) -> Tuple[Any, Any, Any, Optional[Any]]:
+def backward(call, out, dout, lse, dlse=None) -> Tuple[Any, Any, Any, Optional[Any]]:
     """(dq, dk, dv, d_sink) of a checked call (flash_attn_backward); d_sink is float32."""
     _check_platform(call)
     return _backward_call(_static(call), call.q, call.k, call.v, call.learnable_sink, _extras(call), _aux(call),
-                          out, dout, lse)
+                          out, dout, lse, dlse)

@@ -1025,8 +1025,7 @@ def flash_attn_backward(
     JAX arrays may be traced, inside jax.jit).
 
     Takes the forward's inputs, options, out and lse, the gradient dout of out and optionally
-    dlse, the gradient of lse (lse's shape, float32; for a loss that uses lse as well; not taken
-    with JAX arrays). The
+    dlse, the gradient of lse (lse's shape, float32; for a loss that uses lse as well). The
     block-sparse backward lists (q_* : per column block, the row blocks that see it) are
     optional: without them the backward reads the forward lists (tabulated on the GPU). With
     page_table (as the forward's, k and v the pages), dk and dv are the gradients of the pages: a
@@ -1045,11 +1044,9 @@ def flash_attn_backward(
                     q_block_sparse=(q_mask_block_cnt, q_mask_block_idx, q_full_block_cnt, q_full_block_idx))
     out, dout, lse, dlse = _check_backward_inputs(call, out, dout, lse, dlse)
     if _uses_jax_ffi(call.framework):
-        if dlse is not None:
-            _fail(NotImplementedError, "dlse", "not taken with JAX arrays (the JAX custom call has no gradient of lse)")
         from . import _jax
 
-        return _jax.backward(call, out, dout, lse)
+        return _jax.backward(call, out, dout, lse, dlse)
     return _run_backward(call, out, dout, lse, dlse)
 
 

@@ -7,7 +7,8 @@
 // their workspace from XLA's scratch allocator (no allocation of their own, no host sync).
 //
 // Operands: q, k, v (forward) or q, k, v, out, dout, lse (backward), then the optional operands
-// whose bits are set in the `operands` attribute, in the order of the bits (kOperandNames), then
+// whose bits are set in the `operands` attribute, in the order of the bits (kOperandNames; the
+// q_ block lists and dlse only to the backward), then
 // `score_mod_num_aux` score_mod aux tensors and `mask_mod_num_aux` mask_mod aux tensors.
 // Results: out, lse (forward) or dq, dk, dv and, with a learnable sink, d_sink (backward).
 // python/cuflash/_jax.py builds the calls; it checks every argument first, as the eager path does.
@@ -35,11 +36,11 @@ namespace {
 
 // The optional operands, one bit each in the `operands` attribute (python/cuflash/_jax.py
 // keeps the same order).
-constexpr int kNumOptionalOperands = 14;
+constexpr int kNumOptionalOperands = 15;
 constexpr const char* kOperandNames[kNumOptionalOperands] = {
     "learnable_sink",   "cu_seqlens_q",     "cu_seqlens_k",     "seqused_q",       "seqused_k",
     "page_table",       "mask_block_cnt",   "mask_block_idx",   "full_block_cnt",  "full_block_idx",
-    "q_mask_block_cnt", "q_mask_block_idx", "q_full_block_cnt", "q_full_block_idx"};
+    "q_mask_block_cnt", "q_mask_block_idx", "q_full_block_cnt", "q_full_block_idx", "dlse"};
 enum OptionalOperand : int {
   kLearnableSink = 0,
   kCuSeqlensQ,
@@ -48,7 +49,9 @@ enum OptionalOperand : int {
   kSequsedK,
   kPageTable,
   kBlockSparseFirst,  // 8 lists, in BlockSparseTensors order (mask, full, then the q_ lists)
+  kDlse = kBlockSparseFirst + 8,  // backward: the gradient reaching lse
 };
+static_assert(kDlse + 1 == kNumOptionalOperands);
 
 // A failure that becomes the handler's ffi::Error.
 struct HandlerError {
@@ -204,8 +207,7 @@ Optional read_optional(Operands& operands, const ffi::Dictionary& attrs,
   operands.expect_end();
 
   bool any_block_list = false;
-  for (int i = kBlockSparseFirst; i < kNumOptionalOperands; ++i)
-    any_block_list |= optional.views[i].has_value();
+  for (int i = kBlockSparseFirst; i < kDlse; ++i) any_block_list |= optional.views[i].has_value();
   if (any_block_list) {
     cuflash::BlockSparseTensors tensors;
     tensors.mask_block_cnt = optional.views[kBlockSparseFirst + 0];
@@ -232,6 +234,7 @@ cuflash::ForwardArgs forward_args(const ffi::RemainingArgs& args, const ffi::Rem
   forward.v = operands.next("v");
   const Optional optional = read_optional(operands, attrs, forward.seq, forward.opts);
   forward.learnable_sink = optional.views[kLearnableSink];
+  if (optional.views[kDlse]) fail("dlse: a backward operand, passed to the forward");
   Results results(rets, device);
   forward.out = results.next("out");
   forward.lse = results.next("lse");
@@ -254,6 +257,7 @@ cuflash::BackwardArgs backward_args(const ffi::RemainingArgs& args, const ffi::R
   backward.lse = operands.next("lse");
   const Optional optional = read_optional(operands, attrs, backward.seq, backward.opts);
   backward.learnable_sink = optional.views[kLearnableSink];
+  backward.dlse = optional.views[kDlse];
   Results results(rets, device);
   backward.dq = results.next("dq");
   backward.dk = results.next("dk");

@@ -285,6 +285,56 @@ def test_varlen_block_lists_backward(rng):
     check_grads([f64(g) for g in grads] + [None], expected)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradient_of_lse(rng, causal):
+    # A loss that uses lse as well as out, under jax.jit(jax.grad): the cotangent of lse is the
+    # backward's dlse. Causal with Sq > Sk: the first rows see no key (lse -inf), and the sink's
+    # gradient takes the lse term too.
+    sink = None if causal else randn(rng, (4,), "float32")
+    q = randn(rng, (2, 30, 4, 32))
+    k, v = randn(rng, (2, 20, 2, 32)), randn(rng, (2, 20, 2, 32))
+    dout, dlse = randn(rng, q.shape), randn(rng, (2, 4, 30), "float32")
+    args = on_cpu(q, k, v, sink)
+    jdout, jdlse = on_cpu(dout, dlse)
+
+    def loss(q, k, v, sink):
+        out, lse = cuflash.flash_attn_func(q, k, v, causal=causal, learnable_sink=sink, softcap=3.0)
+        # Rows without keys have lse -inf; their term is left out of the loss (its gradient is 0).
+        lse_term = jnp.where(jnp.isneginf(lse), 0.0, lse * jdlse)
+        return jnp.sum(out.astype(jnp.float32) * jdout.astype(jnp.float32)) + jnp.sum(lse_term)
+
+    argnums = (0, 1, 2) if causal else (0, 1, 2, 3)
+    grads = list(jax.jit(jax.grad(loss, argnums=argnums))(*args))
+    out, lse = cuflash.flash_attn_func(q, k, v, causal=causal, learnable_sink=sink, softcap=3.0)
+    assert np.isneginf(lse).any() == causal
+    opts = ref.Options(causal=causal, sink=sink, softcap=3.0)
+    expected = ref.backward_dense(dout, q, k, v, out, opts, dlse=np.where(np.isneginf(lse), 0.0, dlse))
+    check_grads([f64(g) for g in grads[:3]] + [None if causal else np.asarray(grads[3])], expected)
+
+    # Packed sequences (lse (H, total_q)), through flash_attn_backward's dlse inside jit.
+    lengths = [7, 0, 12]
+    qp, cu_q = packed(rng, lengths, 2, 32)
+    kp, cu_k = packed(rng, lengths, 2, 32)
+    vp = randn(rng, kp.shape)
+    out, lse = cuflash.flash_attn_varlen_func(qp, kp, vp, cu_q, cu_k, max(lengths), max(lengths), causal=causal)
+    dout, dlse = randn(rng, out.shape), randn(rng, lse.shape, "float32")
+
+    @jax.jit
+    def backward(dout, q, k, v, out, lse, cu_q, cu_k, dlse):
+        return cuflash.flash_attn_backward(dout, q, k, v, out, lse, cu_q, cu_k, max(lengths), max(lengths),
+                                           causal=causal, dlse=dlse)[:3]
+
+    grads = backward(*on_cpu(dout, qp, kp, vp, out, lse, cu_q, cu_k, dlse))
+    opts = ref.Options(causal=causal)
+    expected = [np.zeros(qp.shape), np.zeros(kp.shape), np.zeros(vp.shape), None]
+    for b, ((q0, sq), (k0, sk)) in enumerate(zip(ref.sequences(cu_q), ref.sequences(cu_k))):
+        rows, keys = slice(q0, q0 + sq), slice(k0, k0 + sk)
+        dq, dk, dv, _ = ref.backward_one(dout[rows], qp[rows], kp[keys], vp[keys], out[rows], b, opts,
+                                         dlse=dlse[:, rows])
+        expected[0][rows], expected[1][keys], expected[2][keys] = dq, dk, dv
+    check_grads([f64(g) for g in grads] + [None], expected)
+
+
 def test_explicit_backward_inside_jit(rng):
     q, k, v = randn(rng, (1, 20, 2, 32)), randn(rng, (1, 24, 2, 32)), randn(rng, (1, 24, 2, 32))
     dout = randn(rng, (1, 20, 2, 32))
@@ -311,8 +361,10 @@ def test_vjp_vmap_and_eager_grad(rng):
     # jax.vjp and jax.grad without jit.
     (out0, _), vjp = jax.vjp(lambda q, k, v: cuflash.flash_attn_func(q, k, v), jq[0], jk[0], jv[0])
     dout = randn(rng, out0.shape)
-    with pytest.raises(NotImplementedError, match="^lse"):
-        vjp((jax.device_put(dout, CPU), jnp.ones((1, 2, 12), jnp.float32)))
+    dlse = randn(rng, (1, 2, 12), "float32")
+    grads = vjp((jax.device_put(dout, CPU), jax.device_put(dlse, CPU)))
+    expected = ref.backward_dense(dout, q[0], k[0], v[0], np.asarray(out0), ref.Options(), dlse=dlse)
+    check_grads([f64(g) for g in grads] + [None], expected)
     eager = jax.grad(lambda q: jnp.sum(cuflash.flash_attn_func(q, jk[0], jv[0])[0].astype(jnp.float32)))(jq[0])
     expected = ref.backward_dense(np.ones(out0.shape), q[0], k[0], v[0], np.asarray(out0), ref.Options())
     assert_close(f64(eager), expected[0], scale=max(1.0, np.abs(expected[0]).max()), what="dq")
@@ -334,5 +386,3 @@ def test_errors_name_the_argument(rng):
         jax.jit(lambda q: cuflash.flash_attn_func(q, q, q, causal=1))(q)
     with pytest.raises(TypeError, match="^out_partial"):
         jax.jit(lambda o, l: cuflash.flash_attn_combine(o, l))(jnp.zeros((2, 8, 4, 32)), jnp.zeros((2, 8, 4)))
-    with pytest.raises(NotImplementedError, match="^lse"):
-        jax.jit(jax.grad(lambda q: cuflash.flash_attn_func(q, q, q)[1].sum()))(q)
