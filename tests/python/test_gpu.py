@@ -415,15 +415,18 @@ def test_jax_jit_varlen_sink_grad(rng):
     v = rng.standard_normal((int(cu_k[-1]), heads_kv, dim)).astype(ml_dtypes.bfloat16)
     sink = rng.standard_normal(heads).astype(np.float32)
     dout = rng.standard_normal(q.shape).astype(ml_dtypes.bfloat16)
+    # The loss uses lse too: its cotangent reaches the kernels' preprocess as dlse.
+    dlse = rng.standard_normal((heads, q.shape[0])).astype(np.float32)
     args = [jax.device_put(x, gpu) for x in (q, k, v, sink, cu_q, cu_k)]
-    jdout = jax.device_put(dout, gpu)
+    jdout, jdlse = jax.device_put(dout, gpu), jax.device_put(dlse, gpu)
 
     def attention(q, k, v, sink, cu_q, cu_k):
         return cuflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=True,
                                               learnable_sink=sink)
 
     def loss(*a):
-        return jnp.sum(attention(*a)[0].astype(jnp.float32) * jdout.astype(jnp.float32))
+        out, lse = attention(*a)
+        return jnp.sum(out.astype(jnp.float32) * jdout.astype(jnp.float32)) + jnp.sum(lse * jdlse)
 
     with skip_if_not_built():
         out, lse = jax.jit(attention)(*args)
@@ -437,7 +440,7 @@ def test_jax_jit_varlen_sink_grad(rng):
         expected_out, expected_lse = ref.forward_one(q[rows], k[keys], v[keys], b, opts)
         assert_close(out_np[rows].astype(np.float64), expected_out, "bfloat16", what="out")
         assert_lse_close(np.asarray(lse)[:, rows], expected_lse)
-        grads = ref.backward_one(dout[rows], q[rows], k[keys], v[keys], out_np[rows], b, opts)
+        grads = ref.backward_one(dout[rows], q[rows], k[keys], v[keys], out_np[rows], b, opts, dlse=dlse[:, rows])
         expected[0][rows], expected[1][keys], expected[2][keys] = grads[:3]
         expected[3] += grads[3]
     for name, grad, e in zip(("dq", "dk", "dv"), (dq, dk, dv), expected[:3]):

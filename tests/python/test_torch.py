@@ -270,9 +270,11 @@ def test_mod_tensors_that_require_grad_are_refused(gen):
     # refused under grad mode (it would silently never train) and taken as a constant otherwise.
     q, k, v = tensors(gen, [(1, 16, 4, 32), (1, 16, 4, 32), (1, 16, 4, 32)])
     slopes = torch.tensor(cuflash.scores.alibi_slopes(4)).requires_grad_(True)
+    # score_mod is an argument of flash_attn_varlen_func (as the seed's interface), which takes
+    # fixed-length batches too.
     with pytest.raises(NotImplementedError, match="score_mod: its tensor aux.0. requires grad"):
-        cuflash.flash_attn_func(q, k, v, score_mod=cuflash.scores.alibi(slopes))
-    out, _ = cuflash.flash_attn_func(q, k, v, score_mod=cuflash.scores.alibi(slopes.detach()))
+        cuflash.flash_attn_varlen_func(q, k, v, score_mod=cuflash.scores.alibi(slopes))
+    out, _ = cuflash.flash_attn_varlen_func(q, k, v, score_mod=cuflash.scores.alibi(slopes.detach()))
     with torch.no_grad():
-        out_no_grad, _ = cuflash.flash_attn_func(q, k, v, score_mod=cuflash.scores.alibi(slopes))
+        out_no_grad, _ = cuflash.flash_attn_varlen_func(q, k, v, score_mod=cuflash.scores.alibi(slopes))
     assert torch.equal(out.detach(), out_no_grad)
