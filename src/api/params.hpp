@@ -56,6 +56,10 @@ struct BlockSparseParams {
   // block lists none, so that a walk reads the classes between its first and last listed row
   // blocks only instead of every row block of the sequence.
   const int* row_bounds = nullptr;
+  // Backward, deterministic runs (set by dispatch beside row_class): the same classes per (batch,
+  // list head, row block, column block), so that the ranks of the dQ order (a warp reading one
+  // row block's classes over 32 column blocks) read one line instead of 32.
+  const unsigned char* row_class_by_row = nullptr;
 };
 
 // A forward kernel's twin for short work (FwdParams::short_kernel).
@@ -304,7 +308,7 @@ struct BwdLaunchChoice {
 
 // The layout version: bumped with every change to the members of FwdParams, BwdParams or
 // ModParams, since a member added into tail padding leaves the sizes below as they were.
-constexpr std::uint64_t kParamsLayoutVersion = 20;
+constexpr std::uint64_t kParamsLayoutVersion = 21;
 
 // Whether a call needs the flex kernels (variants::FlexVariant): a score_mod, a mask_mod or block
 // lists. FwdParams and BwdParams alike.

@@ -88,7 +88,7 @@ std::string kernel_name(const BwdParams& p) {
 // Byte offsets of the buffers that run_backward carves from the workspace (workspace_layout.hpp).
 struct WorkspaceLayout {
   std::size_t lse_log2 = 0, dpsum = 0, dq_accum = 0, dk_accum = 0, dv_accum = 0, semaphore = 0, row_class = 0,
-              row_bounds = 0;
+              row_bounds = 0, row_class_by_row = 0;
   std::size_t total = 0;
 };
 
@@ -112,8 +112,10 @@ std::size_t row_bounds_bytes(const BwdParams& p) {
 // write their column blocks' bytes of that row (zeroed beforehand). 2 for the full list, then 1
 // for the mask list (a block both name gets mask_mod, which is right either way). Entries
 // outside the blocks are ignored. Each listed row block also widens its column block's bounds
-// (BlockSparseParams::row_bounds, zeroed beforehand) by two atomic maxima.
-__global__ void block_row_classes_sm90(BlockSparseParams bs, unsigned char* classes, int* bounds) {
+// (BlockSparseParams::row_bounds, zeroed beforehand) by two atomic maxima, and, when given, is
+// written to the row-major copy (BlockSparseParams::row_class_by_row, zeroed beforehand).
+__global__ void block_row_classes_sm90(BlockSparseParams bs, unsigned char* classes, int* bounds,
+                                       unsigned char* classes_by_row) {
   int const rows = bs.num_row_blocks, cols = bs.num_col_blocks;
   int const outer_blocks = bs.row_lists ? rows : cols, inner_blocks = bs.row_lists ? cols : rows;
   long long const head_base = (static_cast<long long>(blockIdx.z) * bs.num_heads_b + blockIdx.y);
@@ -134,7 +136,9 @@ __global__ void block_row_classes_sm90(BlockSparseParams bs, unsigned char* clas
       if (block >= 0 && block < inner_blocks) {
         at(block) = value;
         int const row = bs.row_lists ? int(blockIdx.x) : block;
-        int* const column_bounds = bounds + 2 * (head_base * cols + (bs.row_lists ? block : int(blockIdx.x)));
+        int const col = bs.row_lists ? block : int(blockIdx.x);
+        if (classes_by_row != nullptr) classes_by_row[(head_base * rows + row) * cols + col] = value;
+        int* const column_bounds = bounds + 2 * (head_base * cols + col);
         atomicMax(column_bounds, rows - row);
         atomicMax(column_bounds + 1, row + 1);
       }
@@ -173,6 +177,7 @@ WorkspaceLayout workspace_layout(const BwdParams& p) {
   layout.semaphore = buffers.take(p.deterministic ? sizeof(int) * num_semaphores : 0);
   layout.row_class = buffers.take(needs_row_classes(p) ? row_class_bytes(p) : 0);
   layout.row_bounds = buffers.take(needs_row_classes(p) ? row_bounds_bytes(p) : 0);
+  layout.row_class_by_row = buffers.take(needs_row_classes(p) && p.deterministic ? row_class_bytes(p) : 0);
   layout.total = buffers.total();
   return layout;
 }
@@ -272,6 +277,7 @@ void run_backward(BwdParams& params, StreamHandle stream) {
   params.block_n = tile.block_n;
   params.block_sparse.row_class = nullptr;
   params.block_sparse.row_bounds = nullptr;
+  params.block_sparse.row_class_by_row = nullptr;
   if (needs_row_classes(params) && row_class_bytes(params) > 0) {
     auto* classes = reinterpret_cast<unsigned char*>(base + layout.row_class);
     auto* bounds = reinterpret_cast<int*>(base + layout.row_bounds);
@@ -279,9 +285,12 @@ void run_backward(BwdParams& params, StreamHandle stream) {
     auto const cuda_stream = static_cast<cudaStream_t>(stream);
     if (bs.row_lists) cudaMemsetAsync(classes, 0, row_class_bytes(params), cuda_stream);
     cudaMemsetAsync(bounds, 0, row_bounds_bytes(params), cuda_stream);
+    unsigned char* classes_by_row =
+        params.deterministic ? reinterpret_cast<unsigned char*>(base + layout.row_class_by_row) : nullptr;
+    if (classes_by_row != nullptr) cudaMemsetAsync(classes_by_row, 0, row_class_bytes(params), cuda_stream);
     int const outer_blocks = bs.row_lists ? bs.num_row_blocks : bs.num_col_blocks;
-    block_row_classes_sm90<<<dim3(outer_blocks, bs.num_heads_b, params.batch), 128, 0, cuda_stream>>>(bs, classes,
-                                                                                                      bounds);
+    block_row_classes_sm90<<<dim3(outer_blocks, bs.num_heads_b, params.batch), 128, 0, cuda_stream>>>(
+        bs, classes, bounds, classes_by_row);
     cudaError_t const launched = cudaGetLastError();
     if (launched != cudaSuccess) {
       throw Error(Error::Kind::kCuda, "block_sparse",
@@ -289,6 +298,7 @@ void run_backward(BwdParams& params, StreamHandle stream) {
     }
     params.block_sparse.row_class = classes;
     params.block_sparse.row_bounds = bounds;
+    params.block_sparse.row_class_by_row = classes_by_row;
   }
   if (expression) {
     reinterpret_cast<void (*)(BwdParams*, cudaStream_t)>(params.expression_kernel)(

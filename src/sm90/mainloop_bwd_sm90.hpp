@@ -574,13 +574,18 @@ struct MainloopBwdSm90 {
     int const lane = int(threadIdx.x) % cutlass::NumThreadsPerWarp;
     int rank = 0;
     if (bs.row_class != nullptr) {
-      long long const lists =
-          (static_cast<long long>(batch) * bs.num_heads_b + (bs.num_heads_b == 1 ? 0 : head)) * bs.num_col_blocks;
+      long long const head_lists = static_cast<long long>(batch) * bs.num_heads_b + (bs.num_heads_b == 1 ? 0 : head);
       int const row = m_block * kBlockM / bs.block_m;
+      // The row-major copy (deterministic runs): the warp's 32 column blocks in one line.
+      unsigned char const* by_row = bs.row_class_by_row == nullptr
+                                        ? nullptr
+                                        : bs.row_class_by_row + (head_lists * bs.num_row_blocks + row) * bs.num_col_blocks;
       for (int first = n_block + 1; first <= last; first += cutlass::NumThreadsPerWarp) {
         int const n = first + lane;
+        int const col = n * kBlockN / bs.block_n;
         bool const listed =
-            n <= last && bs.row_class[(lists + n * kBlockN / bs.block_n) * bs.num_row_blocks + row] != 0;
+            n <= last && (by_row != nullptr ? by_row[col]
+                                            : bs.row_class[(head_lists * bs.num_col_blocks + col) * bs.num_row_blocks + row]) != 0;
         rank += __popc(__ballot_sync(0xffffffffu, listed));
       }
       return rank;
