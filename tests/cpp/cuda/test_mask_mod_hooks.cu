@@ -1,7 +1,8 @@
 // The built-in mask_mods' block-level hooks against their element-level `visible`, which the
 // kernels rely on: `row_interval` is exactly the keys a row sees, `col_range` keeps every key
 // that some row of a rectangle sees, `row_range` every query that sees some column of it, and
-// `all_visible` is true only when every position of the rectangle is visible. Host only:
+// `all_visible` is true only when every position of the rectangle is visible; where a mod has
+// `row_key` / `col_key`, their equality is `visible`. Host only:
 // compiled by nvcc for the CUTLASS headers, run on the CPU.
 #include <gtest/gtest.h>
 
@@ -19,6 +20,17 @@ constexpr int kRows = 70, kCols = 90, kBlock = 16;
 template <class Mod>
 void check_hooks(Mod const& mod, const char* what) {
   SCOPED_TRACE(what);
+  if constexpr (HasKeyCompare<Mod>::value) {
+    // The kernels compare one key per row with one per column instead of calling visible.
+    for (int b = 0; b < 2; ++b) {
+      for (int q = 0; q < kRows; ++q) {
+        for (int kv = 0; kv < kCols; ++kv) {
+          EXPECT_EQ(mod.visible(b, 0, q, kv), mod.row_key(b, q) == mod.col_key(b, kv))
+              << "b " << b << " q " << q << " kv " << kv;
+        }
+      }
+    }
+  }
   for (int q = 0; q < kRows; ++q) {
     for (int first = 0; first < kCols; first += kBlock) {
       if constexpr (HasRowInterval<Mod>::value) {
@@ -57,7 +69,7 @@ void check_hooks(Mod const& mod, const char* what) {
 }
 
 TEST(MaskModHooks, CausalAgreesWithVisible) {
-  static_assert(HasRowInterval<CausalMaskMod>::value);
+  static_assert(HasRowInterval<CausalMaskMod>::value && !HasKeyCompare<CausalMaskMod>::value);
   check_hooks(CausalMaskMod{}, "causal");
 }
 
@@ -81,10 +93,15 @@ TEST(MaskModHooks, PrefixLMAgreesWithVisible) {
 
 TEST(MaskModHooks, DocumentAgreesWithVisible) {
   // Documents are not intervals of keys in general (ids may interleave): no row_interval.
-  static_assert(!HasRowInterval<DocumentMaskMod>::value);
-  std::vector<int> ids(kCols);
-  for (int i = 0; i < kCols; ++i) ids[i] = (i / 11 + (i % 3 == 0)) % 4;  // runs with interleaved ids
-  check_hooks(DocumentMaskMod{ids.data(), kCols}, "document");
+  static_assert(!HasRowInterval<DocumentMaskMod>::value && HasKeyCompare<DocumentMaskMod>::value);
+  // Two batch rows (the second shifted), row stride kCols + 3.
+  constexpr int kStride = kCols + 3;
+  std::vector<int> ids(2 * kStride, -1);
+  for (int i = 0; i < kCols; ++i) {
+    ids[i] = (i / 11 + (i % 3 == 0)) % 4;  // runs with interleaved ids
+    ids[kStride + i] = (i + 5) / 9;
+  }
+  check_hooks(DocumentMaskMod{ids.data(), kStride}, "document");
 }
 
 }  // namespace
