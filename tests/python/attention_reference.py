@@ -177,6 +177,18 @@ def sequences(cu_seqlens: Sequence[int], seqused: Optional[Sequence[int]] = None
     return spans
 
 
+def backward_packed(dout, q, k, v, out, cu_seqlens_q, cu_seqlens_k, opts: Options, dlse=None):
+    """dq, dk, dv (and None for d_sink) of packed sequences (q (total_q, H, D), lse and dlse
+    (H, total_q)), sequence by sequence; rows outside every sequence get 0."""
+    grads = [np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape), None]
+    for b, ((q0, sq), (k0, sk)) in enumerate(zip(sequences(cu_seqlens_q), sequences(cu_seqlens_k))):
+        rows, keys = slice(q0, q0 + sq), slice(k0, k0 + sk)
+        dq, dk, dv, _ = backward_one(dout[rows], q[rows], k[keys], v[keys], out[rows], b, opts,
+                                     None if dlse is None else dlse[:, rows])
+        grads[0][rows], grads[1][keys], grads[2][keys] = dq, dk, dv
+    return grads
+
+
 def block_masks(cnt_idx_full, cnt_idx_mask, seqlen_q: int, seqlen_k: int):
     """(b, h) -> (full, partial) element masks from FlexAttention block lists (NumPy)."""
 
