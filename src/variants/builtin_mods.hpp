@@ -205,6 +205,13 @@ template <class Mod>
 struct HasKeyCompare<Mod, std::void_t<decltype(std::declval<Mod const&>().row_key(0, 0)),
                                       decltype(std::declval<Mod const&>().col_key(0, 0))>> : std::true_type {};
 
+// Whether a mask_mod switch has the compact subset (MaskModSwitch::compact_kind / visit_compact).
+template <class Switch, class = void>
+struct HasCompactKinds : std::false_type {};
+template <class Switch>
+struct HasCompactKinds<Switch, std::void_t<decltype(std::declval<Switch const&>().compact_kind())>>
+    : std::true_type {};
+
 // One built-in mask_mod, chosen at run time (MaskModKind value).
 struct MaskModSwitch {
   int kind = 0;
@@ -232,6 +239,31 @@ struct MaskModSwitch {
         break;
     }
     return result;
+  }
+
+  // The kinds that a compact flex loop handles (none, causal, sliding window, prefix LM: one
+  // interval of keys per row), and `visit` over those only (the kernels' CUFLASH_FLEX_COMPACT_LOOP
+  // build switch; FlexTileMods with kCompact).
+  CUTLASS_HOST_DEVICE bool compact_kind() const {
+    return kind == int(MaskModKind::kNone) || kind == int(MaskModKind::kCausal) ||
+           kind == int(MaskModKind::kSlidingWindow) || kind == int(MaskModKind::kPrefixLM);
+  }
+  template <class Fn>
+  CUTLASS_DEVICE void visit_compact(Fn&& fn) const {
+    switch (kind) {
+      case int(MaskModKind::kCausal):
+        fn(CausalMaskMod{});
+        break;
+      case int(MaskModKind::kSlidingWindow):
+        fn(SlidingWindowMaskMod{left, right});
+        break;
+      case int(MaskModKind::kPrefixLM):
+        fn(PrefixLMMaskMod{prefix});
+        break;
+      default:
+        fn(NoMaskMod{});
+        break;
+    }
   }
 
   template <class Fn>
