@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# A/B of compile-time variants in one call on the lent H200: builds each variant of one kernel
+# selection side by side (tools/gpu_check.sh with its own BUILD_DIR and CMAKE_CUDA_FLAGS), runs the
+# GPU tests on one of them, then a benchmark over the variants in alternating passes, appending
+# everything to $OUT/all.txt as it goes (a call cut short still returns what it measured).
+#
+#   VARIANTS="base new:-DCUFLASH_FLEX_COMPACT_LOOP=1" HDIMS="64;128" FEATURES=flex \
+#   REGEX='^flash_fwd_hdim(64|128)_bf16_(flex_(split_)?)?sm90$' TEST_VARIANT=new GTEST_FILTER='*ForwardFlex*' \
+#   BENCH=flex BENCH_ARGS="--hdims 64,128 --seqlens 2048,8192" PASSES=2 tools/gpu_ab.sh
+#
+# VARIANTS: space-separated NAME or NAME:FLAGS (FLAGS: one -D... for CMAKE_CUDA_FLAGS, no spaces).
+# KERNEL_SET (default custom), HDIMS, DTYPES (default bf16), FEATURES, REGEX (CUFLASH_KERNEL_REGEX):
+# the kernel selection of every variant. TEST_VARIANT / GTEST_FILTER / TEST_TIMEOUT: the GPU tests
+# (none without TEST_VARIANT). BENCH: a bench/bench_NAME.py step of gpu_check (fwd, bwd, flex, gqa;
+# none if empty), BENCH_ARGS its arguments, PASSES the rounds over the variants (default 2).
+# STAGGER: seconds between the builds' starts (default 40; they share the GoogleTest build).
+# DRY_RUN=1 prints the gpu_check calls instead of running them.
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${OUT:-$ROOT/gpu_check_out}
+mkdir -p "$OUT"
+ALL=$OUT/all.txt
+: >"$ALL"
+VARIANTS=${VARIANTS:?VARIANTS: the variants to build, e.g. "base new:-DNAME=1"}
+export KERNEL_SET=${KERNEL_SET:-custom} DTYPES=${DTYPES:-bf16}
+[[ -n ${HDIMS:-} ]] && export HDIMS
+[[ -n ${FEATURES:-} ]] && export FEATURES
+PASSES=${PASSES:-2}
+STAGGER=${STAGGER:-40}
+
+log() { echo "$*" >>"$ALL"; }
+run() {  # run LOGFILE VAR=value... : tools/gpu_check.sh under those settings
+  local logfile=$1
+  shift
+  if [[ ${DRY_RUN:-0} == 1 ]]; then
+    echo "env $* bash $ROOT/tools/gpu_check.sh > $logfile" | tee -a "$ALL"
+    return 0
+  fi
+  env "$@" bash "$ROOT/tools/gpu_check.sh" >"$logfile" 2>&1
+}
+name_of() { echo "${1%%:*}"; }
+flags_of() { [[ $1 == *:* ]] && echo "${1#*:}"; }
+
+names=()
+for variant in $VARIANTS; do
+  name=$(name_of "$variant")
+  [[ $name =~ ^[A-Za-z0-9_]+$ ]] || { echo "VARIANTS: '$name' is not a plain name" >&2; exit 2; }
+  names+=("$name")
+done
+if [[ -n ${TEST_VARIANT:-} && " ${names[*]} " != *" $TEST_VARIANT "* ]]; then
+  echo "TEST_VARIANT: '$TEST_VARIANT' is not among VARIANTS ($VARIANTS)" >&2
+  exit 2
+fi
+
+log "gpu_ab $(date -u +%FT%TZ) variants: $VARIANTS; kernel_set=$KERNEL_SET hdims=${HDIMS:-} dtypes=$DTYPES features=${FEATURES:-} regex=${REGEX:-}"
+first=1
+for variant in $VARIANTS; do
+  name=$(name_of "$variant")
+  flags=$(flags_of "$variant")
+  extra=${REGEX:+-DCUFLASH_KERNEL_REGEX=$REGEX}
+  [[ -n $flags ]] && extra="$extra -DCMAKE_CUDA_FLAGS=$flags"
+  [[ $name != "${TEST_VARIANT:-}" ]] && extra="$extra -DCUFLASH_BUILD_TESTS=OFF"
+  [[ $first == 1 ]] || { [[ ${DRY_RUN:-0} == 1 ]] || sleep "$STAGGER"; }
+  first=0
+  run "/tmp/ab_build_$name.log" OUT="/tmp/ab_out_$name" BUILD_DIR="/tmp/ab_build_$name" STEPS=build \
+    CMAKE_EXTRA="$extra" &
+done
+wait
+for name in "${names[@]}"; do
+  log "== build $name"
+  cat "/tmp/ab_out_$name/summary.txt" >>"$ALL" 2>/dev/null
+done
+
+if [[ -n ${TEST_VARIANT:-} ]]; then
+  run /tmp/ab_tests.log OUT=/tmp/ab_tests BUILD_DIR="/tmp/ab_build_$TEST_VARIANT" STEPS=test \
+    GTEST_FILTER="${GTEST_FILTER:-*Gpu*}" TEST_TIMEOUT="${TEST_TIMEOUT:-240}"
+  log "== tests on $TEST_VARIANT"
+  grep "^tests" /tmp/ab_tests/summary.txt >>"$ALL" 2>/dev/null
+  grep -E "^\[  FAILED  \]|Failure" /tmp/ab_tests/tests.log 2>/dev/null | head -40 >>"$ALL"
+fi
+
+if [[ -n ${BENCH:-} ]]; then
+  case $BENCH in
+    fwd) step=bench settings=(BENCH_ARGS="${BENCH_ARGS:-}") logname=bench.log ;;
+    bwd) step=bench_bwd settings=(BENCH_BWD_ARGS="${BENCH_ARGS:-}") logname=bench_bwd.log ;;
+    flex) step=bench_flex settings=(BENCH_FLEX_ARGS="${BENCH_ARGS:-}" BENCH_FLEX_TIMEOUT="${BENCH_TIMEOUT:-300}") logname=bench_flex.log ;;
+    gqa) step=bench_gqa settings=(BENCH_GQA_ARGS="${BENCH_ARGS:-}") logname=bench_gqa.log ;;
+    *) echo "BENCH: '$BENCH' is not one of fwd, bwd, flex, gqa" >&2; exit 2 ;;
+  esac
+  for pass in $(seq "$PASSES"); do
+    for name in "${names[@]}"; do
+      log "##### $name (pass $pass) $BENCH ${BENCH_ARGS:-}"
+      run "/tmp/ab_bench_$name.log" OUT="/tmp/ab_bench_$name" BUILD_DIR="/tmp/ab_build_$name" STEPS="$step" \
+        "${settings[@]}"
+      grep -v "^$" "/tmp/ab_bench_$name/$logname" 2>/dev/null | tail -60 >>"$ALL"
+    done
+  done
+fi
+log "gpu_ab done $(date -u +%FT%TZ)"
