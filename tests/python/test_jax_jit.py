@@ -140,11 +140,7 @@ def test_varlen_forward_and_grad(rng, causal):
 
     dout = randn(rng, out.shape)
     grads = loss_grads(attention, (0, 1, 2), jq, jk, jv, jcu_q, jcu_k, dout=dout)
-    expected = [np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape), None]
-    for b, ((q0, sq), (k0, sk)) in enumerate(zip(ref.sequences(cu_q), ref.sequences(cu_k))):
-        rows, keys = slice(q0, q0 + sq), slice(k0, k0 + sk)
-        dq, dk, dv, _ = ref.backward_one(dout[rows], q[rows], k[keys], v[keys], np.asarray(out)[rows], b, opts)
-        expected[0][rows], expected[1][keys], expected[2][keys] = dq, dk, dv
+    expected = ref.backward_packed(dout, q, k, v, np.asarray(out), cu_q, cu_k, opts)
     check_grads([f64(g) for g in grads] + [None], expected)
 
 
@@ -277,11 +273,7 @@ def test_varlen_block_lists_backward(rng):
 
     grads = backward(*args)
     opts = ref.Options(causal=True, blocks=ref.block_masks((full_cnt, full_idx), (mask_cnt, mask_idx), 300, 300))
-    expected = [np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape), None]
-    for b, ((q0, sq), (k0, sk)) in enumerate(zip(ref.sequences(cu_q), ref.sequences(cu_k))):
-        rows, keys = slice(q0, q0 + sq), slice(k0, k0 + sk)
-        dq, dk, dv, _ = ref.backward_one(dout[rows], q[rows], k[keys], v[keys], out[rows], b, opts)
-        expected[0][rows], expected[1][keys], expected[2][keys] = dq, dk, dv
+    expected = ref.backward_packed(dout, q, k, v, out, cu_q, cu_k, opts)
     check_grads([f64(g) for g in grads] + [None], expected)
 
 
