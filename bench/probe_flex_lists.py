@@ -6,6 +6,10 @@ mask's) or all into the mask list (every block asks the mask_mod, whose all_visi
 interior blocks skip the per-element check). bf16, 16k tokens, heads * head_dim = 2048:
 
     PYTHONPATH=<package> python3 bench/probe_flex_lists.py --hdims 64,128 --seqlens 2048,8192 [--window 1024]
+        [--backward]
+
+--backward: each column runs its forward once with autograd, then times the backward alone
+(torch.autograd.grad of the output, as bench_flex.py --backward).
 
 Prints each column's time and its ratio to the plain kernel's (bench_common.time_ms).
 """
@@ -36,6 +40,7 @@ def main():
     parser.add_argument("--hdims", default="64,128")
     parser.add_argument("--seqlens", default="2048,8192")
     parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--backward", action="store_true", help="time the backward alone (see above)")
     args = parser.parse_args()
 
     import torch
@@ -46,7 +51,9 @@ def main():
     for hdim in (int(h) for h in args.hdims.split(",")):
         for seqlen in (int(s) for s in args.seqlens.split(",")):
             batch, heads = common.TOKENS // seqlen, common.HIDDEN // hdim
-            q, k, v = (torch.randn(batch, seqlen, heads, hdim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            q, k, v = (torch.randn(batch, seqlen, heads, hdim, device="cuda", dtype=torch.bfloat16)
+                       .requires_grad_(args.backward) for _ in range(3))
+            dout = torch.randn(batch, seqlen, heads, hdim, device="cuda", dtype=torch.bfloat16)
             for mask in ("causal", "window"):
                 mod = cuflash.masks.causal() if mask == "causal" else cuflash.masks.sliding_window(W)
                 lists = block_sparse.create_block_mask(mod, batch, None, seqlen, seqlen)
@@ -65,11 +72,17 @@ def main():
                     fc, fi, mc, mi = (gpu(x) for x in (fc, fi, mc, mi))
                     columns[name] = lambda fc=fc, fi=fi, mc=mc, mi=mi, mod=mod: cuflash.flash_attn_func(
                         q, k, v, mask_mod=mod, full_block_cnt=fc, full_block_idx=fi, mask_block_cnt=mc, mask_block_idx=mi)
+                if args.backward:
+                    def backward_of(fn):
+                        out = fn()
+                        out = out[0] if isinstance(out, tuple) else out
+                        return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+                    columns = {name: backward_of(fn) for name, fn in columns.items()}
                 plain = None
                 for name, fn in columns.items():
                     ms = common.time_ms(fn, 3, 10)
                     plain = plain or ms
-                    print(f"hdim {hdim} seqlen {seqlen} {mask:>7} {name:>9}: {ms * 1000:8.1f} us  "
+                    print(f"{'bwd' if args.backward else 'fwd'} hdim {hdim} seqlen {seqlen} {mask:>7} {name:>9}: {ms * 1000:8.1f} us  "
                           f"({plain / ms:.3f} of plain)", flush=True)
     return 0
 

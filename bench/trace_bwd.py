@@ -15,6 +15,11 @@ walk they fall on, and what share of the warp's time they take; the kernels whos
 one shared-memory buffer show the MMA warpgroups' wait for it in "ds -> dq_buffer":
 
     PYTHONPATH=<package> python3 bench/trace_bwd.py --hdim 256 --seqlen 2048 [--deterministic]
+        [--lists causal|window|document]
+
+--lists: the flex backward on a mask's block lists (cuflash.block_sparse.create_block_mask of the
+built-in mask_mod: causal, a sliding window of 1024 keys, or 4 to 8 documents per sequence), as
+bench_flex.py's cuflash_sparse column; --causal is then ignored.
 """
 import argparse
 import os
@@ -39,7 +44,13 @@ def run_calls(args):
     batch, heads = common.shape_of(args)
     q, k, v = (torch.randn(batch, args.seqlen, heads, args.hdim, device="cuda", dtype=torch.bfloat16,
                            requires_grad=True) for _ in range(3))
-    out, _ = cuflash.flash_attn_func(q, k, v, causal=bool(args.causal), deterministic=args.deterministic)
+    if args.lists:
+        mod = lists_mask(args.lists, batch, args.seqlen)
+        lists = cuflash.block_sparse.create_block_mask(mod, batch, None, args.seqlen, args.seqlen)
+        lists = {name: torch.from_numpy(x).cuda() for name, x in lists._asdict().items()}
+        out, _ = cuflash.flash_attn_func(q, k, v, mask_mod=mod, deterministic=args.deterministic, **lists)
+    else:
+        out, _ = cuflash.flash_attn_func(q, k, v, causal=bool(args.causal), deterministic=args.deterministic)
     dout = torch.randn_like(out)
     libc = ctypes.CDLL(None)  # the launch prints through C stdio: flush it before the marker
     for _ in range(2):
@@ -47,6 +58,20 @@ def run_calls(args):
         torch.cuda.synchronize()
         libc.fflush(None)
         print("bwdtrace-call-end", flush=True)
+
+
+def lists_mask(name, batch, seqlen):
+    """The built-in mask_mod of --lists."""
+    import torch
+    import cuflash
+
+    if name == "causal":
+        return cuflash.masks.causal()
+    if name == "window":
+        return cuflash.masks.sliding_window(1024)
+    from bench_flex import document_ids
+
+    return cuflash.masks.document(document_ids(batch, seqlen, torch.Generator().manual_seed(seqlen)))
 
 
 def analyse(lines, clock_ghz):
@@ -107,16 +132,19 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_shape_args(parser, seqlen=2048)
     parser.add_argument("--deterministic", action="store_true")
+    parser.add_argument("--lists", choices=("causal", "window", "document"), default=None,
+                        help="the flex backward on this mask's block lists (see above)")
     trace_common.add_args(parser)
     args = parser.parse_args()
     if args.child:
         run_calls(args)
         return 0
-    lines, status = trace_common.child_lines(__file__, args, ["--deterministic"] if args.deterministic else [])
+    extra = (["--deterministic"] if args.deterministic else []) + (["--lists", args.lists] if args.lists else [])
+    lines, status = trace_common.child_lines(__file__, args, extra)
     if lines is None:
         return status
     print(f"backward hdim {args.hdim} seqlen {args.seqlen} tokens {args.tokens} causal {args.causal} "
-          f"deterministic {int(args.deterministic)}")
+          f"deterministic {int(args.deterministic)}" + (f" lists {args.lists}" if args.lists else ""))
     return analyse(lines, args.clock)
 
 

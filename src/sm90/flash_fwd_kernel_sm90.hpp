@@ -184,7 +184,6 @@ struct FlashFwdKernelSm90 {
     StreamKTail stream_k;
     typename Variant::Params variant;
     typename Epilogue::Params epilogue;
-    bool flex_compact;  // kCompactFlexLoop: this call takes the compact loop
   };
 
   static Params to_params(FwdParams const& p) {
@@ -222,27 +221,7 @@ struct FlashFwdKernelSm90 {
                                 tile_heads * p.batch * (kIsSplit ? p.num_splits : 1))),
             StreamKTail{},
             variant,
-            Epilogue::to_params(p),
-            compact_call(p, variant)};
-  }
-
-  // CUFLASH_FLEX_COMPACT_LOOP (a build switch, off by default, not yet measured): the flex kernels
-  // compile their mainloop twice, the general one and a compact one for calls without a score_mod
-  // whose mask_mod is none / causal / sliding window / prefix LM (FlexTileMods with kCompact),
-  // chosen once per call. The general loop inlines every built-in mod (2407 SASS instructions per
-  // n-block at hdim64 against 753 in the plain kernel); whether that size costs the calls that use
-  // none of them is what the switch is for (bench/NOTES.md, plan after 2026-12-04 tenth).
-#if CUFLASH_FLEX_COMPACT_LOOP
-  static constexpr bool kCompactFlexLoop = variants::HasCompactMaskKinds<Variant>::value;
-#else
-  static constexpr bool kCompactFlexLoop = false;
-#endif
-  static bool compact_call(FwdParams const& p, typename Variant::Params const& variant) {
-    if constexpr (kCompactFlexLoop) {
-      return p.score_mod.kind == int(ScoreModKind::kNone) && variant.mask_mod.compact_kind();
-    } else {
-      return false;
-    }
+            Epilogue::to_params(p)};
   }
 
   static dim3 grid_shape(Params const& params, int num_sm) {
@@ -271,8 +250,6 @@ struct FlashFwdKernelSm90 {
   using Walk = std::conditional_t<kIsFlex, FlexBlockWalk<kBlockM, kBlockN>, NBlockRange>;
   using TileMods =
       std::conditional_t<kIsFlex, FlexTileMods<Variant, kBlockM, kBlockN, kPackGqa>, NoTileMods>;
-  using CompactTileMods =
-      std::conditional_t<kIsFlex, FlexTileMods<Variant, kBlockM, kBlockN, kPackGqa, true>, NoTileMods>;
 
   // What one tile needs from the sequence: its lengths and the n-blocks to visit. has_rows is
   // false past the sequence's end (nothing to write); both roles skip such tiles alike.
@@ -284,8 +261,8 @@ struct FlashFwdKernelSm90 {
     CUTLASS_DEVICE bool has_keys() const { return walk.has_blocks(); }
   };
 
-  template <class Mods = TileMods>
-  CUTLASS_DEVICE static Mods tile_mods(Params const& params, FwdTile const& tile, SeqlenInfo const& seqlen) {
+  CUTLASS_DEVICE static TileMods tile_mods(Params const& params, FwdTile const& tile,
+                                           SeqlenInfo const& seqlen) {
     if constexpr (kIsFlex) {
       return {params.variant, tile.batch, tile.head, seqlen.seqlen_q, seqlen.seqlen_k,
               params.packing};
@@ -550,30 +527,21 @@ struct FlashFwdKernelSm90 {
           // large enough for the inliner to leave it a call, and a call serialises every WGMMA
           // (ptxas C7510). The other kernels keep it as the inliner treats it (forcing it there
           // reschedules their SASS, which is what was measured).
-#define CUFLASH_FWD_RUN_MMA(tSrS, Mods)                                                            \
+#define CUFLASH_FWD_RUN_MMA(tSrS)                                                                  \
   Mainloop::mma(storage.tensors, storage.barrier_q, q_loads, /*q_by_tma=*/!packed,                 \
                 /*release_q=*/kSeparateO && !packed, pipeline_k, pipeline_v, smem_pipe_read, tOrO, \
                 tSrS, s_issued, softmax, work.mask, params.softcap_scale, thread_idx, tile.m_block, \
-                work.walk, tile_mods<Mods>(params, tile, work.seqlen), zero_v_tail(p, tile),       \
+                work.walk, tile_mods(params, tile, work.seqlen), zero_v_tail(p, tile),             \
                 [&] { return under_last_pv(tSrS); })
-          auto run_mma = [&](auto& tSrS) { CUFLASH_FWD_RUN_MMA(tSrS, TileMods); };
-          auto run_mma_inlined = [&](auto& tSrS) CUTLASS_LAMBDA_FUNC_INLINE { CUFLASH_FWD_RUN_MMA(tSrS, TileMods); };
-          auto run_mma_compact = [&](auto& tSrS) CUTLASS_LAMBDA_FUNC_INLINE {
-            CUFLASH_FWD_RUN_MMA(tSrS, CompactTileMods);
-          };
+          auto run_mma = [&](auto& tSrS) { CUFLASH_FWD_RUN_MMA(tSrS); };
+          auto run_mma_inlined = [&](auto& tSrS) CUTLASS_LAMBDA_FUNC_INLINE { CUFLASH_FWD_RUN_MMA(tSrS); };
 #undef CUFLASH_FWD_RUN_MMA
           if constexpr (kNextQkUnderEpilogue) {
             run_mma(tSrS_carried);
           } else {
             // A fresh accumulator per tile: nothing in it lives past the tile.
             auto tSrS = Mainloop::make_fragment_s();
-            if constexpr (kCompactFlexLoop) {
-              if (params.flex_compact) {
-                run_mma_compact(tSrS);
-              } else {
-                run_mma_inlined(tSrS);
-              }
-            } else if constexpr (Variant::kIsFlex) {
+            if constexpr (Variant::kIsFlex) {
               run_mma_inlined(tSrS);
             } else {
               run_mma(tSrS);

@@ -98,9 +98,7 @@ struct FlexBlockWalk {
 // score_mod and mask_mod over one tile of scores, for one (batch, head) and sequence. Packed
 // (kPackGqa): `head` is the tile's kv head, `seqlen_q` counts tile rows (query rows times the
 // group), and each row is split into its query row and query head before a mod sees it.
-// kCompact: for calls without a score_mod whose mask_mod is one of the switch's compact kinds
-// (HasCompactKinds): only those are compiled into the loop, which keeps it short.
-template <class Variant, int kBlockM, int kBlockN, bool kPackGqa = false, bool kCompact = false>
+template <class Variant, int kBlockM, int kBlockN, bool kPackGqa = false>
 struct FlexTileMods {
   typename Variant::Params const& params;
   int batch, head;
@@ -142,16 +140,6 @@ struct FlexTileMods {
     });
   }
 
-  // The mask_mod, as `visit` or, compact, over the compact kinds only.
-  template <class Fn>
-  CUTLASS_DEVICE void visit_mask(Fn&& fn) const {
-    if constexpr (kCompact) {
-      params.mask_mod.visit_compact(fn);
-    } else {
-      params.mask_mod.visit(fn);
-    }
-  }
-
   // Raw <q, k> to the final score: scale (or softcap) and score_mod.
   template <class TensorS, class TensorC>
   CUTLASS_DEVICE void score(TensorS& tSrS, TensorC const& tScS, int m_block, int n_block) const {
@@ -169,8 +157,7 @@ struct FlexTileMods {
       for (int i = 0; i < size(scores); ++i) scores(i) *= score_scale;
     }
     params.score_mod.visit([&](auto const& mod) {
-      // Compact: calls without a score_mod, so no score_mod's code in the loop.
-      if constexpr (!kCompact && !std::is_same_v<std::decay_t<decltype(mod)>, variants::NoScoreMod>) {
+      if constexpr (!std::is_same_v<std::decay_t<decltype(mod)>, variants::NoScoreMod>) {
         CUTLASS_PRAGMA_UNROLL
         for (int m = 0; m < size<0>(scores); ++m) {
           int row, row_head;
@@ -191,7 +178,7 @@ struct FlexTileMods {
   template <class TensorS, class TensorC>
   CUTLASS_DEVICE void mask(TensorS& tSrS, TensorC const& tScS, int m_block, int n_block) const {
     using namespace cute;
-    visit_mask([&](auto const& mod) {
+    params.mask_mod.visit([&](auto const& mod) {
       if constexpr (!std::is_same_v<std::decay_t<decltype(mod)>, variants::NoMaskMod>) {
         int row_min, row_max;
         query_rows(m_block, row_min, row_max);

@@ -61,71 +61,40 @@ struct RelativeBiasScoreMod {
 // narrowed to the queries that see some column in [col_min, col_max].
 struct NoMaskMod {};
 
-// kv_idx <= q_idx.
-struct CausalMaskMod {
-  CUTLASS_HOST_DEVICE bool visible(int /*b*/, int /*h*/, int q_idx, int kv_idx) const {
-    return kv_idx <= q_idx;
-  }
-  CUTLASS_HOST_DEVICE void col_range(int /*row_min*/, int row_max, int& /*col_begin*/,
-                                int& col_end) const {
-    col_end = min(col_end, row_max + 1);
-  }
-  CUTLASS_HOST_DEVICE void row_interval(int q_idx, int& /*col_begin*/, int& col_end) const {
-    col_end = min(col_end, q_idx + 1);
-  }
-  CUTLASS_HOST_DEVICE void row_range(int col_min, int /*col_max*/, int& row_begin,
-                                int& /*row_end*/) const {
-    row_begin = max(row_begin, col_min);
-  }
-  CUTLASS_HOST_DEVICE bool all_visible(int row_min, int /*row_max*/, int /*col_first*/,
-                                  int col_last) const {
-    return col_last <= row_min;
-  }
-};
+// The masks whose rows each see one interval of keys, as one functor: kv_idx within
+// [q_idx - left, q_idx + right] (a negative side unbounded), or kv_idx < prefix.
+//   causal:          left -1, right 0, prefix 0    (kv_idx <= q_idx)
+//   sliding window:  left, right, prefix 0
+//   prefix LM:       left -1, right 0, prefix P    (kv_idx <= q_idx or kv_idx < P)
+// A prefix only comes with an unbounded left side, so a row's keys are one interval.
+struct RowIntervalMaskMod {
+  int left = -1, right = 0, prefix = 0;
 
-// q_idx - kv_idx <= left and kv_idx - q_idx <= right; a negative side is unbounded.
-struct SlidingWindowMaskMod {
-  int left, right;
+  static constexpr RowIntervalMaskMod causal() { return {-1, 0, 0}; }
+  static constexpr RowIntervalMaskMod sliding_window(int left, int right) { return {left, right, 0}; }
+  static constexpr RowIntervalMaskMod prefix_lm(int prefix) { return {-1, 0, prefix}; }
+
   CUTLASS_HOST_DEVICE bool visible(int /*b*/, int /*h*/, int q_idx, int kv_idx) const {
-    return (left < 0 || q_idx - kv_idx <= left) && (right < 0 || kv_idx - q_idx <= right);
+    return ((left < 0 || q_idx - kv_idx <= left) && (right < 0 || kv_idx - q_idx <= right)) ||
+           kv_idx < prefix;
   }
   CUTLASS_HOST_DEVICE void col_range(int row_min, int row_max, int& col_begin, int& col_end) const {
     if (left >= 0) col_begin = max(col_begin, row_min - left);
-    if (right >= 0) col_end = min(col_end, row_max + right + 1);
+    if (right >= 0) col_end = min(col_end, max(row_max + right + 1, prefix));
   }
   CUTLASS_HOST_DEVICE void row_interval(int q_idx, int& col_begin, int& col_end) const {
     if (left >= 0) col_begin = max(col_begin, q_idx - left);
-    if (right >= 0 && right < col_end - q_idx) col_end = q_idx + right + 1;  // no overflow for large right
+    // min(col_end, max(q_idx + right + 1, prefix)) without overflow for a large right.
+    if (right >= 0 && right < col_end - q_idx) col_end = max(q_idx + right + 1, min(col_end, prefix));
   }
   CUTLASS_HOST_DEVICE void row_range(int col_min, int col_max, int& row_begin, int& row_end) const {
+    if (col_min < prefix) return;  // every query sees the prefix's keys
     if (right >= 0) row_begin = max(row_begin, col_min - right);
     if (left >= 0) row_end = min(row_end, col_max + left + 1);
   }
   CUTLASS_HOST_DEVICE bool all_visible(int row_min, int row_max, int col_first, int col_last) const {
-    return (left < 0 || row_max - col_first <= left) && (right < 0 || col_last - row_min <= right);
-  }
-};
-
-// kv_idx <= q_idx or kv_idx < prefix.
-struct PrefixLMMaskMod {
-  int prefix;
-  CUTLASS_HOST_DEVICE bool visible(int /*b*/, int /*h*/, int q_idx, int kv_idx) const {
-    return kv_idx <= q_idx || kv_idx < prefix;
-  }
-  CUTLASS_HOST_DEVICE void col_range(int /*row_min*/, int row_max, int& /*col_begin*/,
-                                int& col_end) const {
-    col_end = min(col_end, max(row_max + 1, prefix));
-  }
-  CUTLASS_HOST_DEVICE void row_interval(int q_idx, int& /*col_begin*/, int& col_end) const {
-    col_end = min(col_end, max(q_idx + 1, prefix));
-  }
-  CUTLASS_HOST_DEVICE void row_range(int col_min, int /*col_max*/, int& row_begin,
-                                int& /*row_end*/) const {
-    if (col_min >= prefix) row_begin = max(row_begin, col_min);
-  }
-  CUTLASS_HOST_DEVICE bool all_visible(int row_min, int /*row_max*/, int /*col_first*/,
-                                  int col_last) const {
-    return col_last <= row_min || col_last < prefix;
+    return ((left < 0 || row_max - col_first <= left) && (right < 0 || col_last - row_min <= right)) ||
+           col_last < prefix;
   }
 };
 
@@ -168,13 +137,6 @@ struct ScoreModSwitch {
 
   template <class Fn>
   CUTLASS_HOST_DEVICE void visit(Fn&& fn) const {
-#if CUFLASH_FLEX_FEW_MODS
-    // Diagnostic build (timing only, wrong for every mod but causal): the flex kernels with one
-    // mask_mod and no score_mod compiled in, to see what the other mods' code costs the loop of
-    // calls that do not use them (bench/NOTES.md, plan after 2026-12-04 tenth).
-    fn(NoScoreMod{});
-    return;
-#endif
     switch (kind) {
       case int(ScoreModKind::kAlibi):
         fn(AlibiScoreMod{table});
@@ -205,31 +167,26 @@ template <class Mod>
 struct HasKeyCompare<Mod, std::void_t<decltype(std::declval<Mod const&>().row_key(0, 0)),
                                       decltype(std::declval<Mod const&>().col_key(0, 0))>> : std::true_type {};
 
-// Whether a mask_mod switch has the compact subset (MaskModSwitch::compact_kind / visit_compact).
-template <class Switch, class = void>
-struct HasCompactKinds : std::false_type {};
-template <class Switch>
-struct HasCompactKinds<Switch, std::void_t<decltype(std::declval<Switch const&>().compact_kind())>>
-    : std::true_type {};
-
 // One built-in mask_mod, chosen at run time (MaskModKind value).
 struct MaskModSwitch {
   int kind = 0;
-  int left = -1, right = -1;  // sliding window
-  int prefix = 0;             // prefix LM
-  int const* ids = nullptr;   // document ids
+  RowIntervalMaskMod interval;  // causal, sliding window, prefix LM
+  int const* ids = nullptr;     // document ids
   long long ids_stride = 0;
 
   static MaskModSwitch from(ModParams const& mod) {
     MaskModSwitch result;
     result.kind = mod.kind;
     switch (mod.kind) {
+      case int(MaskModKind::kCausal):
+        result.interval = RowIntervalMaskMod::causal();
+        break;
       case int(MaskModKind::kSlidingWindow):
-        result.left = ModParams::whole(mod.scalars[0]);
-        result.right = ModParams::whole(mod.scalars[1]);
+        result.interval = RowIntervalMaskMod::sliding_window(ModParams::whole(mod.scalars[0]),
+                                                             ModParams::whole(mod.scalars[1]));
         break;
       case int(MaskModKind::kPrefixLM):
-        result.prefix = ModParams::whole(mod.scalars[0]);
+        result.interval = RowIntervalMaskMod::prefix_lm(ModParams::whole(mod.scalars[0]));
         break;
       case int(MaskModKind::kDocument):
         result.ids = static_cast<int const*>(mod.aux[0]);
@@ -241,50 +198,20 @@ struct MaskModSwitch {
     return result;
   }
 
-  // The kinds that a compact flex loop handles (none, causal, sliding window, prefix LM: one
-  // interval of keys per row), and `visit` over those only (the kernels' CUFLASH_FLEX_COMPACT_LOOP
-  // build switch; FlexTileMods with kCompact).
-  CUTLASS_HOST_DEVICE bool compact_kind() const {
-    return kind == int(MaskModKind::kNone) || kind == int(MaskModKind::kCausal) ||
-           kind == int(MaskModKind::kSlidingWindow) || kind == int(MaskModKind::kPrefixLM);
-  }
-  template <class Fn>
-  CUTLASS_DEVICE void visit_compact(Fn&& fn) const {
-    switch (kind) {
-      case int(MaskModKind::kCausal):
-        fn(CausalMaskMod{});
-        break;
-      case int(MaskModKind::kSlidingWindow):
-        fn(SlidingWindowMaskMod{left, right});
-        break;
-      case int(MaskModKind::kPrefixLM):
-        fn(PrefixLMMaskMod{prefix});
-        break;
-      default:
-        fn(NoMaskMod{});
-        break;
-    }
-  }
-
   template <class Fn>
   CUTLASS_DEVICE void visit(Fn&& fn) const {
-#if CUFLASH_FLEX_FEW_MODS
-    if (kind == int(MaskModKind::kCausal)) {  // the diagnostic build above: causal alone
-      fn(CausalMaskMod{});
-    } else {
-      fn(NoMaskMod{});
-    }
-    return;
-#endif
     switch (kind) {
+      // One case per kind, each with its constants: the unbounded sides and the zero prefix fold
+      // away, so causal masks with one compare per element. One case for the three (the functor
+      // as it is) was measured: no faster forward on block lists, backward hdim64 2-3% slower.
       case int(MaskModKind::kCausal):
-        fn(CausalMaskMod{});
+        fn(RowIntervalMaskMod::causal());
         break;
       case int(MaskModKind::kSlidingWindow):
-        fn(SlidingWindowMaskMod{left, right});
+        fn(RowIntervalMaskMod::sliding_window(interval.left, interval.right));
         break;
       case int(MaskModKind::kPrefixLM):
-        fn(PrefixLMMaskMod{prefix});
+        fn(RowIntervalMaskMod::prefix_lm(interval.prefix));
         break;
       case int(MaskModKind::kDocument):
         fn(DocumentMaskMod{ids, ids_stride});

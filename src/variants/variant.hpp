@@ -51,12 +51,6 @@ struct FlexVariantOf {
 // The flex kernels built with the library: the built-in mods.
 using FlexVariant = FlexVariantOf<ScoreModSwitch, MaskModSwitch>;
 
-// Whether a variant is flex with a mask_mod switch that has the compact kinds (HasCompactKinds).
-template <class Variant, bool = Variant::kIsFlex>
-struct HasCompactMaskKinds : std::false_type {};
-template <class Variant>
-struct HasCompactMaskKinds<Variant, true> : HasCompactKinds<decltype(Variant::Params::mask_mod)> {};
-
 // The same mods in the backward kernel whose column blocks are whole parts of a BlockMask's
 // 128-key blocks, for calls with block lists where the faster tile's are not (head dims
 // 129-192, bwd::bwd_tile).

@@ -69,25 +69,23 @@ void check_hooks(Mod const& mod, const char* what) {
 }
 
 TEST(MaskModHooks, CausalAgreesWithVisible) {
-  static_assert(HasRowInterval<CausalMaskMod>::value && !HasKeyCompare<CausalMaskMod>::value);
-  check_hooks(CausalMaskMod{}, "causal");
+  static_assert(HasRowInterval<RowIntervalMaskMod>::value && !HasKeyCompare<RowIntervalMaskMod>::value);
+  check_hooks(RowIntervalMaskMod::causal(), "causal");
 }
 
 TEST(MaskModHooks, SlidingWindowAgreesWithVisible) {
-  static_assert(HasRowInterval<SlidingWindowMaskMod>::value);
   // Negative sides are unbounded; 1 << 30 is the largest side the API passes (ModParams::whole).
   for (int left : {-1, 0, 1, 7, 16, 40, 1 << 30}) {
     for (int right : {-1, 0, 1, 5, 16, 33, 1 << 30}) {
-      check_hooks(SlidingWindowMaskMod{left, right},
+      check_hooks(RowIntervalMaskMod::sliding_window(left, right),
                   ("window left " + std::to_string(left) + " right " + std::to_string(right)).c_str());
     }
   }
 }
 
 TEST(MaskModHooks, PrefixLMAgreesWithVisible) {
-  static_assert(HasRowInterval<PrefixLMMaskMod>::value);
   for (int prefix : {0, 1, 15, 16, 50, 200}) {
-    check_hooks(PrefixLMMaskMod{prefix}, ("prefix " + std::to_string(prefix)).c_str());
+    check_hooks(RowIntervalMaskMod::prefix_lm(prefix), ("prefix " + std::to_string(prefix)).c_str());
   }
 }
 
