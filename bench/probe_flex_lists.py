@@ -9,11 +9,13 @@ interior blocks skip the per-element check). bf16, 16k tokens, heads * head_dim 
         [--backward]
 
 --backward: each column runs its forward once with autograd, then times the backward alone
-(torch.autograd.grad of the output, as bench_flex.py --backward).
+(torch.autograd.grad of the output, as bench_flex.py --backward). --deterministic (with
+--backward): two more columns, plain_det and sparse_det, the same calls with deterministic=True.
 
 Prints each column's time and its ratio to the plain kernel's (bench_common.time_ms).
 """
 import argparse
+import functools
 import os
 import sys
 
@@ -41,7 +43,10 @@ def main():
     parser.add_argument("--seqlens", default="2048,8192")
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--backward", action="store_true", help="time the backward alone (see above)")
+    parser.add_argument("--deterministic", action="store_true", help="with --backward: deterministic columns too")
     args = parser.parse_args()
+    if args.deterministic and not args.backward:
+        parser.error("--deterministic: only with --backward (the forward has no deterministic mode)")
 
     import torch
     import cuflash
@@ -66,12 +71,16 @@ def main():
                     "all_full": (all_cnt, all_idx, none, all_idx),
                     "all_mask": (none, all_idx, all_cnt, all_idx),
                 }
-                columns = {"plain": (lambda: cuflash.flash_attn_func(q, k, v, causal=True)) if mask == "causal"
-                           else (lambda: cuflash.flash_attn_func(q, k, v, window_size=(W, 0)))}
+                plain_kw = {"causal": True} if mask == "causal" else {"window_size": (W, 0)}
+                columns = {"plain": lambda: cuflash.flash_attn_func(q, k, v, **plain_kw)}
                 for name, (fc, fi, mc, mi) in layouts.items():
                     fc, fi, mc, mi = (gpu(x) for x in (fc, fi, mc, mi))
-                    columns[name] = lambda fc=fc, fi=fi, mc=mc, mi=mi, mod=mod: cuflash.flash_attn_func(
-                        q, k, v, mask_mod=mod, full_block_cnt=fc, full_block_idx=fi, mask_block_cnt=mc, mask_block_idx=mi)
+                    columns[name] = lambda fc=fc, fi=fi, mc=mc, mi=mi, mod=mod, det=False: cuflash.flash_attn_func(
+                        q, k, v, mask_mod=mod, full_block_cnt=fc, full_block_idx=fi, mask_block_cnt=mc,
+                        mask_block_idx=mi, deterministic=det)
+                if args.deterministic:
+                    columns["plain_det"] = lambda: cuflash.flash_attn_func(q, k, v, deterministic=True, **plain_kw)
+                    columns["sparse_det"] = functools.partial(columns["sparse"], det=True)
                 if args.backward:
                     def backward_of(fn):
                         out = fn()
@@ -82,7 +91,7 @@ def main():
                 for name, fn in columns.items():
                     ms = common.time_ms(fn, 3, 10)
                     plain = plain or ms
-                    print(f"{'bwd' if args.backward else 'fwd'} hdim {hdim} seqlen {seqlen} {mask:>7} {name:>9}: {ms * 1000:8.1f} us  "
+                    print(f"{'bwd' if args.backward else 'fwd'} hdim {hdim} seqlen {seqlen} {mask:>7} {name:>10}: {ms * 1000:8.1f} us  "
                           f"({plain / ms:.3f} of plain)", flush=True)
     return 0
 

@@ -561,31 +561,66 @@ struct MainloopBwdSm90 {
     }
   }
 
+  // Deterministic flex kernels with block lists: whether column block n is listed for row block
+  // m_block's list row (nonzero), from the row-major copy of the classes when there is one (a
+  // warp's 32 column blocks in one line).
+  CUTE_DEVICE static int listed_class(BlockSparseParams const& bs, int m_block, int n, int head, int batch) {
+    long long const head_lists = static_cast<long long>(batch) * bs.num_heads_b + (bs.num_heads_b == 1 ? 0 : head);
+    int const row = m_block * kBlockM / bs.block_m;
+    int const col = n * kBlockN / bs.block_n;
+    return bs.row_class_by_row != nullptr
+               ? bs.row_class_by_row[(head_lists * bs.num_row_blocks + row) * bs.num_col_blocks + col]
+               : bs.row_class[(head_lists * bs.num_col_blocks + col) * bs.num_row_blocks + row];
+  }
+
+  // The class bytes a flex rank counts with block lists, loaded a row block ahead (by the dQ warps,
+  // under the previous row block's adds) so that their L2 round trips are not between a release
+  // and the next turn's poll: there they took 1.3 us of the deterministic dQ warp's 3.7 us step
+  // on causal lists at hdim128 8k, against 0.4 us for the plain kernels' arithmetic rank
+  // (bench/NOTES.md). Holds the first kRankChunks chunks of 32 column blocks (4 KB of keys per
+  // column block at hdim128: 16k keys); dq_rank_flex loads any further ones itself.
+  static constexpr int kRankChunks = 4;
+  struct RankLoads {
+    uint32_t listed = 0;  // bit c: this lane's column block of chunk c is listed
+  };
+  CUTE_DEVICE static RankLoads rank_loads(Params const& p, BwdSeqlen const& seq, int n_block, int m_block, int head,
+                                          int batch) {
+    RankLoads loads;
+    if constexpr (kIsFlex) {
+      BlockSparseParams const& bs = p.flex.block_sparse;
+      if (bs.row_class != nullptr) {
+        int const last = n_block_last<kBlockM, kBlockN, HasWindow>(seq, m_block, p.window_right);
+        int const lane = int(threadIdx.x) % cutlass::NumThreadsPerWarp;
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < kRankChunks; ++c) {
+          int const n = n_block + 1 + c * cutlass::NumThreadsPerWarp + lane;
+          if (n <= last && listed_class(bs, m_block, n, head, batch) != 0) { loads.listed |= 1u << c; }
+        }
+      }
+    }
+    return loads;
+  }
+
   // Deterministic flex kernels: the contributors to row block m_block's dQ are the window's
   // column blocks whose walks visit it -- those whose row-block classes name it with block lists
-  // (the walks read the same table), else those whose mask_mod row_range keeps it (the same
-  // make_walk) -- so the rank counts only those from n_block_last down, and a row block that a
-  // walk leaves out costs that column block nothing. The whole warp counts, 32 column blocks a
-  // step. Without lists or mask_mod every column block of the window visits: dq_rank.
+  // (the walks read the same table; `loads` holds the first bytes, rank_loads), else those whose
+  // mask_mod row_range keeps it (the same make_walk) -- so the rank counts only those from
+  // n_block_last down, and a row block that a walk leaves out costs that column block nothing.
+  // The whole warp counts, 32 column blocks a step. Without lists or mask_mod every column block
+  // of the window visits: dq_rank.
   CUTE_DEVICE static int dq_rank_flex(Params const& p, BwdSeqlen const& seq, int n_block, int m_block, int head,
-                                      int batch) {
+                                      int batch, RankLoads const& loads) {
     BlockSparseParams const& bs = p.flex.block_sparse;
     int const last = n_block_last<kBlockM, kBlockN, HasWindow>(seq, m_block, p.window_right);
     int const lane = int(threadIdx.x) % cutlass::NumThreadsPerWarp;
     int rank = 0;
     if (bs.row_class != nullptr) {
-      long long const head_lists = static_cast<long long>(batch) * bs.num_heads_b + (bs.num_heads_b == 1 ? 0 : head);
-      int const row = m_block * kBlockM / bs.block_m;
-      // The row-major copy (deterministic runs): the warp's 32 column blocks in one line.
-      unsigned char const* by_row = bs.row_class_by_row == nullptr
-                                        ? nullptr
-                                        : bs.row_class_by_row + (head_lists * bs.num_row_blocks + row) * bs.num_col_blocks;
-      for (int first = n_block + 1; first <= last; first += cutlass::NumThreadsPerWarp) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < kRankChunks; ++c) { rank += __popc(__ballot_sync(0xffffffffu, (loads.listed >> c) & 1u)); }
+      for (int first = n_block + 1 + kRankChunks * cutlass::NumThreadsPerWarp; first <= last;
+           first += cutlass::NumThreadsPerWarp) {
         int const n = first + lane;
-        int const col = n * kBlockN / bs.block_n;
-        bool const listed =
-            n <= last && (by_row != nullptr ? by_row[col]
-                                            : bs.row_class[(head_lists * bs.num_col_blocks + col) * bs.num_row_blocks + row]) != 0;
+        bool const listed = n <= last && listed_class(bs, m_block, n, head, batch) != 0;
         rank += __popc(__ballot_sync(0xffffffffu, listed));
       }
       return rank;
@@ -612,24 +647,34 @@ struct MainloopBwdSm90 {
   CUTE_DEVICE static int* dq_semaphores(Params const& p, int head, int batch) {
     return p.dq_semaphore + (int64_t(batch) * p.num_heads + head) * p.num_m_blocks * p.dq_semaphore_stride;
   }
-  CUTE_DEVICE static int* row_semaphore(Params const& p, int* semaphores, int m_block) {
-    return semaphores + m_block * p.dq_semaphore_stride;
+  CUTE_DEVICE static int* row_semaphore(Params const& p, int* semaphore, int m_block) {
+    return semaphore + m_block * p.dq_semaphore_stride;
   }
 
-  // Deterministic dQ: waits (lane 0, the whole warp calling) until row block m_block's earlier
-  // contributors have added.
-  CUTE_DEVICE static void await_turn(Params const& p, BwdSeqlen const& seq, RotationGroup const& g, int* semaphore,
-                                     int n_block, int m_block, int head, int batch, bool lane0) {
-    int rank;
+  // Deterministic dQ: column block n_block's rank for row block m_block (the whole warp calling;
+  // lane 0's value is the one used). `loads`: rank_loads of the same row block.
+  CUTE_DEVICE static int turn_rank(Params const& p, BwdSeqlen const& seq, RotationGroup const& g, int n_block,
+                                   int m_block, int head, int batch, bool lane0, RankLoads const& loads) {
     if constexpr (kIsFlex) {
-      rank = dq_rank_flex(p, seq, n_block, m_block, head, batch);
+      return dq_rank_flex(p, seq, n_block, m_block, head, batch, loads);
     } else {
-      rank = lane0 ? dq_rank(p, seq, g, n_block, m_block) : 0;
+      return lane0 ? dq_rank(p, seq, g, n_block, m_block) : 0;
     }
+  }
+
+  // Deterministic dQ: waits (lane 0, the whole warp calling) until row block m_block's `rank`
+  // earlier contributors have added.
+  CUTE_DEVICE static void await_rank(Params const& p, int* semaphore, int m_block, int rank, bool lane0) {
     trace::mark_bwd_dq_warp(trace::kBwdTurnWait);
     if (lane0) { semaphore_poll_eq(row_semaphore(p, semaphore, m_block), rank); }
     trace::mark_bwd_dq_warp(trace::kBwdTurn);
     __syncwarp();
+  }
+  CUTE_DEVICE static void await_turn(Params const& p, BwdSeqlen const& seq, RotationGroup const& g, int* semaphore,
+                                     int n_block, int m_block, int head, int batch, bool lane0) {
+    await_rank(p, semaphore, m_block,
+               turn_rank(p, seq, g, n_block, m_block, head, batch, lane0, rank_loads(p, seq, n_block, m_block, head, batch)),
+               lane0);
   }
 
   // Deterministic launch order: the kernel maps blockIdx.x to the column block with this (the
@@ -716,9 +761,14 @@ struct MainloopBwdSm90 {
       float* dq_accum = p.dq_accum + (int64_t(head) * p.q_rows_padded + seq.offset_q_padded) * kHeadDim;
       int* semaphore = dq_semaphores(p, head, batch);
       bool const lane0 = cute::elect_one_sync();
-      for (; walk.valid(); walk.next()) {
+      int rank = 0;  // deterministic: this column block's rank for the walk's row block
+      if (p.deterministic && walk.valid()) {
+        rank = turn_rank(p, seq, rotation, n_block, walk.m_block, head, batch, lane0,
+                         rank_loads(p, seq, n_block, walk.m_block, head, batch));
+      }
+      while (walk.valid()) {
         int const m_block = walk.m_block;
-        if (p.deterministic) { await_turn(p, seq, rotation, semaphore, n_block, m_block, head, batch, lane0); }
+        if (p.deterministic) { await_rank(p, semaphore, m_block, rank, lane0); }
         CUTLASS_PRAGMA_UNROLL
         for (int wg = 0; wg < NumMmaWG; ++wg) {
           cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp,
@@ -729,7 +779,10 @@ struct MainloopBwdSm90 {
             cute::tma_store_arrive();
           }
         }
+        walk.next();
         if (p.deterministic) {
+          // The next row block's rank loads, issued under this block's adds.
+          RankLoads const ahead = walk.valid() ? rank_loads(p, seq, n_block, walk.m_block, head, batch) : RankLoads{};
           // The next column block may only add once this block's sums have landed.
           if (lane0) {
             // The full wait makes the adds visible to this thread; the release is cumulative
@@ -744,6 +797,7 @@ struct MainloopBwdSm90 {
             cutlass::arch::NamedBarrier::arrive(cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp,
                                                 uint32_t(BwdBarrier::kDqEmpty) + wg);
           }
+          if (walk.valid()) { rank = turn_rank(p, seq, rotation, n_block, walk.m_block, head, batch, lane0, ahead); }
         } else {
           for_each(make_int_sequence<NumMmaWG>{}, [&](auto wg) {
             if (lane0) { cute::tma_store_wait<NumMmaWG - 1 - decltype(wg)::value>(); }
@@ -801,9 +855,14 @@ struct MainloopBwdSm90 {
       bool const lane0 = cute::elect_one_sync();
       int piece = 0;         // pieces issued
       bool pending = false;  // the last issued piece's slot is not yet freed
-      for (; walk.valid(); walk.next()) {
+      int rank = 0;          // deterministic: this column block's rank for the walk's row block
+      if (p.deterministic && walk.valid()) {
+        rank = turn_rank(p, seq, rotation, n_block, walk.m_block, head, batch, lane0,
+                         rank_loads(p, seq, n_block, walk.m_block, head, batch));
+      }
+      while (walk.valid()) {
         int const m_block = walk.m_block;
-        if (p.deterministic) { await_turn(p, seq, rotation, semaphore, n_block, m_block, head, batch, lane0); }
+        if (p.deterministic) { await_rank(p, semaphore, m_block, rank, lane0); }
         float* dq_row = dq_accum + int64_t(m_block) * kDqChunk;
         CUTLASS_PRAGMA_NO_UNROLL
         for (int j = 0; j < kDqPieces; ++j, ++piece) {
@@ -820,7 +879,10 @@ struct MainloopBwdSm90 {
           pending = true;
           __syncwarp();
         }
+        walk.next();
         if (p.deterministic) {
+          // The next row block's rank loads, issued under this block's adds.
+          RankLoads const ahead = walk.valid() ? rank_loads(p, seq, n_block, walk.m_block, head, batch) : RankLoads{};
           // The next column block may only add once this block's sums have landed.
           if (lane0) {
             // Visible to this thread once fully waited; the release below is cumulative.
@@ -835,6 +897,7 @@ struct MainloopBwdSm90 {
             trace::mark_bwd_dq_warp(trace::kBwdReleased);
           }
           __syncwarp();
+          if (walk.valid()) { rank = turn_rank(p, seq, rotation, n_block, walk.m_block, head, batch, lane0, ahead); }
         }
       }
       if (lane0) { cute::tma_store_wait<0>(); }  // no copy reads the ring after the CTA ends
