@@ -577,8 +577,8 @@ struct MainloopBwdSm90 {
   // under the previous row block's adds) so that their L2 round trips are not between a release
   // and the next turn's poll: there they took 1.3 us of the deterministic dQ warp's 3.7 us step
   // on causal lists at hdim128 8k, against 0.4 us for the plain kernels' arithmetic rank
-  // (bench/NOTES.md). Holds the first kRankChunks chunks of 32 column blocks (4 KB of keys per
-  // column block at hdim128: 16k keys); dq_rank_flex loads any further ones itself.
+  // (bench/NOTES.md). Holds the first kRankChunks chunks of 32 column blocks (16k keys with
+  // hdim128's 128-key column blocks); dq_rank_flex loads any further ones itself.
   static constexpr int kRankChunks = 4;
   struct RankLoads {
     uint32_t listed = 0;  // bit c: this lane's column block of chunk c is listed
