@@ -647,8 +647,8 @@ struct MainloopBwdSm90 {
   CUTE_DEVICE static int* dq_semaphores(Params const& p, int head, int batch) {
     return p.dq_semaphore + (int64_t(batch) * p.num_heads + head) * p.num_m_blocks * p.dq_semaphore_stride;
   }
-  CUTE_DEVICE static int* row_semaphore(Params const& p, int* semaphore, int m_block) {
-    return semaphore + m_block * p.dq_semaphore_stride;
+  CUTE_DEVICE static int* row_semaphore(Params const& p, int* semaphores, int m_block) {
+    return semaphores + m_block * p.dq_semaphore_stride;
   }
 
   // Deterministic dQ: column block n_block's rank for row block m_block (the whole warp calling;
