@@ -536,7 +536,9 @@ struct FlashFwdKernelSm90 {
           auto run_mma = [&](auto& tSrS) { CUFLASH_FWD_RUN_MMA(tSrS); };
           auto run_mma_inlined = [&](auto& tSrS) CUTLASS_LAMBDA_FUNC_INLINE { CUFLASH_FWD_RUN_MMA(tSrS); };
 #undef CUFLASH_FWD_RUN_MMA
-          if constexpr (kNextQkUnderEpilogue) {
+          if constexpr (kNextQkUnderEpilogue && Variant::kIsFlex) {
+            run_mma_inlined(tSrS_carried);
+          } else if constexpr (kNextQkUnderEpilogue) {
             run_mma(tSrS_carried);
           } else {
             // A fresh accumulator per tile: nothing in it lives past the tile.

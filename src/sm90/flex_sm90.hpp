@@ -209,32 +209,32 @@ struct FlexTileMods {
               if (row_keys[m] != col_key) scores(m, n) = -INFINITY;
             }
           }
-          return;
-        }
-        CUTLASS_PRAGMA_UNROLL
-        for (int m = 0; m < size<0>(scores); ++m) {
-          int const tile_row = m_block * kBlockM + get<0>(coords(m, 0));
-          if (tile_row >= seqlen_q) continue;
-          int row, row_head;
-          place(tile_row, row, row_head);
-          if constexpr (variants::HasRowInterval<Mod>::value) {
-            // The row's keys as one interval, relative to the block: two compares per element
-            // (evaluating the mask per element cost more than the block's softmax). Columns past
-            // seqlen_k are hidden by the length mask either way.
-            int col_begin = col_first, col_end = col_first + kBlockN;
-            mod.row_interval(row, col_begin, col_end);
-            col_begin -= col_first;
-            col_end -= col_first;
-            CUTLASS_PRAGMA_UNROLL
-            for (int n = 0; n < size<1>(scores); ++n) {
-              int const col = get<1>(coords(m, n));
-              if (col < col_begin || col >= col_end) scores(m, n) = -INFINITY;
-            }
-          } else {
-            CUTLASS_PRAGMA_UNROLL
-            for (int n = 0; n < size<1>(scores); ++n) {
-              int const col = col_first + get<1>(coords(m, n));
-              if (col < seqlen_k && !mod.visible(batch, row_head, row, col)) scores(m, n) = -INFINITY;
+        } else {
+          CUTLASS_PRAGMA_UNROLL
+          for (int m = 0; m < size<0>(scores); ++m) {
+            int const tile_row = m_block * kBlockM + get<0>(coords(m, 0));
+            if (tile_row >= seqlen_q) continue;
+            int row, row_head;
+            place(tile_row, row, row_head);
+            if constexpr (variants::HasRowInterval<Mod>::value) {
+              // The row's keys as one interval, relative to the block: two compares per element
+              // (evaluating the mask per element cost more than the block's softmax). Columns past
+              // seqlen_k are hidden by the length mask either way.
+              int col_begin = col_first, col_end = col_first + kBlockN;
+              mod.row_interval(row, col_begin, col_end);
+              col_begin -= col_first;
+              col_end -= col_first;
+              CUTLASS_PRAGMA_UNROLL
+              for (int n = 0; n < size<1>(scores); ++n) {
+                int const col = get<1>(coords(m, n));
+                if (col < col_begin || col >= col_end) scores(m, n) = -INFINITY;
+              }
+            } else {
+              CUTLASS_PRAGMA_UNROLL
+              for (int n = 0; n < size<1>(scores); ++n) {
+                int const col = col_first + get<1>(coords(m, n));
+                if (col < seqlen_k && !mod.visible(batch, row_head, row, col)) scores(m, n) = -INFINITY;
+              }
             }
           }
         }

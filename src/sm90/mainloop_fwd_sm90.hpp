@@ -151,7 +151,14 @@ struct MainloopFwdSm90 {
   static constexpr int kSmemBytesQ = kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kSmemBytesKV = kStages * kBlockN * (kHeadDim + kHeadDimV) * int(sizeof(Element));
   static constexpr int kSmemBytesO = kBlockM * kHeadDimV * int(sizeof(Element));
-  static constexpr bool kNextQkEligible = !kIsFlex && !kIsPaged && !Config::kIsSplit &&
+  // CUFLASH_FLEX_NEXT_QK=1 (a build switch for an A/B, off by default, not yet measured): the flex
+  // kernels too, whose all-full bound at hdim128 is 0.91-0.94 of the plain kernel (bench/NOTES.md).
+#if CUFLASH_FLEX_NEXT_QK
+  static constexpr bool kFlexNextQk = true;
+#else
+  static constexpr bool kFlexNextQk = false;
+#endif
+  static constexpr bool kNextQkEligible = (!kIsFlex || kFlexNextQk) && !kIsPaged && !Config::kIsSplit &&
                                           !Config::kPackGqa && !Config::kStreamKPieces &&
                                           !Config::kSingleQ && kNumMmaWarpGroups == 2 && kHeadDim == 128 &&
                                           kHeadDimV == 128;
