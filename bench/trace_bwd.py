@@ -143,8 +143,9 @@ def main():
     lines, status = trace_common.child_lines(__file__, args, extra)
     if lines is None:
         return status
-    print(f"backward hdim {args.hdim} seqlen {args.seqlen} tokens {args.tokens} causal {args.causal} "
-          f"deterministic {int(args.deterministic)}" + (f" lists {args.lists}" if args.lists else ""))
+    mask = f"lists {args.lists}" if args.lists else f"causal {args.causal}"
+    print(f"backward hdim {args.hdim} seqlen {args.seqlen} tokens {args.tokens} {mask} "
+          f"deterministic {int(args.deterministic)}")
     return analyse(lines, args.clock)
 
 

@@ -4,9 +4,9 @@
 # GPU tests on one of them, then a benchmark over the variants in alternating passes, appending
 # everything to $OUT/all.txt as it goes (a call cut short still returns what it measured).
 #
-#   VARIANTS="base new:-DCUFLASH_FLEX_COMPACT_LOOP=1" HDIMS="64;128" FEATURES=flex \
-#   REGEX='^flash_fwd_hdim(64|128)_bf16_(flex_(split_)?)?sm90$' TEST_VARIANT=new GTEST_FILTER='*ForwardFlex*' \
-#   BENCH=flex BENCH_ARGS="--hdims 64,128 --seqlens 2048,8192" PASSES=2 tools/gpu_ab.sh
+#   VARIANTS="base new:-DCUFLASH_FLEX_NEXT_QK=1" HDIMS=128 FEATURES=flex \
+#   REGEX='^flash_fwd_hdim128_bf16_(flex_(split_)?)?sm90$' TEST_VARIANT=new GTEST_FILTER='*ForwardFlex*' \
+#   BENCH=flex BENCH_ARGS="--hdims 128 --seqlens 2048,8192" PASSES=2 tools/gpu_ab.sh
 #
 # VARIANTS: space-separated NAME or NAME:FLAGS (FLAGS: one -D... for CMAKE_CUDA_FLAGS, no spaces).
 # KERNEL_SET (default custom), HDIMS, DTYPES (default bf16), FEATURES, REGEX (CUFLASH_KERNEL_REGEX):

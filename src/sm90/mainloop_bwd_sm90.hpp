@@ -652,7 +652,7 @@ struct MainloopBwdSm90 {
   }
 
   // Deterministic dQ: column block n_block's rank for row block m_block (the whole warp calling;
-  // lane 0's value is the one used). `loads`: rank_loads of the same row block.
+  // the elected lane's value, lane0, is the one used). `loads`: rank_loads of the same row block.
   CUTE_DEVICE static int turn_rank(Params const& p, BwdSeqlen const& seq, RotationGroup const& g, int n_block,
                                    int m_block, int head, int batch, bool lane0, RankLoads const& loads) {
     if constexpr (kIsFlex) {
@@ -662,8 +662,8 @@ struct MainloopBwdSm90 {
     }
   }
 
-  // Deterministic dQ: waits (lane 0, the whole warp calling) until row block m_block's `rank`
-  // earlier contributors have added.
+  // Deterministic dQ: waits (the elected lane, the whole warp calling) until row block m_block's
+  // `rank` earlier contributors have added.
   CUTE_DEVICE static void await_rank(Params const& p, int* semaphore, int m_block, int rank, bool lane0) {
     trace::mark_bwd_dq_warp(trace::kBwdTurnWait);
     if (lane0) { semaphore_poll_eq(row_semaphore(p, semaphore, m_block), rank); }
@@ -779,9 +779,9 @@ struct MainloopBwdSm90 {
             cute::tma_store_arrive();
           }
         }
-        walk.next();
         if (p.deterministic) {
-          // The next row block's rank loads, issued under this block's adds.
+          // The next row block and its rank loads, issued under this block's adds.
+          walk.next();
           RankLoads const ahead = walk.valid() ? rank_loads(p, seq, n_block, walk.m_block, head, batch) : RankLoads{};
           // The next column block may only add once this block's sums have landed.
           if (lane0) {
@@ -805,6 +805,7 @@ struct MainloopBwdSm90 {
             cutlass::arch::NamedBarrier::arrive(cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp,
                                                 uint32_t(BwdBarrier::kDqEmpty) + decltype(wg)::value);
           });
+          walk.next();
         }
       }
       if (lane0) { cute::tma_store_wait<0>(); }

@@ -71,8 +71,10 @@ struct RowIntervalMaskMod {
   int left = -1, right = 0, prefix = 0;
 
   static constexpr RowIntervalMaskMod causal() { return {-1, 0, 0}; }
-  static constexpr RowIntervalMaskMod sliding_window(int left, int right) { return {left, right, 0}; }
-  static constexpr RowIntervalMaskMod prefix_lm(int prefix) { return {-1, 0, prefix}; }
+  static constexpr RowIntervalMaskMod sliding_window(int left_keys, int right_keys) {
+    return {left_keys, right_keys, 0};
+  }
+  static constexpr RowIntervalMaskMod prefix_lm(int prefix_keys) { return {-1, 0, prefix_keys}; }
 
   CUTLASS_HOST_DEVICE bool visible(int /*b*/, int /*h*/, int q_idx, int kv_idx) const {
     return ((left < 0 || q_idx - kv_idx <= left) && (right < 0 || kv_idx - q_idx <= right)) ||
@@ -201,9 +203,9 @@ struct MaskModSwitch {
   template <class Fn>
   CUTLASS_DEVICE void visit(Fn&& fn) const {
     switch (kind) {
-      // One case per kind, each with its constants: the unbounded sides and the zero prefix fold
-      // away, so causal masks with one compare per element. One case for the three (the functor
-      // as it is) was measured: no faster forward on block lists, backward hdim64 2-3% slower.
+      // One case per kind, each with its constants, which fold away where `fn` is inlined into
+      // each case (as in the flex kernels). One case for the three (the functor as it is) was
+      // measured: no faster forward on block lists, backward hdim64 2-3% slower (bench/NOTES.md).
       case int(MaskModKind::kCausal):
         fn(RowIntervalMaskMod::causal());
         break;
