@@ -52,11 +52,17 @@ def make_impls():
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     common.add_grid_args(parser)
+    parser.add_argument("--impls", default="cuflash,cudnn,fa2", help="the columns to time, comma-separated")
     args = parser.parse_args()
 
     gpu = torch.cuda.get_device_name()
     date = common.utc_now()
     impls = make_impls()
+    wanted = args.impls.split(",")
+    unknown = [name for name in wanted if name not in ("cuflash", "cudnn", "fa2")]
+    if unknown:
+        raise SystemExit(f"--impls: unknown column(s) {', '.join(unknown)}; expected some of cuflash, cudnn, fa2")
+    impls = {name: fn for name, fn in impls.items() if name in wanted}
     records = []
     torch.manual_seed(0)
     for hdim, seqlen, batch, nheads in common.grid(args):
