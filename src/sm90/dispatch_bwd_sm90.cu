@@ -107,13 +107,13 @@ std::size_t row_bounds_bytes(const BwdParams& p) {
   return std::size_t(p.batch) * bs.num_heads_b * bs.num_col_blocks * 2 * sizeof(int);
 }
 
-// One CTA per list: per (column block, list head, batch) for the column-block lists, which
-// first zeroes its column's bytes; per (row block, ...) for the forward's row-block lists, which
-// write their column blocks' bytes of that row (zeroed beforehand). 2 for the full list, then 1
-// for the mask list (a block both name gets mask_mod, which is right either way). Entries
-// outside the blocks are ignored. Each listed row block also widens its column block's bounds
-// (BlockSparseParams::row_bounds, zeroed beforehand) by two atomic maxima, and, when given, is
-// written to the row-major copy (BlockSparseParams::row_class_by_row, zeroed beforehand).
+// One CTA per list: per (column block, list head, batch) for the column-block lists, per (row
+// block, ...) for the forward's row-block lists, which write their column blocks' bytes of that
+// row. 2 for the full list, then 1 for the mask list (a block both name gets mask_mod, which is
+// right either way). Entries outside the blocks are ignored. Each listed row block also widens
+// its column block's bounds (BlockSparseParams::row_bounds) by two atomic maxima, and, when
+// given, is written to the row-major copy (BlockSparseParams::row_class_by_row). All three
+// buffers are zeroed beforehand.
 __global__ void block_row_classes_sm90(BlockSparseParams bs, unsigned char* classes, int* bounds,
                                        unsigned char* classes_by_row) {
   int const rows = bs.num_row_blocks, cols = bs.num_col_blocks;
@@ -124,10 +124,6 @@ __global__ void block_row_classes_sm90(BlockSparseParams bs, unsigned char* clas
     return bs.row_lists ? classes[(head_base * cols + inner) * rows + blockIdx.x]
                         : classes[(head_base * cols + blockIdx.x) * rows + inner];
   };
-  if (!bs.row_lists) {
-    for (int i = int(threadIdx.x); i < rows; i += int(blockDim.x)) at(i) = 0;
-    __syncthreads();
-  }
   auto mark = [&](const int* cnt, const int* idx, unsigned char value) {
     if (cnt == nullptr) return;
     int const n = min(max(cnt[list], 0), inner_blocks);
@@ -175,6 +171,7 @@ WorkspaceLayout workspace_layout(const BwdParams& p) {
       std::size_t(p.batch) * p.num_heads * num_m_blocks * std::size_t(p.dq_semaphore_stride) +
       std::size_t(p.batch) * p.num_heads_kv * num_n_blocks;
   layout.semaphore = buffers.take(p.deterministic ? sizeof(int) * num_semaphores : 0);
+  // The block-list buffers stay last: run_backward zeroes them with one memset up to the end.
   layout.row_class = buffers.take(needs_row_classes(p) ? row_class_bytes(p) : 0);
   layout.row_bounds = buffers.take(needs_row_classes(p) ? row_bounds_bytes(p) : 0);
   layout.row_class_by_row = buffers.take(needs_row_classes(p) && p.deterministic ? row_class_bytes(p) : 0);
@@ -283,11 +280,11 @@ void run_backward(BwdParams& params, StreamHandle stream) {
     auto* bounds = reinterpret_cast<int*>(base + layout.row_bounds);
     const BlockSparseParams& bs = params.block_sparse;
     auto const cuda_stream = static_cast<cudaStream_t>(stream);
-    if (bs.row_lists) cudaMemsetAsync(classes, 0, row_class_bytes(params), cuda_stream);
-    cudaMemsetAsync(bounds, 0, row_bounds_bytes(params), cuda_stream);
     unsigned char* classes_by_row =
         params.deterministic ? reinterpret_cast<unsigned char*>(base + layout.row_class_by_row) : nullptr;
-    if (classes_by_row != nullptr) cudaMemsetAsync(classes_by_row, 0, row_class_bytes(params), cuda_stream);
+    // The classes, the bounds and the row-major copy are the workspace's last buffers: one memset
+    // zeroes the three for the class kernel.
+    cudaMemsetAsync(classes, 0, layout.total - layout.row_class, cuda_stream);
     int const outer_blocks = bs.row_lists ? bs.num_row_blocks : bs.num_col_blocks;
     block_row_classes_sm90<<<dim3(outer_blocks, bs.num_heads_b, params.batch), 128, 0, cuda_stream>>>(
         bs, classes, bounds, classes_by_row);

@@ -147,18 +147,12 @@ struct MainloopFwdSm90 {
   // 128, measured +1-2% from 2k keys on, even at 1k and 3-4% slower at 512 (bench/NOTES.md;
   // so the launch takes the kSingleQ kernel for tiles of few n-blocks, fwd_next_qk_pays);
   // elsewhere one. It lost 3-7% on hdim 64's 128-row tile, 3-4% on its 192-row tile (three
-  // warpgroups), and moved hdim 96 by -1 to +0.4%; hdim 192 / 256 have no room for a second Q.
+  // warpgroups), 3-5% in the hdim 128 flex kernels on block lists, and moved hdim 96 by -1 to
+  // +0.4%; hdim 192 / 256 have no room for a second Q.
   static constexpr int kSmemBytesQ = kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kSmemBytesKV = kStages * kBlockN * (kHeadDim + kHeadDimV) * int(sizeof(Element));
   static constexpr int kSmemBytesO = kBlockM * kHeadDimV * int(sizeof(Element));
-  // CUFLASH_FLEX_NEXT_QK=1 (a build switch for an A/B, off by default, not yet measured): the flex
-  // kernels too, whose all-full bound at hdim128 is 0.91-0.94 of the plain kernel (bench/NOTES.md).
-#if CUFLASH_FLEX_NEXT_QK
-  static constexpr bool kFlexNextQk = true;
-#else
-  static constexpr bool kFlexNextQk = false;
-#endif
-  static constexpr bool kNextQkEligible = (!kIsFlex || kFlexNextQk) && !kIsPaged && !Config::kIsSplit &&
+  static constexpr bool kNextQkEligible = !kIsFlex && !kIsPaged && !Config::kIsSplit &&
                                           !Config::kPackGqa && !Config::kStreamKPieces &&
                                           !Config::kSingleQ && kNumMmaWarpGroups == 2 && kHeadDim == 128 &&
                                           kHeadDimV == 128;

@@ -22,7 +22,13 @@ CUTLASS_DEVICE float quad_allreduce_sum(float x) {
   return x + __shfl_xor_sync(0xffffffff, x, 1);
 }
 
-template <int kRows>
+// kLazyRescaleLog2 > 0: the running max of a row moves only when a block's max exceeds it by more
+// than 2^kLazyRescaleLog2 in probability (FlashAttention-4's conditional rescaling). Until then
+// the row keeps its old reference point: its probabilities may reach 2^kLazyRescaleLog2 (fine in
+// fp32 and in the bf16 / fp16 P), nothing changes in the result but rounding, and its output
+// needs no rescale, so a warp none of whose rows moved skips the FMUL per output element of that
+// n-block. 0: the max moves whenever it grows.
+template <int kRows, int kLazyRescaleLog2 = 0>
 struct OnlineSoftmax {
   static constexpr int kNumRows = kRows;
   float row_max[kRows];  // running max of the raw (unscaled) scores
@@ -44,9 +50,15 @@ struct OnlineSoftmax {
       CUTLASS_PRAGMA_UNROLL
       for (int n = 0; n < size<1>(scores); ++n) block_max = fmaxf(block_max, scores(m, n));
       block_max = quad_allreduce_max(block_max);
+      bool kept = false;
+      if constexpr (!kFirst && kLazyRescaleLog2 > 0) {
+        // False when the row has seen no key yet (-inf - x or NaN): the max then moves as before.
+        kept = (block_max - row_max[m]) * scale_log2 <= float(kLazyRescaleLog2);
+        if (kept) block_max = row_max[m];
+      }
       // A row with no visible key so far keeps max -inf; subtracting 0 keeps exp2 at 0, not NaN.
       float const max_scaled = block_max == -INFINITY ? 0.f : block_max * scale_log2;
-      scores_scale[m] = kFirst ? 1.f : exp2f(row_max[m] * scale_log2 - max_scaled);
+      scores_scale[m] = kFirst || kept ? 1.f : exp2f(row_max[m] * scale_log2 - max_scaled);
       row_max[m] = block_max;
       float sum = 0.f;
       CUTLASS_PRAGMA_UNROLL
@@ -63,6 +75,12 @@ struct OnlineSoftmax {
   CUTLASS_DEVICE void rescale_o(TensorO& tOrO, float const (&scores_scale)[kRows]) const {
     using namespace cute;
     Tensor out = make_tensor(tOrO.data(), acc_rowcol_layout(tOrO.layout()));
+    if constexpr (kLazyRescaleLog2 > 0) {
+      bool moved = false;
+      CUTLASS_PRAGMA_UNROLL
+      for (int m = 0; m < kRows; ++m) moved |= scores_scale[m] != 1.f;
+      if (!__any_sync(0xffffffff, moved)) return;
+    }
     CUTLASS_PRAGMA_UNROLL
     for (int m = 0; m < kRows; ++m) {
       CUTLASS_PRAGMA_UNROLL
