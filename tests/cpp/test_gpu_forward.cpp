@@ -52,6 +52,11 @@ struct FwdCase {
   // stream-K pieces whenever the SM count allows, which these shapes' tile counts leave room for
   // on any GPU with more SMs than a handful). Such cases also run twice and must agree bit for bit.
   const char* stream_k = nullptr;
+  // Key row j of each sequence scaled by 1 + j / 32 (+1) or by 1 + (len - 1 - j) / 32 (-1): the
+  // scores grow along the keys (or shrink), so whichever way the kernel walks the blocks, a row's
+  // running max jumps by far more than 2^8 between blocks and the rescale of the output runs
+  // (the hdim128 kernels skip it while the max stays within 2^8: kLazyRescaleLog2).
+  int key_ramp = 0;
   unsigned seed = 1;
 };
 
@@ -82,6 +87,16 @@ struct Problem : gpu_testing::RowLayout {
         x = gpu_testing::round_to(normal(rng), *c.sink == DType::kFloat32 ? c.dtype : *c.sink);
     }
     scale = 1.f / std::sqrt(float(c.head_dim));
+    if (c.key_ramp != 0) {
+      for (int b = 0; b < c.batch; ++b) {
+        for (int j = 0; j < len_k[b]; ++j) {
+          const int step = c.key_ramp > 0 ? j : len_k[b] - 1 - j;
+          float* row = &k[std::size_t(start_k[b] + j) * c.heads_kv * c.head_dim];
+          for (int i = 0; i < c.heads_kv * c.head_dim; ++i)
+            row[i] = gpu_testing::round_to(row[i] * (1.f + float(step) / 32.f), c.dtype);
+        }
+      }
+    }
     if (c.nan_tail) {
       fill_unused_rows_with_nan(k, /*query=*/false, c.heads_kv, c.head_dim);
       fill_unused_rows_with_nan(v, /*query=*/false, c.heads_kv, c.head_dim_v);
@@ -291,6 +306,12 @@ std::vector<FwdCase> forward_cases() {
       c.label = "stream_k_tail_gqa3", c.batch = 2, c.seqlen_q = 1024, c.seqlen_k = 1000,
       c.heads = 9, c.heads_kv = 3, c.stream_k = "always";
       if (stream_k && d > 64) add(c);
+      for (int ramp : {1, -1}) {  // the running max moving by more than 2^8 between blocks
+        c = {};
+        c.label = ramp > 0 ? "keys_growing" : "keys_shrinking", c.batch = 2, c.seqlen_q = 300,
+        c.seqlen_k = 1000, c.heads = 2, c.heads_kv = 2, c.key_ramp = ramp;
+        add(c);
+      }
       if (dtype == DType::kFloat16) continue;  // the rest once per head dim
       c = {};  // rows past seqlen_q in the tail tiles; sink, softcap (hdim64: 128 x 192), strided
       c.label = "stream_k_tail_sink_softcap_strided", c.batch = 1, c.seqlen_q = 1000,
