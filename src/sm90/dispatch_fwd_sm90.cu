@@ -166,6 +166,16 @@ void check_forward_supported(const FwdParams& params) {
   if (params.head_dim > 256 || params.head_dim_v > 256) {
     not_supported("q", "the sm90 forward kernel supports head dims up to 256");
   }
+  // The plain kernels take each row's running max over the scores before the scale multiplies
+  // them in the exponent (softmax.hpp): the max of the scaled scores only for a scale >= 0. With
+  // softcap the max is over the capped scores, whatever the scale's sign; the flex kernels keep a
+  // negative scale out of the exponent (FlashFwdKernelSm90::to_params).
+  if (params.softmax_scale < 0.f && !(params.softcap > 0.f) && !needs_flex(params)) {
+    not_supported("softmax_scale",
+                  "the sm90 forward kernel needs softmax_scale >= 0 unless softcap or a score_mod is "
+                  "given (its running max is taken before the scale), got " +
+                      std::to_string(params.softmax_scale));
+  }
   if (needs_flex(params)) check_flex(params);
   check_tma_operand("q", params.q,
                     {params.q_row_stride, params.q_head_stride, params.q_batch_stride});

@@ -115,8 +115,9 @@ struct FlashFwdKernelSm90 {
   // Each thread of a WGMMA accumulator holds two rows of its warpgroup's 64.
   static constexpr int kRowsPerThread = 2;
   // The running max moves only by more than 2^8 (OnlineSoftmax): at head dim 128 the skipped
-  // rescale is one FMUL per score; measured +0.8 / +1.6% at 4k / 8k non-causal in the plain
-  // kernel, the rest within noise. It lost about 1% at head dim 64 (half an FMUL per score) and
+  // rescale is one FMUL per score; measured in the plain kernel +0.8 / +1.6% at 4k / 8k
+  // non-causal, 2k and causal within noise (its softcap, split, paged and packed variants have
+  // it too, tested, not timed). It lost about 1% at head dim 64 (half an FMUL per score) and
   // 1-1.5% in the hdim128 flex kernels on block lists; other head dims are not measured.
   static constexpr int kLazyRescaleLog2 =
       !Variant::kIsFlex && Config::kHeadDim == 128 && Config::kHeadDimV == 128 ? 8 : 0;
@@ -197,8 +198,10 @@ struct FlashFwdKernelSm90 {
     // With softcap or a score_mod the flex variant's accumulators hold final scores
     // (FlexTileMods::score), so only the change to base 2 is left for the exponent; without
     // either they hold <q, k> and the exponent takes the softmax scale as the plain kernel's,
-    // which saves a multiply per score (+2-4% on block lists, bench/NOTES.md).
-    bool const flex_scale_in_exp = kIsFlex && !has_softcap && p.score_mod.kind == int(ScoreModKind::kNone);
+    // which saves a multiply per score (+2-4% on block lists, bench/NOTES.md). Not for a negative
+    // scale: the running max is taken before the exponent's scale, so that must be >= 0.
+    bool const flex_scale_in_exp = kIsFlex && !has_softcap && p.score_mod.kind == int(ScoreModKind::kNone) &&
+                                   p.softmax_scale >= 0.f;
     float const exp_scale = kIsFlex ? (flex_scale_in_exp ? p.softmax_scale : 1.f)
                                     : has_softcap ? p.softcap : p.softmax_scale;
     // Causal-like masks (the window options; the causal, sliding-window and prefix-LM mask_mods)

@@ -31,7 +31,9 @@ CUTLASS_DEVICE float quad_allreduce_sum(float x) {
 template <int kRows, int kLazyRescaleLog2 = 0>
 struct OnlineSoftmax {
   static constexpr int kNumRows = kRows;
-  float row_max[kRows];  // running max of the raw (unscaled) scores
+  // Running max of the raw (unscaled) scores; with kLazyRescaleLog2, the reference point, which
+  // may sit up to kLazyRescaleLog2 / scale_log2 below that max.
+  float row_max[kRows];
   float row_sum[kRows];  // this thread's part of the running denominator
   float scale_log2;
 
@@ -52,7 +54,7 @@ struct OnlineSoftmax {
       block_max = quad_allreduce_max(block_max);
       bool kept = false;
       if constexpr (!kFirst && kLazyRescaleLog2 > 0) {
-        // False when the row has seen no key yet (-inf - x or NaN): the max then moves as before.
+        // False when the row has seen no key yet (+inf or NaN): the max then moves as before.
         kept = (block_max - row_max[m]) * scale_log2 <= float(kLazyRescaleLog2);
         if (kept) block_max = row_max[m];
       }

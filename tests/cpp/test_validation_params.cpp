@@ -12,6 +12,9 @@
 #include <vector>
 
 #include "api/params_builder.hpp"
+#if CUFLASH_HAS_CUDA
+#include "api/kernels.hpp"
+#endif
 #include "sm90/stream_k_tail.hpp"
 #include "sm90/tile_size_sm90.hpp"
 #include "api/validate.hpp"
@@ -1084,6 +1087,33 @@ TEST(ParamsCombine, DenseAndPackedStrides) {
   EXPECT_EQ(p.lse, nullptr);
   EXPECT_EQ(p.cu_seqlens, cu.data());
 }
+
+#if CUFLASH_HAS_CUDA
+// The plain sm90 forward takes each row's running max before the softmax scale, so a negative
+// scale without softcap is refused by name, before any device work; with softcap, or in the flex
+// kernels, the scale's sign does not matter.
+TEST(ParamsForward, NegativeScaleRefusedByThePlainKernels) {
+  FwdParams p;
+  p.dtype = int(DType::kBFloat16);
+  p.head_dim = 128;
+  p.head_dim_v = 128;
+  p.softmax_scale = -0.125f;
+  auto refusal = [&]() -> std::string {
+    try {
+      sm90::check_forward_supported(p);
+    } catch (const Error& error) {
+      return error.kind() == Error::Kind::kNotSupported ? error.argument() : std::string();
+    }
+    return {};
+  };
+  EXPECT_EQ(refusal(), "softmax_scale");
+  p.softcap = 30.f;
+  EXPECT_NE(refusal(), "softmax_scale");
+  p.softcap = 0.f;
+  p.softmax_scale = 0.f;
+  EXPECT_NE(refusal(), "softmax_scale");
+}
+#endif
 
 }  // namespace
 }  // namespace cuflash::detail
