@@ -8,7 +8,8 @@ Each timing is the median over groups of back-to-back calls timed with CUDA even
 (see bench_common.time_ms).
 
 Writes fwd_sm90.json (records {impl, dtype, hdim, seqlen, batch, nheads, causal, fwd_tflops,
-gpu, date}) and fwd_sm90.png to --out, and prints a table with the ratio to cuDNN.
+gpu, date}) and fwd_sm90.png to --out, and prints a table with the ratio to cuDNN. --impls times
+only the columns named (cuflash, cudnn, fa2; all three by default), in that order.
 """
 
 import argparse
@@ -58,11 +59,13 @@ def main():
     gpu = torch.cuda.get_device_name()
     date = common.utc_now()
     impls = make_impls()
-    wanted = args.impls.split(",")
+    wanted = [name.strip() for name in args.impls.split(",") if name.strip()]
     unknown = [name for name in wanted if name not in ("cuflash", "cudnn", "fa2")]
     if unknown:
         raise SystemExit(f"--impls: unknown column(s) {', '.join(unknown)}; expected some of cuflash, cudnn, fa2")
-    impls = {name: fn for name, fn in impls.items() if name in wanted}
+    impls = {name: impls[name] for name in wanted if name in impls}
+    if not impls:
+        raise SystemExit(f"--impls {args.impls}: none of these columns can run here (see above)")
     records = []
     torch.manual_seed(0)
     for hdim, seqlen, batch, nheads in common.grid(args):
