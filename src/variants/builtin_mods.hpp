@@ -172,17 +172,15 @@ struct HasKeyCompare<Mod, std::void_t<decltype(std::declval<Mod const&>().row_ke
 // One built-in mask_mod, chosen at run time (MaskModKind value).
 struct MaskModSwitch {
   int kind = 0;
-  RowIntervalMaskMod interval;  // causal, sliding window, prefix LM
+  RowIntervalMaskMod interval;  // sliding window, prefix LM
   int const* ids = nullptr;     // document ids
   long long ids_stride = 0;
 
   static MaskModSwitch from(ModParams const& mod) {
     MaskModSwitch result;
     result.kind = mod.kind;
+    // Causal needs no constants here: `visit` passes its own (RowIntervalMaskMod::causal()).
     switch (mod.kind) {
-      case int(MaskModKind::kCausal):
-        result.interval = RowIntervalMaskMod::causal();
-        break;
       case int(MaskModKind::kSlidingWindow):
         result.interval = RowIntervalMaskMod::sliding_window(ModParams::whole(mod.scalars[0]),
                                                              ModParams::whole(mod.scalars[1]));
