@@ -114,13 +114,21 @@ struct FlashFwdKernelSm90 {
                 "the register split fits the launch's allocation");
   // Each thread of a WGMMA accumulator holds two rows of its warpgroup's 64.
   static constexpr int kRowsPerThread = 2;
-  // The running max moves only by more than 2^8 (OnlineSoftmax): at head dim 128 the skipped
-  // rescale is one FMUL per score; measured in the plain kernel +0.8 / +1.6% at 4k / 8k
-  // non-causal, 2k and causal within noise (its softcap, split, paged and packed variants have
-  // it too, tested, not timed). It lost about 1% at head dim 64 (half an FMUL per score) and
-  // 1-1.5% in the hdim128 flex kernels on block lists; other head dims are not measured.
-  static constexpr int kLazyRescaleLog2 =
-      !Variant::kIsFlex && Config::kHeadDim == 128 && Config::kHeadDimV == 128 ? 8 : 0;
+  // The running max moves only by more than 2^8 (OnlineSoftmax), and a warp whose rows all kept
+  // theirs skips the rescale of O: per score that is one FMUL at head dim 128, 1.7 at 192 and 3.2
+  // at 256 (O's registers over S's). Measured (bench/NOTES.md): plain hdim128 +0.8 / +1.6% at 4k /
+  // 8k non-causal, 2k and causal within noise; plain hdim192 +1.5-2.8%, hdim256 +2.9-4.9%, causal
+  // and not; the hdim256 flex kernel on document lists +2.5-3%. The plain kernels' softcap, split,
+  // paged and packed variants have it too (tested, not timed; ptxas spills no more there), and
+  // the hdim256 flex kernel's split variant (tested). It lost about 1% at head dim 64 (half an FMUL
+  // per score) and 1-1.5% in the hdim128 flex kernels on block lists. Not measured, so without it:
+  // (192, 128), the hdim192 flex kernels, the paged and packed hdim256 flex kernels.
+  static constexpr bool kLazyRescalePlain =
+      !Variant::kIsFlex && ((Config::kHeadDim == 128 && Config::kHeadDimV == 128) ||
+                            (Config::kHeadDim >= 192 && Config::kHeadDimV >= 192));
+  static constexpr bool kLazyRescaleFlex = Variant::kIsFlex && Config::kHeadDim == 256 &&
+                                           Config::kHeadDimV == 256 && !kIsPaged && !kPackGqa;
+  static constexpr int kLazyRescaleLog2 = kLazyRescalePlain || kLazyRescaleFlex ? 8 : 0;
 
   // O gets its own buffer when it fits, so the next tile's Q can land while this tile's
   // epilogue runs; otherwise it reuses Q's.

@@ -56,6 +56,9 @@ struct FlexCase {
   // Packed GQA tiles (the flex_*packgqa kernels): a group's query heads in one tile, each row's
   // mods given its own query row and head. Unset: cuflash chooses.
   std::optional<bool> pack_gqa;
+  // softmax_scale -1 / sqrt(head_dim): without a score_mod or softcap the flex kernels then keep
+  // the scale out of the exponent (the running max is taken before it there).
+  bool negative_scale = false;
   unsigned seed = 1;
 };
 
@@ -88,7 +91,7 @@ struct Problem : gpu_testing::RowLayout {
     fill_normal(q, std::size_t(rows_q) * c.heads * c.head_dim, c.dtype, normal, rng);
     fill_normal(k, std::size_t(rows_k) * c.heads_kv * c.head_dim, c.dtype, normal, rng);
     fill_normal(v, std::size_t(rows_k) * c.heads_kv * c.head_dim, c.dtype, normal, rng);
-    scale = 1.f / std::sqrt(float(c.head_dim));
+    scale = (c.negative_scale ? -1.f : 1.f) / std::sqrt(float(c.head_dim));
 
     if (c.score_mod == ScoreModKind::kAlibi) {
       // Small slopes: a bias of hundreds would leave the dtype-rounded naive scores with an
@@ -268,6 +271,7 @@ void set_flex_args(ForwardArgs& args, const Problem& pb, Device device,
   const std::int64_t B = c.batch;
   pb.set_sequences(args.seq, device, sequences);
   gpu_testing::set_window_options(args.opts, c);
+  if (c.negative_scale) args.opts.softmax_scale = pb.scale;
   args.opts.score_mod.kind = c.score_mod;
   if (c.score_mod == ScoreModKind::kAlibi) {
     args.opts.score_mod.aux = {TensorView(side.score_table, DType::kFloat32, {c.heads}, device)};
@@ -398,6 +402,10 @@ std::vector<FlexCase> flex_cases() {
   c.label = "relative_bias_window", c.seqlen_q = 513, c.seqlen_k = 513, c.heads = 4, c.heads_kv = 1,
   c.window_left = 100, c.window_right = 20, c.score_mod = ScoreModKind::kRelativeBias;
   add(c);
+  c = {};  // a negative softmax_scale on a mask_mod alone (the scale kept out of the exponent)
+  c.label = "document_negative_scale", c.batch = 2, c.seqlen_q = 300, c.seqlen_k = 300,
+  c.mask_mod = MaskModKind::kDocument, c.doc_length_max = 120, c.negative_scale = true;
+  add(c);
   // mask_mods
   // Head dims 64 and 256.
   c = {};
@@ -424,6 +432,21 @@ std::vector<FlexCase> flex_cases() {
   c.label = "document_long_relative_bias", c.seqlen_q = 800, c.seqlen_k = 800, c.head_dim = 256,
   c.score_mod = ScoreModKind::kRelativeBias, c.mask_mod = MaskModKind::kDocument, c.doc_length_max = 400;
   add(c);
+  for (int d : {192, 256}) {  // a score_mod over long causal rows; block lists over varlen windows; splits
+    c = {};
+    c.label = "alibi_causal_long", c.batch = 2, c.seqlen_q = 700, c.seqlen_k = 900, c.head_dim = d,
+    c.causal = true, c.score_mod = ScoreModKind::kAlibi;
+    add(c);
+    c = {};
+    c.label = "sparse_varlen_sliding_window_gqa", c.batch = 3, c.seqlen_q = 400, c.seqlen_k = 500,
+    c.head_dim = d, c.heads = 4, c.heads_kv = 2, c.varlen = true, c.mask_mod = MaskModKind::kSlidingWindow,
+    c.mask_scalars = {150, 30}, c.sparse_heads = 1;
+    add(c);
+    c = {};
+    c.label = "split3_prefix_lm_softcap", c.batch = 2, c.seqlen_q = 64, c.seqlen_k = 900, c.head_dim = d,
+    c.softcap = 30.f, c.mask_mod = MaskModKind::kPrefixLM, c.mask_scalars = {500}, c.num_splits = 3;
+    add(c);
+  }
   // Equal dense lengths: causal and sliding-window mask_mods run as windows on the plain kernels
   // (fold_window_mask_mod), here with the call's own window on top; the other cases run the flex
   // kernels.
