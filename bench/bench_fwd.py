@@ -3,7 +3,8 @@
 FlashAttention-2 backends, in one process, on the same inputs (DESIGN.md section 6).
 
 Shapes follow FlashAttention's benchmark: bf16 (--dtype fp16 for fp16), batch * seqlen = 16k tokens, heads * head_dim
-= 2048. FLOPs = 4 * batch * heads * seqlen_q * seqlen_k * head_dim, half of that when causal.
+= 2048. FLOPs = 4 * batch * heads * seqlen_q * seqlen_k * head_dim, half of that when causal
+(with --hdim-v, V's head dim counts for the P V half).
 Each timing is the median over groups of back-to-back calls timed with CUDA events after warm-up
 (see bench_common.time_ms).
 
@@ -54,6 +55,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     common.add_grid_args(parser)
     parser.add_argument("--impls", default="cuflash,cudnn,fa2", help="the columns to time, comma-separated")
+    parser.add_argument("--hdim-v", type=int, default=0,
+                        help="V's head dim (such as 128 under --hdims 192); 0: each --hdims value")
     args = parser.parse_args()
 
     gpu = torch.cuda.get_device_name()
@@ -69,10 +72,14 @@ def main():
     records = []
     torch.manual_seed(0)
     for hdim, seqlen, batch, nheads in common.grid(args):
-        shape = (batch, seqlen, nheads, hdim)
-        q, k, v = (torch.randn(shape, device="cuda", dtype=common.torch_dtype(args.dtype)) for _ in range(3))
+        hdim_v = args.hdim_v or hdim
+        dtype = common.torch_dtype(args.dtype)
+        q, k = (torch.randn((batch, seqlen, nheads, hdim), device="cuda", dtype=dtype) for _ in range(2))
+        v = torch.randn((batch, seqlen, nheads, hdim_v), device="cuda", dtype=dtype)
         for causal in common.bools(args.causal):
-            flops = common.fwd_flops(batch, nheads, seqlen, seqlen, hdim, causal)
+            # Q K^T over hdim, P V over hdim_v: half the count at each.
+            flops = (common.fwd_flops(batch, nheads, seqlen, seqlen, hdim, causal) +
+                     common.fwd_flops(batch, nheads, seqlen, seqlen, hdim_v, causal)) // 2
             for name, fn in impls.items():
                 try:
                     with torch.no_grad():
@@ -81,13 +88,17 @@ def main():
                 except Exception as error:
                     print(f"{name} hdim={hdim} seqlen={seqlen} causal={causal}: {type(error).__name__}: {error}")
                     tflops = float("nan")
-                records.append(dict(impl=name, dtype=args.dtype, hdim=hdim, seqlen=seqlen, batch=batch,
-                                    nheads=nheads, causal=causal, fwd_tflops=tflops, gpu=gpu, date=date))
+                record = dict(impl=name, dtype=args.dtype, hdim=hdim, seqlen=seqlen, batch=batch,
+                              nheads=nheads, causal=causal, fwd_tflops=tflops, gpu=gpu, date=date)
+                if hdim_v != hdim:
+                    record["hdim_v"] = hdim_v
+                records.append(record)
 
     common.write_json(records, common.out_path(args, "fwd_sm90", "json"))
 
     names = list(impls)
-    title = common.titled(f"forward TFLOP/s, {args.dtype}, {gpu}, {date}", common.run_settings(args))
+    title = common.titled(f"forward TFLOP/s, {args.dtype}, {gpu}, {date}",
+                          common.run_settings(args, [f"hdim_v {args.hdim_v}"] if args.hdim_v else []))
     lines = common.table_lines(title, records, "fwd_tflops", names, [("cuflash/cudnn", "cuflash", "cudnn")])
     print("\n" + "\n".join(lines))
     with open(common.out_path(args, "fwd_sm90_table", "txt"), "w") as f:
