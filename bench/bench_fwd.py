@@ -9,7 +9,7 @@ Each timing is the median over groups of back-to-back calls timed with CUDA even
 (see bench_common.time_ms).
 
 Writes fwd_sm90.json (records {impl, dtype, hdim, seqlen, batch, nheads, causal, fwd_tflops,
-gpu, date}) and fwd_sm90.png to --out, and prints a table with the ratio to cuDNN. --impls times
+gpu, date}, and hdim_v under --hdim-v) and fwd_sm90.png to --out, and prints a table with the ratio to cuDNN. --impls times
 only the columns named (cuflash, cudnn, fa2; all three by default), in that order.
 """
 

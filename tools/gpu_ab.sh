@@ -4,7 +4,7 @@
 # GPU tests on one of them, then a benchmark over the variants in alternating passes, appending
 # everything to $OUT/all.txt as it goes (a call cut short still returns what it measured).
 #
-#   VARIANTS="base new:-DCUFLASH_SOME_SWITCH=1" HDIMS=128 FEATURES=flex \
+#   VARIANTS="base new:-DCUFLASH_SOME_SWITCH=1" HDIMS=128 FEATURES="flex;split" \
 #   REGEX='^flash_fwd_hdim128_bf16_(flex_(split_)?)?sm90$' TEST_VARIANT=new GTEST_FILTER='*ForwardFlex*' \
 #   BENCH=flex BENCH_ARGS="--hdims 128 --seqlens 2048,8192" PASSES=2 tools/gpu_ab.sh
 #

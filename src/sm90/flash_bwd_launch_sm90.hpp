@@ -167,12 +167,13 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // as in the plain kernel, one multiply per score fewer (the forward's flex_scale_in_exp).
   if constexpr (Mainloop::kIsFlex) {
     bool const scale_in_exp = !HasSoftcap && params.score_mod.kind == int(ScoreModKind::kNone);
-    ml.softmax_scale_log2 = scale_in_exp ? params.softmax_scale * float(M_LOG2E) : float(M_LOG2E);
+    ml.softmax_scale_log2 = scale_in_exp ? exponent_scale(params.softmax_scale) * float(M_LOG2E) : float(M_LOG2E);
     ml.softcap_val = 0.f;
     ml.flex = Variant::to_params(params);
     if (scale_in_exp) { ml.flex.score_scale = 1.f; }
   } else {
-    ml.softmax_scale_log2 = HasSoftcap ? params.softcap * float(M_LOG2E) : params.softmax_scale * float(M_LOG2E);
+    ml.softmax_scale_log2 =
+        HasSoftcap ? params.softcap * float(M_LOG2E) : exponent_scale(params.softmax_scale) * float(M_LOG2E);
     ml.softcap_val = HasSoftcap ? params.softmax_scale / params.softcap : 0.f;
   }
   ml.deterministic = params.deterministic;

@@ -116,18 +116,20 @@ struct FlashFwdKernelSm90 {
   static constexpr int kRowsPerThread = 2;
   // The running max moves only by more than 2^8 (OnlineSoftmax), and a warp whose rows all kept
   // theirs skips the rescale of O: per score that is one FMUL at head dim 128, 1.7 at 192 and 3.2
-  // at 256 (O's registers over S's). Measured (bench/NOTES.md): plain hdim128 +0.8 / +1.6% at 4k /
-  // 8k non-causal, 2k and causal within noise; plain hdim192 +1.5-2.8%, hdim256 +2.9-4.9%, causal
-  // and not; the hdim256 flex kernel on document lists +2.5-3%. The plain kernels' softcap, split,
-  // paged and packed variants have it too (tested, not timed; ptxas spills no more there), and
-  // the hdim256 flex kernel's split variant (tested). It lost about 1% at head dim 64 (half an FMUL
-  // per score) and 1-1.5% in the hdim128 flex kernels on block lists. Not measured, so without it:
-  // (192, 128), the hdim192 flex kernels, the paged and packed hdim256 flex kernels.
+  // at 256 in the plain tiles (O's registers over S's; 4 in the hdim256 flex tile, 64 keys wide).
+  // Measured (bench/NOTES.md): plain hdim128 +0.8 / +1.6% at 4k / 8k non-causal, 2k and causal
+  // within noise; plain hdim192 +1.5-2.8%, hdim256 +2.9-4.9%, causal and not; the hdim256 flex
+  // kernel (built-in mods) on document lists +2.1-3.0%. The plain kernels' softcap, split, paged
+  // and packed variants have it too (tested, not timed; ptxas spills no more there). It lost
+  // about 1% at head dim 64 (half an FMUL per score) and 1-1.5% in the hdim128 flex kernels on
+  // block lists. Not run with it, so without it: (192, 128), the hdim192 flex kernels, the split,
+  // paged and packed hdim256 flex kernels, and the kernels compiled at run time for callables.
   static constexpr bool kLazyRescalePlain =
       !Variant::kIsFlex && ((Config::kHeadDim == 128 && Config::kHeadDimV == 128) ||
                             (Config::kHeadDim >= 192 && Config::kHeadDimV >= 192));
-  static constexpr bool kLazyRescaleFlex = Variant::kIsFlex && Config::kHeadDim == 256 &&
-                                           Config::kHeadDimV == 256 && !kIsPaged && !kPackGqa;
+  static constexpr bool kLazyRescaleFlex =
+      std::is_same_v<Variant, variants::FlexVariant> && Config::kHeadDim == 256 &&
+      Config::kHeadDimV == 256 && !kIsSplit && !kIsPaged && !kPackGqa;
   static constexpr int kLazyRescaleLog2 = kLazyRescalePlain || kLazyRescaleFlex ? 8 : 0;
 
   // O gets its own buffer when it fits, so the next tile's Q can land while this tile's
@@ -210,8 +212,8 @@ struct FlashFwdKernelSm90 {
     // scale: the running max is taken before the exponent's scale, so that must be >= 0.
     bool const flex_scale_in_exp = kIsFlex && !has_softcap && p.score_mod.kind == int(ScoreModKind::kNone) &&
                                    p.softmax_scale >= 0.f;
-    float const exp_scale = kIsFlex ? (flex_scale_in_exp ? p.softmax_scale : 1.f)
-                                    : has_softcap ? p.softcap : p.softmax_scale;
+    float const exp_scale = kIsFlex ? (flex_scale_in_exp ? exponent_scale(p.softmax_scale) : 1.f)
+                                    : has_softcap ? p.softcap : exponent_scale(p.softmax_scale);
     // Causal-like masks (the window options; the causal, sliding-window and prefix-LM mask_mods)
     // give the last m-blocks the most keys.
     bool const longest_first = p.window_right >= 0 || p.window_left >= 0 ||

@@ -10,6 +10,12 @@
 
 namespace cuflash::sm90 {
 
+// A softmax scale as the launches put it into the kernels' exponent (exp2(s * scale * log2 e -
+// ...)): 0 becomes the smallest normal float. With 0 itself a masked score (-inf) times the scale
+// is NaN; with FLT_MIN every finite score times it is 0 or next to it and -inf stays -inf, so each
+// visible key weighs the same and the masked ones nothing, which is what a scale of 0 means.
+inline float exponent_scale(float scale) { return scale == 0.f ? 1.17549435e-38f : scale; }
+
 // Issues C (+)= A * B over all k-blocks as one WGMMA batch. wait < 0 leaves the batch in
 // flight (the caller waits with warpgroup_wait<N>); otherwise waits until <= wait remain.
 template <bool kZeroInit, int kWait, class TiledMma, class TensorA, class TensorB, class TensorC>

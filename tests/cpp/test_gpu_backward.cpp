@@ -45,8 +45,15 @@ struct BwdCase {
   bool strided = false;  // every tensor, gradients included, lives in wider rows
   bool deterministic = false;
   bool dlse = false;  // a random gradient of lse as well
+  bool zero_scale = false;  // softmax_scale 0: uniform weights over the visible keys, dq = dk = 0
   unsigned seed = 1;
 };
+
+// The options every call of a case takes (the reference forward, the reference backward, the GPU).
+void set_options(AttentionOptions& opts, const BwdCase& c) {
+  gpu_testing::set_window_options(opts, c);
+  if (c.zero_scale) opts.softmax_scale = 0.f;
+}
 
 std::string case_name(const BwdCase& c) {
   return gpu_testing::case_name(c.label, c.dtype, c.head_dim, c.head_dim_v);
@@ -77,7 +84,7 @@ struct Problem : gpu_testing::RowLayout {
       sink.resize(c.heads);
       for (float& x : sink) x = gpu_testing::round_to(normal(rng), *c.sink == DType::kFloat32 ? c.dtype : *c.sink);
     }
-    scale = 1.f / std::sqrt(float(c.head_dim));
+    scale = c.zero_scale ? 0.f : 1.f / std::sqrt(float(c.head_dim));
     run_forward();
     if (c.dlse) {
       // NaN where lse is -inf (rows without a visible key, rows past the sequences): no
@@ -111,7 +118,7 @@ struct Problem : gpu_testing::RowLayout {
     args.lse = lse_view(lse.data(), kCpu);
     if (c.sink) args.learnable_sink = TensorView(sink_copy.data(), DType::kFloat32, {c.heads}, kCpu);
     set_sequences(args.seq, kCpu, sequences.pointers());
-    gpu_testing::set_window_options(args.opts, c);
+    set_options(args.opts, c);
     forward(args);
     for (float& x : out) x = gpu_testing::round_to(x, c.dtype);
   }
@@ -145,7 +152,7 @@ Grads run_reference(const Problem& pb) {
   }
   args.deterministic = c.deterministic;
   pb.set_sequences(args.seq, kCpu, sequences.pointers());
-  gpu_testing::set_window_options(args.opts, c);
+  set_options(args.opts, c);
   backward(args);
   Grads g{{dq.begin(), dq.end()}, {dk.begin(), dk.end()}, {dv.begin(), dv.end()}, {}};
   if (c.sink) g.d_sink.assign(d_sink.begin(), d_sink.end());
@@ -257,7 +264,7 @@ GpuRun run_gpu(const Problem& pb) {
   }
   args.deterministic = c.deterministic;
   pb.set_sequences(args.seq, kCuda, sequences.pointers());
-  gpu_testing::set_window_options(args.opts, c);
+  set_options(args.opts, c);
   backward(args);
   gpu_testing::check_cuda(cudaDeviceSynchronize(), "backward kernels");
 
@@ -342,6 +349,10 @@ std::vector<BwdCase> backward_cases() {
       c.causal = true, c.varlen = true;
       add(c);
       if (dtype == DType::kFloat16) continue;  // the rest once per head dim
+      c = {};  // masked keys (causal, past the keys in the last block) under a scale of 0
+      c.label = "zero_scale_causal", c.batch = 2, c.seqlen_q = 200, c.seqlen_k = 333, c.heads = 2, c.heads_kv = 2,
+      c.causal = true, c.zero_scale = true;
+      add(c);
       c = {};
       c.label = "odd_lengths_sq_ne_sk", c.batch = 2, c.seqlen_q = 17, c.seqlen_k = 1023, c.heads = 2, c.heads_kv = 2;
       add(c);

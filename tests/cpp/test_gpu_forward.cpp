@@ -58,6 +58,9 @@ struct FwdCase {
   // rescale of the output runs (the hdim128 kernels skip it while the max stays within 2^8:
   // kLazyRescaleLog2); in the other the max barely moves.
   int key_ramp = 0;
+  // softmax_scale 0: every visible key weighs the same (the kernels' exponent takes the smallest
+  // normal float instead, sm90::exponent_scale, since -inf * 0 is NaN).
+  bool zero_scale = false;
   unsigned seed = 1;
 };
 
@@ -87,7 +90,7 @@ struct Problem : gpu_testing::RowLayout {
       for (float& x : sink)
         x = gpu_testing::round_to(normal(rng), *c.sink == DType::kFloat32 ? c.dtype : *c.sink);
     }
-    scale = 1.f / std::sqrt(float(c.head_dim));
+    scale = c.zero_scale ? 0.f : 1.f / std::sqrt(float(c.head_dim));
     if (c.key_ramp != 0) {
       for (int b = 0; b < c.batch; ++b) {
         for (int j = 0; j < len_k[b]; ++j) {
@@ -167,6 +170,7 @@ Result naive_low_precision(const Problem& pb) {
 // The options of ForwardArgs that do not depend on where the tensors live.
 void set_options(ForwardArgs& args, const FwdCase& c) {
   gpu_testing::set_window_options(args.opts, c);
+  if (c.zero_scale) args.opts.softmax_scale = 0.f;
   args.pack_gqa = c.pack_gqa;
 }
 
@@ -308,6 +312,10 @@ std::vector<FwdCase> forward_cases() {
       c.heads = 9, c.heads_kv = 3, c.stream_k = "always";
       if (stream_k && d > 64) add(c);
       if (dtype == DType::kFloat16) continue;  // the rest once per head dim
+      c = {};  // masked keys (causal, past the keys in the last block) under a scale of 0
+      c.label = "zero_scale_causal", c.batch = 2, c.seqlen_q = 200, c.seqlen_k = 333, c.heads = 2,
+      c.heads_kv = 2, c.causal = true, c.zero_scale = true;
+      add(c);
       c = {};  // rows past seqlen_q in the tail tiles; sink, softcap (hdim64: 128 x 192), strided
       c.label = "stream_k_tail_sink_softcap_strided", c.batch = 1, c.seqlen_q = 1000,
       c.seqlen_k = 777, c.heads = 23, c.heads_kv = 23, c.sink = DType::kFloat32, c.softcap = 20.f,

@@ -432,7 +432,10 @@ std::vector<FlexCase> flex_cases() {
   c.label = "document_long_relative_bias", c.seqlen_q = 800, c.seqlen_k = 800, c.head_dim = 256,
   c.score_mod = ScoreModKind::kRelativeBias, c.mask_mod = MaskModKind::kDocument, c.doc_length_max = 400;
   add(c);
-  for (int d : {192, 256}) {  // a score_mod over long causal rows; block lists over varlen windows; splits
+  // A score_mod over long causal rows; block lists over varlen windows (unpacked: the heuristic
+  // would pack these rows where the build has the packed kernel); splits; at hdim 256 a negative
+  // softmax_scale too.
+  for (int d : {192, 256}) {
     c = {};
     c.label = "alibi_causal_long", c.batch = 2, c.seqlen_q = 700, c.seqlen_k = 900, c.head_dim = d,
     c.causal = true, c.score_mod = ScoreModKind::kAlibi;
@@ -440,12 +443,16 @@ std::vector<FlexCase> flex_cases() {
     c = {};
     c.label = "sparse_varlen_sliding_window_gqa", c.batch = 3, c.seqlen_q = 400, c.seqlen_k = 500,
     c.head_dim = d, c.heads = 4, c.heads_kv = 2, c.varlen = true, c.mask_mod = MaskModKind::kSlidingWindow,
-    c.mask_scalars = {150, 30}, c.sparse_heads = 1;
+    c.mask_scalars = {150, 30}, c.sparse_heads = 1, c.pack_gqa = false;
     add(c);
     c = {};
     c.label = "split3_prefix_lm_softcap", c.batch = 2, c.seqlen_q = 64, c.seqlen_k = 900, c.head_dim = d,
     c.softcap = 30.f, c.mask_mod = MaskModKind::kPrefixLM, c.mask_scalars = {500}, c.num_splits = 3;
     add(c);
+    c = {};
+    c.label = "document_negative_scale", c.batch = 2, c.seqlen_q = 300, c.seqlen_k = 300, c.head_dim = d,
+    c.mask_mod = MaskModKind::kDocument, c.doc_length_max = 120, c.negative_scale = true;
+    if (d == 256) add(c);
   }
   // Equal dense lengths: causal and sliding-window mask_mods run as windows on the plain kernels
   // (fold_window_mask_mod), here with the call's own window on top; the other cases run the flex

@@ -155,6 +155,18 @@ TEST(ReferenceForward, SoftmaxScale) {
   check(c);
 }
 
+// A scale of 0: every visible key weighs the same, masked ones nothing (the GPU kernels' exponent
+// takes a tiny scale instead of 0 there, whose product with a masked -inf stays -inf).
+TEST(ReferenceForward, ZeroSoftmaxScaleWeighsVisibleKeysAlike) {
+  CaseConfig c;
+  c.softmax_scale = 0.f;
+  c.causal = true;
+  c.seqlen_q = 9;
+  c.seqlen_k = 14;
+  c.seed = 66;
+  check(c);
+}
+
 TEST(ReferenceForward, LearnableSink) {
   unsigned seed = 70;
   for (DType sink_dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
