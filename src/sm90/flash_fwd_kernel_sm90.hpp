@@ -125,8 +125,7 @@ struct FlashFwdKernelSm90 {
   // block lists. Not run with it, so without it: (192, 128), the hdim192 flex kernels, the split,
   // paged and packed hdim256 flex kernels, and the kernels compiled at run time for callables.
   static constexpr bool kLazyRescalePlain =
-      !Variant::kIsFlex && ((Config::kHeadDim == 128 && Config::kHeadDimV == 128) ||
-                            (Config::kHeadDim >= 192 && Config::kHeadDimV >= 192));
+      !Variant::kIsFlex && Config::kHeadDimV >= 128 && Config::kHeadDim == Config::kHeadDimV;
   static constexpr bool kLazyRescaleFlex =
       std::is_same_v<Variant, variants::FlexVariant> && Config::kHeadDim == 256 &&
       Config::kHeadDimV == 256 && !kIsSplit && !kIsPaged && !kPackGqa;

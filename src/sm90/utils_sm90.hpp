@@ -7,6 +7,7 @@
 #include <cutlass/numeric_conversion.h>
 
 #include <cute/tensor.hpp>
+#include <limits>
 
 namespace cuflash::sm90 {
 
@@ -14,7 +15,7 @@ namespace cuflash::sm90 {
 // ...)): 0 becomes the smallest normal float. With 0 itself a masked score (-inf) times the scale
 // is NaN; with FLT_MIN every finite score times it is 0 or next to it and -inf stays -inf, so each
 // visible key weighs the same and the masked ones nothing, which is what a scale of 0 means.
-inline float exponent_scale(float scale) { return scale == 0.f ? 1.17549435e-38f : scale; }
+inline float exponent_scale(float scale) { return scale == 0.f ? std::numeric_limits<float>::min() : scale; }
 
 // Issues C (+)= A * B over all k-blocks as one WGMMA batch. wait < 0 leaves the batch in
 // flight (the caller waits with warpgroup_wait<N>); otherwise waits until <= wait remain.
