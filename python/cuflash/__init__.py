@@ -10,7 +10,8 @@ and under jax.grad (when the build found jax; else eagerly, by DLPack).
 """
 
 from . import _C, block_sparse, masks, mods, scores
-from .interface import flash_attn_backward, flash_attn_combine, flash_attn_func, flash_attn_varlen_func
+from .interface import (flash_attn_backward, flash_attn_combine, flash_attn_forward, flash_attn_func,
+                        flash_attn_varlen_func)
 
 __version__ = _C.version()
 
@@ -18,6 +19,7 @@ __all__ = [
     "flash_attn_func",
     "flash_attn_varlen_func",
     "flash_attn_combine",
+    "flash_attn_forward",
     "flash_attn_backward",
     "masks",
     "scores",

@@ -692,11 +692,16 @@ def _output_alloc(framework, packed: bool):
     return framework.zeros if packed else framework.empty
 
 
-def _run_forward(call: _Call) -> Tuple[Tensor, Tensor]:
+def _run_forward(call: _Call, out: Optional[Tensor] = None, lse: Optional[Tensor] = None,
+                 return_lse: bool = True) -> Tuple[Tensor, Optional[Tensor]]:
+    """out / lse: the caller's buffers (checked by _check_output), else allocated here; without
+    return_lse and a caller's lse, no lse is written (None)."""
     framework = call.framework
     alloc = _output_alloc(framework, call.cu_seqlens_q is not None)
-    out = alloc(call.out_shape, call.dtype, like=call.q)
-    lse = alloc(call.lse_shape, "float32", like=call.q)
+    if out is None:
+        out = alloc(call.out_shape, call.dtype, like=call.q)
+    if lse is None and return_lse:
+        lse = alloc(call.lse_shape, "float32", like=call.q)
     stream = call.stream()
     _C.forward(call.export(call.q), call.export(call.k), call.export(call.v), call.export(out),
                lse=call.export(lse), learnable_sink=call.export(call.learnable_sink),
@@ -707,15 +712,21 @@ def _run_forward(call: _Call) -> Tuple[Tensor, Tensor]:
     return out, lse
 
 
-def _run_backward(call: _Call, out: Tensor, dout: Tensor, lse: Tensor, dlse: Optional[Tensor] = None
+def _run_backward(call: _Call, out: Tensor, dout: Tensor, lse: Tensor, dlse: Optional[Tensor] = None,
+                  grads: Sequence[Optional[Tensor]] = (None, None, None)
                   ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
-    """dlse: the gradient reaching lse (lse's shape, float32, last dim contiguous), or None."""
+    """dlse: the gradient reaching lse (lse's shape, float32, last dim contiguous), or None.
+    grads: the caller's dq, dk, dv buffers (checked by _check_output), each None to allocate."""
     framework = call.framework
-    dq = _output_alloc(framework, call.cu_seqlens_q is not None)(_shape(call.q), call.dtype, like=call.q)
+    dq, dk, dv = grads
+    if dq is None:
+        dq = _output_alloc(framework, call.cu_seqlens_q is not None)(_shape(call.q), call.dtype, like=call.q)
     # Paged k / v: every page row is written (pages no sequence reads get zeros).
     alloc_kv = _output_alloc(framework, call.cu_seqlens_k is not None and call.page_table is None)
-    dk = alloc_kv(_shape(call.k), call.dtype, like=call.q)
-    dv = alloc_kv(_shape(call.v), call.dtype, like=call.q)
+    if dk is None:
+        dk = alloc_kv(_shape(call.k), call.dtype, like=call.q)
+    if dv is None:
+        dv = alloc_kv(_shape(call.v), call.dtype, like=call.q)
     d_sink = None
     if call.learnable_sink is not None:
         d_sink = framework.zeros((call.num_heads,), "float32", like=call.q)
@@ -728,6 +739,27 @@ def _run_backward(call: _Call, out: Tensor, dout: Tensor, lse: Tensor, dlse: Opt
                 workspace_allocator=framework.workspace_allocator(call.q), **call.common_kwargs())
     dq, dk, dv, d_sink = framework.finish([dq, dk, dv, d_sink], stream, like=call.q)
     return dq, dk, dv, d_sink
+
+
+def _check_output(call: _Call, x: Optional[Tensor], argument: str, shape: Tuple[int, ...], dtype: str
+                  ) -> Optional[Tensor]:
+    """A caller's preallocated output: the call's framework and device, `shape` and `dtype`. Its
+    strides are free as long as the last dimension is contiguous and no two elements share
+    memory (the C++ API checks both). JAX arrays are immutable: refused."""
+    if x is None:
+        return None
+    framework = call.framework
+    _check_tensor(x, argument, framework)
+    if framework.name == "jax":
+        _fail(TypeError, argument, "JAX arrays are immutable and cannot be written in place; leave it None "
+                                   "(the result is returned)")
+    if isinstance(x, np.ndarray) and not x.flags.writeable:
+        _fail(ValueError, argument, "is read-only; expected a writable array")
+    _check_device(framework, x, argument, call.device)
+    _check_shape(x, argument, shape)
+    if framework.dtype(x) != dtype:
+        _fail(TypeError, argument, f"expected dtype {dtype}, got {framework.dtype(x)}")
+    return x
 
 
 def _check_backward_inputs(call: _Call, out: Tensor, dout: Tensor, lse: Tensor, dlse: Optional[Tensor] = None
@@ -915,8 +947,8 @@ def flash_attn_func(
         row with no visible key, whose out is 0). Arrays of q's framework and device; with
         torch, out and lse are differentiable with respect to q, k, v and learnable_sink.
 
-    JAX: works inside jax.jit and under jax.grad / jax.vjp (out differentiable with respect to
-    q, k, v and learnable_sink; a cotangent reaching lse raises NotImplementedError).
+    JAX: works inside jax.jit and under jax.grad / jax.vjp (out and lse differentiable with
+    respect to q, k, v and learnable_sink).
     learnable_sink, the block lists and mask_mod tensors may be traced; the other options must
     be Python values.
     """
@@ -988,6 +1020,78 @@ def flash_attn_varlen_func(
                     page_table=page_table, score_mod=score_mod, aux_tensors=aux_tensors)
 
 
+def flash_attn_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Optional[Tensor] = None,
+    cu_seqlens_k: Optional[Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+    seqused_q: Optional[Tensor] = None,
+    seqused_k: Optional[Tensor] = None,
+    page_table: Optional[Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[Optional[int], Optional[int]] = (None, None),
+    learnable_sink: Optional[Tensor] = None,
+    softcap: float = 0.0,
+    num_splits: int = 1,
+    pack_gqa: Optional[bool] = None,
+    score_mod: Optional[ScoreMod] = None,
+    mask_mod: Optional[MaskMod] = None,
+    aux_tensors: Optional[List[Tensor]] = None,
+    full_block_cnt: Optional[Tensor] = None,
+    full_block_idx: Optional[Tensor] = None,
+    mask_block_cnt: Optional[Tensor] = None,
+    mask_block_idx: Optional[Tensor] = None,
+    return_lse: bool = False,
+    out: Optional[Tensor] = None,
+    lse: Optional[Tensor] = None,
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """The forward pass without autograd, with every option at once (the seed's internal
+    forward): flash_attn_backward's counterpart, for NumPy, CuPy and JAX arrays or explicit use.
+    With torch tensors the results carry no autograd graph (flash_attn_func and
+    flash_attn_varlen_func record one).
+
+    Takes q, k, v in any of flash_attn_varlen_func's layouts (fixed-length, packed with
+    cu_seqlens_*, paged) with every option of flash_attn_func and flash_attn_varlen_func:
+    score_mod, mask_mod and the block lists combine with packed and paged sequences here.
+
+    Args (beyond those of flash_attn_func / flash_attn_varlen_func):
+        return_lse: compute and return lse; without it (and without a caller's lse) no lse is
+            written and None is returned in its place.
+        out: a preallocated output, out's shape ((batch, seqlen_q, num_heads, head_dim_v), or
+            (total_q, num_heads, head_dim_v) with cu_seqlens_q) in q's dtype on q's device,
+            written in place and returned. Any strides with a contiguous last dimension and no
+            two elements at one address; it must not overlap q, k or v. Packed rows past
+            cu_seqlens_q[-1] belong to no sequence and are left as they were (an allocated out
+            has them zeroed).
+        lse: a preallocated lse (lse's shape, float32), written in place and returned, whatever
+            return_lse says. Same rules as out.
+        JAX arrays cannot be written in place: out and lse are refused with them.
+
+    Returns:
+        (out, lse): as flash_attn_varlen_func's, lse None when neither return_lse nor lse is
+        given.
+    """
+    call = _prepare(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
+                    seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                    page_table=page_table, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                    learnable_sink=learnable_sink, softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa,
+                    score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors,
+                    block_sparse=(mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx))
+    return_lse = _check_bool(return_lse, "return_lse")
+    out = _check_output(call, out, "out", call.out_shape, call.dtype)
+    lse = _check_output(call, lse, "lse", call.lse_shape, "float32")
+    if _uses_jax_ffi(call.framework):
+        from . import _jax
+
+        result, result_lse = _jax.attention(call)
+        return result, result_lse if return_lse else None
+    return _run_forward(call, out, lse, return_lse)
+
+
 def flash_attn_backward(
     dout: Tensor,
     q: Tensor,
@@ -1020,6 +1124,9 @@ def flash_attn_backward(
     q_mask_block_idx: Optional[Tensor] = None,
     page_table: Optional[Tensor] = None,
     dlse: Optional[Tensor] = None,
+    dq: Optional[Tensor] = None,
+    dk: Optional[Tensor] = None,
+    dv: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     """The backward pass without autograd (for NumPy, CuPy and JAX arrays, or explicit use;
     JAX arrays may be traced, inside jax.jit).
@@ -1030,6 +1137,13 @@ def flash_attn_backward(
     optional: without them the backward reads the forward lists (tabulated on the GPU). With
     page_table (as the forward's, k and v the pages), dk and dv are the gradients of the pages: a
     page several sequences list gets the sum.
+
+    dq, dk, dv: preallocated gradients, each of its input's shape and q's dtype on q's device,
+    written in place and returned (None: allocated). Any strides with a contiguous last
+    dimension and no two elements at one address; they must not overlap each other or any
+    input. Packed rows past cu_seqlens_q[-1] (dq) or cu_seqlens_k[-1] (dk, dv) belong to no
+    sequence and are left as they were (allocated gradients have them zeroed). JAX arrays
+    cannot be written in place: refused with them.
 
     Returns:
         (dq, dk, dv, d_sink): gradients of q, k, v in their dtype, and of learnable_sink as
@@ -1043,11 +1157,13 @@ def flash_attn_backward(
                     block_sparse=(mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx),
                     q_block_sparse=(q_mask_block_cnt, q_mask_block_idx, q_full_block_cnt, q_full_block_idx))
     out, dout, lse, dlse = _check_backward_inputs(call, out, dout, lse, dlse)
+    grads = [_check_output(call, g, name, _shape(x), call.dtype)
+             for g, name, x in ((dq, "dq", call.q), (dk, "dk", call.k), (dv, "dv", call.v))]
     if _uses_jax_ffi(call.framework):
         from . import _jax
 
         return _jax.backward(call, out, dout, lse, dlse)
-    return _run_backward(call, out, dout, lse, dlse)
+    return _run_backward(call, out, dout, lse, dlse, grads)
 
 
 def flash_attn_combine(

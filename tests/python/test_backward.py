@@ -204,6 +204,53 @@ def test_varlen_rows_past_the_last_sequence(rng):
         assert np.all(np.isfinite(g.astype(np.float32)))
 
 
+def test_backward_into_preallocated_grads(rng):
+    # dq, dk, dv given (permuted and padded views): written in place, returned, equal to the
+    # gradients allocated by the call; wrong shapes and dtypes refused by name.
+    q = randn(rng, (2, 20, 4, 32))
+    k, v = randn(rng, (2, 28, 2, 32)), randn(rng, (2, 28, 2, 64))
+    out, lse = cuflash.flash_attn_func(q, k, v, causal=True)
+    dout = randn(rng, out.shape)
+    expected = cuflash.flash_attn_backward(dout, q, k, v, out, lse, causal=True)
+    dq = np.full((2, 4, 20, 32), 9, np.float16).transpose(0, 2, 1, 3)
+    dk_buffer = np.full((2, 28, 2, 40), 9, np.float16)
+    dk = dk_buffer[..., :32]
+    dv = np.full((2, 28, 2, 64), 9, np.float16)
+    grads = cuflash.flash_attn_backward(dout, q, k, v, out, lse, causal=True, dq=dq, dk=dk, dv=dv)
+    assert grads[0] is dq and grads[1] is dk and grads[2] is dv and grads[3] is None
+    for g, e in zip(grads[:3], expected[:3]):
+        np.testing.assert_array_equal(g, e)
+    assert np.all(dk_buffer[..., 32:] == 9)
+    # One of the three given, the others allocated.
+    dq_only = np.empty_like(q)
+    grads = cuflash.flash_attn_backward(dout, q, k, v, out, lse, causal=True, dq=dq_only)
+    assert grads[0] is dq_only
+    for g, e in zip(grads[:3], expected[:3]):
+        np.testing.assert_array_equal(g, e)
+    with pytest.raises(ValueError, match="^dk: expected shape"):
+        cuflash.flash_attn_backward(dout, q, k, v, out, lse, dk=np.empty((2, 28, 2, 64), np.float16))
+    with pytest.raises(TypeError, match="^dv: expected dtype float16"):
+        cuflash.flash_attn_backward(dout, q, k, v, out, lse, dv=np.empty(v.shape, np.float32))
+
+
+def test_varlen_preallocated_grads_keep_unowned_rows(rng):
+    # Rows past the last sequence belong to none: a caller's dq / dk / dv keep what they held.
+    q, cu_q = packed(rng, [6, 11], 4, 32)
+    k, cu_k = packed(rng, [9, 13], 2, 32)
+    q_pad = np.concatenate([q, randn(rng, (3, 4, 32))])
+    k_pad = np.concatenate([k, randn(rng, (4, 2, 32))])
+    v_pad = randn(rng, k_pad.shape)
+    out, lse = cuflash.flash_attn_varlen_func(q_pad, k_pad, v_pad, cu_q, cu_k, 11, 13)
+    dout = randn(rng, out.shape)
+    expected = cuflash.flash_attn_backward(dout, q_pad, k_pad, v_pad, out, lse, cu_q, cu_k, 11, 13)
+    dq, dk, dv = (np.full(x.shape, 4, np.float16) for x in (q_pad, k_pad, v_pad))
+    cuflash.flash_attn_backward(dout, q_pad, k_pad, v_pad, out, lse, cu_q, cu_k, 11, 13, dq=dq, dk=dk, dv=dv)
+    np.testing.assert_array_equal(dq[:17], expected[0][:17])
+    np.testing.assert_array_equal(dk[:22], expected[1][:22])
+    np.testing.assert_array_equal(dv[:22], expected[2][:22])
+    assert np.all(dq[17:] == 4) and np.all(dk[22:] == 4) and np.all(dv[22:] == 4)
+
+
 @pytest.mark.parametrize("page_size,max_pages", [(8, 3), (24, 1)])
 def test_paged_kv(rng, page_size, max_pages):
     # The gradients of a paged forward (the path torch autograd takes, and flash_attn_backward

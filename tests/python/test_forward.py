@@ -570,6 +570,101 @@ def test_combine_varlen_cu_seqlens(rng):
 
 
 # ----------------------------------------------------------------------------------------------
+# flash_attn_forward: every option at once, outputs in place
+
+
+def test_forward_function_matches_func(rng):
+    q, k, v = qkv(rng, 2, 33, 40, 4, 2, 32)
+    sink = rng.standard_normal(4).astype(np.float32)
+    options = dict(causal=True, window_size=(9, None), softcap=20.0, learnable_sink=sink)
+    out, lse = cuflash.flash_attn_func(q, k, v, **options)
+    out_f, lse_f = cuflash.flash_attn_forward(q, k, v, return_lse=True, **options)
+    np.testing.assert_array_equal(out_f, out)
+    np.testing.assert_array_equal(lse_f, lse)
+    # Without return_lse (the default, as the seed's) no lse is computed.
+    out_f, lse_f = cuflash.flash_attn_forward(q, k, v, **options)
+    assert lse_f is None
+    np.testing.assert_array_equal(out_f, out)
+
+
+def test_forward_into_preallocated_out_and_lse(rng):
+    # A permuted out and an lse padded along its rows: written in place and returned; the
+    # padding is left alone; values as allocated outputs get them.
+    q, k, v = qkv(rng, 2, 33, 40, 4, 2, 32, dim_v=64)
+    expected_out, expected_lse = cuflash.flash_attn_func(q, k, v, causal=True)
+    out = np.full((2, 4, 33, 64), 7, np.float16).transpose(0, 2, 1, 3)
+    lse_buffer = np.full((2, 4, 40), 5, np.float32)
+    lse = lse_buffer[:, :, :33]
+    result, result_lse = cuflash.flash_attn_forward(q, k, v, causal=True, out=out, lse=lse)
+    assert result is out and result_lse is lse  # lse given: written whatever return_lse says
+    np.testing.assert_array_equal(out, expected_out)
+    np.testing.assert_array_equal(lse, expected_lse)
+    assert np.all(lse_buffer[:, :, 33:] == 5)
+
+
+def test_forward_into_preallocated_varlen_out_leaves_unowned_rows(rng):
+    # Packed rows past cu_seqlens_q[-1] belong to no sequence: an allocated out has them zeroed,
+    # a caller's out keeps what it held there.
+    q, cu_q = packed(rng, [6, 11], 4, 32)
+    k, cu_k = packed(rng, [9, 13], 2, 32)
+    v = randn(rng, k.shape)
+    q_pad = np.concatenate([q, randn(rng, (5, 4, 32))])
+    expected, _ = cuflash.flash_attn_varlen_func(q_pad, k, v, cu_q, cu_k, 11, 13)
+    out = np.full(expected.shape, 3, np.float16)
+    result, lse = cuflash.flash_attn_forward(q_pad, k, v, cu_q, cu_k, 11, 13, out=out)
+    assert result is out and lse is None
+    np.testing.assert_array_equal(out[:17], expected[:17])
+    assert np.all(out[17:] == 3) and np.all(expected[17:] == 0)
+
+
+def test_forward_mask_mod_and_block_lists_over_packed_sequences(rng):
+    # What neither public signature of the seed takes together: a mask_mod, block lists and
+    # packed sequences.
+    q, k, v, cu_q, cu_k, (full_cnt, full_idx, mask_cnt, mask_idx) = varlen_block_lists_case(rng)
+    opts = ref.Options(causal=True, mask=lambda b, i, j: (j >= i - 100) & (j <= i + 40),
+                       blocks=ref.block_masks((full_cnt, full_idx), (mask_cnt, mask_idx), 300, 300))
+    out, lse = cuflash.flash_attn_forward(q, k, v, cu_q, cu_k, 300, 300, causal=True,
+                                          mask_mod=cuflash.masks.sliding_window(100, 40),
+                                          full_block_cnt=full_cnt, full_block_idx=full_idx,
+                                          mask_block_cnt=mask_cnt, mask_block_idx=mask_idx, return_lse=True)
+    expected_out, expected_lse, _ = varlen_reference(q, k, v, cu_q, cu_k, opts)
+    assert_close(out, expected_out, what="out")
+    assert_lse_close(lse, expected_lse)
+
+
+def test_forward_score_mod_over_fixed_length(rng):
+    q, k, v = qkv(rng, 2, 30, 30, 4, 4, 32)
+    slopes = cuflash.scores.alibi_slopes(4)
+    opts = ref.Options(causal=True, score_bias=lambda b, h, i, j: slopes[h] * (j - i))
+    out, lse = cuflash.flash_attn_forward(q, k, v, causal=True, score_mod=cuflash.scores.alibi(slopes),
+                                          return_lse=True)
+    expected_out, expected_lse = ref.forward_dense(q, k, v, opts)
+    assert_close(out, expected_out, what="out")
+    assert_lse_close(lse, expected_lse)
+
+
+def test_forward_refuses_wrong_outputs(rng):
+    q, k, v = qkv(rng, 1, 16, 16, 2, 2, 32)
+    with pytest.raises(ValueError, match="^out: expected shape"):
+        cuflash.flash_attn_forward(q, k, v, out=np.empty((1, 16, 2, 16), np.float16))
+    with pytest.raises(TypeError, match="^out: expected dtype float16"):
+        cuflash.flash_attn_forward(q, k, v, out=np.empty((1, 16, 2, 32), np.float32))
+    with pytest.raises(ValueError, match="^lse: expected shape"):
+        cuflash.flash_attn_forward(q, k, v, lse=np.empty((1, 16, 2), np.float32))
+    with pytest.raises(TypeError, match="^lse: expected dtype float32"):
+        cuflash.flash_attn_forward(q, k, v, lse=np.empty((1, 2, 16), np.float16))
+    with pytest.raises(TypeError, match="^return_lse: expected a bool"):
+        cuflash.flash_attn_forward(q, k, v, return_lse=1)
+    with pytest.raises(ValueError, match="^out: is read-only"):
+        cuflash.flash_attn_forward(q, k, v, out=np.broadcast_to(np.empty((1, 1, 2, 32), np.float16), (1, 16, 2, 32)))
+    # Two elements at one address: refused by the C++ checks, by name.
+    base = np.empty((1, 1, 2, 32), np.float16)
+    overlapping = np.lib.stride_tricks.as_strided(base, (1, 16, 2, 32), (0, 0, 64, 2), writeable=True)
+    with pytest.raises(ValueError, match="^out: expected a non-zero stride"):
+        cuflash.flash_attn_forward(q, k, v, out=overlapping)
+
+
+# ----------------------------------------------------------------------------------------------
 # Package surface
 
 

@@ -307,6 +307,32 @@ def test_torch_side_stream(rng):
     assert_close(to_f64(out), expected_out, "bfloat16", what="out")
 
 
+def test_torch_outputs_in_place(rng):
+    # flash_attn_forward / flash_attn_backward into the caller's CUDA tensors (permuted out,
+    # lse padded along its rows, dq permuted), equal to what the allocating calls return.
+    torch = torch_cuda()
+    q, k, v = (torch.from_numpy(x.astype(np.float32)).cuda().bfloat16() for x in reference_inputs(rng, "bfloat16"))
+    batch, seqlen_q, _, heads, _, dim = SHAPE
+    with skip_if_not_built():
+        expected_out, expected_lse = cuflash.flash_attn_func(q, k, v, causal=True)
+    out = torch.full((batch, heads, seqlen_q, dim), 7.0, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+    lse_buffer = torch.full((batch, heads, seqlen_q + 8), 5.0, device="cuda")
+    lse = lse_buffer[:, :, :seqlen_q]
+    result, result_lse = cuflash.flash_attn_forward(q, k, v, causal=True, out=out, lse=lse)
+    assert result is out and result_lse is lse
+    assert torch.equal(out, expected_out) and torch.equal(lse, expected_lse)
+    assert bool((lse_buffer[:, :, seqlen_q:] == 5).all())
+    # Deterministic, so that the two backward calls can be compared bit for bit.
+    dout = torch.randn_like(expected_out)
+    expected = cuflash.flash_attn_backward(dout, q, k, v, expected_out, expected_lse, causal=True,
+                                           deterministic=True)
+    dq = torch.zeros((batch, heads, seqlen_q, dim), dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+    grads = cuflash.flash_attn_backward(dout, q, k, v, out, lse, causal=True, deterministic=True, dq=dq)
+    assert grads[0] is dq
+    for g, e in zip(grads[:3], expected[:3]):
+        assert torch.equal(g, e)
+
+
 def test_torch_gpu_matches_cpu_reference(rng):
     torch = torch_cuda()
     q, k, v = (torch.from_numpy(x.astype(np.float32)).bfloat16() for x in reference_inputs(rng, "bfloat16"))

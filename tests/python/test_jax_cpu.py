@@ -52,6 +52,23 @@ def test_forward_backward(rng, dtype, path):
         assert_close(np.asarray(grad), e, dtype, scale=max(1.0, np.abs(e).max()), what=name)
 
 
+def test_forward_function_and_outputs_in_place(rng, path):
+    # flash_attn_forward returns JAX arrays as flash_attn_func does (lse only when asked);
+    # JAX arrays are immutable, so preallocated outputs are refused by name.
+    q, k, v = (randn(rng, (1, 12, 2, 32)) for _ in range(3))
+    jq, jk, jv = on_cpu(q, k, v)
+    out, lse = cuflash.flash_attn_func(jq, jk, jv, causal=True)
+    out_f, lse_f = cuflash.flash_attn_forward(jq, jk, jv, causal=True, return_lse=True)
+    assert isinstance(out_f, jax.Array) and isinstance(lse_f, jax.Array)
+    np.testing.assert_array_equal(np.asarray(out_f), np.asarray(out))
+    np.testing.assert_array_equal(np.asarray(lse_f), np.asarray(lse))
+    assert cuflash.flash_attn_forward(jq, jk, jv)[1] is None
+    with pytest.raises(TypeError, match="^out: JAX arrays are immutable"):
+        cuflash.flash_attn_forward(jq, jk, jv, out=out)
+    with pytest.raises(TypeError, match="^dq: JAX arrays are immutable"):
+        cuflash.flash_attn_backward(out, jq, jk, jv, out, lse, dq=jq)
+
+
 def test_inputs_are_not_modified(rng):
     q, k, v = (randn(rng, (1, 8, 2, 32)) for _ in range(3))
     jq, jk, jv = on_cpu(q, k, v)
