@@ -56,6 +56,11 @@ class Framework:
         """Strides in elements."""
         return tuple(s // x.itemsize for s in x.strides)
 
+    def address(self, x: Any) -> Optional[int]:
+        """The address of the first element, where the framework says it (None: unknown, or
+        always aligned, as JAX's own buffers)."""
+        return None
+
     def empty(self, shape: Sequence[int], dtype: str, like: Any) -> Any:
         raise NotImplementedError
 
@@ -156,6 +161,9 @@ class TorchFramework(Framework):
     def strides(self, x):
         return tuple(x.stride())
 
+    def address(self, x):
+        return int(x.data_ptr())
+
     def _dtype(self, dtype):
         return getattr(self.torch, dtype)
 
@@ -214,6 +222,9 @@ class CupyFramework(Framework):
     def device(self, x):
         return ("cuda", int(x.device.id))
 
+    def address(self, x):
+        return int(x.data.ptr)
+
     def empty(self, shape, dtype, like):
         with like.device:
             return self.cupy.empty(tuple(shape), dtype=dtype)
@@ -238,7 +249,9 @@ class CupyFramework(Framework):
             return self.cupy.asarray(array)
 
     def stream(self, x):
-        return int(self.cupy.cuda.get_current_stream().ptr)
+        # The current stream of x's device (each device has its own), not of the current device.
+        with x.device:
+            return int(self.cupy.cuda.get_current_stream().ptr)
 
     def workspace_allocator(self, like):
         # From CuPy's memory pool, whose blocks are kept per stream: the call runs on the

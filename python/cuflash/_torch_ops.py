@@ -92,7 +92,9 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                  max_seqlen_k, page_table, softmax_scale, causal, window_left, window_right, softcap, score_mod_kind,
                  score_mod_scalars, mask_mod_kind, mask_mod_scalars, aux, num_score_aux, block_sparse,
                  block_sparse_slots, 1, None, deterministic)
-    dout, dlse = (None if t is None else t.contiguous() if t.stride(-1) != 1 else t for t in (dout, dlse))
+    # The gradients reaching out and lse may be views the kernels cannot read by TMA (a slice of
+    # a concatenation): copied as the inputs of the other paths are.
+    dout, dlse = (_interface._maybe_contiguous(call.framework, t) for t in (dout, dlse))
     dq, dk, dv, d_sink = _interface._run_backward(call, out, dout, lse, dlse)
     if d_sink is None:
         d_sink = q.new_zeros((0,), dtype=torch.float32)

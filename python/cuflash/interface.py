@@ -164,8 +164,9 @@ def _device_str(device: Tuple[str, int]) -> str:
 
 def _maybe_contiguous(framework: Framework, x: Optional[Tensor]) -> Optional[Tensor]:
     """Copies only when the kernels cannot read the input as it is: a strided last dimension, or
-    on the GPU another stride that is not a multiple of 16 bytes (TMA's rule; the C++ API refuses
-    those naming the argument, here a contiguous copy stands in)."""
+    on the GPU a start address or another stride that is not a multiple of 16 bytes (TMA's rule;
+    the C++ API refuses those naming the argument, here a contiguous copy, freshly allocated and
+    so aligned, stands in)."""
     if x is None or len(x.shape) == 0:
         return x
     shape, strides = _shape(x), framework.strides(x)
@@ -176,7 +177,17 @@ def _maybe_contiguous(framework: Framework, x: Optional[Tensor]) -> Optional[Ten
         multiple = max(1, 16 // itemsize)
         if any(stride % multiple != 0 for stride, size in zip(strides[:-1], shape[:-1]) if size > 1):
             return framework.contiguous(x)
+        address = framework.address(x)
+        if address is not None and address % 16 != 0 and _numel(shape) > 0:
+            return framework.contiguous(x)
     return x
+
+
+def _numel(shape: Sequence[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= int(size)
+    return count
 
 
 def _check_distinct_elements(framework: Framework, x: Tensor, argument: str) -> None:

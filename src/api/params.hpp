@@ -277,6 +277,9 @@ struct CombineParams {
   const int* cu_seqlens = nullptr;
   const int* seqused = nullptr;
   int out_dtype = 0;  // cuflash::DType value
+  // Rows without a batch dimension ((total, H, D) outputs), addressed by row alone. Not read
+  // from a batch stride of 0: a dense input broadcast over the batch has one too.
+  bool packed = false;
 };
 
 // The order in which the sm90 backward launches its CTAs (BwdParams::launch_order) when column

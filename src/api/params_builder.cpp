@@ -29,9 +29,18 @@ struct RowStrides {
   std::int64_t batch = 0, row = 0, head = 0;
 };
 
+// A dimension of size 0 or 1 is never stepped over, so its stride is free (DLPack exporters
+// may give it any value, 1 for instance); it becomes 8 elements (16 bytes of 16-bit data), which
+// TMA descriptors and the kernels' alignment checks accept, as for any stepped stride.
+constexpr std::int64_t kUnsteppedStride = 8;
+
+std::int64_t stepped_stride(const TensorView& t, int dim) {
+  return t.shape[dim] > 1 ? t.stride[dim] : kUnsteppedStride;
+}
+
 RowStrides row_strides(const TensorView& t) {
-  if (t.ndim == 4) return {t.stride[0], t.stride[1], t.stride[2]};
-  return {0, t.stride[0], t.stride[1]};
+  if (t.ndim == 4) return {stepped_stride(t, 0), stepped_stride(t, 1), stepped_stride(t, 2)};
+  return {0, stepped_stride(t, 0), stepped_stride(t, 1)};
 }
 
 // lse: (B, H, Sq) or packed (H, total_q); the row stride is 1.
@@ -252,6 +261,7 @@ CombineParams make_combine_params(const CombineArgs& args, const CombineShape& s
     p.lse_row_stride = args.lse->stride[b];
     p.lse_head_stride = args.lse->stride[1 + b];
   }
+  p.packed = shape.varlen;
   p.num_splits = static_cast<int>(shape.num_splits);
   p.batch = static_cast<int>(shape.batch);
   p.seqlen = static_cast<int>(shape.seqlen);
@@ -674,6 +684,7 @@ CombineParams make_split_combine_params(const FwdParams& params, const ForwardAr
   c.lse_batch_stride = params.lse_batch_stride;
   c.lse_row_stride = 1;
   c.lse_head_stride = params.lse_head_stride;
+  c.packed = packed;
   c.num_splits = params.num_splits;
   c.batch = params.batch;
   c.seqlen = packed ? params.total_q : params.seqlen_q;

@@ -212,6 +212,17 @@ void check_flex(const BwdParams& p) {
 }
 
 void check_supported(const BwdParams& p) {
+  // The launches put the batch and the heads in grid z and y (at most 65535 each).
+  constexpr int kMaxGridYz = 65535;
+  if (p.batch > kMaxGridYz) {
+    not_supported(p.cu_seqlens_q != nullptr ? "cu_seqlens_q" : "q",
+                  "the sm90 backward takes at most " + std::to_string(kMaxGridYz) + " sequences, got " +
+                      std::to_string(p.batch));
+  }
+  if (p.num_heads > kMaxGridYz) {
+    not_supported("q", "the sm90 backward takes at most " + std::to_string(kMaxGridYz) + " heads, got " +
+                           std::to_string(p.num_heads));
+  }
   if (DType(p.dtype) != DType::kFloat16 && DType(p.dtype) != DType::kBFloat16) {
     not_supported("q", std::string("the sm90 backward kernel takes float16 or bfloat16 inputs, got ") +
                            dtype_name(DType(p.dtype)));
@@ -256,7 +267,9 @@ void run_backward(BwdParams& params, StreamHandle stream) {
                     "CUFLASH_DTYPES naming it, and CUFLASH_FEATURES holding its features");
   }
   WorkspaceLayout const layout = workspace_layout(params);
-  if (params.workspace == nullptr || params.workspace_bytes < layout.total) {
+  // No query rows and no buffer that needs them (dense seqlen_q 0, or batch 0): 0 bytes, and
+  // dispatch passes no workspace; the column blocks still write zero dK / dV.
+  if (layout.total > 0 && (params.workspace == nullptr || params.workspace_bytes < layout.total)) {
     throw Error(Error::Kind::kInvalidArgument, "workspace",
                 "the sm90 backward kernel needs " + std::to_string(layout.total) + " bytes of workspace, got " +
                     std::to_string(params.workspace == nullptr ? 0 : params.workspace_bytes));

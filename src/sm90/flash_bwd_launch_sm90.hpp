@@ -62,8 +62,9 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   bool const gqa = qhead_per_kvhead > 1;
   int const q_rows_padded = int(padded_rows(params.total_q, batch, params.seqlen_q, kBlockM, varlen_q));
   int const k_rows_padded = int(padded_rows(params.total_k, batch, params.seqlen_k, kBlockN, varlen_k));
-  int const num_m_blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;
-  int const num_n_blocks = (params.seqlen_k + kBlockN - 1) / kBlockN;
+  // No sequences (batch 0): no block to launch (grid z would be 0); d_sink is still written.
+  int const num_m_blocks = batch > 0 ? (params.seqlen_q + kBlockM - 1) / kBlockM : 0;
+  int const num_n_blocks = batch > 0 ? (params.seqlen_k + kBlockN - 1) / kBlockN : 0;
 
   // Workspace buffers that start as zeros.
   cudaMemsetAsync(params.dq_accum, 0, sizeof(float) * size_t(num_heads) * q_rows_padded * kHeadDim, stream);

@@ -43,6 +43,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   bool valid = true;
   if (packed) {
     if (p.cu_seqlens != nullptr) {
+      // Rows before the first sequence or past the last (a padded batch) belong to none: not
+      // written, as the reference leaves them (the forward's partials hold nothing there).
+      if (row < p.cu_seqlens[0] || row >= p.cu_seqlens[p.batch]) return;
       int lo = 0, hi = p.batch;  // last sequence whose start is <= row
       while (hi - lo > 1) {
         int const mid = (lo + hi) / 2;
@@ -111,8 +114,8 @@ void run_combine(const CombineParams& params, StreamHandle stream) {
     throw Error(Error::Kind::kNotSupported, "out",
                 "the sm90 combine kernel supports head dims up to 256");
   }
-  // Packed rows (cu_seqlens, or no batch stride) are addressed by row alone.
-  bool const packed = params.cu_seqlens != nullptr || params.op_batch_stride == 0;
+  // Packed rows (cu_seqlens, or inputs without a batch dimension) are addressed by row alone.
+  bool const packed = params.cu_seqlens != nullptr || params.packed;
   std::int64_t const num_rows =
       packed ? std::int64_t(params.seqlen) : std::int64_t(params.batch) * params.seqlen;
   std::int64_t const num_tasks = num_rows * params.num_heads;

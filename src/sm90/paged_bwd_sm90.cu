@@ -248,7 +248,7 @@ std::size_t paged_backward_workspace_bytes(const BwdParams& params) {
 void run_paged_backward(BwdParams& params, StreamHandle stream_handle) {
   cudaStream_t const stream = static_cast<cudaStream_t>(stream_handle);
   PagedLayout const layout = paged_layout(params, static_cast<char*>(params.workspace));
-  if (params.workspace == nullptr || params.workspace_bytes < layout.total) {
+  if (layout.total > 0 && (params.workspace == nullptr || params.workspace_bytes < layout.total)) {
     throw Error(Error::Kind::kInvalidArgument, "workspace",
                 "the sm90 paged backward needs " + std::to_string(layout.total) + " bytes of workspace, got " +
                     std::to_string(params.workspace == nullptr ? 0 : params.workspace_bytes));

@@ -211,6 +211,53 @@ TEST(ParamsForward, StridedInputsKeepTheirStrides) {
   EXPECT_FALSE(p.pack_gqa);
 }
 
+// A dimension of size 1 is never stepped over: whatever stride it comes with (DLPack exporters
+// may give 1), the kernels see 8 elements, which their 16-byte rule accepts.
+TEST(ParamsForward, SizeOneDimensionsTakeAnyStride) {
+  ForwardArgs args;
+  args.q = TensorView(dummy_data(), DType::kBFloat16, {1, 1, 4, 128}, {1, 1, 128, 1});
+  args.k = TensorView(dummy_data(), DType::kBFloat16, {1, 300, 1, 128}, {3, 128, 5, 1});
+  args.v = args.k;
+  args.out = TensorView(dummy_data(), DType::kBFloat16, {1, 1, 4, 128}, {1, 1, 128, 1});
+  const FwdParams p = make_fwd_params(args, check_forward(args));
+  EXPECT_EQ(p.q_batch_stride, 8);
+  EXPECT_EQ(p.q_row_stride, 8);
+  EXPECT_EQ(p.q_head_stride, 128);
+  EXPECT_EQ(p.k_batch_stride, 8);
+  EXPECT_EQ(p.k_row_stride, 128);
+  EXPECT_EQ(p.k_head_stride, 8);
+  EXPECT_EQ(p.o_row_stride, 8);
+
+  BackwardArgs bwd;
+  bwd.q = args.q;
+  bwd.k = args.k;
+  bwd.v = args.v;
+  bwd.out = args.out;
+  bwd.dout = args.out;
+  bwd.lse = TensorView(dummy_data(), DType::kFloat32, {1, 4, 1}, {1, 1, 1});
+  bwd.dq = args.q;
+  bwd.dk = TensorView(dummy_data(), DType::kBFloat16, {1, 300, 1, 128}, {7, 128, 9, 1});
+  bwd.dv = bwd.dk;
+  const BwdParams b = make_bwd_params(bwd, check_backward(bwd));
+  EXPECT_EQ(b.do_row_stride, 8);
+  EXPECT_EQ(b.dq_batch_stride, 8);
+  EXPECT_EQ(b.dk_head_stride, 8);
+  EXPECT_EQ(b.dk_row_stride, 128);
+#if CUFLASH_HAS_CUDA
+  // The kernels' stride checks pass (a kernel missing from this build may still refuse).
+  auto refused_by_strides = [](auto check) {
+    try {
+      check();
+    } catch (const Error& error) {
+      return error.kind() == Error::Kind::kNotSupported;
+    }
+    return false;
+  };
+  EXPECT_FALSE(refused_by_strides([&] { sm90::check_forward_supported(p); }));
+  EXPECT_FALSE(refused_by_strides([&] { sm90::backward_workspace_bytes(b); }));
+#endif
+}
+
 TEST(ParamsForward, PackedAndPagedLayouts) {
   std::vector<std::int32_t> cu_q{0, 30, 50}, cu_k{0, 40, 100};
   ForwardArgs args;
@@ -1069,6 +1116,17 @@ TEST(ParamsCombine, DenseAndPackedStrides) {
   EXPECT_EQ(p.lse_row_stride, 1);
   EXPECT_EQ(p.lse_head_stride, 64);
   EXPECT_EQ(p.out_dtype, static_cast<int>(DType::kBFloat16));
+  EXPECT_FALSE(p.packed);
+
+  // Partials broadcast over the batch (batch stride 0) stay a dense, batched call.
+  CombineArgs broadcast = args;
+  broadcast.out_partial = TensorView(dummy_data(), DType::kFloat32, {4, 2, 64, 8, 128},
+                                     {64 * 8 * 128, 0, 8 * 128, 128, 1});
+  broadcast.lse_partial = TensorView(dummy_data(), DType::kFloat32, {4, 2, 64, 8}, {64 * 8, 0, 8, 1});
+  p = make_combine_params(broadcast, check_combine(broadcast));
+  EXPECT_EQ(p.op_batch_stride, 0);
+  EXPECT_EQ(p.batch, 2);
+  EXPECT_FALSE(p.packed);
 
   std::vector<std::int32_t> cu{0, 30, 50};
   CombineArgs packed;
@@ -1086,9 +1144,54 @@ TEST(ParamsCombine, DenseAndPackedStrides) {
   EXPECT_EQ(p.o_row_stride, 8 * 64);
   EXPECT_EQ(p.lse, nullptr);
   EXPECT_EQ(p.cu_seqlens, cu.data());
+  EXPECT_TRUE(p.packed);
 }
 
 #if CUFLASH_HAS_CUDA
+// The backward's launches hold the batch and the heads in grid z and y: more than 65535 of
+// either is refused by name before any device work; none is a call with nothing to launch.
+TEST(ParamsBackward, GridLimitsAndEmptyBatch) {
+  BwdParams p;
+  p.dtype = int(DType::kBFloat16);
+  p.head_dim = 128;
+  p.head_dim_v = 128;
+  p.num_heads = 4;
+  p.num_heads_kv = 4;
+  p.seqlen_q = 64;
+  p.seqlen_k = 64;
+  auto refusal = [&]() -> std::string {
+    try {
+      sm90::backward_workspace_bytes(p);
+    } catch (const Error& error) {
+      return error.kind() == Error::Kind::kNotSupported ? error.argument() : std::string();
+    }
+    return {};
+  };
+  p.batch = 65535;
+  p.total_q = p.total_k = std::int64_t(p.batch) * 64;
+  EXPECT_EQ(refusal(), "");
+  p.batch = 65536;
+  p.total_q = p.total_k = std::int64_t(p.batch) * 64;
+  EXPECT_EQ(refusal(), "q");
+  std::vector<std::int32_t> cu(2, 0);
+  p.cu_seqlens_q = cu.data();
+  EXPECT_EQ(refusal(), "cu_seqlens_q");
+  p.cu_seqlens_q = nullptr;
+  p.batch = 2;
+  p.num_heads = p.num_heads_kv = 70000;
+  EXPECT_EQ(refusal(), "q");
+  // No sequences, or no query rows: a workspace of 0 bytes (run_backward then needs none).
+  p.num_heads = p.num_heads_kv = 4;
+  p.batch = 0;
+  p.total_q = p.total_k = 0;
+  EXPECT_EQ(sm90::backward_workspace_bytes(p), 0u);
+  p.batch = 2;
+  p.seqlen_q = 0;
+  p.total_q = 0;
+  p.total_k = 128;
+  EXPECT_EQ(sm90::backward_workspace_bytes(p), 0u);
+}
+
 // The plain sm90 forward takes each row's running max before the softmax scale, so a negative
 // scale without softcap is refused by name, before any device work; with softcap, or in the flex
 // kernels, the scale's sign does not matter.

@@ -710,3 +710,16 @@ def test_gpu_inputs_with_unaligned_strides_are_copied():
     assert interface._maybe_contiguous(framework, one_head) is one_head
     # On the CPU (the reference) any stride is read as it is.
     assert interface._maybe_contiguous(NumpyFramework(), heads_130) is heads_130
+
+    # A start that is not 16-byte aligned (a view from an element offset) is copied too.
+    class OnGpuAt(OnGpu):
+        def __init__(self, offset):
+            self.offset = offset
+
+        def address(self, x):
+            return 4096 + self.offset
+
+    contiguous = np.zeros((2, 10, 4, 128), np.float16)
+    assert OnGpuAt(2).address(contiguous) % 16 == 2
+    assert interface._maybe_contiguous(OnGpuAt(2), contiguous)[0] == "copied"
+    assert interface._maybe_contiguous(OnGpuAt(16), contiguous) is contiguous

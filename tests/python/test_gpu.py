@@ -333,6 +333,65 @@ def test_torch_outputs_in_place(rng):
         assert torch.equal(g, e)
 
 
+def test_torch_split_kv_leaves_rows_past_the_last_sequence(rng):
+    # A padded packed batch under split-KV: the combine writes only the sequences' rows, so the
+    # rows past cu_seqlens_q[-1] keep the zeros the package allocates (and a caller's out its
+    # own values), as on the CPU.
+    torch = torch_cuda()
+    lengths_q, lengths_k = [70, 130], [300, 200]
+    heads, dim = 4, 128
+    cu_q = torch.tensor(np.concatenate([[0], np.cumsum(lengths_q)]), dtype=torch.int32)
+    cu_k = torch.tensor(np.concatenate([[0], np.cumsum(lengths_k)]), dtype=torch.int32)
+    q = torch.randn(sum(lengths_q) + 9, heads, dim).bfloat16()
+    k = torch.randn(sum(lengths_k) + 5, heads, dim).bfloat16()
+    v = torch.randn_like(k)
+    cpu_out, cpu_lse = cuflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 130, 300, num_splits=3)
+    with skip_if_not_built():
+        out, lse = cuflash.flash_attn_varlen_func(q.cuda(), k.cuda(), v.cuda(), cu_q.cuda(), cu_k.cuda(), 130, 300,
+                                                  num_splits=3)
+    rows = sum(lengths_q)
+    assert bool((out[rows:] == 0).all()) and bool((lse[:, rows:] == 0).all())
+    assert_close(to_f64(out[:rows]), to_f64(cpu_out[:rows]), "bfloat16", what="out")
+    assert_lse_close(to_f64(lse[:, :rows]), to_f64(cpu_lse[:, :rows]))
+    given = torch.full(out.shape, 3.0, dtype=torch.bfloat16, device="cuda")
+    cuflash.flash_attn_forward(q.cuda(), k.cuda(), v.cuda(), cu_q.cuda(), cu_k.cuda(), 130, 300, num_splits=3,
+                               out=given)
+    assert bool((given[rows:] == 3).all()) and torch.equal(given[:rows], out[:rows])
+
+
+def test_torch_empty_calls(rng):
+    # No sequences (batch 0), no queries (seqlen_q 0: dk = dv = 0) and no keys (seqlen_k 0:
+    # out 0, lse -inf, dq = 0), forward and backward, with a sink (d_sink 0 without rows).
+    torch = torch_cuda()
+    heads, dim = 4, 128
+    sink = torch.randn(heads, device="cuda")
+    for batch, seqlen_q, seqlen_k in ((0, 16, 16), (2, 0, 40), (2, 24, 0)):
+        q, k, v = (torch.randn(batch, s, heads, dim, device="cuda").bfloat16() for s in (seqlen_q, seqlen_k, seqlen_k))
+        with skip_if_not_built():
+            out, lse = cuflash.flash_attn_func(q, k, v, learnable_sink=sink)
+        assert out.shape == (batch, seqlen_q, heads, dim) and lse.shape == (batch, heads, seqlen_q)
+        assert bool((out == 0).all()) and bool(torch.isneginf(lse).all()), "no query sees a key here"
+        dout = torch.randn_like(out)
+        dq, dk, dv, d_sink = cuflash.flash_attn_backward(dout, q, k, v, out, lse, learnable_sink=sink)
+        for grad, tensor in ((dq, q), (dk, k), (dv, v)):
+            assert grad.shape == tensor.shape and bool((grad == 0).all())
+        assert d_sink.shape == (heads,) and bool((d_sink == 0).all())
+
+
+def test_torch_size_one_dimensions_with_any_stride(rng):
+    # Decoding: q of one row per sequence, the row dimension given stride 1 (as some DLPack
+    # exporters give size-1 dimensions); the kernels never step over it, so it runs as it is.
+    torch = torch_cuda()
+    base = torch.randn(2, 1, 8, 128, device="cuda").bfloat16()
+    q = base.as_strided((2, 1, 8, 128), (1024, 1, 128, 1))
+    k = torch.randn(2, 300, 2, 128, device="cuda").bfloat16()
+    v = torch.randn_like(k)
+    with skip_if_not_built():
+        out, lse = cuflash.flash_attn_func(q, k, v)
+        expected_out, expected_lse = cuflash.flash_attn_func(base.contiguous(), k, v)
+    assert torch.equal(out, expected_out) and torch.equal(lse, expected_lse)
+
+
 def test_torch_gpu_matches_cpu_reference(rng):
     torch = torch_cuda()
     q, k, v = (torch.from_numpy(x.astype(np.float32)).bfloat16() for x in reference_inputs(rng, "bfloat16"))
