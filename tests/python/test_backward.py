@@ -204,6 +204,23 @@ def test_varlen_rows_past_the_last_sequence(rng):
         assert np.all(np.isfinite(g.astype(np.float32)))
 
 
+def test_empty_calls(rng):
+    # No sequences, no queries or no keys: empty outputs, or zeros where nothing is seen (out 0,
+    # lse the sink's logit, every gradient 0), forward and backward.
+    sink = rng.standard_normal(4).astype(np.float32)
+    for batch, seqlen_q, seqlen_k in ((0, 16, 16), (2, 0, 40), (2, 24, 0)):
+        q, k, v = (randn(rng, (batch, s, 4, 64)) for s in (seqlen_q, seqlen_k, seqlen_k))
+        out, lse = cuflash.flash_attn_func(q, k, v, learnable_sink=sink)
+        assert out.shape == (batch, seqlen_q, 4, 64) and lse.shape == (batch, 4, seqlen_q)
+        assert np.all(out == 0)
+        np.testing.assert_array_equal(lse, np.broadcast_to(sink[None, :, None], lse.shape))
+        dq, dk, dv, d_sink = cuflash.flash_attn_backward(randn(rng, out.shape), q, k, v, out, lse,
+                                                         learnable_sink=sink)
+        for grad, x in ((dq, q), (dk, k), (dv, v)):
+            assert grad.shape == x.shape and np.all(grad == 0)
+        assert np.all(d_sink == 0)
+
+
 def test_backward_into_preallocated_grads(rng):
     # dq, dk, dv given (permuted and padded views): written in place, returned, equal to the
     # gradients allocated by the call; wrong shapes and dtypes refused by name.
