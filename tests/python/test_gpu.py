@@ -395,6 +395,53 @@ def test_torch_size_one_dimensions_with_any_stride(rng):
     assert torch.equal(out, expected_out) and torch.equal(lse, expected_lse)
 
 
+@pytest.mark.parametrize("mod", ["alibi", "prefix_lm", "document"])
+def test_torch_flex_with_sink_seqused_and_lse_gradient(rng, mod):
+    # The flex kernels (a score_mod or a mask_mod) with what their GPU tests in C++ leave out: a
+    # learnable sink, seqused_q / seqused_k over packed sequences with GQA, and a gradient reaching
+    # lse; GPU against the CPU reference, forward and backward (d_sink too).
+    torch = torch_cuda()
+    heads, heads_kv, dim = 4, 2, 128
+    lengths = [300, 170]
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+    seqused_q = torch.tensor([230, 170], dtype=torch.int32)
+    seqused_k = torch.tensor([300, 90], dtype=torch.int32)
+    total = sum(lengths)
+    q = torch.from_numpy(rng.standard_normal((total, heads, dim)).astype(np.float32)).bfloat16()
+    k = torch.from_numpy(rng.standard_normal((total, heads_kv, dim)).astype(np.float32)).bfloat16()
+    v = torch.from_numpy(rng.standard_normal((total, heads_kv, dim)).astype(np.float32)).bfloat16()
+    sink = torch.from_numpy(rng.standard_normal(heads).astype(np.float32))
+    if mod == "alibi":
+        mods = dict(score_mod=cuflash.scores.alibi(cuflash.scores.alibi_slopes(heads)), causal=True)
+    elif mod == "prefix_lm":
+        mods = dict(mask_mod=cuflash.masks.prefix_lm(64))
+    else:
+        ids = np.repeat(np.arange(8), 40)[None, :300].repeat(2, axis=0).astype(np.int32)
+        mods = dict(mask_mod=cuflash.masks.document(ids))
+
+    def run(device):
+        moved = [t.to(device) for t in (q, k, v, cu, seqused_q, seqused_k, sink)]
+        qd, kd, vd, cud, sqd, skd, sinkd = moved
+        common = dict(cu_seqlens_q=cud, cu_seqlens_k=cud, max_seqlen_q=300, max_seqlen_k=300, seqused_q=sqd,
+                      seqused_k=skd, learnable_sink=sinkd, **mods)
+        out, lse = cuflash.flash_attn_forward(qd, kd, vd, return_lse=True, **common)
+        dout = torch.from_numpy(np.random.default_rng(7).standard_normal(out.shape).astype(np.float32))
+        dlse = torch.from_numpy(np.random.default_rng(8).standard_normal(lse.shape).astype(np.float32))
+        dlse = torch.where(torch.isfinite(lse.cpu()), dlse, torch.zeros_like(dlse))
+        grads = cuflash.flash_attn_backward(dout.bfloat16().to(device), qd, kd, vd, out, lse, dlse=dlse.to(device),
+                                            **common)
+        return [out, lse, *grads]
+
+    with skip_if_not_built():
+        gpu = run("cuda")
+    cpu = run("cpu")
+    assert_close(to_f64(gpu[0]), to_f64(cpu[0]), "bfloat16", what="out")
+    assert_lse_close(to_f64(gpu[1]), to_f64(cpu[1]))
+    for name, g, c in zip(("dq", "dk", "dv", "d_sink"), gpu[2:], cpu[2:]):
+        expected = to_f64(c)
+        assert_close(to_f64(g), expected, "bfloat16", scale=max(1.0, np.abs(expected).max()), what=name)
+
+
 def test_torch_gpu_matches_cpu_reference(rng):
     torch = torch_cuda()
     q, k, v = (torch.from_numpy(x.astype(np.float32)).bfloat16() for x in reference_inputs(rng, "bfloat16"))
