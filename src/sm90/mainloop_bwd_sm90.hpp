@@ -525,6 +525,10 @@ struct MainloopBwdSm90 {
   // warpgroups each make the same walk.
   CUTE_DEVICE static auto make_walk(Params const& p, BwdSeqlen const& seq, int n_block, int head, int batch) {
     auto [m_block_min, m_block_max] = m_block_range<kBlockM, kBlockN, HasWindow>(seq, n_block, p.window_left, p.window_right);
+    // A packed sequence longer than max_seqlen_q (a hint the host cannot check against device
+    // cu_seqlens) walks only the row blocks the hint counts, as the forward computes only those:
+    // the preprocess and the deterministic semaphores are laid out for no more.
+    m_block_max = cute::min(m_block_max, p.num_m_blocks);
     if constexpr (kIsFlex) {
       // Deterministic: the ranks count only the column blocks whose walks visit the row block
       // (dq_rank_flex), so the row blocks a mask_mod or the lists leave out take no turn.
