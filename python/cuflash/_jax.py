@@ -240,6 +240,16 @@ def _attention_fn():
         return _forward_call(static, q, k, v, sink, extras, aux)
 
     def forward(static, q, k, v, sink, extras, aux):
+        # The tensors a score_mod / mask_mod reads get no gradient (the backward computes those of
+        # q, k, v and the sink only): one being differentiated (a learnable bias table) is
+        # refused, as under torch, rather than given a zero gradient that never trains it.
+        for i, primal in enumerate(aux):
+            if getattr(primal, "perturbed", False):
+                argument = "score_mod" if i < static.num_score_aux else "mask_mod"
+                raise NotImplementedError(
+                    f"{argument}: its tensor aux[{i if i < static.num_score_aux else i - static.num_score_aux}] is "
+                    f"differentiated, but cuflash computes the gradients of q, k, v and learnable_sink only; "
+                    f"pass it through jax.lax.stop_gradient (a constant)")
         q, k, v, sink, extras, aux = custom_vjp_primal_tree_values((q, k, v, sink, extras, aux))
         out, lse = _forward_call(static, q, k, v, sink, extras, aux)
         return (out, lse), (q, k, v, sink, extras, aux, out, lse)

@@ -20,6 +20,7 @@ cuflash/_kernels, or a source tree: $CUFLASH_SOURCE_DIR, or the checkout the pac
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import pathlib
@@ -161,18 +162,24 @@ def _cache_dir() -> pathlib.Path:
     return path
 
 
+# The compiler's version and the kernel headers' stamps enter the cache key; both are read once
+# per process (a call with a callable would otherwise run nvcc and walk the headers every time).
+@functools.lru_cache(maxsize=None)
 def _compiler_version(nvcc: str) -> str:
     return subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=False).stdout
+
+
+@functools.lru_cache(maxsize=None)
+def _headers_stamp(includes: Tuple[str, ...]) -> str:
+    return "".join(f"{p}:{p.stat().st_mtime_ns}" for inc in includes for p in sorted(pathlib.Path(inc).rglob("*.hpp")))
 
 
 def build(source: str) -> pathlib.Path:
     """Compiles `source` (kernel_source) into a cached shared library; returns its path."""
     nvcc = _nvcc()
     includes = [_cutlass_include()] + _kernel_includes()
-    headers_stamp = "".join(
-        f"{p}:{p.stat().st_mtime_ns}" for inc in includes[1:] for p in sorted(pathlib.Path(inc).rglob("*.hpp")))
     key = hashlib.sha256("\0".join([source, _compiler_version(nvcc), " ".join(_FLAGS), *includes,
-                                    headers_stamp]).encode()).hexdigest()[:32]
+                                    _headers_stamp(tuple(includes[1:]))]).encode()).hexdigest()[:32]
     target = _cache_dir() / f"cuflash_expr_{key}.so"
     if target.exists():
         return target

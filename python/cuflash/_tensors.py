@@ -70,6 +70,10 @@ class Framework:
     def contiguous(self, x: Any) -> Any:
         raise NotImplementedError
 
+    def broadcast_first(self, x: Any, size: int) -> Any:
+        """x, whose first dimension is 1, repeated `size` times along it (a contiguous array)."""
+        raise NotImplementedError
+
     def astype(self, x: Any, dtype: str) -> Any:
         raise NotImplementedError
 
@@ -123,6 +127,9 @@ class NumpyFramework(Framework):
     def contiguous(self, x):
         return np.ascontiguousarray(x)
 
+    def broadcast_first(self, x, size):
+        return np.ascontiguousarray(np.broadcast_to(x, (size,) + tuple(x.shape[1:])))
+
     def astype(self, x, dtype):
         return x.astype(self._np_dtype(dtype))
 
@@ -175,6 +182,9 @@ class TorchFramework(Framework):
 
     def contiguous(self, x):
         return x.contiguous()
+
+    def broadcast_first(self, x, size):
+        return x.expand(size, *x.shape[1:]).contiguous()
 
     def astype(self, x, dtype):
         return x.to(self._dtype(dtype))
@@ -236,6 +246,10 @@ class CupyFramework(Framework):
     def contiguous(self, x):
         with x.device:
             return self.cupy.ascontiguousarray(x)
+
+    def broadcast_first(self, x, size):
+        with x.device:
+            return self.cupy.ascontiguousarray(self.cupy.broadcast_to(x, (size,) + tuple(x.shape[1:])))
 
     def astype(self, x, dtype):
         with x.device:
@@ -328,6 +342,9 @@ class JaxFramework(Framework):
 
     def contiguous(self, x):
         return x
+
+    def broadcast_first(self, x, size):
+        return self.jax.numpy.broadcast_to(x, (size,) + tuple(x.shape[1:]))
 
     def astype(self, x, dtype):
         return x.astype(dtype)

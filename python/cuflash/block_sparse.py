@@ -97,24 +97,30 @@ def create_block_mask(mask_mod: Any, B: Optional[int], H: Optional[int], Q_LEN: 
     B, H: batch and heads; None broadcasts (a list of 1 over that dimension; built-ins do not
     depend on the head, so their lists always have one head). Q_LEN, KV_LEN: sequence lengths.
     device: accepted for compatibility; the lists are NumPy arrays, which the attention functions
-    move to q's device. BLOCK_SIZE: an int or (block_m, block_n), default 128 x 128.
+    move to q's device. BLOCK_SIZE: an int or (block_m, block_n); 128 x 128 only, the blocks the
+    attention functions read the arrays as (the arrays do not carry their block size). Lists of
+    one batch entry (B None) are repeated over the call's batch.
     Evaluated on the CPU, pair by pair: for long sequences prefer the mask_mod alone (causal and
     windows fold into the kernels' own masks, document masks build their lists on the GPU)."""
     from ._tensors import framework_of
 
-    if isinstance(BLOCK_SIZE, (tuple, list)):
-        if len(BLOCK_SIZE) != 2:
-            raise ValueError(f"BLOCK_SIZE: expected an int or (block_m, block_n), got {BLOCK_SIZE!r}")
-        block_m, block_n = (int(x) for x in BLOCK_SIZE)
-    else:
-        block_m = block_n = int(BLOCK_SIZE)
-    if block_m <= 0 or block_n <= 0:
-        raise ValueError(f"BLOCK_SIZE: expected positive block sizes, got {BLOCK_SIZE!r}")
+    def is_int(value):
+        return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+    sizes = tuple(BLOCK_SIZE) if isinstance(BLOCK_SIZE, (tuple, list)) else (BLOCK_SIZE, BLOCK_SIZE)
+    if len(sizes) != 2 or not all(is_int(x) for x in sizes):
+        raise ValueError(f"BLOCK_SIZE: expected an int or (block_m, block_n), got {BLOCK_SIZE!r}")
+    block_m, block_n = (int(x) for x in sizes)
+    # The attention functions take the four arrays alone, which do not say their block size, and
+    # read them as BLOCK_M x BLOCK_N blocks: lists of other blocks would be read wrongly.
+    if (block_m, block_n) != (BLOCK_M, BLOCK_N):
+        raise ValueError(f"BLOCK_SIZE: cuflash's attention functions read the lists as {BLOCK_M} x {BLOCK_N} "
+                         f"blocks, got {BLOCK_SIZE!r} (other block sizes: the C++ API's BlockSparseTensors)")
     for name, value in (("B", B), ("H", H)):
-        if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
+        if value is not None and (not is_int(value) or value < 1):
             raise ValueError(f"{name}: expected a positive int or None (broadcast), got {value!r}")
     for name, value in (("Q_LEN", Q_LEN), ("KV_LEN", KV_LEN)):
-        if not isinstance(value, (int, np.integer)) or value < 0:
+        if not is_int(value) or value < 0:
             raise ValueError(f"{name}: expected a length (int >= 0), got {value!r}")
     if device is not None and not isinstance(device, str) and type(device).__name__ != "device":
         raise TypeError(f"device: expected None, a device string or a torch.device, got {type(device).__name__}")

@@ -445,12 +445,20 @@ def _resolve_callable(mod: Any, argument: str, cls: type, aux_tensors: Optional[
     aux = []
     for i, (tensor, kind) in enumerate(zip(traced.aux, traced.aux_kinds)):
         own = framework_of(tensor)
-        if own is not framework or not _same_device(own.device(tensor), call.device):
+        if own is framework and framework.name == "torch" and not _same_device(own.device(tensor), call.device):
+            # A torch tensor on another device: moved by torch, so that a tensor that requires grad
+            # still does (and is refused by _refuse_mod_tensor_grads, not silently left untrained).
+            tensor = tensor.to(call.q.device)
+        elif own is not framework or not _same_device(own.device(tensor), call.device):
             # A tensor of another framework or device (e.g. a NumPy table): copied to q's.
             tensor = framework.from_numpy(np.ascontiguousarray(own.to_numpy(tensor)), like=call.q)
-        wanted = "float32" if kind == "float" else "int32"
-        if framework.dtype(tensor) != wanted:
-            tensor = framework.astype(tensor, wanted)
+        if _numel(_shape(tensor)) == 0:
+            _fail(ValueError, argument, f"reads tensor aux[{i}], which is empty (shape {_shape(tensor)})")
+        if kind == "float":
+            if framework.dtype(tensor) != "float32":
+                tensor = framework.astype(tensor, "float32")
+        else:
+            tensor = _to_int32(framework, tensor, f"{argument} aux[{i}]")
         aux.append(framework.contiguous(tensor))
     program = [traced.result, traced.grad] + list(traced.code)
     if role == "score":
@@ -460,12 +468,30 @@ def _resolve_callable(mod: Any, argument: str, cls: type, aux_tensors: Optional[
     return (100, [float(c) for c in traced.constants], aux), traced.uses_aux_tensors
 
 
+_INT32_RANGE = (-(2 ** 31), 2 ** 31 - 1)
+
+
+def _to_int32(framework: Framework, x: Tensor, name: str) -> Tensor:
+    """An integer or boolean tensor a mod reads, as int32. Values int32 cannot hold would wrap
+    (two document ids could become one): refused, by reading them (a device synchronisation for
+    GPU tensors; int32 tensors skip it). Traced JAX values cannot be read, and are converted."""
+    own = framework.dtype(x)
+    if own == "int32":
+        return x
+    if own in ("int64", "uint32", "uint64") and framework.device(x) != TRACED:
+        values = framework.to_numpy(x)
+        if values.size and (int(values.min()) < _INT32_RANGE[0] or int(values.max()) > _INT32_RANGE[1]):
+            _fail(ValueError, name, f"holds values outside int32 ({int(values.min())} .. {int(values.max())}); "
+                                    f"the kernels read it as int32")
+    return framework.contiguous(framework.astype(x, "int32"))
+
+
 def _aux_dtype(framework: Framework, x: Tensor, name: str, dtype: str) -> Tensor:
     own = framework.dtype(x)
     if own == dtype:
         return x
-    if dtype == "int32" and own in ("int64", "int16", "int8", "uint8"):
-        return framework.contiguous(framework.astype(x, dtype))
+    if dtype == "int32" and own in ("int64", "uint32", "uint64", "int16", "int8", "uint8"):
+        return _to_int32(framework, x, name)
     if dtype == "float32" and own in ("float64", "float16", "bfloat16"):
         return framework.contiguous(framework.astype(x, dtype))
     _fail(TypeError, name, f"expected dtype {dtype}, got {own}")
@@ -514,8 +540,13 @@ def _check_block_sparse(call: _Call, lists: Sequence[Optional[Tensor]], names: S
             _check_device(framework, tensor, name, call.device)
         h = int(cnt.shape[1]) if len(cnt.shape) == 3 else -1
         if h not in (1, call.num_heads):
-            _fail(ValueError, cnt_name, f"expected shape (batch={call.batch}, 1 or num_heads={call.num_heads}, "
+            _fail(ValueError, cnt_name, f"expected shape (batch={call.batch} or 1, 1 or num_heads={call.num_heads}, "
                                         f"{rows}), got {_shape(cnt)}")
+        # Lists of one batch entry (FlexAttention's BlockMask with B=1, create_block_mask with
+        # B=None) hold for every sequence: repeated over the batch (the kernels read one per
+        # sequence; the lists are small).
+        if call.batch != 1 and int(cnt.shape[0]) == 1 and len(idx.shape) == 4 and int(idx.shape[0]) == 1:
+            cnt, idx = framework.broadcast_first(cnt, call.batch), framework.broadcast_first(idx, call.batch)
         if heads_b is not None and h != heads_b:
             _fail(ValueError, cnt_name, f"head dimension {h} differs from the other list's {heads_b}")
         heads_b = h

@@ -184,9 +184,19 @@ def _numeric_type(*syms: "Sym") -> str:
     return "float" if any(s.type == "float" for s in syms) else "int"
 
 
+# Arithmetic of two booleans as NumPy and torch (hence FlexAttention) do it: + and max are or,
+# * and min are and; the others raise there, so they are refused here.
+_BOOL_ARITH = {ADD: OR, MAX: OR, MUL: AND, MIN: AND}
+
+
 def _arith(op: int, x: Any, y: Any) -> "Sym":
     g = _graph_of(x, y)
     a, b = g.lift(x), g.lift(y)
+    if a.type == "bool" and b.type == "bool":
+        if op not in _BOOL_ARITH:
+            g.fail("this arithmetic on two booleans (comparisons) is not defined as in NumPy / torch; use "
+                   "& | ~ or cuflash.mods.where")
+        return g.node(_BOOL_ARITH[op], (a.index, b.index), type="bool")
     if op == DIV:
         t = "float"
     elif op in (FLOORDIV, MOD):
@@ -227,6 +237,10 @@ def _unary(op: int, x: "Sym") -> "Sym":
         if x.type != "bool":
             g.fail("~ takes a boolean operand (a comparison); bitwise operations on integers are not supported")
         return g.node(NOT, (x.index,), type="bool")
+    if x.type == "bool":
+        if op == ABS:
+            return x
+        g.fail("- of a boolean (a comparison) is not defined as in NumPy / torch; use ~ for not")
     x = g.to_type(x, _numeric_type(x))
     return g.node(op, (x.index,), type=x.type)
 

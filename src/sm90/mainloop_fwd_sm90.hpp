@@ -37,6 +37,11 @@
 #include "sm90/trace_sm90.hpp"
 #include "sm90/utils_sm90.hpp"
 
+// Build switch for an A/B of where the loop rescales O (MainloopFwdSm90::kRescaleAfterPv).
+#ifndef CUFLASH_FWD_RESCALE_AFTER_PV
+#define CUFLASH_FWD_RESCALE_AFTER_PV 0
+#endif
+
 namespace cuflash::sm90 {
 
 // Named barriers (ids past CUTLASS's reserved ones).
@@ -72,6 +77,11 @@ struct MainloopFwdSm90 {
   static constexpr int kLoadRegisters =
       !kIsPaged ? 24 : (kHeadDim >= 256 ? 24 : (kNumMmaWarpGroups == 3 ? 32 : 40));
   static constexpr int kGatherBatch = kLoadRegisters >= 40 ? 4 : 2;
+  // Where the loop rescales O by the move of the running max: between the warpgroup's Q K^T
+  // and P V issues, inside its turn (the other warpgroup waits for both issues), or at the end
+  // of the iteration, once P V is done and outside the turn, as FlashAttention-3 does at head
+  // dims up to 128 (build switch CUFLASH_FWD_RESCALE_AFTER_PV, not yet measured: bench/NOTES.md).
+  static constexpr bool kRescaleAfterPv = CUFLASH_FWD_RESCALE_AFTER_PV && kHeadDimV <= 128;
 
   using TileShapeQK = cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>, cute::Int<kHeadDim>>;
   using TileShapePV = cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDimV>, cute::Int<kBlockN>>;
@@ -710,7 +720,7 @@ struct MainloopFwdSm90 {
       warp_scheduler_barrier_sync(warp_group);
       gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_qk, tSrQ,
                                              tSrK(_, _, _, smem_pipe_read.index()), tSrS);
-      softmax.rescale_o(tOrO, scores_scale);
+      if constexpr (!kRescaleAfterPv) softmax.rescale_o(tOrO, scores_scale);
       pipeline_v.consumer_wait(smem_pipe_read_v);
       gemm</*kZeroInit=*/false, /*kWait=*/-1>(tiled_mma_pv, tOrP,
                                               tOrV(_, _, _, smem_pipe_read_v.index()), tOrO);
@@ -727,13 +737,15 @@ struct MainloopFwdSm90 {
       warpgroup_wait<0>();
       pipeline_v.consumer_release(smem_pipe_read_v);
       convert_into(tSrS, tOrP);
+      if constexpr (kRescaleAfterPv) softmax.rescale_o(tOrO, scores_scale);
       clear_v_tail(smem_pipe_read);
       smem_pipe_read_v = smem_pipe_read;
       ++smem_pipe_read;
     }
     trace::mark(thread_idx, trace::kLoopEnd);
     if (release_q) barrier_q.release(q_loads);  // every Q K^T of this tile has completed
-    softmax.rescale_o(tOrO, scores_scale);
+    // (kRescaleAfterPv: the last iteration did it; a tile of one n-block has O cleared.)
+    if constexpr (!kRescaleAfterPv) softmax.rescale_o(tOrO, scores_scale);
     pipeline_v.consumer_wait(smem_pipe_read_v);
     gemm</*kZeroInit=*/false, /*kWait=*/-1>(tiled_mma_pv, tOrP,
                                             tOrV(_, _, _, smem_pipe_read_v.index()), tOrO);

@@ -188,6 +188,17 @@ def test_mask_mod_per_head_and_bool_table(rng):
     run(rng, ref.Options(mask_mod=mask_mod), q, k, v, function="dense", mask_mod=mask_mod)
 
 
+def test_mask_mod_boolean_arithmetic_as_numpy(rng):
+    # + and * of two comparisons are or / and, as in NumPy and torch (FlexAttention's masks), not
+    # Python's int arithmetic (True + True == 2).
+    q, k, v = qkv(rng, seqlen_q=20, seqlen_k=20)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return ((kv_idx <= q_idx) + (kv_idx < 5)) * (q_idx - kv_idx < 9) + abs(kv_idx == q_idx)
+
+    run(rng, ref.Options(mask_mod=mask_mod), q, k, v, function="dense", mask_mod=mask_mod)
+
+
 def test_mask_mod_with_causal_and_window_options(rng):
     q, k, v = qkv(rng, seqlen_q=18, seqlen_k=26)
 
@@ -301,6 +312,8 @@ ERRORS = [
     ("mask_mod", lambda b, h, i, j: (i > j) and (j > 0), TypeError, "control flow"),
     ("mask_mod", lambda b, h, i, j, k: i > j, TypeError, "expected a function of (b, h, q_idx, kv_idx"),
     ("mask_mod", lambda b, h, i, j: mods.where(i, True, False), TypeError, "condition must be a boolean"),
+    ("mask_mod", lambda b, h, i, j: (i > j) - (j > 0), TypeError, "two booleans"),
+    ("mask_mod", lambda b, h, i, j: ~-(i > j), TypeError, "- of a boolean"),
 ]
 
 
@@ -312,6 +325,29 @@ def test_untraceable_callables_raise_by_name(argument, mod, error, fragment):
     with pytest.raises(error, match=f"^{argument}: ") as info:
         cuflash.flash_attn_backward(dout, q, k, v, out, lse, **{argument: mod})
     assert fragment in str(info.value)
+
+
+def test_integer_tensors_outside_int32_are_refused():
+    # The kernels read integer tensors as int32: int64 values it cannot hold would wrap (two
+    # documents would merge), so they are refused by name; values that fit are taken.
+    q, k, v = _qkv_small()
+    doc = np.array([[2 ** 32 + 1] * 4 + [1] * 4], np.int64)
+    with pytest.raises(ValueError, match="^mask_mod doc_ids: holds values outside int32"):
+        cuflash.flash_attn_func(q, k, v, mask_mod=cuflash.masks.document(doc))
+    with pytest.raises(ValueError, match=r"^mask_mod aux\[0\]: holds values outside int32"):
+        cuflash.flash_attn_func(q, k, v, mask_mod=lambda b, h, i, j: doc[b, i] == doc[b, j])
+    fits = np.array([[-5] * 4 + [2 ** 31 - 1] * 4], np.int64)
+    expected, _ = cuflash.flash_attn_func(q, k, v, mask_mod=cuflash.masks.document(fits.astype(np.int32)))
+    for mask_mod in (cuflash.masks.document(fits), lambda b, h, i, j: fits[b, i] == fits[b, j]):
+        out, _ = cuflash.flash_attn_func(q, k, v, mask_mod=mask_mod)
+        np.testing.assert_array_equal(out, expected)
+
+
+def test_empty_tensor_read_by_a_callable_is_refused():
+    q, k, v = _qkv_small()
+    table = np.zeros((0,), np.float32)
+    with pytest.raises(ValueError, match=r"^score_mod: reads tensor aux\[0\], which is empty"):
+        cuflash.flash_attn_varlen_func(q, k, v, score_mod=lambda s, b, h, i, j: s + table[h])
 
 
 def test_tensor_indexing_errors():

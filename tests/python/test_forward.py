@@ -486,10 +486,23 @@ def test_block_mask_builder_takes_flexattention_arguments(rng):
     check_dense(q[:, :, :1], k[:, :, :1], v[:, :, :1], opts, mask_mod=cuflash.masks.causal(),
                 **{name: np.ascontiguousarray(x[:, :1]) for name, x in lists._asdict().items()})
 
+    # Lists of one batch entry (B=None, or FlexAttention's BlockMask with B=1) hold for every
+    # sequence of the call.
+    q, k, v = qkv(rng, 3, 300, 200, 2, 2, 32)
+    check_dense(q, k, v, ref.Options(mask=lambda b, i, j: j <= i), mask_mod=cuflash.masks.causal(),
+                **built_in._asdict())
+
     with pytest.raises(ValueError, match="BLOCK_SIZE"):
         cuflash.block_sparse.create_block_mask(causal, 1, 1, 64, 64, BLOCK_SIZE=(128, 128, 1))
+    # The attention functions read the arrays as 128 x 128 blocks: other sizes are refused (they
+    # would be read wrongly where the block counts happen to agree, e.g. 200 for 256 keys).
+    for size in (200, (64, 128), 2.9, True):
+        with pytest.raises(ValueError, match="^BLOCK_SIZE: "):
+            cuflash.block_sparse.create_block_mask(causal, 1, 1, 256, 256, BLOCK_SIZE=size)
     with pytest.raises(ValueError, match="H: expected"):
         cuflash.block_sparse.create_block_mask(causal, 1, 0, 64, 64)
+    with pytest.raises(ValueError, match="B: expected"):
+        cuflash.block_sparse.create_block_mask(causal, True, 1, 64, 64)
     with pytest.raises(TypeError, match="mask_mod: evaluating it"):
         cuflash.block_sparse.create_block_mask(lambda b, h, q_idx, kv_idx: undefined_name, 1, 1, 64, 64)  # noqa: F821
 

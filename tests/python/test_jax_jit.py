@@ -372,3 +372,24 @@ def test_errors_name_the_argument(rng):
         jax.jit(lambda q: cuflash.flash_attn_func(q, q, q, causal=1))(q)
     with pytest.raises(TypeError, match="^out_partial"):
         jax.jit(lambda o, l: cuflash.flash_attn_combine(o, l))(jnp.zeros((2, 8, 4, 32)), jnp.zeros((2, 8, 4)))
+
+
+def test_mod_tensors_are_not_differentiated(rng):
+    # The backward computes the gradients of q, k, v and the sink only: differentiating a tensor
+    # a score_mod reads (a learnable bias table) is refused by name, not given a zero gradient;
+    # as a constant it is fine.
+    q = jax.device_put(randn(rng, (16, 2, 32)), CPU)
+    cu = jax.device_put(np.array([0, 8, 16], np.int32), CPU)
+
+    def loss(slopes, q):
+        out, _ = cuflash.flash_attn_varlen_func(q, q, q, cu, cu, 8, 8, score_mod=cuflash.scores.alibi(slopes))
+        return jnp.sum(out.astype(jnp.float32))
+
+    slopes = jnp.array([0.5, 0.25])
+    with pytest.raises(NotImplementedError, match=r"^score_mod: its tensor aux\[0\] is differentiated"):
+        jax.grad(loss)(slopes, q)
+    with pytest.raises(NotImplementedError, match="^score_mod: "):
+        jax.jit(jax.grad(loss))(slopes, q)
+    dq = jax.grad(loss, argnums=1)(slopes, q)
+    dq_constant = jax.grad(lambda s, q: loss(jax.lax.stop_gradient(s), q), argnums=(0, 1))(slopes, q)
+    np.testing.assert_array_equal(np.asarray(dq), np.asarray(dq_constant[1]))
