@@ -1227,7 +1227,8 @@ def flash_attn_combine(
             (num_splits, total_q, num_heads).
         out: optional preallocated output of shape out_partial.shape[1:].
         out_dtype: dtype of a newly allocated out (torch / numpy dtype or a name such as
-            "bfloat16"); default out_partial's dtype (float32).
+            "bfloat16"); default out_partial's dtype (float32). With out given it must be out's
+            dtype, or None.
         cu_seqlens: (batch + 1,) int32, for packed sequences.
         seqused: (batch,) int32: rows past a sequence's used length are not combined.
         return_lse: also return the combined lse.
@@ -1290,6 +1291,9 @@ def flash_attn_combine(
         _check_dtype(framework, out, "out", ("float16", "bfloat16", "float32"))
         _check_device(framework, out, "out", device)
         _check_distinct_elements(framework, out, "out")
+        if out_dtype is not None and _dtype_arg(out_dtype) != framework.dtype(out):
+            _fail(TypeError, "out_dtype", f"{_dtype_arg(out_dtype)} differs from out's dtype "
+                                          f"{framework.dtype(out)} (out_dtype is for an out allocated here)")
         if framework.name == "numpy" and not out.flags.writeable:
             _fail(ValueError, "out", "expected a writable array, got a read-only NumPy array (flags.writeable "
                                      "is False, e.g. a view of a read-only buffer); pass a writable one or "

@@ -546,6 +546,10 @@ def test_combine_into_out_without_lse(rng):
     result, lse = cuflash.flash_attn_combine(out_partial, lse_partial, out=out, return_lse=False)
     assert result is out and lse is None
     assert_close(out, ref.combine(out_partial, lse_partial)[0], what="out")
+    # out_dtype names the dtype of an out allocated by the call: with out given, only its own.
+    assert cuflash.flash_attn_combine(out_partial, lse_partial, out=out, out_dtype="float16")[0] is out
+    with pytest.raises(TypeError, match="^out_dtype: float32 differs from out's dtype float16"):
+        cuflash.flash_attn_combine(out_partial, lse_partial, out=out, out_dtype="float32")
 
 
 def test_combine_into_padded_and_permuted_out(rng):
