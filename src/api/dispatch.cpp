@@ -12,6 +12,7 @@
 
 #if CUFLASH_HAS_CUDA
 #include "api/device_workspace.hpp"
+#include "api/host_index_check.hpp"
 #include "api/kernels.hpp"
 #endif
 
@@ -190,6 +191,7 @@ void run_forward_call(const ForwardArgs& args, StreamHandle stream, Workspace wo
 #if CUFLASH_HAS_CUDA
   require_device();
   detail::DeviceGuard guard(shape.device.index);
+  if (detail::check_inputs_on_host()) detail::check_index_values_on_host(args, stream);
   FwdParams params = device_fwd_params(args, shape);
   if (args.out.numel() == 0) return;  // no query rows: nothing to write
   // Before the caller's allocator and the document lists' kernel: an unsupported call fails
@@ -224,6 +226,7 @@ void run_backward_call(const BackwardArgs& args, StreamHandle stream, Workspace 
 #if CUFLASH_HAS_CUDA
   require_device();
   detail::DeviceGuard guard(shape.device.index);
+  if (detail::check_inputs_on_host()) detail::check_index_values_on_host(args, stream);
   BwdParams params = device_bwd_params(args, shape);
   // Paged k/v: gathered into dense rows in the workspace, the gradients summed back into pages.
   const std::size_t list_bytes = document_lists_bytes(args.opts, params.block_sparse, params.batch);
@@ -274,6 +277,7 @@ void combine(const CombineArgs& args, StreamHandle stream) {
 #if CUFLASH_HAS_CUDA
   require_device();
   detail::DeviceGuard guard(shape.device.index);
+  if (detail::check_inputs_on_host()) detail::check_index_values_on_host(args, stream);
   if (args.out.numel() == 0) return;
   sm90::run_combine(detail::make_combine_params(args, shape), stream);
 #else

@@ -543,6 +543,12 @@ bool fwd_zero_v_tail(const FwdParams& params) {
   return resolve_fwd_zero_v_tail(parse_fwd_zero_v_tail(std::getenv("CUFLASH_FWD_ZERO_V_TAIL")), params);
 }
 
+bool parse_check_inputs(const char* value) {
+  return parse_setting<bool>("CUFLASH_CHECK_INPUTS", value, {{"0", false}, {"1", true}});
+}
+
+bool check_inputs_on_host() { return parse_check_inputs(std::getenv("CUFLASH_CHECK_INPUTS")); }
+
 FwdShortKernel parse_fwd_short_kernel(const char* value) {
   return parse_setting<FwdShortKernel>(
       "CUFLASH_FWD_SHORT_KERNEL", value,

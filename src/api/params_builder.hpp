@@ -111,6 +111,14 @@ bool resolve_fwd_zero_v_tail(FwdZeroVTail setting, const FwdParams& params);
 // The choice from CUFLASH_FWD_ZERO_V_TAIL (read at every call) resolved for `params`.
 bool fwd_zero_v_tail(const FwdParams& params);
 
+// Whether device calls read their index tensors in device memory (cu_seqlens, seqused, page
+// table, block lists, the integer tensors of mods) back to the host and check them as host ones
+// before any kernel runs: "0" (or null / empty) or "1". A synchronisation per call: for
+// debugging. Throws kInvalidArgument otherwise.
+bool parse_check_inputs(const char* value);
+// The choice from CUFLASH_CHECK_INPUTS, read at every call.
+bool check_inputs_on_host();
+
 // Which of a forward kernel and its twin for short work runs (FwdParams::short_kernel): "auto"
 // (or null / empty), "long" or "short". Throws kInvalidArgument otherwise.
 FwdShortKernel parse_fwd_short_kernel(const char* value);

@@ -639,6 +639,11 @@ TEST(ParamsBackward, DqSemaphoresChoice) {
   EXPECT_EQ(dq_semaphore_stride(BwdDqSemaphores::kLines) * int(sizeof(int)), 128);
 }
 
+TEST(Params, CheckInputsChoice) {
+  expect_setting_choices<decltype(&parse_check_inputs), bool>(parse_check_inputs, "CUFLASH_CHECK_INPUTS",
+                                                              {{"0", false}, {"1", true}}, {"on", "yes", "2"});
+}
+
 TEST(ParamsBackward, DqPathChoice) {
   expect_setting_choices<decltype(&parse_bwd_dq_path), BwdDqPath>(
       parse_bwd_dq_path, "CUFLASH_BWD_DQ",

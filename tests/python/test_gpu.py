@@ -460,6 +460,44 @@ def test_torch_deterministic_backward_with_a_short_max_seqlen_hint(rng):
     assert all(bool(torch.isfinite(g[:128].float()).all()) for g in grads[:3])
 
 
+def test_torch_check_inputs_reads_device_index_tensors(monkeypatch):
+    # CUFLASH_CHECK_INPUTS=1: index tensors in device memory are read back and checked as host
+    # ones, so bad values fail naming the argument before any kernel runs.
+    torch = torch_cuda()
+    monkeypatch.setenv("CUFLASH_CHECK_INPUTS", "1")
+    heads, dim = 2, 128
+    q, k, v = (torch.randn(300, heads, dim, device="cuda").bfloat16() for _ in range(3))
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32, device="cuda")
+    with skip_if_not_built():
+        out, lse = cuflash.flash_attn_varlen_func(q, k, v, cu, cu, 200, 200)
+    monkeypatch.delenv("CUFLASH_CHECK_INPUTS")
+    unchecked, _ = cuflash.flash_attn_varlen_func(q, k, v, cu, cu, 200, 200)
+    assert torch.equal(out, unchecked)
+    monkeypatch.setenv("CUFLASH_CHECK_INPUTS", "1")
+    bad = torch.tensor([0, 200, 100], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="^cu_seqlens_q: expected non-decreasing offsets"):
+        cuflash.flash_attn_varlen_func(q, k, v, bad, cu, 200, 200)
+    with pytest.raises(ValueError, match="^max_seqlen_q: expected at least 200"):
+        cuflash.flash_attn_varlen_func(q, k, v, cu, cu, 128, 200)
+    with pytest.raises(ValueError, match="^cu_seqlens_k: expected non-decreasing offsets"):
+        cuflash.flash_attn_backward(torch.randn_like(out), q, k, v, out, lse, cu, bad, 200, 200)
+    # A page number past the pages, and a block index past the column blocks.
+    k_pages, v_pages = (torch.randn(4, 64, heads, dim, device="cuda").bfloat16() for _ in range(2))
+    page_table = torch.tensor([[0, 1], [2, 9]], dtype=torch.int32, device="cuda")
+    qd = torch.randn(2, 64, heads, dim, device="cuda").bfloat16()
+    with pytest.raises(ValueError, match="^page_table: "):
+        cuflash.flash_attn_varlen_func(qd, k_pages, v_pages, page_table=page_table)
+    cnt = torch.ones(2, 1, 1, dtype=torch.int32, device="cuda")
+    idx = torch.full((2, 1, 1, 1), 3, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="^mask_block_idx: "):
+        cuflash.flash_attn_func(qd, qd, qd, mask_mod=cuflash.masks.causal(), mask_block_cnt=cnt, mask_block_idx=idx)
+    # flash_attn_combine's sequences too.
+    out_partial = torch.randn(2, 300, heads, dim, device="cuda")
+    lse_partial = torch.randn(2, 300, heads, device="cuda")
+    with pytest.raises(ValueError, match="^cu_seqlens: "):
+        cuflash.flash_attn_combine(out_partial, lse_partial, cu_seqlens=bad)
+
+
 def test_torch_gpu_matches_cpu_reference(rng):
     torch = torch_cuda()
     q, k, v = (torch.from_numpy(x.astype(np.float32)).bfloat16() for x in reference_inputs(rng, "bfloat16"))
