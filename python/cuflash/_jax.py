@@ -100,6 +100,11 @@ class _Static:
     num_splits: int
     pack_gqa: Optional[bool]
     deterministic: bool
+    # Traced callables: [result, grad, code...] (empty: none), and the (forward, backward)
+    # launchers compiled for them on the GPU (0: none).
+    score_mod_program: Tuple[int, ...] = ()
+    mask_mod_program: Tuple[int, ...] = ()
+    expression_kernels: Tuple[int, int] = (0, 0)
 
     def attributes(self, operand_bits: int, forward: bool) -> dict:
         attrs = dict(
@@ -118,6 +123,9 @@ class _Static:
             mask_mod_kind=np.int64(self.mask_mod_kind),
             mask_mod_scalars=np.asarray(self.mask_mod_scalars, dtype=np.float64).reshape(-1),
             mask_mod_num_aux=np.int64(self.num_mask_aux),
+            score_mod_program=np.asarray(self.score_mod_program, dtype=np.int32).reshape(-1),
+            mask_mod_program=np.asarray(self.mask_mod_program, dtype=np.int32).reshape(-1),
+            expression_kernel=np.int64(self.expression_kernels[0 if forward else 1]),
             block_m=np.int64(BLOCK_M),
             block_n=np.int64(BLOCK_N),
         )
@@ -139,7 +147,10 @@ def _static(call) -> _Static:
         score_mod_scalars=tuple(float(s) for s in score_scalars), num_score_aux=len(score_aux),
         mask_mod_kind=int(mask_kind), mask_mod_scalars=tuple(float(s) for s in mask_scalars),
         num_mask_aux=len(mask_aux), max_seqlen_q=call.max_seqlen_q, max_seqlen_k=call.max_seqlen_k,
-        num_splits=call.num_splits, pack_gqa=call.pack_gqa, deterministic=call.deterministic)
+        num_splits=call.num_splits, pack_gqa=call.pack_gqa, deterministic=call.deterministic,
+        score_mod_program=tuple(int(x) for x in call.score_program),
+        mask_mod_program=tuple(int(x) for x in call.mask_program),
+        expression_kernels=tuple(int(x) for x in call.expression_kernels))
 
 
 def _extras(call) -> Tuple[Optional[Any], ...]:

@@ -426,7 +426,10 @@ def _resolve_callable(mod: Any, argument: str, cls: type, aux_tensors: Optional[
     else:
         traced = _mods._trace(mod, role, argument, aux_tensors)
     framework = call.framework
-    if call.device[0] == "cuda":
+    # JAX under jax.jit: the arrays' device is not known while tracing; the backend's decides
+    # whether the kernels for the callable are compiled (a CPU computation ignores them).
+    traced_on_gpu = call.device == TRACED and sys.modules["jax"].default_backend() == "gpu"
+    if call.device[0] == "cuda" or traced_on_gpu:
         if not _C.built_with_cuda:
             _fail(NotImplementedError, argument, "this cuflash was built without CUDA: Python callables run on "
                                                  "the CPU reference (pass CPU tensors)")
@@ -439,9 +442,6 @@ def _resolve_callable(mod: Any, argument: str, cls: type, aux_tensors: Optional[
             call.score_traced = traced
         else:
             call.mask_traced = traced
-    if _uses_jax_ffi(framework):
-        _fail(NotImplementedError, argument, "Python callables are not supported with JAX arrays yet; use a "
-                                             "built-in from cuflash.scores / cuflash.masks")
     aux = []
     for i, (tensor, kind) in enumerate(zip(traced.aux, traced.aux_kinds)):
         own = framework_of(tensor)

@@ -556,11 +556,25 @@ def _is_tensor(x: Any) -> bool:
     return not isinstance(x, (numbers.Number, str, bytes)) and framework_of(x) is not None
 
 
-def _with_proxies(fn: Callable, make_proxy: Callable[[Any, str], Any]) -> Callable:
+def _with_proxies(fn: Callable, make_proxy: Callable[[Any, str], Any],
+                  _copies: Optional[Dict[int, Callable]] = None) -> Callable:
     """A copy of a plain function whose closure cells and referenced globals that hold tensors
-    hold proxies instead."""
+    hold proxies instead; the same for the plain functions it calls through its closure or its
+    module's globals (helpers that close over tables themselves), each copied once."""
     if not isinstance(fn, types.FunctionType):
         return fn
+    copies = {} if _copies is None else _copies
+    if id(fn) in copies:
+        return copies[id(fn)]
+    copies[id(fn)] = fn  # a function that reaches itself keeps its original while being copied
+
+    def substitute(value: Any, name: str, same_module_only: bool) -> Any:
+        if _is_tensor(value):
+            return make_proxy(value, name)
+        if isinstance(value, types.FunctionType) and (not same_module_only or value.__module__ == fn.__module__):
+            return _with_proxies(value, make_proxy, copies)
+        return value
+
     code = fn.__code__
     changed = False
     closure = fn.__closure__
@@ -572,15 +586,17 @@ def _with_proxies(fn: Callable, make_proxy: Callable[[Any, str], Any]) -> Callab
             except ValueError:  # an empty cell
                 cells.append(cell)
                 continue
-            if _is_tensor(value):
-                cells.append(types.CellType(make_proxy(value, name)))
-                changed = True
-            else:
-                cells.append(cell)
+            new = substitute(value, name, same_module_only=False)
+            cells.append(cell if new is value else types.CellType(new))
+            changed |= new is not value
         closure = tuple(cells)
     globals_ = fn.__globals__
-    replaced = {name: make_proxy(globals_[name], name) for name in code.co_names
-                if name in globals_ and _is_tensor(globals_[name])}
+    replaced = {}
+    for name in code.co_names:
+        if name in globals_:
+            new = substitute(globals_[name], name, same_module_only=True)
+            if new is not globals_[name]:
+                replaced[name] = new
     if replaced:
         globals_ = dict(globals_)
         globals_.update(replaced)
@@ -589,6 +605,7 @@ def _with_proxies(fn: Callable, make_proxy: Callable[[Any, str], Any]) -> Callab
         return fn
     copy = types.FunctionType(code, globals_, fn.__name__, fn.__defaults__, closure)
     copy.__kwdefaults__ = fn.__kwdefaults__
+    copies[id(fn)] = copy
     return copy
 
 

@@ -10,6 +10,8 @@
 // whose bits are set in the `operands` attribute, in the order of the bits (kOperandNames; the
 // q_ block lists and dlse only to the backward), then
 // `score_mod_num_aux` score_mod aux tensors and `mask_mod_num_aux` mask_mod aux tensors.
+// Traced callables come as `score_mod_program` / `mask_mod_program` (int32 arrays) with, on the
+// GPU, `expression_kernel`: the address of the launcher compiled for them at run time.
 // Results: out, lse (forward) or dq, dk, dv and, with a learnable sink, d_sink (backward).
 // python/cuflash/_jax.py builds the calls; it checks every argument first, as the eager path does.
 #if CUFLASH_PYTHON_HAS_JAX_FFI
@@ -114,6 +116,19 @@ std::vector<double> scalars(const ffi::Dictionary& attrs, std::string_view name)
   return std::vector<double>(span.begin(), span.end());
 }
 
+// An expression program (a traced score_mod / mask_mod callable) as python/cuflash/_jax.py
+// sends it: int32 [result, grad, code...], empty for none.
+cuflash::ExprProgram program(const ffi::Dictionary& attrs, std::string_view name) {
+  const auto span = attribute<ffi::Span<const std::int32_t>>(attrs, name);
+  cuflash::ExprProgram result;
+  if (span.size() == 0) return result;
+  if (span.size() < 2) fail("attribute " + std::string(name) + ": expected [result, grad, code...]");
+  result.result = span[0];
+  result.grad = span[1];
+  result.code.assign(span.begin() + 2, span.end());
+  return result;
+}
+
 // Reads the operands in order.
 class Operands {
  public:
@@ -196,6 +211,8 @@ Optional read_optional(Operands& operands, const ffi::Dictionary& attrs,
   opts.mask_mod.kind =
       static_cast<cuflash::MaskModKind>(attribute<std::int64_t>(attrs, "mask_mod_kind"));
   opts.mask_mod.scalars = scalars(attrs, "mask_mod_scalars");
+  opts.score_mod.program = program(attrs, "score_mod_program");
+  opts.mask_mod.program = program(attrs, "mask_mod_program");
   const auto num_score_aux = attribute<std::int64_t>(attrs, "score_mod_num_aux");
   const auto num_mask_aux = attribute<std::int64_t>(attrs, "mask_mod_num_aux");
   for (std::int64_t i = 0; i < num_score_aux; ++i) {
@@ -239,6 +256,9 @@ cuflash::ForwardArgs forward_args(const ffi::RemainingArgs& args, const ffi::Rem
   forward.out = results.next("out");
   forward.lse = results.next("lse");
   results.expect_end();
+  // The launcher compiled at run time for a callable's program (python/cuflash/_jit.py); 0: none.
+  forward.opts.expression_forward_kernel =
+      static_cast<std::uintptr_t>(attribute<std::int64_t>(attrs, "expression_kernel"));
   forward.num_splits = static_cast<int>(attribute<std::int64_t>(attrs, "num_splits"));
   const auto pack_gqa = attribute<std::int64_t>(attrs, "pack_gqa");  // < 0: default
   if (pack_gqa >= 0) forward.pack_gqa = pack_gqa != 0;
@@ -264,6 +284,8 @@ cuflash::BackwardArgs backward_args(const ffi::RemainingArgs& args, const ffi::R
   backward.dv = results.next("dv");
   if (backward.learnable_sink) backward.d_sink = results.next("d_sink");
   results.expect_end();
+  backward.opts.expression_backward_kernel =
+      static_cast<std::uintptr_t>(attribute<std::int64_t>(attrs, "expression_kernel"));
   backward.deterministic = attribute<bool>(attrs, "deterministic");
   return backward;
 }

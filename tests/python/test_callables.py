@@ -188,6 +188,33 @@ def test_mask_mod_per_head_and_bool_table(rng):
     run(rng, ref.Options(mask_mod=mask_mod), q, k, v, function="dense", mask_mod=mask_mod)
 
 
+def _module_bias(h, q_idx, kv_idx):
+    return _MODULE_TABLE[h] * (kv_idx - q_idx)
+
+
+_MODULE_TABLE = np.array([0.25, -0.5, 0.125, 0.0], np.float32)
+
+
+def test_helpers_that_close_over_tensors(rng):
+    # A callable that calls helpers holding their own tensors (a nested function's closure, a
+    # module-level function reading a module global): the helpers' tensors are traced too.
+    q, k, v = qkv(rng, seqlen_q=20, seqlen_k=20)
+    doc = document_ids(rng, 2, 20)
+    scale = np.array([1.0, 0.5, 2.0, 1.5], np.float32)
+
+    def same_document(b, q_idx, kv_idx):
+        return doc[b, q_idx] == doc[b, kv_idx]
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score * scale[h] + _module_bias(h, q_idx, kv_idx)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return same_document(b, q_idx, kv_idx) | (kv_idx == 0)
+
+    run(rng, ref.Options(score_mod=score_mod), q, k, v, function="varlen", score_mod=score_mod)
+    run(rng, ref.Options(mask_mod=mask_mod), q, k, v, function="dense", mask_mod=mask_mod)
+
+
 def test_mask_mod_boolean_arithmetic_as_numpy(rng):
     # + and * of two comparisons are or / and, as in NumPy and torch (FlexAttention's masks), not
     # Python's int arithmetic (True + True == 2).

@@ -592,6 +592,37 @@ def test_jax_jit_forward_grad(rng, causal):
         assert_close(np.asarray(grad).astype(np.float64), e, "bfloat16", scale=max(1.0, np.abs(e).max()), what=name)
 
 
+def test_jax_jit_callable_score_mod(rng):
+    # A score_mod callable under jax.jit and jax.grad on the GPU backend: the kernels compiled at
+    # run time for it (the structure gpu_callables builds ahead), launched by the CUDA FFI
+    # handlers; against the built-in it spells out.
+    jax, gpu = jax_gpu()
+    jnp = jax.numpy
+    import gpu_callables
+
+    q, k, v = (jax.device_put(rng.standard_normal((2, 256, 4, gpu_callables.HEAD_DIM)).astype(np.float32), gpu)
+               .astype(jnp.bfloat16) for _ in range(3))
+    slopes = np.asarray(cuflash.scores.alibi_slopes(4), np.float32)
+
+    def loss(score_mod):
+        def f(q, k, v):
+            return jnp.sum(cuflash.flash_attn_varlen_func(q, k, v, score_mod=score_mod)[0].astype(jnp.float32) ** 2)
+        return f
+
+    with skip_if_not_built():
+        expected = jax.jit(jax.value_and_grad(loss(cuflash.scores.alibi(slopes)), argnums=(0, 1, 2)))(q, k, v)
+    try:
+        got = jax.jit(jax.value_and_grad(loss(gpu_callables.alibi_like(slopes)), argnums=(0, 1, 2)))(q, k, v)
+    except RuntimeError as error:
+        if "not found" in str(error):  # nvcc or the CUTLASS headers
+            pytest.skip(str(error))
+        raise
+    np.testing.assert_allclose(float(got[0]), float(expected[0]), rtol=2e-2)
+    for name, g, e in zip(("dq", "dk", "dv"), got[1], expected[1]):
+        e = np.asarray(e).astype(np.float64)
+        assert_close(np.asarray(g).astype(np.float64), e, "bfloat16", scale=max(1.0, np.abs(e).max()), what=name)
+
+
 def test_jax_jit_varlen_sink_grad(rng):
     jax, gpu = jax_gpu()
     jnp = jax.numpy

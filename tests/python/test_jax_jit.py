@@ -182,6 +182,53 @@ def test_document_mask_grad(rng):
     check_grads([f64(g) for g in grads] + [None], ref.backward_dense(dout, q, k, v, np.asarray(out), opts))
 
 
+def test_callables_forward_and_grad(rng):
+    # score_mod / mask_mod as Python callables under jax.jit and jax.grad: traced into expression
+    # programs, their tensors (a NumPy table closed over, a traced bias, document ids) operands of
+    # the custom calls; against the NumPy reference calling the same functions.
+    batch, seqlen = 2, 40
+    q, k, v = (randn(rng, (batch, seqlen, 2, 32)) for _ in range(3))
+    doc = document_ids(rng, batch, seqlen)
+    slopes = np.array([0.3, -0.2], np.float32)
+    bias = rng.standard_normal(seqlen).astype(np.float32)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score * 0.9 + slopes[h] * (kv_idx - q_idx) / 8
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (doc[b, q_idx] == doc[b, kv_idx]) | (kv_idx < 3)
+
+    jq, jk, jv, jbias = on_cpu(q, k, v, bias)
+
+    def attention(q, k, v, bias):  # bias: a traced value the score_mod closes over
+        return cuflash.flash_attn_varlen_func(
+            q, k, v, causal=True, score_mod=lambda s, b, h, i, j: score_mod(s, b, h, i, j) + bias[j])
+
+    def masked(q, k, v):
+        return cuflash.flash_attn_func(q, k, v, mask_mod=mask_mod)
+
+    opts = ref.Options(causal=True, score_mod=lambda s, b, h, i, j: score_mod(s, b, h, i, j) + bias[j])
+    out, lse = jax.jit(attention)(jq, jk, jv, jbias)
+    expected_out, expected_lse = ref.forward_dense(q, k, v, opts)
+    assert_close(f64(out), expected_out, what="out")
+    assert_lse_close(f64(lse), expected_lse)
+    dout = randn(rng, out.shape)
+    grads = loss_grads(attention, (0, 1, 2), jq, jk, jv, jbias, dout=dout)
+    check_grads([f64(g) for g in grads] + [None], ref.backward_dense(dout, q, k, v, np.asarray(out), opts))
+
+    opts = ref.Options(mask_mod=mask_mod)
+    out, _ = jax.jit(masked)(jq, jk, jv)
+    assert_close(f64(out), ref.forward_dense(q, k, v, opts)[0], what="out")
+    grads = loss_grads(masked, (0, 1, 2), jq, jk, jv, dout=dout)
+    check_grads([f64(g) for g in grads] + [None], ref.backward_dense(dout, q, k, v, np.asarray(out), opts))
+    # Eager arrays take the same custom calls.
+    eager, _ = masked(jq, jk, jv)
+    np.testing.assert_array_equal(np.asarray(eager), np.asarray(out))
+    # The bias traced as a differentiated value is refused by name (no gradient of mod tensors).
+    with pytest.raises(NotImplementedError, match="^score_mod: its tensor aux"):
+        jax.grad(lambda b: jnp.sum(attention(jq, jk, jv, b)[0].astype(jnp.float32)))(jbias)
+
+
 @pytest.mark.parametrize("traced_lists", [False, True])
 def test_block_sparse_grad(rng, traced_lists):
     # The backward's column-block lists are the forward lists transposed in jax.numpy.
