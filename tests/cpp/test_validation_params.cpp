@@ -46,6 +46,19 @@ TensorView tensor(DType dtype, std::initializer_list<std::int64_t> shape) {
   return TensorView(dummy_data(), dtype, shape);
 }
 
+#if CUFLASH_HAS_CUDA
+// The argument a kernel's check refuses (kNotSupported) when `check` runs; empty if none.
+template <class Check>
+std::string refused_argument(Check check) {
+  try {
+    check();
+  } catch (const Error& error) {
+    return error.kind() == Error::Kind::kNotSupported ? error.argument() : std::string();
+  }
+  return {};
+}
+#endif
+
 TEST(ParamsWindow, NormalizesCausalAndLocalAsTheSeed) {
   struct Case {
     bool causal;
@@ -245,16 +258,8 @@ TEST(ParamsForward, SizeOneDimensionsTakeAnyStride) {
   EXPECT_EQ(b.dk_row_stride, 128);
 #if CUFLASH_HAS_CUDA
   // The kernels' stride checks pass (a kernel missing from this build may still refuse).
-  auto refused_by_strides = [](auto check) {
-    try {
-      check();
-    } catch (const Error& error) {
-      return error.kind() == Error::Kind::kNotSupported;
-    }
-    return false;
-  };
-  EXPECT_FALSE(refused_by_strides([&] { sm90::check_forward_supported(p); }));
-  EXPECT_FALSE(refused_by_strides([&] { sm90::backward_workspace_bytes(b); }));
+  EXPECT_EQ(refused_argument([&] { sm90::check_forward_supported(p); }), "");
+  EXPECT_EQ(refused_argument([&] { sm90::backward_workspace_bytes(b); }), "");
 #endif
 }
 
@@ -1164,14 +1169,7 @@ TEST(ParamsBackward, GridLimitsAndEmptyBatch) {
   p.num_heads_kv = 4;
   p.seqlen_q = 64;
   p.seqlen_k = 64;
-  auto refusal = [&]() -> std::string {
-    try {
-      sm90::backward_workspace_bytes(p);
-    } catch (const Error& error) {
-      return error.kind() == Error::Kind::kNotSupported ? error.argument() : std::string();
-    }
-    return {};
-  };
+  auto refusal = [&] { return refused_argument([&] { sm90::backward_workspace_bytes(p); }); };
   p.batch = 65535;
   p.total_q = p.total_k = std::int64_t(p.batch) * 64;
   EXPECT_EQ(refusal(), "");
@@ -1206,14 +1204,7 @@ TEST(ParamsForward, NegativeScaleRefusedByThePlainKernels) {
   p.head_dim = 128;
   p.head_dim_v = 128;
   p.softmax_scale = -0.125f;
-  auto refusal = [&]() -> std::string {
-    try {
-      sm90::check_forward_supported(p);
-    } catch (const Error& error) {
-      return error.kind() == Error::Kind::kNotSupported ? error.argument() : std::string();
-    }
-    return {};
-  };
+  auto refusal = [&] { return refused_argument([&] { sm90::check_forward_supported(p); }); };
   EXPECT_EQ(refusal(), "softmax_scale");
   p.softcap = 30.f;
   EXPECT_NE(refusal(), "softmax_scale");
