@@ -384,12 +384,17 @@ def _resolve_variant(mod: Any, argument: str, cls: type, aux_tensors: Optional[L
         # The ids cover the longest sequence: packed lengths from the max_seqlen hints, else
         # read from host cu_seqlens (the bound total_q / total_k where they are on the device),
         # paged keys as the page table addresses them (max_pages * page_size), as the C++ API.
+        def packed_longest(hint, cu_seqlens, bound):
+            if hint is not None:
+                return hint
+            host = _host_longest(call, cu_seqlens)
+            return bound if host is None else host
+
         seqlen_k = _addressed_keys(call)
         longest = max(
-            call.seqlen_q if call.cu_seqlens_q is None
-            else call.max_seqlen_q or _host_longest(call, call.cu_seqlens_q) or call.total_q,
-            seqlen_k if call.cu_seqlens_k is None
-            else call.max_seqlen_k or _host_longest(call, call.cu_seqlens_k) or seqlen_k)
+            call.seqlen_q if call.cu_seqlens_q is None else packed_longest(call.max_seqlen_q, call.cu_seqlens_q,
+                                                                            call.total_q),
+            seqlen_k if call.cu_seqlens_k is None else packed_longest(call.max_seqlen_k, call.cu_seqlens_k, seqlen_k))
         if len(shape) != 2 or shape[0] != batch or shape[1] < longest:
             _fail(ValueError, f"{argument} doc_ids",
                   f"expected shape (batch={batch}, L) with L >= max(seqlen_q, seqlen_k) = {longest}, got {shape}")
@@ -594,7 +599,7 @@ def _prepare(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, s
         if len(page_table.shape) != 2 or int(page_table.shape[0]) != batch:
             _fail(ValueError, "page_table", f"expected shape (batch_size={batch}, max_num_pages_per_seq), "
                                             f"got {_shape(page_table)}")
-        if framework.strides(page_table)[-1] != 1 and page_table.shape[-1] > 1:
+        if framework.strides(page_table)[-1] != 1 and page_table.shape[-1] > 1 and _numel(_shape(page_table)) > 0:
             _fail(ValueError, "page_table", f"expected the last dimension to be contiguous (stride 1), "
                                             f"got strides {framework.strides(page_table)}")
         if len(k.shape) != 4:

@@ -77,6 +77,8 @@ std::int64_t TensorView::numel() const {
 }
 
 bool TensorView::is_contiguous() const {
+  // No element, no layout to check (NumPy's DLPack export gives an empty array's strides as 0).
+  if (numel() == 0) return true;
   std::int64_t running = 1;
   for (int d = ndim - 1; d >= 0; --d) {
     if (shape[d] != 1 && stride[d] != running) return false;

@@ -219,6 +219,26 @@ def test_empty_calls(rng):
         for grad, x in ((dq, q), (dk, k), (dv, v)):
             assert grad.shape == x.shape and np.all(grad == 0)
         assert np.all(d_sink == 0)
+    # Batch 0 with the index tensors that come with it (NumPy gives empty arrays strides of 0):
+    # block lists, seqused over zero sequences, a page table of no rows.
+    q = np.zeros((0, 200, 2, 32), np.float16)
+    cnt, idx = np.zeros((0, 1, 2), np.int32), np.zeros((0, 1, 2, 2), np.int32)
+    assert cuflash.flash_attn_func(q, q, q, mask_block_cnt=cnt, mask_block_idx=idx)[0].shape == q.shape
+    packed, cu = np.zeros((0, 2, 32), np.float16), np.zeros(1, np.int32)
+    for used in ("seqused_q", "seqused_k"):
+        assert cuflash.flash_attn_varlen_func(packed, packed, packed, cu, cu, **{used: np.zeros(0, np.int32)})[0].shape \
+            == packed.shape
+    pages = np.zeros((4, 16, 2, 32), np.float16)
+    assert cuflash.flash_attn_varlen_func(q[:, :5], pages, pages, page_table=np.zeros((0, 3), np.int32))[0].shape \
+        == (0, 5, 2, 32)
+    # A document mask over a sequence without queries: the ids cover max_seqlen_q = 0 (a hint of
+    # 0, or read from cu_seqlens) and the keys.
+    rows, keys = randn(rng, (4, 2, 32)), randn(rng, (3, 2, 32))
+    doc = np.zeros((1, 3), np.int32)
+    for hint in (None, 0):
+        out, _ = cuflash.flash_attn_forward(rows, keys, keys, np.array([0, 0], np.int32), np.array([0, 3], np.int32),
+                                            max_seqlen_q=hint, mask_mod=cuflash.masks.document(doc))
+        assert np.all(out == 0)
 
 
 def test_backward_into_preallocated_grads(rng):
