@@ -655,6 +655,8 @@ def _prepare(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, s
         _check_shape(learnable_sink, "learnable_sink", (num_heads,), "(num_heads,)")
         _check_dtype(framework, learnable_sink, "learnable_sink", _SINK_DTYPES)
         _check_device(framework, learnable_sink, "learnable_sink", device)
+        if num_heads > 1 and framework.strides(learnable_sink)[0] != 1:
+            learnable_sink = framework.contiguous(learnable_sink)  # the kernels read it contiguous
 
     if num_heads_kv == 0 or num_heads % num_heads_kv != 0:
         _fail(ValueError, "k", f"num_heads ({num_heads}) must be divisible by num_heads_kv ({num_heads_kv})")

@@ -83,6 +83,11 @@ def test_learnable_sink(rng, sink_dtype):
     # causal with Sq > Sk: rows without any key have lse == sink and out == 0.
     out, lse = check_dense(q, k, v, ref.Options(causal=True, sink=sink), causal=True, learnable_sink=sink)
     np.testing.assert_allclose(lse[0, :, 0], np.asarray(sink, dtype=np.float64), rtol=1e-6)
+    # A strided sink (every other entry of a longer one) is read as its values.
+    wide = np.repeat(sink, 2)
+    strided_out, strided_lse = cuflash.flash_attn_func(q, k, v, causal=True, learnable_sink=wide[::2])
+    np.testing.assert_array_equal(strided_out, out)
+    np.testing.assert_array_equal(strided_lse, lse)
 
 
 @pytest.mark.parametrize("num_splits", [0, 1, 3])
