@@ -185,7 +185,7 @@ def _numeric_type(*syms: "Sym") -> str:
 
 
 # Arithmetic of two booleans as NumPy and torch (hence FlexAttention) do it: + and max are or,
-# * and min are and; the others raise there, so they are refused here.
+# * and min are and, - raises there (refused here); / // % take them as 0 and 1.
 _BOOL_ARITH = {ADD: OR, MAX: OR, MUL: AND, MIN: AND}
 
 
@@ -193,10 +193,11 @@ def _arith(op: int, x: Any, y: Any) -> "Sym":
     g = _graph_of(x, y)
     a, b = g.lift(x), g.lift(y)
     if a.type == "bool" and b.type == "bool":
-        if op not in _BOOL_ARITH:
-            g.fail("this arithmetic on two booleans (comparisons) is not defined as in NumPy / torch; use "
-                   "& | ~ or cuflash.mods.where")
-        return g.node(_BOOL_ARITH[op], (a.index, b.index), type="bool")
+        if op == SUB:
+            g.fail("- of two booleans (comparisons) is not defined in NumPy / torch; use & | ~ or "
+                   "cuflash.mods.where")
+        if op in _BOOL_ARITH:
+            return g.node(_BOOL_ARITH[op], (a.index, b.index), type="bool")
     if op == DIV:
         t = "float"
     elif op in (FLOORDIV, MOD):
@@ -524,6 +525,9 @@ class _AuxProxy:
         if len(index) != self.ndim:
             g.fail(f"{self._name}: index every dimension of a tensor of shape {self.shape} (one element at a "
                    f"time), got {len(index)} index(es)")
+        concrete = self._concrete_element(index)
+        if concrete is not None:
+            return concrete
         regs = []
         for d, i in enumerate(index):
             if isinstance(i, (slice, type(Ellipsis))) or i is None:
@@ -543,6 +547,19 @@ class _AuxProxy:
         if self._kind == "bool":
             return g.node(NE, (value.index, g.constant(0).index), type="bool")
         return value
+
+    def _concrete_element(self, index: Tuple[Any, ...]) -> Any:
+        """The element itself where the tensor is a NumPy array and every index a plain integer (a
+        setting read at trace time, say `float(CONFIG[0])`, which then enters the program as a
+        constant); None otherwise: the program reads the element (device tensors are not read
+        back here, and a torch tensor that requires grad must stay visible to the refusal)."""
+        if not isinstance(self._tensor, np.ndarray) or len(index) != self.ndim or not all(
+                isinstance(i, numbers.Integral) and not isinstance(i, (bool, np.bool_)) for i in index):
+            return None
+        try:
+            return self._tensor[tuple(int(i) for i in index)].item()
+        except IndexError:
+            self._graph.fail(f"{self._name}: index {tuple(index)} is out of range for shape {self.shape}")
 
     def __getattr__(self, name: str):
         if name.startswith("_"):
@@ -682,9 +699,14 @@ def _trace(fn: Callable, role: str, argument: str, aux_tensors: Optional[Sequenc
 
     graph = _Graph(argument)
 
+    proxies: Dict[int, _AuxProxy] = {}
+
     def make_proxy(tensor: Any, label: str) -> _AuxProxy:
-        framework = framework_of(tensor)
-        return _AuxProxy(graph, tensor, framework, label)
+        # One proxy (one aux slot, one copy to the device) per tensor, however many of the
+        # traced functions read it.
+        if id(tensor) not in proxies:
+            proxies[id(tensor)] = _AuxProxy(graph, tensor, framework_of(tensor), label)
+        return proxies[id(tensor)]
 
     args: List[Any] = []
     if role == "score":

@@ -504,7 +504,8 @@ struct MainloopBwdSm90 {
     RotationGroup g;
     if constexpr (!HasWindow && !kIsFlex) {
       if (p.dq_rotate_window <= 0) { return g; }
-      int const num_m = (seq.seqlen_q + kBlockM - 1) / kBlockM;
+      // Over the row blocks the walks visit: at most max_seqlen_q's (make_walk).
+      int const num_m = cute::min((seq.seqlen_q + kBlockM - 1) / kBlockM, p.num_m_blocks);
       int const num_n = (seq.seqlen_k + kBlockN - 1) / kBlockN;
       if (n_block >= num_n) { return g; }
       // Deterministic launches are (column block, head, batch) grids: the CTA's launch index

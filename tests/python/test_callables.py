@@ -215,13 +215,39 @@ def test_helpers_that_close_over_tensors(rng):
     run(rng, ref.Options(mask_mod=mask_mod), q, k, v, function="dense", mask_mod=mask_mod)
 
 
+_CONFIG = np.array([0.75, 3.0], np.float32)
+
+
+def _temperature():
+    return float(_CONFIG[0])  # a setting read while tracing
+
+
+def _config_bias(h, kv_idx):
+    return _MODULE_TABLE[h] * kv_idx + _CONFIG[1] * 0.01
+
+
+def test_helpers_read_settings_and_share_tables(rng):
+    # A helper that reads a NumPy setting with plain indices gets its value (a constant of the
+    # program); one table read by several functions takes one slot (the limit is 4 tensors).
+    q, k, v = qkv(rng, seqlen_q=16, seqlen_k=16)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return (score * _temperature() + _config_bias(h, kv_idx) + _module_bias(h, q_idx, kv_idx)
+                + _MODULE_TABLE[h] + _config_bias(h, q_idx))
+
+    traced = mods.trace_score_mod(score_mod)
+    assert len(traced.aux) == 1  # _MODULE_TABLE, read by three functions
+    run(rng, ref.Options(score_mod=score_mod), q, k, v, function="varlen", score_mod=score_mod)
+
+
 def test_mask_mod_boolean_arithmetic_as_numpy(rng):
     # + and * of two comparisons are or / and, as in NumPy and torch (FlexAttention's masks), not
     # Python's int arithmetic (True + True == 2).
     q, k, v = qkv(rng, seqlen_q=20, seqlen_k=20)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return ((kv_idx <= q_idx) + (kv_idx < 5)) * (q_idx - kv_idx < 9) + abs(kv_idx == q_idx)
+        return (((kv_idx <= q_idx) + (kv_idx < 5)) * (q_idx - kv_idx < 9) + abs(kv_idx == q_idx)
+                + ((q_idx > 3) // (kv_idx >= 0) > 0))
 
     run(rng, ref.Options(mask_mod=mask_mod), q, k, v, function="dense", mask_mod=mask_mod)
 

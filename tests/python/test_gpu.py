@@ -442,20 +442,22 @@ def test_torch_flex_with_sink_seqused_and_lse_gradient(rng, mod):
         assert_close(to_f64(g), expected, "bfloat16", scale=max(1.0, np.abs(expected).max()), what=name)
 
 
-def test_torch_deterministic_backward_with_a_short_max_seqlen_hint(rng):
+@pytest.mark.parametrize("causal", [True, False])
+def test_torch_deterministic_backward_with_a_short_max_seqlen_hint(rng, causal):
     # max_seqlen_q below the longest packed sequence (the host cannot check a hint against
     # device cu_seqlens): the deterministic backward walks only the row blocks the hint counts,
     # as the forward computes only those, instead of running past its semaphores (a hang or a
     # write out of bounds). What it returns for such a call is not specified; it must return,
-    # without NaN where the hint's rows reach.
+    # without NaN where the hint's rows reach. Non-causal, the deterministic walks are rotated
+    # (each column block starts at another row block), over the hint's row blocks too.
     torch = torch_cuda()
     lengths = [400, 100]
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device="cuda")
     q, k, v = (torch.randn(sum(lengths), 4, 128, device="cuda").bfloat16() for _ in range(3))
     with skip_if_not_built():
-        out, lse = cuflash.flash_attn_varlen_func(q, k, v, cu, cu, 400, 400, causal=True)
+        out, lse = cuflash.flash_attn_varlen_func(q, k, v, cu, cu, 400, 400, causal=causal)
         grads = cuflash.flash_attn_backward(torch.randn_like(out), q, k, v, out, lse, cu, cu, 128, 400,
-                                            causal=True, deterministic=True)
+                                            causal=causal, deterministic=True)
     torch.cuda.synchronize()
     assert all(bool(torch.isfinite(g[:128].float()).all()) for g in grads[:3])
 
