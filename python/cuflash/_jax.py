@@ -100,11 +100,11 @@ class _Static:
     num_splits: int
     pack_gqa: Optional[bool]
     deterministic: bool
-    # Traced callables: [result, grad, code...] (empty: none), and the (forward, backward)
-    # launchers compiled for them on the GPU (0: none).
+    # Traced callables: [result, grad, code...] (empty: none), and the path of the module
+    # compiled for them for the GPU ("": none), which the GPU handlers open.
     score_mod_program: Tuple[int, ...] = ()
     mask_mod_program: Tuple[int, ...] = ()
-    expression_kernels: Tuple[int, int] = (0, 0)
+    expression_module: str = ""
 
     def attributes(self, operand_bits: int, forward: bool) -> dict:
         attrs = dict(
@@ -125,7 +125,7 @@ class _Static:
             mask_mod_num_aux=np.int64(self.num_mask_aux),
             score_mod_program=np.asarray(self.score_mod_program, dtype=np.int32).reshape(-1),
             mask_mod_program=np.asarray(self.mask_mod_program, dtype=np.int32).reshape(-1),
-            expression_kernel=np.int64(self.expression_kernels[0 if forward else 1]),
+            expression_module=self.expression_module,
             block_m=np.int64(BLOCK_M),
             block_n=np.int64(BLOCK_N),
         )
@@ -150,7 +150,7 @@ def _static(call) -> _Static:
         num_splits=call.num_splits, pack_gqa=call.pack_gqa, deterministic=call.deterministic,
         score_mod_program=tuple(int(x) for x in call.score_program),
         mask_mod_program=tuple(int(x) for x in call.mask_program),
-        expression_kernels=tuple(int(x) for x in call.expression_kernels))
+        expression_module=call.expression_module)
 
 
 def _extras(call) -> Tuple[Optional[Any], ...]:

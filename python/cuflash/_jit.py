@@ -217,12 +217,18 @@ def load(path: pathlib.Path, expected_abi: int) -> Tuple[int, int]:
     return forward, backward
 
 
+def expression_module(score, mask, dtype: str, head_dim: int, head_dim_v: int, split: bool = False,
+                      paged: bool = False, pack_gqa: bool = False) -> pathlib.Path:
+    """The compiled module for traced `score` / `mask` (None: not a callable), built if it is not
+    in the cache; split / paged / pack_gqa as kernel_source."""
+    return build(kernel_source(score, mask, dtype, head_dim, head_dim_v, split, paged, pack_gqa))
+
+
 def expression_kernels(score, mask, dtype: str, head_dim: int, head_dim_v: int, expected_abi: int,
                        split: bool = False, paged: bool = False, pack_gqa: bool = False) -> Tuple[int, int]:
-    """(forward, backward) launcher addresses for traced `score` / `mask` (None: not a callable);
-    split / paged / pack_gqa as kernel_source."""
-    source = kernel_source(score, mask, dtype, head_dim, head_dim_v, split, paged, pack_gqa)
-    return load(build(source), expected_abi)
+    """(forward, backward) launcher addresses of expression_module's module, loaded into this
+    process."""
+    return load(expression_module(score, mask, dtype, head_dim, head_dim_v, split, paged, pack_gqa), expected_abi)
 
 
 def enabled() -> bool:

@@ -269,6 +269,8 @@ class _Call:
     score_traced: Any = None
     mask_traced: Any = None
     expression_kernels: Tuple[int, int] = (0, 0)
+    # JAX: the compiled module's path instead (the custom calls' GPU handlers open it).
+    expression_module: str = ""
     # mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx, then the q_ (backward) lists.
     block_sparse: List[Optional[Tensor]] = field(default_factory=list)
     num_splits: int = 1
@@ -708,10 +710,15 @@ def _prepare(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, s
             # Callables split (num_splits > 1) and pack GQA groups (pack_gqa=True) only when
             # asked: the heuristics leave them at one split, unpacked, so the kernel's form is
             # known here.
-            call.expression_kernels = _jit.expression_kernels(
-                call.score_traced, call.mask_traced, call.dtype, call.head_dim, call.head_dim_v,
-                _C.kernel_params_abi(), split=call.num_splits > 1, paged=call.page_table is not None,
-                pack_gqa=call.pack_gqa is True and call.num_heads != call.num_heads_kv)
+            form = dict(split=call.num_splits > 1, paged=call.page_table is not None,
+                        pack_gqa=call.pack_gqa is True and call.num_heads != call.num_heads_kv)
+            if _uses_jax_ffi(framework):
+                call.expression_module = str(_jit.expression_module(
+                    call.score_traced, call.mask_traced, call.dtype, call.head_dim, call.head_dim_v, **form))
+            else:
+                call.expression_kernels = _jit.expression_kernels(
+                    call.score_traced, call.mask_traced, call.dtype, call.head_dim, call.head_dim_v,
+                    _C.kernel_params_abi(), **form)
         except _jit.JitError as error:
             _fail(RuntimeError, "score_mod" if call.score_traced is not None else "mask_mod", str(error))
 

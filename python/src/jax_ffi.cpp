@@ -10,18 +10,26 @@
 // whose bits are set in the `operands` attribute, in the order of the bits (kOperandNames; the
 // q_ block lists and dlse only to the backward), then
 // `score_mod_num_aux` score_mod aux tensors and `mask_mod_num_aux` mask_mod aux tensors.
-// Traced callables come as `score_mod_program` / `mask_mod_program` (int32 arrays) with, on the
-// GPU, `expression_kernel`: the address of the launcher compiled for them at run time.
+// Traced callables come as `score_mod_program` / `mask_mod_program` (int32 arrays) with, for
+// the GPU, `expression_module`: the path of the module compiled for them at run time
+// (python/cuflash/_jit.py's on-disk cache), which the handler opens itself. A path, not the
+// launcher's address: a compiled computation may outlive the process that traced it (JAX's
+// persistent compilation cache), and the address would then point nowhere.
 // Results: out, lse (forward) or dq, dk, dv and, with a learnable sink, d_sink (backward).
 // python/cuflash/_jax.py builds the calls; it checks every argument first, as the eager path does.
 #if CUFLASH_PYTHON_HAS_JAX_FFI
 
 #include <nanobind/nanobind.h>
 
+#include <dlfcn.h>
+
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #if CUFLASH_PYTHON_HAS_CUDA
@@ -127,6 +135,49 @@ cuflash::ExprProgram program(const ffi::Dictionary& attrs, std::string_view name
   result.grad = span[1];
   result.code.assign(span.begin() + 2, span.end());
   return result;
+}
+
+// The (forward, backward) launchers of a module compiled for callables, opened once per process
+// and kept open; checked to be built against this library's parameter layouts.
+std::pair<std::uintptr_t, std::uintptr_t> expression_launchers(const std::string& path) {
+  static std::mutex mutex;
+  static std::map<std::string, std::pair<std::uintptr_t, std::uintptr_t>> opened;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto found = opened.find(path);
+  if (found != opened.end()) return found->second;
+  void* module = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (module == nullptr) {
+    const char* why = dlerror();
+    fail("expression_module: cannot open " + path + " (" + (why ? why : "unknown error") +
+         "): the module compiled for a score_mod / mask_mod callable; clear JAX's compilation cache if the "
+         "cuflash kernel cache was removed");
+  }
+  using AbiFn = unsigned long long (*)();
+  auto const abi = reinterpret_cast<AbiFn>(dlsym(module, "cuflash_expression_abi"));
+  void* const forward = dlsym(module, "cuflash_expression_forward");
+  void* const backward = dlsym(module, "cuflash_expression_backward");
+  if (abi == nullptr || forward == nullptr || backward == nullptr || abi() != cuflash::kernel_params_abi()) {
+    fail("expression_module: " + path + " is not a module built against this cuflash's parameter layouts");
+  }
+  auto const launchers = std::make_pair(reinterpret_cast<std::uintptr_t>(forward),
+                                        reinterpret_cast<std::uintptr_t>(backward));
+  opened.emplace(path, launchers);
+  return launchers;
+}
+
+// The launcher for a call's callables on `device`: 0 on the host (the CPU reference runs the
+// programs) or without callables.
+std::uintptr_t expression_launcher(const ffi::Dictionary& attrs, const cuflash::AttentionOptions& opts,
+                                   cuflash::Device device, bool forward) {
+  if (device.type != cuflash::DeviceType::kCUDA) return 0;
+  if (opts.score_mod.program.empty() && opts.mask_mod.program.empty()) return 0;
+  const auto path = attribute<std::string_view>(attrs, "expression_module");
+  if (path.empty()) {
+    fail("score_mod / mask_mod: a Python callable reached the GPU without its compiled kernels: it was traced "
+         "while jax.default_backend() was not 'gpu' (place the computation on the default backend)");
+  }
+  const auto launchers = expression_launchers(std::string(path));
+  return forward ? launchers.first : launchers.second;
 }
 
 // Reads the operands in order.
@@ -256,9 +307,7 @@ cuflash::ForwardArgs forward_args(const ffi::RemainingArgs& args, const ffi::Rem
   forward.out = results.next("out");
   forward.lse = results.next("lse");
   results.expect_end();
-  // The launcher compiled at run time for a callable's program (python/cuflash/_jit.py); 0: none.
-  forward.opts.expression_forward_kernel =
-      static_cast<std::uintptr_t>(attribute<std::int64_t>(attrs, "expression_kernel"));
+  forward.opts.expression_forward_kernel = expression_launcher(attrs, forward.opts, device, /*forward=*/true);
   forward.num_splits = static_cast<int>(attribute<std::int64_t>(attrs, "num_splits"));
   const auto pack_gqa = attribute<std::int64_t>(attrs, "pack_gqa");  // < 0: default
   if (pack_gqa >= 0) forward.pack_gqa = pack_gqa != 0;
@@ -284,8 +333,7 @@ cuflash::BackwardArgs backward_args(const ffi::RemainingArgs& args, const ffi::R
   backward.dv = results.next("dv");
   if (backward.learnable_sink) backward.d_sink = results.next("d_sink");
   results.expect_end();
-  backward.opts.expression_backward_kernel =
-      static_cast<std::uintptr_t>(attribute<std::int64_t>(attrs, "expression_kernel"));
+  backward.opts.expression_backward_kernel = expression_launcher(attrs, backward.opts, device, /*forward=*/false);
   backward.deterministic = attribute<bool>(attrs, "deterministic");
   return backward;
 }
