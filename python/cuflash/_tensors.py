@@ -139,6 +139,9 @@ class NumpyFramework(Framework):
     def from_numpy(self, array, like):
         return array
 
+    def address(self, x):
+        return int(x.__array_interface__["data"][0])
+
     def export(self, x):
         # NumPy's DLPack has no bfloat16: pass the bits as uint16 (read as bfloat16 by _C).
         if x.dtype.name == "bfloat16":

@@ -818,6 +818,31 @@ def _check_output(call: _Call, x: Optional[Tensor], argument: str, shape: Tuple[
     return x
 
 
+def _check_outputs_apart(call: _Call, outputs: Sequence[Tuple[Optional[Tensor], str]],
+                         inputs: Sequence[Tuple[Optional[Tensor], str]]) -> None:
+    """Preallocated outputs must not share memory with the inputs or with each other (the kernels
+    read the inputs while they write, and write the outputs at once). What is checked is the
+    common slip, an output that starts where an input or another output does (out=q, dq=dk);
+    interleaved views of one buffer, such as the gradients of a packed qkv tensor, start apart
+    and are fine."""
+    framework = call.framework
+
+    def start(tensor: Optional[Tensor]) -> Optional[int]:
+        return None if tensor is None or _numel(_shape(tensor)) == 0 else framework.address(tensor)
+
+    taken = {}  # start address -> the first argument there; inputs may share (q = k = v)
+    for tensor, name in inputs:
+        taken.setdefault(start(tensor), name)
+    for tensor, name in outputs:
+        address = start(tensor)
+        if address is None:
+            continue
+        if address in taken:
+            _fail(ValueError, name, f"shares its memory with {taken[address]} (it starts at the same address); "
+                                    f"outputs must not overlap the inputs or each other")
+        taken[address] = name
+
+
 def _check_backward_inputs(call: _Call, out: Tensor, dout: Tensor, lse: Tensor, dlse: Optional[Tensor] = None
                            ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     framework = call.framework
@@ -1120,7 +1145,9 @@ def flash_attn_forward(
         out: a preallocated output, out's shape ((batch, seqlen_q, num_heads, head_dim_v), or
             (total_q, num_heads, head_dim_v) with cu_seqlens_q) in q's dtype on q's device,
             written in place and returned. Any strides with a contiguous last dimension and no
-            two elements at one address; it must not overlap q, k or v. Packed rows past
+            two elements at one address (on the GPU, strides that are multiples of 16 bytes and a
+            16-byte aligned start, else refused by name); it must not overlap q, k or v (one that
+            starts where they do is refused). Packed rows past
             cu_seqlens_q[-1] belong to no sequence and are left as they were (an allocated out
             has them zeroed).
         lse: a preallocated lse (lse's shape, float32), written in place and returned, whatever
@@ -1140,6 +1167,7 @@ def flash_attn_forward(
     return_lse = _check_bool(return_lse, "return_lse")
     out = _check_output(call, out, "out", call.out_shape, call.dtype)
     lse = _check_output(call, lse, "lse", call.lse_shape, "float32")
+    _check_outputs_apart(call, [(out, "out"), (lse, "lse")], [(call.q, "q"), (call.k, "k"), (call.v, "v")])
     if _uses_jax_ffi(call.framework):
         from . import _jax
 
@@ -1196,8 +1224,9 @@ def flash_attn_backward(
 
     dq, dk, dv: preallocated gradients, each of its input's shape and q's dtype on q's device,
     written in place and returned (None: allocated). Any strides with a contiguous last
-    dimension and no two elements at one address; they must not overlap each other or any
-    input. Packed rows past cu_seqlens_q[-1] (dq) or cu_seqlens_k[-1] (dk, dv) belong to no
+    dimension and no two elements at one address (on the GPU, strides that are multiples of 16
+    bytes and a 16-byte aligned start, else refused by name); they must not overlap each other or
+    any input (one that starts where another does is refused). Packed rows past cu_seqlens_q[-1] (dq) or cu_seqlens_k[-1] (dk, dv) belong to no
     sequence and are left as they were (allocated gradients have them zeroed). JAX arrays
     cannot be written in place: refused with them.
 
@@ -1215,6 +1244,9 @@ def flash_attn_backward(
     out, dout, lse, dlse = _check_backward_inputs(call, out, dout, lse, dlse)
     grads = [_check_output(call, g, name, _shape(x), call.dtype)
              for g, name, x in ((dq, "dq", call.q), (dk, "dk", call.k), (dv, "dv", call.v))]
+    _check_outputs_apart(call, list(zip(grads, ("dq", "dk", "dv"))),
+                         [(call.q, "q"), (call.k, "k"), (call.v, "v"), (out, "out"), (dout, "dout"), (lse, "lse"),
+                          (dlse, "dlse")])
     if _uses_jax_ffi(call.framework):
         from . import _jax
 

@@ -39,6 +39,15 @@ std::int64_t stepped_stride(const TensorView& t, int dim) {
 }
 
 RowStrides row_strides(const TensorView& t) {
+  if (t.numel() == 0) {
+    // No element is read: the strides of a contiguous tensor with every empty dimension taken as
+    // one (what an empty tensor reports may be anything, 0 from NumPy), which the TMA descriptors
+    // and the kernels' checks accept.
+    auto extent = [&](int dim) { return std::max<std::int64_t>(t.shape[dim], 1); };
+    const int d = t.ndim - 1;
+    const std::int64_t head = t.shape[d], row = extent(d - 1) * head;
+    return t.ndim == 4 ? RowStrides{extent(1) * row, row, head} : RowStrides{0, row, head};
+  }
   if (t.ndim == 4) return {stepped_stride(t, 0), stepped_stride(t, 1), stepped_stride(t, 2)};
   return {0, stepped_stride(t, 0), stepped_stride(t, 1)};
 }

@@ -112,7 +112,7 @@ bool resolve_fwd_zero_v_tail(FwdZeroVTail setting, const FwdParams& params);
 bool fwd_zero_v_tail(const FwdParams& params);
 
 // Whether device calls read their index tensors in device memory (cu_seqlens, seqused, page
-// table, block lists, the integer tensors of mods) back to the host and check them as host ones
+// table, block lists) back to the host and check them as host ones
 // before any kernel runs: "0" (or null / empty) or "1". A synchronisation per call: for
 // debugging. Throws kInvalidArgument otherwise.
 bool parse_check_inputs(const char* value);

@@ -256,6 +256,17 @@ TEST(ParamsForward, SizeOneDimensionsTakeAnyStride) {
   EXPECT_EQ(b.dq_batch_stride, 8);
   EXPECT_EQ(b.dk_head_stride, 8);
   EXPECT_EQ(b.dk_row_stride, 128);
+  // An empty tensor (no keys here) whatever strides it reports: a contiguous one's, with its
+  // empty dimension taken as one.
+  ForwardArgs no_keys = args;
+  no_keys.k = TensorView(dummy_data(), DType::kBFloat16, {2, 0, 4, 128}, {0, 0, 0, 0});
+  no_keys.v = no_keys.k;
+  no_keys.q = TensorView(dummy_data(), DType::kBFloat16, {2, 3, 4, 128});
+  no_keys.out = no_keys.q;
+  const FwdParams e = make_fwd_params(no_keys, check_forward(no_keys));
+  EXPECT_EQ(e.k_head_stride, 128);
+  EXPECT_EQ(e.k_row_stride, 4 * 128);
+  EXPECT_EQ(e.k_batch_stride, 4 * 128);
 #if CUFLASH_HAS_CUDA
   // The kernels' stride checks pass (a kernel missing from this build may still refuse).
   EXPECT_EQ(refused_argument([&] { sm90::check_forward_supported(p); }), "");

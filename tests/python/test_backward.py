@@ -268,6 +268,15 @@ def test_backward_into_preallocated_grads(rng):
         cuflash.flash_attn_backward(dout, q, k, v, out, lse, dk=np.empty((2, 28, 2, 64), np.float16))
     with pytest.raises(TypeError, match="^dv: expected dtype float16"):
         cuflash.flash_attn_backward(dout, q, k, v, out, lse, dv=np.empty(v.shape, np.float32))
+    # A gradient that starts where an input or another gradient does.
+    with pytest.raises(ValueError, match="^dk: shares its memory with k"):
+        cuflash.flash_attn_backward(dout, q, k, v, out, lse, dk=k)
+    with pytest.raises(ValueError, match="^dq: shares its memory with dout"):
+        cuflash.flash_attn_backward(dout, q, k, v, out, lse, dq=dout[..., :32])
+    shared = np.empty(k.shape, np.float16)
+    with pytest.raises(ValueError, match="^dv: shares its memory with dk"):
+        cuflash.flash_attn_backward(dout[..., :32], q, k, v[..., :32], out[..., :32], lse, dk=shared,
+                                    dv=np.lib.stride_tricks.as_strided(shared, k.shape, shared.strides))
 
 
 def test_varlen_preallocated_grads_keep_unowned_rows(rng):

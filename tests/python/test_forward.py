@@ -679,6 +679,13 @@ def test_forward_refuses_wrong_outputs(rng):
         cuflash.flash_attn_forward(q, k, v, return_lse=1)
     with pytest.raises(ValueError, match="^out: is read-only"):
         cuflash.flash_attn_forward(q, k, v, out=np.broadcast_to(np.empty((1, 1, 2, 32), np.float16), (1, 16, 2, 32)))
+    # An output that starts where an input or the other output does (out=q, lse in out).
+    with pytest.raises(ValueError, match="^out: shares its memory with q"):
+        cuflash.flash_attn_forward(q, k, v, out=q)
+    buffer = np.empty(16 * 2 * 32, np.float16)
+    with pytest.raises(ValueError, match="^lse: shares its memory with out"):
+        cuflash.flash_attn_forward(q, k, v, out=buffer.reshape(1, 16, 2, 32),
+                                   lse=buffer[:64].view(np.float32).reshape(1, 2, 16))
     # Two elements at one address: refused by the C++ checks, by name.
     base = np.empty((1, 1, 2, 32), np.float16)
     overlapping = np.lib.stride_tricks.as_strided(base, (1, 16, 2, 32), (0, 0, 64, 2), writeable=True)
