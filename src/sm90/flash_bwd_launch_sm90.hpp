@@ -66,17 +66,25 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   int const num_m_blocks = batch > 0 ? (params.seqlen_q + kBlockM - 1) / kBlockM : 0;
   int const num_n_blocks = batch > 0 ? (params.seqlen_k + kBlockN - 1) / kBlockN : 0;
 
-  // Workspace buffers that start as zeros.
-  cudaMemsetAsync(params.dq_accum, 0, sizeof(float) * size_t(num_heads) * q_rows_padded * kHeadDim, stream);
+  // Workspace buffers that start as zeros (none where the call has no rows of them: a 0-byte
+  // workspace has no pointer to clear).
+  auto zero = [&](void* buffer, size_t bytes) {
+    if (bytes == 0) return;
+    cudaError_t const err = cudaMemsetAsync(buffer, 0, bytes, stream);
+    if (err != cudaSuccess) {
+      throw Error(Error::Kind::kCuda, "", std::string("cuflash backward: clearing the workspace failed: ") +
+                                              cudaGetErrorString(err));
+    }
+  };
+  zero(params.dq_accum, sizeof(float) * size_t(num_heads) * q_rows_padded * kHeadDim);
   if (gqa) {
-    cudaMemsetAsync(params.dk_accum, 0, sizeof(float) * size_t(num_heads_kv) * k_rows_padded * kHeadDim, stream);
-    cudaMemsetAsync(params.dv_accum, 0, sizeof(float) * size_t(num_heads_kv) * k_rows_padded * kHeadDimV, stream);
+    zero(params.dk_accum, sizeof(float) * size_t(num_heads_kv) * k_rows_padded * kHeadDim);
+    zero(params.dv_accum, sizeof(float) * size_t(num_heads_kv) * k_rows_padded * kHeadDimV);
   }
   size_t const num_dq_semaphores = size_t(batch) * num_heads * num_m_blocks * size_t(params.dq_semaphore_stride);
   int* dkv_semaphore = params.deterministic ? params.dq_semaphore + num_dq_semaphores : nullptr;
   if (params.deterministic) {
-    cudaMemsetAsync(params.dq_semaphore, 0,
-                    sizeof(int) * (num_dq_semaphores + size_t(batch) * num_heads_kv * num_n_blocks), stream);
+    zero(params.dq_semaphore, sizeof(int) * (num_dq_semaphores + size_t(batch) * num_heads_kv * num_n_blocks));
   }
 
   // Preprocess: dPsum and lse_log2.
@@ -129,8 +137,8 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // TMA descriptors need non-empty extents; empty ones are never loaded from.
   int const rows_q = std::max(varlen_q ? params.total_q : params.seqlen_q, 1);
   int const rows_k = std::max(varlen_k ? params.total_k : params.seqlen_k, 1);
-  int const batch_q = varlen_q ? 1 : batch;
-  int const batch_k = varlen_k ? 1 : batch;
+  int const batch_q = varlen_q ? 1 : std::max(batch, 1);
+  int const batch_k = varlen_k ? 1 : std::max(batch, 1);
   typename Mainloop::Arguments args{
       static_cast<Element const*>(params.q),
       static_cast<Element const*>(params.k),

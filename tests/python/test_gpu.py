@@ -611,10 +611,12 @@ def test_jax_jit_callable_score_mod(rng):
             return jnp.sum(cuflash.flash_attn_varlen_func(q, k, v, score_mod=score_mod)[0].astype(jnp.float32) ** 2)
         return f
 
-    with skip_if_not_built():
-        expected = jax.jit(jax.value_and_grad(loss(cuflash.scores.alibi(slopes)), argnums=(0, 1, 2)))(q, k, v)
+    with skip_if_not_built():  # the built-in (the hdim64 flex kernels; an error surfaces when read)
+        expected = jax.block_until_ready(
+            jax.jit(jax.value_and_grad(loss(cuflash.scores.alibi(slopes)), argnums=(0, 1, 2)))(q, k, v))
     try:
-        got = jax.jit(jax.value_and_grad(loss(gpu_callables.alibi_like(slopes)), argnums=(0, 1, 2)))(q, k, v)
+        got = jax.block_until_ready(
+            jax.jit(jax.value_and_grad(loss(gpu_callables.alibi_like(slopes)), argnums=(0, 1, 2)))(q, k, v))
     except RuntimeError as error:
         if "not found" in str(error):  # nvcc or the CUTLASS headers
             pytest.skip(str(error))
