@@ -825,6 +825,8 @@ def _check_outputs_apart(call: _Call, outputs: Sequence[Tuple[Optional[Tensor], 
     common slip, an output that starts where an input or another output does (out=q, dq=dk);
     interleaved views of one buffer, such as the gradients of a packed qkv tensor, start apart
     and are fine."""
+    if all(tensor is None for tensor, _ in outputs):
+        return
     framework = call.framework
 
     def start(tensor: Optional[Tensor]) -> Optional[int]:

@@ -86,19 +86,22 @@ void mirror_options(AttentionOptions& opts, HostMirror& mirror) {
   }
 }
 
+// What forward and backward arguments share: q, k, v, out, lse, the sink, sequences, options.
+template <class Args>
+void mirror_attention(Args& host, HostMirror& mirror) {
+  for (TensorView* t : {&host.q, &host.k, &host.v, &host.out}) *t = mirror(*t);
+  host.lse = mirror(host.lse);
+  host.learnable_sink = mirror(host.learnable_sink);
+  mirror_sequences(host.seq, mirror);
+  mirror_options(host.opts, mirror);
+}
+
 }  // namespace
 
 void check_index_values_on_host(const ForwardArgs& args, StreamHandle stream) {
   HostMirror mirror(stream);
   ForwardArgs host = args;
-  host.q = mirror(args.q);
-  host.k = mirror(args.k);
-  host.v = mirror(args.v);
-  host.out = mirror(args.out);
-  host.lse = mirror(args.lse);
-  host.learnable_sink = mirror(args.learnable_sink);
-  mirror_sequences(host.seq, mirror);
-  mirror_options(host.opts, mirror);
+  mirror_attention(host, mirror);
   mirror.wait();
   check_forward(host);
 }
@@ -106,14 +109,10 @@ void check_index_values_on_host(const ForwardArgs& args, StreamHandle stream) {
 void check_index_values_on_host(const BackwardArgs& args, StreamHandle stream) {
   HostMirror mirror(stream);
   BackwardArgs host = args;
-  for (TensorView* t : {&host.q, &host.k, &host.v, &host.out, &host.dout, &host.lse, &host.dq, &host.dk, &host.dv}) {
-    *t = mirror(*t);
-  }
-  host.dlse = mirror(args.dlse);
-  host.learnable_sink = mirror(args.learnable_sink);
-  host.d_sink = mirror(args.d_sink);
-  mirror_sequences(host.seq, mirror);
-  mirror_options(host.opts, mirror);
+  mirror_attention(host, mirror);
+  for (TensorView* t : {&host.dout, &host.dq, &host.dk, &host.dv}) *t = mirror(*t);
+  host.dlse = mirror(host.dlse);
+  host.d_sink = mirror(host.d_sink);
   mirror.wait();
   check_backward(host);
 }

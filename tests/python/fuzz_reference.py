@@ -118,6 +118,19 @@ def mask_mods(ctx):
 # case generation
 
 
+def side_lengths(rng, c, side, batch, packed):
+    """One side's (q or k) sequence capacities: packed, a length per sequence and a few padding
+    rows past the last (lengths_<side>, pad_<side>); else one dense length (S<side>)."""
+    if packed:
+        caps = [rand_len(rng) for _ in range(batch)]
+        c[f"lengths_{side}"] = caps
+        c[f"pad_{side}"] = int(rng.integers(1, 6)) if rng.random() < 0.3 else 0
+        return caps
+    length = rand_len(rng)
+    c["S" + side] = length
+    return [length] * batch
+
+
 def gen_case(seed):
     rng = np.random.default_rng(seed)
     c = {"seed": seed}
@@ -151,22 +164,8 @@ def gen_case(seed):
         c["k_packed"] = bool(rng.random() < 0.85)
         if not c["q_packed"] and not c["k_packed"]:
             c["q_packed"] = True
-        if c["q_packed"]:
-            caps_q = [rand_len(rng) for _ in range(B)]
-            c["lengths_q"] = caps_q
-            c["pad_q"] = int(rng.integers(1, 6)) if rng.random() < 0.3 else 0
-        else:
-            Sq = rand_len(rng)
-            c["Sq"] = Sq
-            caps_q = [Sq] * B
-        if c["k_packed"]:
-            caps_k = [rand_len(rng) for _ in range(B)]
-            c["lengths_k"] = caps_k
-            c["pad_k"] = int(rng.integers(1, 6)) if rng.random() < 0.3 else 0
-        else:
-            Sk = rand_len(rng)
-            c["Sk"] = Sk
-            caps_k = [Sk] * B
+        caps_q = side_lengths(rng, c, "q", B, c["q_packed"])
+        caps_k = side_lengths(rng, c, "k", B, c["k_packed"])
         c["seqused_q"] = [int(rng.integers(0, n + 1)) for n in caps_q] if rng.random() < 0.25 else None
         c["seqused_k"] = [int(rng.integers(0, n + 1)) for n in caps_k] if rng.random() < 0.25 else None
         # max_seqlen hints: None, exact, or larger
@@ -199,15 +198,9 @@ def gen_case(seed):
         c["num_pages"] = num_pages
         c["share_pages"] = bool(rng.random() < 0.2)
         c["q_packed"] = bool(rng.random() < 0.3)
+        caps_q = side_lengths(rng, c, "q", B, c["q_packed"])
         if c["q_packed"]:
-            caps_q = [rand_len(rng) for _ in range(B)]
-            c["lengths_q"] = caps_q
-            c["pad_q"] = int(rng.integers(1, 6)) if rng.random() < 0.3 else 0
             c["max_seqlen_q"] = max(caps_q) if rng.random() < 0.5 else None
-        else:
-            Sq = rand_len(rng)
-            c["Sq"] = Sq
-            caps_q = [Sq] * B
         c["seqused_q"] = None
         caps_k = [cap] * B
     c["caps_q"], c["caps_k"] = caps_q, caps_k
