@@ -306,6 +306,19 @@ def gen_case(seed):
 # building arrays
 
 
+def build_q(rng, c, packed, dtype, scale, kw, qmap):
+    """q of a varlen or paged case: packed with cu_seqlens_q (into kw) and padding rows past the
+    last sequence, or dense; qmap gets each sequence's storage rows."""
+    batch, heads, dim = c["B"], c["H"], c["D"]
+    if packed:
+        cu_q = np.concatenate([[0], np.cumsum(c["lengths_q"])]).astype(np.int32)
+        kw["cu_seqlens_q"] = cu_q
+        qmap.extend(np.arange(cu_q[b], cu_q[b + 1]) for b in range(batch))
+        return randn(rng, (int(cu_q[-1]) + c["pad_q"], heads, dim), dtype, scale)
+    qmap.extend(np.arange(c["Sq"]) + b * c["Sq"] for b in range(batch))
+    return randn(rng, (batch, c["Sq"], heads, dim), dtype, scale)
+
+
 def build(c):
     rng = np.random.default_rng(c["data_seed"])
     dtype, H, Hkv, D, Dv, B = c["dtype"], c["H"], c["Hkv"], c["D"], c["Dv"], c["B"]
@@ -326,16 +339,7 @@ def build(c):
         k_kind = "dense"
     elif layout == "varlen":
         q_packed = c["q_packed"]
-        if q_packed:
-            cu_q = np.concatenate([[0], np.cumsum(c["lengths_q"])]).astype(np.int32)
-            q = randn(rng, (int(cu_q[-1]) + c["pad_q"], H, D), dtype, s)
-            kw["cu_seqlens_q"] = cu_q
-            for b in range(B):
-                qmap.append(np.arange(cu_q[b], cu_q[b + 1]))
-        else:
-            q = randn(rng, (B, c["Sq"], H, D), dtype, s)
-            for b in range(B):
-                qmap.append(np.arange(c["Sq"]) + b * c["Sq"])
+        q = build_q(rng, c, q_packed, dtype, s, kw, qmap)
         if c["k_packed"]:
             cu_k = np.concatenate([[0], np.cumsum(c["lengths_k"])]).astype(np.int32)
             k = randn(rng, (int(cu_k[-1]) + c["pad_k"], Hkv, D), dtype, s)
@@ -371,18 +375,9 @@ def build(c):
         k_rows_total = npg * ps
         k_kind = "paged"
         q_packed = c["q_packed"]
-        if q_packed:
-            cu_q = np.concatenate([[0], np.cumsum(c["lengths_q"])]).astype(np.int32)
-            q = randn(rng, (int(cu_q[-1]) + c["pad_q"], H, D), dtype, s)
-            kw["cu_seqlens_q"] = cu_q
-            for b in range(B):
-                qmap.append(np.arange(cu_q[b], cu_q[b + 1]))
-            if c.get("max_seqlen_q") is not None:
-                kw["max_seqlen_q"] = c["max_seqlen_q"]
-        else:
-            q = randn(rng, (B, c["Sq"], H, D), dtype, s)
-            for b in range(B):
-                qmap.append(np.arange(c["Sq"]) + b * c["Sq"])
+        q = build_q(rng, c, q_packed, dtype, s, kw, qmap)
+        if c.get("max_seqlen_q") is not None:
+            kw["max_seqlen_q"] = c["max_seqlen_q"]
     if c.get("seqused_q") is not None:
         kw["seqused_q"] = np.array(c["seqused_q"], np.int32)
     if c.get("seqused_k") is not None:
