@@ -122,11 +122,11 @@ _OPTIONS = ("max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal", "window_l
 def _setup_context(ctx, inputs, output):
     named = dict(zip(_FWD_INPUTS, inputs))
     out, lse = output
-    ctx.save_for_backward(*(named[n] for n in _TENSOR_INPUTS), out, lse)
+    # The lists of tensors (mods' tensors, block lists) are saved too, so that one changed in
+    # place before the backward is an error (torch's version check), not wrong gradients.
+    ctx.save_for_backward(*(named[n] for n in _TENSOR_INPUTS), out, lse, *named["aux"], *named["block_sparse"])
     ctx.options = {n: named[n] for n in _OPTIONS}
-    # Lists of tensors are kept as they are (they need no gradient).
-    ctx.aux = named["aux"]
-    ctx.block_sparse = named["block_sparse"]
+    ctx.num_aux = len(named["aux"])
     ctx.block_sparse_slots = named["block_sparse_slots"]
     ctx.deterministic = named["deterministic"]
     # torch treats an input list of tensors (an empty one too) as a list, which takes a list of
@@ -138,11 +138,13 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, dlse):
     # dlse, the gradient of lse (zeros or None when the loss does not use it), enters the
     # backward's preprocess only: dPsum = rowsum(dO * O) - dlse.
-    q, k, v, sink, cu_q, cu_k, used_q, used_k, page_table, out, lse = ctx.saved_tensors
+    saved = ctx.saved_tensors
+    q, k, v, sink, cu_q, cu_k, used_q, used_k, page_table, out, lse = saved[:11]
+    aux, block_sparse = list(saved[11:11 + ctx.num_aux]), list(saved[11 + ctx.num_aux:])
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv, d_sink = bwd(dout, q, k, v, out, lse, dlse, sink, cu_q, cu_k, used_q, used_k, page_table, aux=ctx.aux,
-                             block_sparse=ctx.block_sparse,
+    dq, dk, dv, d_sink = bwd(dout, q, k, v, out, lse, dlse, sink, cu_q, cu_k, used_q, used_k, page_table, aux=aux,
+                             block_sparse=block_sparse,
                              block_sparse_slots=ctx.block_sparse_slots, deterministic=ctx.deterministic, **ctx.options)
     grads = {name: [None] * length for name, length in ctx.list_lengths.items()}
     grads.update(q=dq, k=dk, v=dv, learnable_sink=None if sink is None else d_sink.to(sink.dtype))

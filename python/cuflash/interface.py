@@ -874,6 +874,13 @@ def _check_backward_inputs(call: _Call, out: Tensor, dout: Tensor, lse: Tensor, 
 _autograd_function = None
 
 
+def _side_tensors(call: _Call) -> List[Tensor]:
+    """The tensors of a call besides q, k, v and learnable_sink that its backward reads again."""
+    tensors = [call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_q, call.seqused_k, call.page_table]
+    tensors += list(call.score_mod[2]) + list(call.mask_mod[2]) + list(call.block_sparse)
+    return [t for t in tensors if t is not None]
+
+
 def _torch_function():
     """The torch.autograd.Function, made on first use so that importing cuflash needs no torch."""
     global _autograd_function
@@ -886,7 +893,9 @@ def _torch_function():
         def forward(ctx, q, k, v, learnable_sink, call):
             call = replace(call, q=q, k=k, v=v, learnable_sink=learnable_sink)
             out, lse = _run_forward(call)
-            ctx.save_for_backward(q, k, v, out, lse, learnable_sink)
+            # The sequence, page, mod and block-list tensors are saved too, so that one changed in
+            # place before the backward is an error (torch's version check), not wrong gradients.
+            ctx.save_for_backward(q, k, v, out, lse, learnable_sink, *_side_tensors(call))
             ctx.call = call
             return out, lse
 
@@ -894,7 +903,7 @@ def _torch_function():
         def backward(ctx, dout, dlse):
             # Gradients of an output the loss does not use come as zeros (materialized) or None;
             # dlse enters the preprocess only (dPsum = rowsum(dO * O) - dlse).
-            q, k, v, out, lse, learnable_sink = ctx.saved_tensors
+            q, k, v, out, lse, learnable_sink = ctx.saved_tensors[:6]
             call = replace(ctx.call, q=q, k=k, v=v, learnable_sink=learnable_sink)
             if dout is None:
                 dout = call.framework.zeros(_shape(out), call.dtype, like=out)

@@ -188,6 +188,41 @@ def test_paged_kv_autograd(gen):
         assert_close(to_numpy(tensor.grad), e, scale=max(1.0, np.abs(e).max()), what=name)
 
 
+def side_tensor_calls(gen):
+    """(what, tensor changed, function running a differentiable call that reads it): one per
+    kind of tensor a backward reads besides q, k, v and learnable_sink."""
+    q, k, v = tensors(gen, [(1, 40, 2, 32)] * 3)
+    slopes = torch.tensor(cuflash.scores.alibi_slopes(2))
+    bias = torch.randn(40, generator=gen)
+    cu = torch.tensor([0, 15, 40], dtype=torch.int32)
+    page_table = torch.tensor([[0]], dtype=torch.int32)
+    cnt = torch.tensor([[[1]]], dtype=torch.int32)
+    idx = torch.tensor([[[[0]]]], dtype=torch.int32)
+    packed = [t[0] for t in (q, k, v)]
+    return [
+        ("built-in score_mod tensor", slopes,
+         lambda: cuflash.flash_attn_varlen_func(q, k, v, score_mod=cuflash.scores.alibi(slopes))),
+        ("callable's tensor", bias,
+         lambda: cuflash.flash_attn_varlen_func(q, k, v, score_mod=lambda s, b, h, i, j: s + bias[j])),
+        ("cu_seqlens_q", cu, lambda: cuflash.flash_attn_varlen_func(*packed, cu, cu, 25, 25)),
+        ("page_table", page_table, lambda: cuflash.flash_attn_varlen_func(q, k, v, page_table=page_table)),
+        ("block list", cnt, lambda: cuflash.flash_attn_func(q, k, v, mask_block_cnt=cnt, mask_block_idx=idx,
+                                                           mask_mod=cuflash.masks.causal())),
+    ]
+
+
+def test_side_tensors_changed_in_place_before_backward_are_refused(gen):
+    # The backward reads these tensors again: one changed in place after the forward would give
+    # gradients of another attention. torch's saved-tensor version check makes it an error.
+    for what, tensor, run in side_tensor_calls(gen):
+        out, _ = run()
+        tensor.add_(0)  # a change in place, even of no value, bumps the version
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+        out, _ = run()  # unchanged since this forward: runs
+        out.sum().backward()
+
+
 def test_no_grad_and_inference_mode(gen):
     q, k, v = tensors(gen, [(1, 8, 2, 32)] * 3)
     with torch.no_grad():
