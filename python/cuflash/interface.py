@@ -18,7 +18,7 @@ import math
 import numbers
 import sys
 from dataclasses import dataclass, field, replace
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -331,11 +331,14 @@ class _Call:
 
 
 def _resolve_variant(mod: Any, argument: str, cls: type, aux_tensors: Optional[List[Tensor]],
-                     call: _Call) -> Tuple[Tuple[int, List[float], List[Tensor]], bool]:
+                     call: _Call, bwd: Optional[Callable] = None) -> Tuple[Tuple[int, List[float], List[Tensor]], bool]:
     """A cuflash.scores / cuflash.masks object -> (kind, scalars, aux); also whether it took
-    its tensors from aux_tensors. A Python callable is traced (cuflash.mods): its program goes to
-    call.score_program / call.mask_program."""
+    its tensors from aux_tensors. A Python callable is traced (cuflash.mods), with `bwd`, a
+    score_mod's hand-written gradient, when given: its program goes to call.score_program /
+    call.mask_program."""
     if mod is None:
+        if bwd is not None:
+            _fail(ValueError, "score_mod_bwd", "given without a score_mod: it is the gradient of a score_mod callable")
         return (0, [], []), False
     module = "cuflash.scores" if cls is ScoreMod else "cuflash.masks"
     if not isinstance(mod, cls):
@@ -343,8 +346,11 @@ def _resolve_variant(mod: Any, argument: str, cls: type, aux_tensors: Optional[L
         if isinstance(mod, other):
             _fail(TypeError, argument, f"{mod!r} is a {other.role}_mod, not a {cls.role}_mod")
         if callable(mod) or isinstance(mod, _mods.TracedMod):
-            return _resolve_callable(mod, argument, cls, aux_tensors, call)
+            return _resolve_callable(mod, argument, cls, aux_tensors, call, bwd)
         _fail(TypeError, argument, f"expected a callable, a {module} object or None, got {type(mod).__name__}")
+    if bwd is not None:
+        _fail(TypeError, "score_mod_bwd", f"takes a score_mod that is a Python callable; the built-in {mod!r} "
+                                          f"has its own derivative")
 
     framework = call.framework
     aux = list(mod.aux)
@@ -422,16 +428,13 @@ def _host_longest(call: _Call, cu_seqlens: Tensor) -> Optional[int]:
 
 
 def _resolve_callable(mod: Any, argument: str, cls: type, aux_tensors: Optional[List[Tensor]],
-                      call: _Call) -> Tuple[Tuple[int, List[float], List[Tensor]], bool]:
+                      call: _Call, bwd: Optional[Callable] = None) -> Tuple[Tuple[int, List[float], List[Tensor]], bool]:
     """Traces a score_mod / mask_mod callable into an expression program; its tensors move to
     q's framework and device as float32 (float tensors) or int32 (integer and bool tensors)."""
     role = "score" if cls is ScoreMod else "mask"
-    if isinstance(mod, _mods.TracedMod):
-        if mod.role != role:
-            _fail(TypeError, argument, f"{mod!r} is a traced {mod.role}_mod, not a {role}_mod")
-        traced = mod
-    else:
-        traced = _mods._trace(mod, role, argument, aux_tensors)
+    if isinstance(mod, _mods.TracedMod) and mod.role != role:
+        _fail(TypeError, argument, f"{mod!r} is a traced {mod.role}_mod, not a {role}_mod")
+    traced = _mods._trace(mod, role, argument, aux_tensors, bwd)
     framework = call.framework
     # JAX under jax.jit: the arrays' device is not known while tracing; the backend's decides
     # whether the kernels for the callable are compiled (a CPU computation ignores them).
@@ -567,7 +570,7 @@ def _check_block_sparse(call: _Call, lists: Sequence[Optional[Tensor]], names: S
 def _prepare(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
              max_seqlen_q=None, max_seqlen_k=None, page_table=None, softmax_scale=None, causal=False,
              window_size=(None, None), learnable_sink=None, softcap=0.0, num_splits=1, pack_gqa=None,
-             deterministic=False, score_mod=None, mask_mod=None, aux_tensors=None,
+             deterministic=False, score_mod=None, score_mod_bwd=None, mask_mod=None, aux_tensors=None,
              block_sparse=(None, None, None, None), q_block_sparse=(None, None, None, None)) -> _Call:
     """Checks every argument (the seed interface's checks, as ValueError / TypeError naming the
     argument) and returns the call's description."""
@@ -697,7 +700,8 @@ def _prepare(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, s
         window_right=window_right, softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa,
         deterministic=deterministic)
 
-    call.score_mod, score_used_aux = _resolve_variant(score_mod, "score_mod", ScoreMod, aux_tensors, call)
+    call.score_mod, score_used_aux = _resolve_variant(score_mod, "score_mod", ScoreMod, aux_tensors, call,
+                                                      score_mod_bwd)
     # A built-in mask_mod takes aux_tensors only when the score_mod did not; callables share them.
     mask_is_builtin = isinstance(mask_mod, BuiltinVariant)
     call.mask_mod, mask_used_aux = _resolve_variant(
@@ -1207,6 +1211,7 @@ def flash_attn_backward(
     softcap: float = 0.0,
     deterministic: bool = False,
     score_mod: Optional[ScoreMod] = None,
+    score_mod_bwd: Optional[Callable] = None,
     mask_mod: Optional[MaskMod] = None,
     aux_tensors: Optional[List[Tensor]] = None,
     full_block_cnt: Optional[Tensor] = None,
@@ -1233,6 +1238,12 @@ def flash_attn_backward(
     page_table (as the forward's, k and v the pages), dk and dv are the gradients of the pages: a
     page several sequences list gets the sum.
 
+    score_mod_bwd: with a score_mod callable, its hand-written gradient
+    ``score_mod_bwd(grad, score, b, h, q_idx, kv_idx[, *aux_tensors])``: the gradient of the
+    score score_mod took, given ``grad``, that of the score it returned (None: score_mod's
+    derivative is traced). It must be linear in grad, as such a gradient is (cuflash.mods);
+    TypeError otherwise, and with a built-in score_mod (which has its own).
+
     dq, dk, dv: preallocated gradients, each of its input's shape and q's dtype on q's device,
     written in place and returned (None: allocated). Any strides with a contiguous last
     dimension and no two elements at one address (on the GPU, strides that are multiples of 16
@@ -1249,7 +1260,7 @@ def flash_attn_backward(
                     seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                     page_table=page_table, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                     learnable_sink=learnable_sink, softcap=softcap, deterministic=deterministic,
-                    score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors,
+                    score_mod=score_mod, score_mod_bwd=score_mod_bwd, mask_mod=mask_mod, aux_tensors=aux_tensors,
                     block_sparse=(mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx),
                     q_block_sparse=(q_mask_block_cnt, q_mask_block_idx, q_full_block_cnt, q_full_block_idx))
     out, dout, lse, dlse = _check_backward_inputs(call, out, dout, lse, dlse)

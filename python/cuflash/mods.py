@@ -12,7 +12,12 @@ kept. Both are plain Python functions:
 cuflash calls the function once with symbolic arguments and records what it computes into a
 small expression program (`trace_score_mod`, `trace_mask_mod`); the program runs on the CPU
 reference and, compiled at run time, on the GPU. The backward's d score_mod / d score comes from
-symbolic differentiation of the program.
+symbolic differentiation of the program, or from a hand-written ``score_mod_bwd(grad, score, b,
+h, q_idx, kv_idx[, *aux_tensors])`` (`flash_attn_backward`) that returns the gradient of the
+score given ``grad``, the gradient of the new score. Such a function must be linear in ``grad``,
+as the gradient of a function of one score is: sums of terms ``grad * x`` or ``grad / x`` with
+``x`` free of grad, and ``where(cond, ..., 0.0)`` of those with ``cond`` free of grad
+(TypeError otherwise, naming what is not).
 
 What a callable may use:
 
@@ -62,13 +67,16 @@ MAX_AUX_DIMS = 3
 
 # Opcodes of an expression program: cuflash::ExprOp in include/cuflash/expression.hpp.
 SCORE, BATCH, HEAD, Q_IDX, KV_IDX, INT, FLOAT, LOAD, BOOL = 0, 1, 2, 3, 4, 5, 6, 7, 8
+# The incoming gradient of a score_mod_bwd while it is traced; never in an emitted program (the
+# program holds the derivative, d score_mod_bwd / d grad, which is free of it).
+GRAD = 9
 ADD, SUB, MUL, DIV, FLOORDIV, MOD, MIN, MAX = 10, 11, 12, 13, 14, 15, 16, 17
 NEG, ABS, EXP, EXP2, LOG, TANH, SIGMOID, SQRT, TO_FLOAT, TO_INT = 20, 21, 22, 23, 24, 25, 26, 27, 28, 29
 LT, LE, GT, GE, EQ, NE = 30, 31, 32, 33, 34, 35
 AND, OR, NOT, WHERE = 40, 41, 42, 43
 
 _OP_NAMES = {
-    SCORE: "score", BATCH: "b", HEAD: "h", Q_IDX: "q_idx", KV_IDX: "kv_idx", INT: "int", FLOAT: "float",
+    SCORE: "score", GRAD: "grad", BATCH: "b", HEAD: "h", Q_IDX: "q_idx", KV_IDX: "kv_idx", INT: "int", FLOAT: "float",
     LOAD: "load", BOOL: "bool", ADD: "add", SUB: "sub", MUL: "mul", DIV: "div", FLOORDIV: "floordiv",
     MOD: "mod", MIN: "min", MAX: "max", NEG: "neg", ABS: "abs", EXP: "exp", EXP2: "exp2", LOG: "log",
     TANH: "tanh", SIGMOID: "sigmoid", SQRT: "sqrt", TO_FLOAT: "to_float", TO_INT: "to_int", LT: "lt",
@@ -679,23 +687,40 @@ def _accepts(fn: Callable, count: int) -> bool:
         return False
 
 
-def _trace(fn: Callable, role: str, argument: str, aux_tensors: Optional[Sequence[Any]]) -> TracedMod:
+def _takes_aux(fn: Callable, base: Sequence[str], aux_tensors: List[Any], argument: str) -> bool:
+    """Whether ``fn`` takes the aux_tensors as trailing arguments after ``base`` (TypeError when it
+    takes neither form)."""
+    if aux_tensors and _accepts(fn, len(base) + len(aux_tensors)):
+        return True
+    if not _accepts(fn, len(base)):
+        extra = f"[, *aux_tensors ({len(aux_tensors)})]" if aux_tensors else "[, *aux_tensors]"
+        raise TypeError(f"{argument}: expected a function of ({', '.join(base)}{extra}), "
+                        f"got {_name(fn)}{_signature_text(fn)}")
+    return False
+
+
+def _name(fn: Callable) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def _trace(fn: Callable, role: str, argument: str, aux_tensors: Optional[Sequence[Any]],
+           bwd: Optional[Callable] = None, bwd_argument: str = "score_mod_bwd") -> TracedMod:
     from ._tensors import framework_of
 
     if isinstance(fn, TracedMod):
+        if bwd is not None:
+            raise TypeError(f"{bwd_argument}: {fn!r} is already traced with its derivative; pass the "
+                            f"function itself, or give bwd to cuflash.mods.trace_score_mod")
         return fn
     if not callable(fn):
         raise TypeError(f"{argument}: expected a callable, got {type(fn).__name__}")
-    name = getattr(fn, "__name__", type(fn).__name__)
+    if bwd is not None and not callable(bwd):
+        raise TypeError(f"{bwd_argument}: expected a callable, got {type(bwd).__name__}")
+    name = _name(fn)
     base = ("score", "b", "h", "q_idx", "kv_idx") if role == "score" else ("b", "h", "q_idx", "kv_idx")
     aux_tensors = list(aux_tensors or [])
-    uses_aux = False
-    if aux_tensors and _accepts(fn, len(base) + len(aux_tensors)):
-        uses_aux = True
-    elif not _accepts(fn, len(base)):
-        extra = f"[, *aux_tensors ({len(aux_tensors)})]" if aux_tensors else "[, *aux_tensors]"
-        raise TypeError(f"{argument}: expected a function of ({', '.join(base)}{extra}), "
-                        f"got {name}{_signature_text(fn)}")
+    uses_aux = _takes_aux(fn, base, aux_tensors, argument)
+    bwd_uses_aux = bwd is not None and _takes_aux(bwd, ("grad",) + base, aux_tensors, bwd_argument)
 
     graph = _Graph(argument)
 
@@ -712,24 +737,13 @@ def _trace(fn: Callable, role: str, argument: str, aux_tensors: Optional[Sequenc
     if role == "score":
         args.append(graph.node(SCORE, type="float"))
     args += [graph.node(op, type="int") for op in (BATCH, HEAD, Q_IDX, KV_IDX)]
-    if uses_aux:
+    aux_args = []
+    if uses_aux or bwd_uses_aux:
         for i, tensor in enumerate(aux_tensors):
             if framework_of(tensor) is None:
                 raise TypeError(f"aux_tensors[{i}]: expected a tensor or array, got {type(tensor).__name__}")
-            args.append(make_proxy(tensor, f"aux_tensors[{i}]"))
-    traced_fn = _with_proxies(fn, make_proxy)
-    try:
-        value = traced_fn(*args)
-    except TraceError:
-        raise
-    except Exception as error:  # noqa: BLE001 (any failure of the user's code is reported by name)
-        raise TraceError(f"{argument}: tracing {name} failed: {type(error).__name__}: {error}. Callables are "
-                         f"traced once with symbolic values: use arithmetic, comparisons, & | ~, "
-                         f"cuflash.mods functions and indexing of tensors that the function closes over "
-                         f"directly (not inside a list, dict or object) or receives from aux_tensors") from error
-
-    if isinstance(value, np.ndarray) and value.ndim == 0:
-        value = value.item()
+            aux_args.append(make_proxy(tensor, f"aux_tensors[{i}]"))
+    value = _call_traced(graph, fn, argument, make_proxy, args + (aux_args if uses_aux else []))
     if role == "mask":
         if isinstance(value, (bool, np.bool_)):
             value = graph.constant(bool(value))
@@ -748,8 +762,85 @@ def _trace(fn: Callable, role: str, argument: str, aux_tensors: Optional[Sequenc
             raise TraceError(f"{argument}: {name} must return a float expression (the new score), got "
                              f"{type(value).__name__}")
         result = graph.to_float(graph.lift(value))
-        grad = _derivative(graph, result)
-    return _emit(graph, role, name, result, grad, uses_aux)
+        if bwd is None:
+            grad = _derivative(graph, result)
+        else:
+            graph.argument = bwd_argument
+            grad_in = graph.node(GRAD, type="float")
+            value = _call_traced(graph, bwd, bwd_argument, make_proxy,
+                                 [grad_in] + args + (aux_args if bwd_uses_aux else []))
+            grad = _derivative_of_linear(graph, value, _name(bwd))
+            graph.argument = argument
+    return _emit(graph, role, name, result, grad, uses_aux or bwd_uses_aux)
+
+
+def _call_traced(graph: _Graph, fn: Callable, argument: str, make_proxy: Callable, args: List[Any]) -> Any:
+    """fn called with symbolic arguments (the tensors it closes over read through proxies)."""
+    try:
+        value = _with_proxies(fn, make_proxy)(*args)
+    except TraceError:
+        raise
+    except Exception as error:  # noqa: BLE001 (any failure of the user's code is reported by name)
+        raise TraceError(f"{argument}: tracing {_name(fn)} failed: {type(error).__name__}: {error}. Callables are "
+                         f"traced once with symbolic values: use arithmetic, comparisons, & | ~, "
+                         f"cuflash.mods functions and indexing of tensors that the function closes over "
+                         f"directly (not inside a list, dict or object) or receives from aux_tensors") from error
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+        value = value.item()
+    return value
+
+
+def _is_zero(node: _Node, graph: _Graph) -> bool:
+    return ((node.op == FLOAT and graph.constants[node.imm] == 0.0) or (node.op == INT and node.imm == 0))
+
+
+def _derivative_of_linear(graph: _Graph, value: Any, name: str) -> Sym:
+    """d value / d grad of a traced score_mod_bwd, checked to be linear in grad (value = grad *
+    d, d free of grad), so that the kernels' dS * d is what the function computes."""
+    if isinstance(value, (bool, np.bool_)) or (isinstance(value, Sym) and value.type == "bool"):
+        graph.fail(f"{name} must return a float expression (the gradient of the score), got a boolean")
+    if not isinstance(value, (Sym, numbers.Real)):
+        graph.fail(f"{name} must return a float expression (the gradient of the score), got {type(value).__name__}")
+    result = graph.lift(value)
+    # Per node: "free" of grad, "linear" in it (grad times something free of it), or the name of
+    # the operation that made it neither.
+    kind: Dict[int, str] = {}
+    for index in range(result.index + 1):
+        node = graph.nodes[index]
+        operands = [a for a in node.args if a >= 0]
+        kinds = [kind[a] for a in operands]
+        linear_or_zero = [k == "linear" or _is_zero(graph.nodes[a], graph) for a, k in zip(operands, kinds)]
+        broken = next((k for k in kinds if k not in ("free", "linear")), None)
+        if node.op == GRAD:
+            k = "linear"
+        elif broken is not None:
+            k = broken
+        elif "linear" not in kinds:
+            k = "free"
+        elif node.op in (ADD, SUB) and all(linear_or_zero):
+            k = "linear"
+        elif node.op == MUL and kinds.count("linear") == 1:
+            k = "linear"
+        elif node.op == DIV and kinds == ["linear", "free"]:
+            k = "linear"
+        elif node.op == NEG:
+            k = "linear"
+        elif node.op == WHERE and kinds[0] == "free" and all(linear_or_zero[1:]):
+            k = "linear"
+        else:
+            k = _OP_NAMES[node.op] + (" of grad and a term free of it" if node.op in (ADD, SUB) else
+                                      " of two terms in grad" if node.op == MUL else
+                                      " by a term in grad" if node.op == DIV else
+                                      " with a condition on grad or a branch free of it" if node.op == WHERE else
+                                      " of grad")
+        kind[index] = k
+    if kind[result.index] == "free" and not _is_zero(result.node, graph):
+        graph.fail(f"{name} must return grad times the derivative of score_mod; its result does not depend on grad")
+    if kind[result.index] not in ("free", "linear"):
+        graph.fail(f"{name} must be linear in grad (the gradient of a function of one score is grad times "
+                   f"its derivative): sums of grad * x and grad / x with x free of grad, and "
+                   f"where(cond, ..., 0.0) of those with cond free of grad; it uses {kind[result.index]}")
+    return _derivative(graph, graph.to_float(result), variable=GRAD)
 
 
 def _signature_text(fn: Callable) -> str:
@@ -759,9 +850,9 @@ def _signature_text(fn: Callable) -> str:
         return "(...)"
 
 
-def _derivative(graph: _Graph, result: Sym) -> Sym:
-    """d result / d score, built into the same graph (reverse of nothing: forward-mode over the
-    nodes in creation order, which is topological)."""
+def _derivative(graph: _Graph, result: Sym, variable: int = SCORE) -> Sym:
+    """d result / d score (or d result / d grad), built into the same graph (reverse of nothing:
+    forward-mode over the nodes in creation order, which is topological)."""
     d: Dict[int, Optional[Sym]] = {}
     one = lambda: graph.float_constant(1.0)  # noqa: E731
 
@@ -792,9 +883,9 @@ def _derivative(graph: _Graph, result: Sym) -> Sym:
         x = Sym(graph, index)
         args = [Sym(graph, a) for a in node.args]
         da = [d.get(a) for a in node.args]
-        if op == SCORE:
+        if op == variable:
             g = one()
-        elif op in (FLOAT, TO_FLOAT, LOAD):
+        elif op in (SCORE, GRAD, FLOAT, TO_FLOAT, LOAD):
             g = None
         elif op == ADD:
             g = add(da[0], da[1])
@@ -891,11 +982,13 @@ def _emit(graph: _Graph, role: str, name: str, result: Sym, grad: Optional[Sym],
 
 
 def trace_score_mod(fn: Callable, aux_tensors: Optional[Sequence[Any]] = None,
-                    argument: str = "score_mod") -> TracedMod:
+                    argument: str = "score_mod", bwd: Optional[Callable] = None) -> TracedMod:
     """Traces ``fn(score, b, h, q_idx, kv_idx[, *aux_tensors])`` into a program with its
-    derivative with respect to score. Raises TypeError (naming `argument`) for what cannot be
-    traced and ValueError past the limits."""
-    return _trace(fn, "score", argument, aux_tensors)
+    derivative with respect to score: symbolic, or that of ``bwd(grad, score, b, h, q_idx,
+    kv_idx[, *aux_tensors])``, a hand-written gradient linear in grad (see the module's notes).
+    Raises TypeError (naming `argument`, or score_mod_bwd for bwd) for what cannot be traced and
+    ValueError past the limits."""
+    return _trace(fn, "score", argument, aux_tensors, bwd)
 
 
 def trace_mask_mod(fn: Callable, aux_tensors: Optional[Sequence[Any]] = None,

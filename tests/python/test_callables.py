@@ -315,6 +315,106 @@ def test_traced_mod_object_is_accepted(rng):
     np.testing.assert_array_equal(a[0], b[0])
 
 
+# --- score_mod_bwd: a hand-written gradient ---------------------------------------------------
+
+
+def backward_with(rng, score_mod, score_mod_bwd, aux_tensors=None, causal=True):
+    """Gradients of one call's backward with score_mod's traced derivative and with score_mod_bwd."""
+    q, k, v = qkv(rng, seqlen_q=20, seqlen_k=28)
+    out, lse = cuflash.flash_attn_varlen_func(q, k, v, causal=causal, score_mod=score_mod, aux_tensors=aux_tensors)
+    dout = randn(rng, out.shape)
+    args = (dout, q, k, v, out, lse)
+    kwargs = dict(causal=causal, score_mod=score_mod, aux_tensors=aux_tensors)
+    traced = cuflash.flash_attn_backward(*args, **kwargs)
+    written = cuflash.flash_attn_backward(*args, score_mod_bwd=score_mod_bwd, **kwargs)
+    return traced, written
+
+
+def test_score_mod_bwd_of_the_true_derivative_matches_the_traced_one(rng):
+    slopes = rng.uniform(0.5, 2.0, 4).astype(np.float32)
+    bias = rng.standard_normal((4, 28)).astype(np.float32)
+
+    def score_mod(score, b, h, q_idx, kv_idx, bias):
+        return 3.0 * mods.tanh(score * slopes[h] / 3.0) + bias[h, kv_idx]
+
+    def score_mod_bwd(grad, score, b, h, q_idx, kv_idx, bias):
+        t = mods.tanh(score * slopes[h] / 3.0)
+        return mods.where(kv_idx >= 0, grad * (1.0 - t * t), 0.0) * slopes[h]
+
+    traced, written = backward_with(rng, score_mod, score_mod_bwd, aux_tensors=[bias])
+    for name, a, e in zip(("dq", "dk", "dv"), written[:3], traced[:3]):
+        assert_close(a, e, "float16", scale=max(1.0, float(np.abs(e.astype(np.float64)).max())), what=name)
+
+
+def test_score_mod_bwd_is_what_runs(rng):
+    # A gradient of half the true one: dq and dk halve (exactly, a power of two, but for one
+    # float16 subnormal step), dv is unchanged.
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + (kv_idx - q_idx) * 0.125
+
+    def half(grad, score, b, h, q_idx, kv_idx):
+        return grad * 0.25 + grad / 4.0
+
+    traced, written = backward_with(rng, score_mod, half)
+    for a, e in zip(written[:2], traced[:2]):
+        np.testing.assert_allclose(a.astype(np.float64), e.astype(np.float64) * 0.5, rtol=0, atol=2.0 ** -24)
+    np.testing.assert_array_equal(written[2], traced[2])
+    # A gradient of zero: dq and dk vanish.
+    traced, written = backward_with(rng, score_mod, lambda grad, score, b, h, q_idx, kv_idx: 0.0)
+    assert not written[0].any() and not written[1].any()
+    np.testing.assert_array_equal(written[2], traced[2])
+
+
+def test_score_mod_bwd_program():
+    traced = mods.trace_score_mod(lambda s, b, h, i, j: s * 2.0 + j,
+                                  bwd=lambda g, s, b, h, i, j: mods.where(i >= j, -g * 3.0, 0.0))
+    assert mods.GRAD not in traced.code[::4]  # the incoming gradient is not in the program
+    auto = mods.trace_score_mod(lambda s, b, h, i, j: s * 2.0 + j)
+    assert traced.structure_key() != auto.structure_key()  # compiled separately on the GPU
+
+
+SCORE_MOD_BWD_ERRORS = [
+    (lambda g, s, b, h, i, j: g * g, "mul of two terms in grad"),
+    (lambda g, s, b, h, i, j: g + 1.0, "add of grad and a term free of it"),
+    (lambda g, s, b, h, i, j: mods.exp(g), "exp of grad"),
+    (lambda g, s, b, h, i, j: mods.where(g > 0, g, 0.0), "gt of grad"),
+    (lambda g, s, b, h, i, j: mods.where(i > j, g, s), "where with a condition on grad or a branch free of it"),
+    (lambda g, s, b, h, i, j: 1.0 / g, "div by a term in grad"),
+    (lambda g, s, b, h, i, j: s * 2.0, "does not depend on grad"),
+    (lambda g, s, b, h, i, j: i > j, "must return a float expression"),
+    (lambda g, s, b, h, i: g, "expected a function of (grad, score, b, h, q_idx, kv_idx"),
+    (lambda g, s, b, h, i, j: g if s > 0 else -g, "control flow"),
+]
+
+
+@pytest.mark.parametrize("bwd, fragment", SCORE_MOD_BWD_ERRORS, ids=range(len(SCORE_MOD_BWD_ERRORS)))
+def test_score_mod_bwd_errors(bwd, fragment):
+    q, k, v = _qkv_small()
+    dout = np.ones((1, 8, 2, 16), np.float16)
+    out, lse = cuflash.flash_attn_func(q, k, v)
+    with pytest.raises(TypeError, match="^score_mod_bwd: ") as info:
+        cuflash.flash_attn_backward(dout, q, k, v, out, lse, score_mod=lambda s, b, h, i, j: s, score_mod_bwd=bwd)
+    assert fragment in str(info.value)
+
+
+def test_score_mod_bwd_needs_a_callable_score_mod():
+    q, k, v = _qkv_small()
+    dout = np.ones((1, 8, 2, 16), np.float16)
+    out, lse = cuflash.flash_attn_func(q, k, v)
+    args = (dout, q, k, v, out, lse)
+    bwd = lambda g, s, b, h, i, j: g  # noqa: E731
+    with pytest.raises(ValueError, match="^score_mod_bwd: given without a score_mod"):
+        cuflash.flash_attn_backward(*args, score_mod_bwd=bwd)
+    with pytest.raises(TypeError, match="^score_mod_bwd: takes a score_mod that is a Python callable"):
+        cuflash.flash_attn_backward(*args, score_mod=cuflash.scores.alibi(cuflash.scores.alibi_slopes(2)),
+                                    score_mod_bwd=bwd)
+    with pytest.raises(TypeError, match="^score_mod_bwd: .* is already traced"):
+        cuflash.flash_attn_backward(*args, score_mod=mods.trace_score_mod(lambda s, b, h, i, j: s),
+                                    score_mod_bwd=bwd)
+    with pytest.raises(TypeError, match="^score_mod_bwd: expected a callable"):
+        cuflash.flash_attn_backward(*args, score_mod=lambda s, b, h, i, j: s, score_mod_bwd=2.0)
+
+
 # --- the tracer ---------------------------------------------------------------------------------
 
 

@@ -382,6 +382,31 @@ def test_explicit_backward_inside_jit(rng):
     check_grads([f64(dq), f64(dk), f64(dv), None], expected)
 
 
+def test_score_mod_bwd_inside_jit(rng):
+    # A hand-written gradient of twice the true one: dq and dk double, against the NumPy arrays'
+    # backward with the traced derivative.
+    q, k, v = randn(rng, (1, 20, 2, 32)), randn(rng, (1, 24, 2, 32)), randn(rng, (1, 24, 2, 32))
+    dout = randn(rng, (1, 20, 2, 32))
+    bias = rng.standard_normal(24).astype(np.float32)
+    score_mod = lambda s, b, h, i, j, bias: s + bias[j]  # noqa: E731
+    double = lambda g, s, b, h, i, j, bias: g * 2.0  # noqa: E731
+
+    @jax.jit
+    def forward_backward(q, k, v, dout, bias):
+        out, lse = cuflash.flash_attn_varlen_func(q, k, v, causal=True, score_mod=score_mod, aux_tensors=[bias])
+        return (out,) + cuflash.flash_attn_backward(dout, q, k, v, out, lse, causal=True, score_mod=score_mod,
+                                                    score_mod_bwd=double, aux_tensors=[bias])[:3]
+
+    out, dq, dk, dv = forward_backward(*on_cpu(q, k, v, dout, bias))
+    out = np.asarray(out)
+    _, lse = cuflash.flash_attn_varlen_func(q, k, v, causal=True, score_mod=score_mod, aux_tensors=[bias])
+    expected = cuflash.flash_attn_backward(dout, q, k, v, out, lse, causal=True, score_mod=score_mod,
+                                           aux_tensors=[bias])
+    for a, e in zip((dq, dk), expected[:2]):
+        np.testing.assert_allclose(f64(a), f64(e) * 2.0, rtol=0, atol=2.0 ** -23)
+    np.testing.assert_array_equal(np.asarray(dv), expected[2])
+
+
 def test_vjp_vmap_and_eager_grad(rng):
     q, k, v = (randn(rng, (3, 1, 12, 2, 32)) for _ in range(3))
     jq, jk, jv = on_cpu(q, k, v)
