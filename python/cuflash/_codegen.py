@@ -7,7 +7,8 @@ come from ModParams at run time (scalars, aux, aux_shape), so the source (and a 
 depends only on the program's structure (TracedMod.structure_key), not on constant values or
 tensor contents. A mask functor has no block-level narrowing: col_range / row_range leave the
 ranges as they are and all_visible is false, so every element is asked. Tensor indices are
-clamped into range (the CPU reference raises an error instead).
+clamped into range (the CPU reference raises an error instead). Integer arithmetic wraps (32-bit
+two's complement, through unsigned arithmetic, which C++ defines), as the CPU reference's does.
 
 Functions are `CUFLASH_EXPR_FN`: __host__ __device__ and force-inlined under nvcc (the WGMMA
 pipeline must not cross a call, DESIGN.md section 7), plain inline functions in host C++, which
@@ -32,17 +33,24 @@ _PRELUDE = r"""
 #endif
 namespace cuflash::expr {
 CUFLASH_EXPR_FN int clamp_index(int i, int n) { return i < 0 ? 0 : (i >= n ? n - 1 : i); }
+// Wrapping int arithmetic (signed overflow would be undefined).
+CUFLASH_EXPR_FN int iadd(int a, int b) { return static_cast<int>(static_cast<unsigned>(a) + static_cast<unsigned>(b)); }
+CUFLASH_EXPR_FN int isub(int a, int b) { return static_cast<int>(static_cast<unsigned>(a) - static_cast<unsigned>(b)); }
+CUFLASH_EXPR_FN int imul(int a, int b) { return static_cast<int>(static_cast<unsigned>(a) * static_cast<unsigned>(b)); }
+CUFLASH_EXPR_FN int ineg(int a) { return static_cast<int>(0u - static_cast<unsigned>(a)); }
 // Python's floor division and modulo on ints; 0 for a zero divisor (the CPU reference raises).
+// INT_MIN // -1 wraps to INT_MIN.
 CUFLASH_EXPR_FN int floordiv(int a, int b) {
   if (b == 0) return 0;
+  if (b == -1) return ineg(a);
   int q = a / b;
   if ((a % b != 0) && ((a < 0) != (b < 0))) --q;
   return q;
 }
-CUFLASH_EXPR_FN int floormod(int a, int b) { return b == 0 ? 0 : a - b * floordiv(a, b); }
+CUFLASH_EXPR_FN int floormod(int a, int b) { return b == 0 ? 0 : isub(a, imul(b, floordiv(a, b))); }
 CUFLASH_EXPR_FN int imin(int a, int b) { return a < b ? a : b; }
 CUFLASH_EXPR_FN int imax(int a, int b) { return a > b ? a : b; }
-CUFLASH_EXPR_FN int iabs(int a) { return a < 0 ? -a : a; }
+CUFLASH_EXPR_FN int iabs(int a) { return a < 0 ? ineg(a) : a; }
 CUFLASH_EXPR_FN float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 
 // The runtime state of one expression: its float constants and tensors (from ModParams).
@@ -83,6 +91,7 @@ _FLOAT_CALLS = {_m.EXP: "expf", _m.EXP2: "exp2f", _m.LOG: "logf", _m.TANH: "tanh
                 _m.SIGMOID: "cuflash::expr::sigmoid", _m.ABS: "fabsf", _m.MIN: "fminf", _m.MAX: "fmaxf"}
 _INT_CALLS = {_m.ABS: "cuflash::expr::iabs", _m.MIN: "cuflash::expr::imin", _m.MAX: "cuflash::expr::imax",
               _m.FLOORDIV: "cuflash::expr::floordiv", _m.MOD: "cuflash::expr::floormod"}
+_INT_WRAPPING = {_m.ADD: "cuflash::expr::iadd", _m.SUB: "cuflash::expr::isub", _m.MUL: "cuflash::expr::imul"}
 
 
 def _body(traced: "_m.TracedMod", output: int) -> List[str]:
@@ -123,6 +132,8 @@ def _body(traced: "_m.TracedMod", output: int) -> List[str]:
             slot = (word >> 8) & 0xFF
             index = ", ".join(f"r{x}" if x >= 0 else "0" for x in (a, b, c))
             e = f"st.load_{'float' if t == 'float' else 'int'}({slot}, {index})"
+        elif op in _INT_WRAPPING and t == "int":
+            e = f"{_INT_WRAPPING[op]}(r{a}, r{b})"
         elif op in _BINARY:
             e = f"(r{a} {_BINARY[op]} r{b})"
         elif op in (_m.FLOORDIV, _m.MOD):
@@ -133,7 +144,7 @@ def _body(traced: "_m.TracedMod", output: int) -> List[str]:
         elif op in _FLOAT_CALLS:
             e = f"{_FLOAT_CALLS[op]}(r{a})"
         elif op == _m.NEG:
-            e = f"(-r{a})"
+            e = f"cuflash::expr::ineg(r{a})" if t == "int" else f"(-r{a})"
         elif op == _m.TO_FLOAT:
             e = f"static_cast<float>(r{a})"
         elif op == _m.TO_INT:

@@ -30,7 +30,8 @@ What a callable may use:
   closes over (or reads as module globals), or the call's ``aux_tensors``, which arrive as extra
   trailing arguments, ``score_mod(score, b, h, q_idx, kv_idx, *aux_tensors)``. Float tensors are
   read as float32, integer and bool tensors as int32. An index out of range is an error on the
-  CPU; on the GPU it is clamped into range.
+  CPU; on the GPU it is clamped into range. Integer arithmetic is 32-bit and wraps (two's
+  complement), on the CPU reference as on the GPU.
 
 Python control flow on traced values (``if``, ``and`` / ``or`` / ``not``, ``while``,
 ``int(x)``) cannot be recorded: it raises TypeError naming the argument; use `where` and

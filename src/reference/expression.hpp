@@ -1,10 +1,13 @@
 // The CPU interpreter of expression programs (cuflash/expression.hpp): a score_mod's value and
 // derivative, or a mask_mod's verdict, per element. Registers are doubles (ints and bools are
 // whole values); the program was validated (api/validate.cpp), so operands and types are sound.
+// Integer arithmetic is 32-bit two's complement, as in the kernels compiled for the GPU: exact
+// in 64 bits, then wrapped.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -43,6 +46,42 @@ class ExpressionEvaluator {
       }
       tensors_.push_back(std::move(copy));
     }
+    // Which registers hold ints: those whose arithmetic wraps.
+    const int n = program_.num_ops();
+    is_int_.assign(static_cast<std::size_t>(n), false);
+    for (int i = 0; i < n; ++i) {
+      const std::int32_t* code = program_.code.data() + 4 * i;
+      const auto operand_is_int = [&](int k) { return code[1 + k] >= 0 && is_int_[code[1 + k]]; };
+      switch (expr_opcode(code[0])) {
+        case ExprOp::kBatch:
+        case ExprOp::kHead:
+        case ExprOp::kQIdx:
+        case ExprOp::kKvIdx:
+        case ExprOp::kInt:
+        case ExprOp::kFloorDiv:
+        case ExprOp::kMod:
+        case ExprOp::kToInt:
+          is_int_[i] = true;
+          break;
+        case ExprOp::kLoad:
+          is_int_[i] = aux[expr_load_slot(code[0])].dtype == DType::kInt32;
+          break;
+        case ExprOp::kAdd:
+        case ExprOp::kSub:
+        case ExprOp::kMul:
+        case ExprOp::kMin:
+        case ExprOp::kMax:
+        case ExprOp::kNeg:
+        case ExprOp::kAbs:
+          is_int_[i] = operand_is_int(0);
+          break;
+        case ExprOp::kWhere:
+          is_int_[i] = operand_is_int(1);
+          break;
+        default:
+          break;
+      }
+    }
   }
 
   bool empty() const { return program_.empty(); }
@@ -69,22 +108,22 @@ class ExpressionEvaluator {
         case ExprOp::kBool: v = code[1]; break;
         case ExprOp::kFloat: v = constants_[code[1]]; break;
         case ExprOp::kLoad: v = load_element(expr_load_slot(code[0]), code, r); break;
-        case ExprOp::kAdd: v = a + x; break;
-        case ExprOp::kSub: v = a - x; break;
-        case ExprOp::kMul: v = a * x; break;
+        case ExprOp::kAdd: v = is_int_[i] ? wrap(whole(a) + whole(x)) : a + x; break;
+        case ExprOp::kSub: v = is_int_[i] ? wrap(whole(a) - whole(x)) : a - x; break;
+        case ExprOp::kMul: v = is_int_[i] ? wrap(whole(a) * whole(x)) : a * x; break;
         case ExprOp::kDiv: v = a / x; break;
         case ExprOp::kFloorDiv:
           require_nonzero(x, "//");
-          v = std::floor(a / x);
+          v = wrap(floor_div(whole(a), whole(x)));
           break;
         case ExprOp::kMod:
           require_nonzero(x, "%");
-          v = a - x * std::floor(a / x);
+          v = wrap(whole(a) - whole(x) * floor_div(whole(a), whole(x)));
           break;
         case ExprOp::kMin: v = std::fmin(a, x); break;
         case ExprOp::kMax: v = std::fmax(a, x); break;
-        case ExprOp::kNeg: v = -a; break;
-        case ExprOp::kAbs: v = std::fabs(a); break;
+        case ExprOp::kNeg: v = is_int_[i] ? wrap(-whole(a)) : -a; break;
+        case ExprOp::kAbs: v = is_int_[i] ? wrap(std::abs(whole(a))) : std::fabs(a); break;
         case ExprOp::kExp: v = std::exp(a); break;
         case ExprOp::kExp2: v = std::exp2(a); break;
         case ExprOp::kLog: v = std::log(a); break;
@@ -117,6 +156,19 @@ class ExpressionEvaluator {
     std::vector<double> values;  // row-major
   };
 
+  // An int register's value (a whole double within int32).
+  static std::int64_t whole(double x) { return static_cast<std::int64_t>(x); }
+  // Two's complement wrap into int32 of a value exact in int64.
+  static double wrap(std::int64_t x) {
+    return static_cast<double>(static_cast<std::int32_t>(static_cast<std::uint32_t>(x)));
+  }
+  // Python's floor division (rounds toward minus infinity).
+  static std::int64_t floor_div(std::int64_t a, std::int64_t b) {
+    std::int64_t q = a / b;
+    if (a % b != 0 && ((a < 0) != (b < 0))) --q;
+    return q;
+  }
+
   void require_nonzero(double x, const char* op) const {
     if (x == 0.0) {
       throw Error(Error::Kind::kInvalidArgument, mod_,
@@ -143,6 +195,7 @@ class ExpressionEvaluator {
   ExprProgram program_;
   std::vector<double> constants_;
   std::vector<Tensor> tensors_;
+  std::vector<bool> is_int_;  // per register
   std::string mod_;
 };
 

@@ -28,6 +28,8 @@ def run(rng, opts: ref.Options, q, k, v, function="varlen", **kwargs):
     """Forward and backward through cuflash, checked against the NumPy reference."""
     if function == "varlen":
         out, lse = cuflash.flash_attn_varlen_func(q, k, v, **kwargs)
+    elif function == "forward":
+        out, lse = cuflash.flash_attn_forward(q, k, v, return_lse=True, **kwargs)
     else:
         out, lse = cuflash.flash_attn_func(q, k, v, **kwargs)
     expected_out, expected_lse = ref.forward_dense(q, k, v, opts)
@@ -315,6 +317,30 @@ def test_traced_mod_object_is_accepted(rng):
     np.testing.assert_array_equal(a[0], b[0])
 
 
+def test_integer_arithmetic_wraps_at_32_bits(rng):
+    # As in the kernels compiled for the GPU (test_codegen.py): i * 2000000000 overflows int32
+    # from i = 2 on, and the mask and bias follow the wrapped value.
+    from test_codegen import wrap32
+
+    q, k, v = qkv(rng)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return ((q_idx * 2000000000 + kv_idx) % 3 != 0) | (kv_idx == 0)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + ((q_idx * 1500000000 - kv_idx * 1000000007) // 100000000) * 0.01
+
+    def expected_mask(b, h, i, j):
+        return (wrap32(wrap32(i * 2000000000) + j) % 3 != 0) | (j == 0)
+
+    def expected_score(score, b, h, i, j):
+        return score + (wrap32(wrap32(i * 1500000000) - wrap32(j * 1000000007)) // 100000000) * 0.01
+
+    opts = ref.Options(score_mod=expected_score, mask_mod=expected_mask)
+    run(rng, opts, q, k, v, function="forward", score_mod=score_mod, mask_mod=mask_mod)
+
+
+# --- score_mod_bwd: a hand-written gradient ---------------------------------------------------
 # --- score_mod_bwd: a hand-written gradient ---------------------------------------------------
 
 

@@ -36,6 +36,7 @@ extern "C" double cf_eval(int which, const float* k, const void* const* aux, con
 
 
 def compile_functor(tmp_path, traced):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     source = _codegen.functor_source(traced, "Generated")
     if traced.role == "score":
         evaluate = "which == 0 ? mod.score(s, b, h, q_idx, kv_idx) : mod.grad(s, b, h, q_idx, kv_idx)"
@@ -130,6 +131,39 @@ def test_generated_loads_clamp_indices(tmp_path):
     evaluate = compile_functor(tmp_path, traced)
     assert math.isclose(evaluate(0, 0.0, 0, 0, 0, 10), float(SLOPES[3]), rel_tol=1e-6)
     assert math.isclose(evaluate(0, 0.0, 0, 0, 0, 2), float(SLOPES[2]), rel_tol=1e-6)
+
+
+def wrap32(x):
+    """Two's complement wrap into int32 (Python ints or NumPy int64 arrays)."""
+    return ((x + 2 ** 31) % 2 ** 32) - 2 ** 31
+
+
+# Integer arithmetic past int32, with its value under 32-bit wrapping: the generated code and the
+# CPU reference (test_callables.py) both wrap.
+OVERFLOWING = [
+    (lambda b, h, i, j: i * 2000000000 + j, lambda b, h, i, j: wrap32(wrap32(i * 2000000000) + j)),
+    (lambda b, h, i, j: (j - i * 1500000000) - 1500000000,
+     lambda b, h, i, j: wrap32(wrap32(j - wrap32(i * 1500000000)) - 1500000000)),
+    (lambda b, h, i, j: (i * 2000000000) // (j - 17), lambda b, h, i, j: wrap32(wrap32(i * 2000000000) // (j - 17))),
+    (lambda b, h, i, j: (i * 2000000000) % (j + 5), lambda b, h, i, j: wrap32(i * 2000000000) % (j + 5)),
+    (lambda b, h, i, j: -(i * 1073741824) + abs(j * 1073741824 - 2147483647 - 1),
+     lambda b, h, i, j: wrap32(wrap32(-wrap32(i * 1073741824)) + wrap32(abs(wrap32(wrap32(j * 1073741824) - 2147483647 - 1))))),
+    (lambda b, h, i, j: (-2147483647 - 1 + i * 0) // -1, lambda b, h, i, j: -2147483648),
+]
+
+
+@pytest.mark.skipif(CXX is None, reason="no C++ compiler")
+@pytest.mark.parametrize("index", range(len(OVERFLOWING)))
+def test_generated_int_arithmetic_wraps(tmp_path, index):
+    fn, expected = OVERFLOWING[index]
+    # The value reaches the float result in two exact 16-bit halves (a float holds 24 bits).
+    halves = [(lambda s, b, h, i, j: fn(b, h, i, j) // 65536, lambda x: x // 65536),
+              (lambda s, b, h, i, j: fn(b, h, i, j) % 65536, lambda x: x % 65536)]
+    for half, (score_mod, part) in enumerate(halves):
+        evaluate = compile_functor(tmp_path / str(half), mods.trace_score_mod(score_mod))
+        for i in range(0, 12):
+            for j in range(0, 12):
+                assert evaluate(0, 0.0, 0, 0, i, j) == float(part(expected(0, 0, i, j))), (half, i, j)
 
 
 def test_source_depends_on_structure_only():
