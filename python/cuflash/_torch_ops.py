@@ -18,14 +18,25 @@ from ._variants import MaskMod, ScoreMod, from_kind
 from . import interface as _interface
 
 
+def _mod(cls, kind, scalars, aux, program, structure):
+    """The score_mod / mask_mod of a call from the op's arguments: a built-in, or a callable
+    traced before (its program)."""
+    if not kind:
+        return None
+    if kind == _interface._EXPRESSION_KIND:
+        return _interface._CheckedExpression(cls.role, list(program), list(scalars), list(aux), structure)
+    return from_kind(cls, kind, scalars, aux)
+
+
 def _call(q, k, v, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
           max_seqlen_k, page_table, softmax_scale, causal, window_left, window_right, softcap, score_mod_kind,
           score_mod_scalars, mask_mod_kind, mask_mod_scalars, aux, num_score_aux, block_sparse, block_sparse_slots,
-          num_splits, pack_gqa, deterministic=False):
-    score_mod = (from_kind(ScoreMod, score_mod_kind, score_mod_scalars, aux[:num_score_aux])
-                 if score_mod_kind else None)
-    mask_mod = (from_kind(MaskMod, mask_mod_kind, mask_mod_scalars, aux[num_score_aux:])
-                if mask_mod_kind else None)
+          num_splits, pack_gqa, score_mod_program, mask_mod_program, score_mod_structure,
+          mask_mod_structure, deterministic=False):
+    score_mod = _mod(ScoreMod, score_mod_kind, score_mod_scalars, aux[:num_score_aux], score_mod_program,
+                     score_mod_structure)
+    mask_mod = _mod(MaskMod, mask_mod_kind, mask_mod_scalars, aux[num_score_aux:], mask_mod_program,
+                    mask_mod_structure)
     lists = [None] * 8
     for slot, tensor in zip(block_sparse_slots, block_sparse):
         lists[slot] = tensor
@@ -50,7 +61,10 @@ def flatten(call) -> dict:
         mask_mod_scalars=[float(s) for s in mask_scalars], aux=list(score_aux) + list(mask_aux),
         num_score_aux=len(score_aux), block_sparse=[t for t in call.block_sparse if t is not None],
         block_sparse_slots=[i for i, t in enumerate(call.block_sparse) if t is not None], num_splits=call.num_splits,
-        pack_gqa=call.pack_gqa, deterministic=call.deterministic)
+        pack_gqa=call.pack_gqa, score_mod_program=list(call.score_program), mask_mod_program=list(call.mask_program),
+        score_mod_structure="" if call.score_traced is None else call.score_traced.structure_key(),
+        mask_mod_structure="" if call.mask_traced is None else call.mask_traced.structure_key(),
+        deterministic=call.deterministic)
 
 
 @torch.library.custom_op("cuflash::fwd", mutates_args=())
@@ -60,12 +74,14 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, learnable_sink: Optional[Tensor], cu_se
         softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int, softcap: float,
         score_mod_kind: int, score_mod_scalars: List[float], mask_mod_kind: int, mask_mod_scalars: List[float],
         aux: List[Tensor], num_score_aux: int, block_sparse: List[Tensor], block_sparse_slots: List[int],
-        num_splits: int, pack_gqa: Optional[bool], deterministic: bool) -> Tuple[Tensor, Tensor]:
+        num_splits: int, pack_gqa: Optional[bool], score_mod_program: List[int], mask_mod_program: List[int],
+        score_mod_structure: str, mask_mod_structure: str, deterministic: bool) -> Tuple[Tensor, Tensor]:
     # `deterministic` is for the backward only.
     call = _call(q, k, v, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                  max_seqlen_k, page_table, softmax_scale, causal, window_left, window_right, softcap,
                  score_mod_kind, score_mod_scalars, mask_mod_kind, mask_mod_scalars, aux, num_score_aux,
-                 block_sparse, block_sparse_slots, num_splits, pack_gqa)
+                 block_sparse, block_sparse_slots, num_splits, pack_gqa, score_mod_program, mask_mod_program,
+                 score_mod_structure, mask_mod_structure)
     return _interface._run_forward(call)
 
 
@@ -87,11 +103,16 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
         max_seqlen_k: Optional[int], softmax_scale: Optional[float], causal: bool, window_left: int,
         window_right: int, softcap: float, score_mod_kind: int, score_mod_scalars: List[float], mask_mod_kind: int,
         mask_mod_scalars: List[float], aux: List[Tensor], num_score_aux: int, block_sparse: List[Tensor],
-        block_sparse_slots: List[int], deterministic: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        block_sparse_slots: List[int], num_splits: int, pack_gqa: Optional[bool], score_mod_program: List[int],
+        mask_mod_program: List[int], score_mod_structure: str, mask_mod_structure: str,
+        deterministic: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    # num_splits and pack_gqa are the forward's: the backward ignores them, but a callable's
+    # kernels are compiled in one module per form, which the forward's call found or built.
     call = _call(q, k, v, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                  max_seqlen_k, page_table, softmax_scale, causal, window_left, window_right, softcap, score_mod_kind,
                  score_mod_scalars, mask_mod_kind, mask_mod_scalars, aux, num_score_aux, block_sparse,
-                 block_sparse_slots, 1, None, deterministic)
+                 block_sparse_slots, num_splits, pack_gqa, score_mod_program, mask_mod_program, score_mod_structure,
+                 mask_mod_structure, deterministic)
     # The gradients reaching out and lse may be views the kernels cannot read by TMA (a slice of
     # a concatenation): copied as the inputs of the other paths are.
     dout, dlse = (_interface._maybe_contiguous(call.framework, t) for t in (dout, dlse))
@@ -112,11 +133,12 @@ _FWD_INPUTS = ("q", "k", "v", "learnable_sink", "cu_seqlens_q", "cu_seqlens_k", 
                "max_seqlen_q", "max_seqlen_k", "page_table", "softmax_scale", "causal", "window_left",
                "window_right", "softcap", "score_mod_kind", "score_mod_scalars", "mask_mod_kind",
                "mask_mod_scalars", "aux", "num_score_aux", "block_sparse", "block_sparse_slots", "num_splits", "pack_gqa",
-               "deterministic")
+               "score_mod_program", "mask_mod_program", "score_mod_structure", "mask_mod_structure", "deterministic")
 _TENSOR_INPUTS = ("q", "k", "v", "learnable_sink", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k",
                   "page_table")
 _OPTIONS = ("max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal", "window_left", "window_right", "softcap",
-            "score_mod_kind", "score_mod_scalars", "mask_mod_kind", "mask_mod_scalars", "num_score_aux")
+            "score_mod_kind", "score_mod_scalars", "mask_mod_kind", "mask_mod_scalars", "num_score_aux", "num_splits",
+            "pack_gqa", "score_mod_program", "mask_mod_program", "score_mod_structure", "mask_mod_structure")
 
 
 def _setup_context(ctx, inputs, output):

@@ -340,6 +340,8 @@ def _resolve_variant(mod: Any, argument: str, cls: type, aux_tensors: Optional[L
         if bwd is not None:
             _fail(ValueError, "score_mod_bwd", "given without a score_mod: it is the gradient of a score_mod callable")
         return (0, [], []), False
+    if isinstance(mod, _CheckedExpression):
+        return _resolve_checked_expression(mod, argument, call), False
     module = "cuflash.scores" if cls is ScoreMod else "cuflash.masks"
     if not isinstance(mod, cls):
         other = MaskMod if cls is ScoreMod else ScoreMod
@@ -448,10 +450,7 @@ def _resolve_callable(mod: Any, argument: str, cls: type, aux_tensors: Optional[
                   "Python callables on the GPU need kernels compiled at run time, which CUFLASH_JIT_CALLABLES=0 "
                   "turns off: unset it, pass CPU tensors (the CPU reference), or use a built-in from "
                   "cuflash.scores / cuflash.masks")
-        if role == "score":
-            call.score_traced = traced
-        else:
-            call.mask_traced = traced
+        _set_traced(call, role, traced)
     aux = []
     for i, (tensor, kind) in enumerate(zip(traced.aux, traced.aux_kinds)):
         own = framework_of(tensor)
@@ -475,7 +474,43 @@ def _resolve_callable(mod: Any, argument: str, cls: type, aux_tensors: Optional[
         call.score_program = program
     else:
         call.mask_program = program
-    return (100, [float(c) for c in traced.constants], aux), traced.uses_aux_tensors
+    return (_EXPRESSION_KIND, [float(c) for c in traced.constants], aux), traced.uses_aux_tensors
+
+
+# ScoreModKind / MaskModKind::kExpression (include/cuflash/options.hpp).
+_EXPRESSION_KIND = 100
+
+
+def _set_traced(call: _Call, role: str, traced: Any) -> None:
+    if role == "score":
+        call.score_traced = traced
+    else:
+        call.mask_traced = traced
+
+
+@dataclass(frozen=True)
+class _CheckedExpression:
+    """A callable as the torch custom ops carry it, traced and checked before: its program,
+    constants and tensors (converted), and the key of its structure ("" off the GPU)."""
+    role: str
+    program: List[int]
+    scalars: List[float]
+    aux: List[Tensor]
+    structure: str
+
+
+def _resolve_checked_expression(mod: _CheckedExpression, argument: str, call: _Call
+                                ) -> Tuple[int, List[float], List[Tensor]]:
+    if mod.role == "score":
+        call.score_program = list(mod.program)
+    else:
+        call.mask_program = list(mod.program)
+    if mod.structure:
+        traced = _mods.structure_of(mod.structure)
+        if traced is None:
+            _fail(RuntimeError, argument, f"no callable of structure {mod.structure} was traced in this process")
+        _set_traced(call, mod.role, traced)
+    return _EXPRESSION_KIND, list(mod.scalars), list(mod.aux)
 
 
 _INT32_RANGE = (-(2 ** 31), 2 ** 31 - 1)
@@ -709,22 +744,11 @@ def _prepare(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, s
     if aux_tensors is not None and not (score_used_aux or mask_used_aux):
         _fail(ValueError, "aux_tensors", "no score_mod / mask_mod reads them: the built-ins were given their "
                                          "tensors, and callables take them as extra trailing parameters")
-    if call.score_traced is not None or call.mask_traced is not None:
-        try:
-            # Callables split (num_splits > 1) and pack GQA groups (pack_gqa=True) only when
-            # asked: the heuristics leave them at one split, unpacked, so the kernel's form is
-            # known here.
-            form = dict(split=call.num_splits > 1, paged=call.page_table is not None,
-                        pack_gqa=call.pack_gqa is True and call.num_heads != call.num_heads_kv)
-            if _uses_jax_ffi(framework):
-                call.expression_module = str(_jit.expression_module(
-                    call.score_traced, call.mask_traced, call.dtype, call.head_dim, call.head_dim_v, **form))
-            else:
-                call.expression_kernels = _jit.expression_kernels(
-                    call.score_traced, call.mask_traced, call.dtype, call.head_dim, call.head_dim_v,
-                    _C.kernel_params_abi(), **form)
-        except _jit.JitError as error:
-            _fail(RuntimeError, "score_mod" if call.score_traced is not None else "mask_mod", str(error))
+    if _uses_jax_ffi(framework):
+        # The custom calls name the compiled module (the handlers open it); other frameworks
+        # compile when the call first runs (_expression_kernels).
+        _compile_expressions(call, lambda *args, **form: str(_jit.expression_module(*args, **form)),
+                             lambda path: setattr(call, "expression_module", path))
 
     if any(t is not None for t in block_sparse) or any(t is not None for t in q_block_sparse):
         forward_lists = _check_block_sparse(
@@ -752,6 +776,31 @@ def _output_alloc(framework, packed: bool):
     return framework.zeros if packed else framework.empty
 
 
+def _compile_expressions(call: _Call, compile_fn, store) -> None:
+    """Compiles the kernels of a call's traced callables (none: nothing to do) by `compile_fn`
+    and hands the result to `store`; a compile failure is a RuntimeError naming the callable."""
+    if call.score_traced is None and call.mask_traced is None:
+        return
+    # Callables split (num_splits > 1) and pack GQA groups (pack_gqa=True) only when asked: the
+    # heuristics leave them at one split, unpacked, so the kernel's form is known here.
+    form = dict(split=call.num_splits > 1, paged=call.page_table is not None,
+                pack_gqa=call.pack_gqa is True and call.num_heads != call.num_heads_kv)
+    try:
+        store(compile_fn(call.score_traced, call.mask_traced, call.dtype, call.head_dim, call.head_dim_v, **form))
+    except _jit.JitError as error:
+        _fail(RuntimeError, "score_mod" if call.score_traced is not None else "mask_mod", str(error))
+
+
+def _expression_kernels(call: _Call) -> Tuple[int, int]:
+    """The (forward, backward) launchers compiled for the call's callables on the GPU ((0, 0):
+    the library's own kernels). Compiled (or found in the cache) when a call first runs, which
+    for torch is inside the custom ops, where torch.compile does not trace."""
+    if call.expression_kernels == (0, 0):
+        _compile_expressions(call, lambda *args, **form: _jit.expression_kernels(*args, _C.kernel_params_abi(), **form),
+                             lambda kernels: setattr(call, "expression_kernels", tuple(kernels)))
+    return call.expression_kernels
+
+
 def _run_forward(call: _Call, out: Optional[Tensor] = None, lse: Optional[Tensor] = None,
                  return_lse: bool = True) -> Tuple[Tensor, Optional[Tensor]]:
     """out / lse: the caller's buffers (checked by _check_output), else allocated here; without
@@ -766,7 +815,7 @@ def _run_forward(call: _Call, out: Optional[Tensor] = None, lse: Optional[Tensor
     _C.forward(call.export(call.q), call.export(call.k), call.export(call.v), call.export(out),
                lse=call.export(lse), learnable_sink=call.export(call.learnable_sink),
                page_table=call.export(call.page_table), num_splits=call.num_splits, pack_gqa=call.pack_gqa,
-               stream=stream, expression_kernel=call.expression_kernels[0],
+               stream=stream, expression_kernel=_expression_kernels(call)[0],
                workspace_allocator=framework.workspace_allocator(call.q), **call.common_kwargs())
     out, lse = framework.finish([out, lse], stream, like=call.q)
     return out, lse
@@ -795,7 +844,7 @@ def _run_backward(call: _Call, out: Tensor, dout: Tensor, lse: Tensor, dlse: Opt
                 call.export(dout), call.export(lse), call.export(dq), call.export(dk), call.export(dv),
                 learnable_sink=call.export(call.learnable_sink), d_sink=call.export(d_sink), dlse=call.export(dlse),
                 page_table=call.export(call.page_table), deterministic=call.deterministic, stream=stream,
-                expression_kernel=call.expression_kernels[1],
+                expression_kernel=_expression_kernels(call)[1],
                 workspace_allocator=framework.workspace_allocator(call.q), **call.common_kwargs())
     dq, dk, dv, d_sink = framework.finish([dq, dk, dv, d_sink], stream, like=call.q)
     return dq, dk, dv, d_sink
@@ -954,9 +1003,7 @@ def _refuse_mod_tensor_grads(call: _Call) -> None:
 def _attention(call: _Call) -> Tuple[Tensor, Tensor]:
     if call.framework.name == "torch":
         _refuse_mod_tensor_grads(call)
-        # Traced callables go through the autograd.Function: the custom ops' schema holds only
-        # the built-in variants.
-        ops = None if call.has_expression else _torch_custom_ops()
+        ops = _torch_custom_ops()
         if ops is not None:
             return ops.attention(call)
         return _torch_function().apply(call.q, call.k, call.v, call.learnable_sink, call)

@@ -44,6 +44,7 @@ NumPy reference by calling it with broadcast index arrays.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import math
@@ -659,18 +660,22 @@ class TracedMod:
     constants: List[float]
     aux: List[Any] = field(repr=False)  # the tensors read, by slot
     aux_kinds: List[str] = field(default_factory=list)  # "float", "int" or "bool" per slot
+    aux_ranks: List[int] = field(default_factory=list)  # dimensions of each tensor
     uses_aux_tensors: bool = False  # whether the call's aux_tensors were passed as arguments
 
     @property
     def num_ops(self) -> int:
         return len(self.code) // 4
 
+    def __post_init__(self):
+        # Hashed once, when traced (torch.compile reads it as a plain attribute).
+        text = repr((self.role, self.code, self.result, self.grad, self.aux_kinds, self.aux_ranks))
+        self._structure_key = hashlib.sha256(text.encode()).hexdigest()[:16]
+
     def structure_key(self) -> str:
         """A hash of what the compiled GPU functor depends on (the program and the tensors'
         kinds and ranks, not the constants' values nor the tensors' contents)."""
-        ranks = [len(a.shape) for a in self.aux]
-        text = repr((self.role, self.code, self.result, self.grad, self.aux_kinds, ranks))
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        return self._structure_key
 
     def __repr__(self) -> str:
         return f"<cuflash.mods.TracedMod {self.role}_mod {self.name}: {self.num_ops} ops>"
@@ -977,9 +982,22 @@ def _emit(graph: _Graph, role: str, name: str, result: Sym, grad: Optional[Sym],
     if len(aux) > MAX_AUX:
         raise ValueError(f"{argument}: {name} reads {len(aux)} tensors, more than the limit of {MAX_AUX}; "
                          f"stack them into one")
-    return TracedMod(role=role, name=name, code=code, types=types_, result=register[result.index],
-                     grad=register[grad.index] if grad is not None else -1, constants=constants, aux=aux,
-                     aux_kinds=aux_kinds, uses_aux_tensors=uses_aux)
+    traced = TracedMod(role=role, name=name, code=code, types=types_, result=register[result.index],
+                       grad=register[grad.index] if grad is not None else -1, constants=constants, aux=aux,
+                       aux_kinds=aux_kinds, aux_ranks=[len(a.shape) for a in aux], uses_aux_tensors=uses_aux)
+    # Its structure, without the constants and tensors (which it would keep alive).
+    _STRUCTURES.setdefault(traced.structure_key(), dataclasses.replace(traced, constants=[], aux=[]))
+    return traced
+
+
+# Every structure traced in this process, by key: what a call that carries a program and its key
+# (the torch custom ops) compiles for the GPU.
+_STRUCTURES: Dict[str, TracedMod] = {}
+
+
+def structure_of(key: str) -> Optional[TracedMod]:
+    """The traced structure of `key` (TracedMod.structure_key), if one was traced in this process."""
+    return _STRUCTURES.get(key)
 
 
 def trace_score_mod(fn: Callable, aux_tensors: Optional[Sequence[Any]] = None,

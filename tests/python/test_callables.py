@@ -451,6 +451,22 @@ def test_derivative_is_symbolic():
     assert op == mods.FLOAT and traced.constants[a] == 1.0
 
 
+def test_structures_are_kept_without_constants_or_tensors():
+    # The torch custom ops carry a callable's program and structure key; the GPU compiles the
+    # structure found by that key, which keeps no tensor alive.
+    table = np.arange(5, dtype=np.float32)
+    traced = mods.trace_score_mod(lambda s, b, h, i, j: s * 0.5 + table[j])
+    structure = mods.structure_of(traced.structure_key())
+    assert structure.code == traced.code and structure.types == traced.types
+    assert structure.aux == [] and structure.constants == []
+    assert structure.structure_key() == traced.structure_key()
+    q, k, v = _qkv_small()
+    checked = cuflash.interface._CheckedExpression("score", [traced.result, traced.grad] + traced.code,
+                                                   traced.constants, [table], "0123456789abcdef")
+    with pytest.raises(RuntimeError, match="^score_mod: no callable of structure 0123456789abcdef"):
+        cuflash.flash_attn_varlen_func(q, k, v, score_mod=checked)
+
+
 def test_program_is_deduplicated():
     traced = mods.trace_mask_mod(lambda b, h, i, j: (j <= i) & (j <= i) | (j <= i))
     assert traced.num_ops == 5  # q_idx, kv_idx, le, and, or

@@ -288,6 +288,49 @@ def test_torch_compile(gen, torch_path):
         torch.testing.assert_close(g, t.grad)
 
 
+@pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace")
+def test_torch_compile_with_callables(gen, torch_path):
+    # Callables go through the custom ops as their programs: a callable traced beforehand
+    # (cuflash.mods) compiles into one graph (fullgraph); a plain function is traced by cuflash
+    # where the graph breaks. Both match eager, forward and backward.
+    if torch_path != "custom_op":
+        pytest.skip("torch.compile keeps cuflash in its graph through the custom ops")
+    q, k, v = tensors(gen, [(1, 24, 4, 32), (1, 24, 2, 32), (1, 24, 2, 32)])
+    bias = torch.randn(24, generator=gen)
+    doc = torch.tensor([0] * 10 + [1] * 14, dtype=torch.int32)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + bias[kv_idx] * (h + 1)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+
+    traced_score, traced_mask = cuflash.mods.trace_score_mod(score_mod), cuflash.mods.trace_mask_mod(mask_mod)
+
+    def step(score, mask):
+        def loss(q, k, v):
+            # score_mod is an option of flash_attn_varlen_func, mask_mod one of flash_attn_func
+            # (the seed's signatures).
+            out, lse = cuflash.flash_attn_varlen_func(q, k, v, causal=True, score_mod=score)
+            masked, _ = cuflash.flash_attn_func(q, k, v, mask_mod=mask)
+            return (out.float() ** 2).sum() + lse.sum() + (masked.float() ** 3).sum()
+        return loss
+
+    def grads(loss):
+        for t in (q, k, v):
+            t.grad = None
+        value = loss(q, k, v)
+        value.backward()
+        return [value.detach()] + [t.grad.clone() for t in (q, k, v)]
+
+    expected = grads(step(score_mod, mask_mod))
+    for fullgraph, score, mask in ((True, traced_score, traced_mask), (False, score_mod, mask_mod)):
+        torch._dynamo.reset()
+        got = grads(torch.compile(step(score, mask), backend="aot_eager", fullgraph=fullgraph))
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e)
+
+
 def test_opcheck(gen, torch_path):
     if torch_path != "custom_op":
         pytest.skip("custom ops only")
@@ -296,6 +339,12 @@ def test_opcheck(gen, torch_path):
     q, k, v = tensors(gen, [(1, 16, 2, 32)] * 3)
     sink = torch.randn(2, generator=gen).requires_grad_(True)
     call = cuflash.interface._prepare(q, k, v, causal=True, learnable_sink=sink)
+    torch.library.opcheck(torch.ops.cuflash.fwd.default, (q, k, v, sink), ops.flatten(call),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    # With callables: their programs and tensors are arguments of the op.
+    bias = torch.randn(16, generator=gen)
+    call = cuflash.interface._prepare(q, k, v, learnable_sink=sink, score_mod=lambda s, b, h, i, j: s + bias[j],
+                                      mask_mod=lambda b, h, i, j: j <= i + 2)
     torch.library.opcheck(torch.ops.cuflash.fwd.default, (q, k, v, sink), ops.flatten(call),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
