@@ -200,3 +200,34 @@ def test_gpu_callables_jit(monkeypatch):
     monkeypatch.setenv("CUFLASH_JIT_CALLABLES", "0")
     with pytest.raises(NotImplementedError, match="^mask_mod: .*CUFLASH_JIT_CALLABLES=0"):
         cuflash.flash_attn_func(q, k, v, mask_mod=gpu_callables.causal_mask)
+
+
+def test_gpu_callable_under_torch_compile(monkeypatch):
+    """On a GPU: a traced callable inside torch.compile(fullgraph=True) runs the kernels compiled
+    for it from within the custom ops, forward and backward, as eager does."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    if not (torch.cuda.is_available() and cuflash.built_with_cuda):
+        pytest.skip("no CUDA device or a build without CUDA")
+    _toolchain_or_skip()
+    monkeypatch.delenv("CUFLASH_JIT_CALLABLES", raising=False)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(2, 200, 4, gpu_callables.HEAD_DIM, device="cuda", dtype=torch.bfloat16,
+                           generator=gen).requires_grad_()
+               for _ in range(3))
+    slopes = torch.tensor(cuflash.scores.alibi_slopes(4), device="cuda")
+    traced = mods.trace_score_mod(gpu_callables.alibi_like(slopes))
+
+    def loss(q, k, v):
+        out, lse = cuflash.flash_attn_varlen_func(q, k, v, score_mod=traced, causal=True)
+        return (out.float() ** 2).sum() + lse.sum()
+
+    def grads(fn):
+        value = fn(q, k, v)
+        return [value.detach()] + list(torch.autograd.grad(value, (q, k, v)))
+
+    with skip_if_not_built():  # the hdim64 flex kernels of the build (the callable's templates)
+        expected = grads(loss)
+    torch._dynamo.reset()
+    got = grads(torch.compile(loss, backend="aot_eager", fullgraph=True))
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)
