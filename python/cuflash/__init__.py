@@ -9,7 +9,8 @@ differentiable through torch.autograd. JAX arrays run as XLA custom calls, also 
 and under jax.grad (when the build found jax; else eagerly, by DLPack).
 """
 
-from . import _C, block_sparse, masks, mods, scores
+from . import _C, block_sparse, flex, masks, mods, scores
+from .flex import flex_attention
 from .interface import (flash_attn_backward, flash_attn_combine, flash_attn_forward, flash_attn_func,
                         flash_attn_varlen_func)
 
@@ -21,6 +22,8 @@ __all__ = [
     "flash_attn_combine",
     "flash_attn_forward",
     "flash_attn_backward",
+    "flex_attention",
+    "flex",
     "masks",
     "scores",
     "mods",

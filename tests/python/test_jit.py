@@ -231,3 +231,28 @@ def test_gpu_callable_under_torch_compile(monkeypatch):
     got = grads(torch.compile(loss, backend="aot_eager", fullgraph=True))
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e)
+
+
+def test_gpu_flex_attention_with_a_block_mask(monkeypatch):
+    """On a GPU: cuflash.flex_attention with torch's BlockMask (lists made on the GPU) and its
+    mask_mod callable, against the causal kernels on the same memory, forward and backward."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    if not (torch.cuda.is_available() and cuflash.built_with_cuda):
+        pytest.skip("no CUDA device or a build without CUDA")
+    flex = pytest.importorskip("torch.nn.attention.flex_attention", reason="this torch has no FlexAttention")
+    _toolchain_or_skip()
+    monkeypatch.delenv("CUFLASH_JIT_CALLABLES", raising=False)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    q, k, v = (torch.randn(2, 4, 300, gpu_callables.HEAD_DIM, device="cuda", dtype=torch.bfloat16,
+                           generator=gen).requires_grad_()
+               for _ in range(3))
+    block_mask = flex.create_block_mask(gpu_callables.causal_mask, None, None, 300, 300, device="cuda")
+    with skip_if_not_built():  # the hdim64 flex kernels of the build
+        out, lse = cuflash.flex_attention(q, k, v, block_mask=block_mask, return_lse=True)
+    expected, expected_lse = cuflash.flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), causal=True)
+    torch.testing.assert_close(out, expected.transpose(1, 2), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, expected_lse, atol=1e-3, rtol=1e-3)
+    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    expected_grads = torch.autograd.grad(expected.float().sum(), (q, k, v))
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)

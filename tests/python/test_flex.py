@@ -1,0 +1,147 @@
+"""cuflash.flex_attention against torch's own FlexAttention on the CPU (its unfused reference
+implementation) for outputs and lse, and against float64 torch operations for gradients, with
+score_mod, BlockMask, GQA and the interface's errors."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+flex = pytest.importorskip("torch.nn.attention.flex_attention", reason="this torch has no FlexAttention")
+
+import cuflash  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+
+def inputs(gen, batch=2, heads=4, heads_kv=2, seqlen_q=200, seqlen_k=300, dim=32, dim_v=32):
+    shapes = [(batch, heads, seqlen_q, dim), (batch, heads_kv, seqlen_k, dim), (batch, heads_kv, seqlen_k, dim_v)]
+    return [torch.randn(*s, generator=gen).half().requires_grad_(True) for s in shapes]
+
+
+def naive(q, k, v, score_mod=None, mask_mod=None, scale=None):
+    """out, lse of plain torch operations in float64 (differentiable): the gradients' reference
+    (torch's FlexAttention has no backward on the CPU)."""
+    q, k, v = (t.double() for t in (q, k, v))
+    batch, heads, seqlen_q, dim = q.shape
+    group = heads // k.shape[1]
+    k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
+    s = q @ k.transpose(-1, -2) * (dim ** -0.5 if scale is None else scale)
+    b, h, i, j = (torch.arange(n).reshape([-1 if d == axis else 1 for d in range(4)])
+                  for axis, n in enumerate(s.shape))
+    if score_mod is not None:
+        s = score_mod(s, b, h, i, j)
+    if mask_mod is not None:
+        s = s.masked_fill(~mask_mod(b, h, i, j).expand(s.shape), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    seen = torch.isfinite(lse)
+    p = torch.where(seen[..., None], torch.exp(s - torch.where(seen, lse, 0.0)[..., None]), 0.0)
+    return p @ v, lse
+
+
+def run_both(q, k, v, score_mod=None, mask_mod=None, **kwargs):
+    """(out, lse, dq, dk, dv) of the reference and of cuflash's flex_attention for one loss that
+    uses out and lse; the outputs also against torch's flex_attention."""
+    results = []
+    flex_kwargs = {key: value for key, value in kwargs.items() if key != "block_mask"}
+    for name in ("reference", "cuflash"):
+        for t in (q, k, v):
+            t.grad = None
+        if name == "reference":
+            out, lse = naive(q, k, v, score_mod, mask_mod, kwargs.get("scale"))
+        else:
+            out, lse = cuflash.flex_attention(q, k, v, score_mod=score_mod, return_lse=True, **kwargs)
+        # One dout for both: float16 values.
+        weights = torch.linspace(-1, 1, out.numel()).half().reshape(out.shape).to(out.dtype)
+        ((out * weights).sum() + (torch.where(torch.isinf(lse), 0, lse) * 0.5).sum()).backward()
+        results.append([out.detach().float(), lse.detach().float()] + [t.grad.clone().float() for t in (q, k, v)])
+    with torch.no_grad():
+        out, lse = flex.flex_attention(q.detach(), k.detach(), v.detach(), score_mod=score_mod, return_lse=True,
+                                       **kwargs)
+    check(results[1][:2], [out, lse])
+    return results
+
+
+def check(expected, got):
+    for name, e, g in zip(("out", "lse", "dq", "dk", "dv"), expected, got):
+        assert g.shape == e.shape, name
+        # float16 outputs and gradients (one rounding) against float64 / float32 ones.
+        scale = max(1.0, float(e[torch.isfinite(e)].abs().max()))
+        torch.testing.assert_close(g.float(), e.float(), atol=4e-3 * scale, rtol=4e-3, msg=name)
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(0)
+
+
+def test_dense(gen):
+    q, k, v = inputs(gen, heads_kv=4)
+    check(*run_both(q, k, v))
+
+
+def test_score_mod_gqa_and_causal_block_mask(gen):
+    q, k, v = inputs(gen)
+    bias = torch.randn(300, generator=gen)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + bias[kv_idx] - (h + 1) * 0.1 * torch.abs(q_idx - kv_idx)
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx + 100 >= kv_idx
+
+    block_mask = flex.create_block_mask(causal, B=None, H=None, Q_LEN=200, KV_LEN=300, device="cpu")
+    check(*run_both(q, k, v, score_mod=score_mod, mask_mod=causal, block_mask=block_mask, enable_gqa=True,
+                    scale=0.3))
+
+
+def test_document_mask_per_batch_and_head(gen):
+    # A BlockMask of every batch entry and head, rows of the second sequence masked out entirely.
+    q, k, v = inputs(gen, seqlen_q=300)
+    doc = torch.tensor([[0] * 130 + [1] * 170, [0] * 300], dtype=torch.int32)
+
+    def document(b, h, q_idx, kv_idx):
+        return (doc[b, q_idx] == doc[b, kv_idx]) & ((h != 3) | (b == 0) | (q_idx < 256))
+
+    block_mask = flex.create_block_mask(document, B=2, H=4, Q_LEN=300, KV_LEN=300, device="cpu")
+    expected, got = run_both(q, k, v, mask_mod=document, block_mask=block_mask, enable_gqa=True)
+    check(expected, got)
+    assert torch.isinf(got[1][1, 3, 256:]).all() and not got[0][1, 3, 256:].any()
+
+
+def test_block_mask_without_a_mask_mod(gen):
+    q, k, v = inputs(gen, heads_kv=4)
+    block_mask = flex.create_block_mask(flex.noop_mask, None, None, 200, 300, device="cpu")
+    check(*run_both(q, k, v, block_mask=block_mask))
+
+
+def test_return_aux_and_layout(gen):
+    q, k, v = inputs(gen, heads_kv=4)
+    out, aux = cuflash.flex_attention(q, k, v, return_aux=flex.AuxRequest(lse=True))
+    expected, expected_lse = flex.flex_attention(q.detach(), k.detach(), v.detach(), return_lse=True)
+    torch.testing.assert_close(aux.lse, expected_lse, atol=1e-4, rtol=1e-4)
+    # (B, L, H, E) memory: the usual transpose back to tokens is free.
+    assert out.transpose(1, 2).is_contiguous()
+    torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
+    assert cuflash.flex_attention(q, k, v).shape == (2, 4, 200, 32)
+
+
+def test_errors_name_the_argument(gen):
+    q, k, v = inputs(gen)
+    with pytest.raises(ValueError, match="^enable_gqa: query has 4 heads and key 2"):
+        cuflash.flex_attention(q, k, v)
+    with pytest.raises(ValueError, match="^kernel_options: "):
+        cuflash.flex_attention(q, k, v, enable_gqa=True, kernel_options={"BLOCK_M": 64})
+    with pytest.raises(NotImplementedError, match="^return_aux: max_scores"):
+        cuflash.flex_attention(q, k, v, enable_gqa=True, return_aux=flex.AuxRequest(lse=True, max_scores=True))
+    small = flex.create_block_mask(flex.noop_mask, None, None, 200, 300, device="cpu", BLOCK_SIZE=64)
+    with pytest.raises(ValueError, match="^block_mask: cuflash reads block lists of 128 x 128 blocks"):
+        cuflash.flex_attention(q, k, v, enable_gqa=True, block_mask=small)
+    other = flex.create_block_mask(flex.noop_mask, None, None, 256, 300, device="cpu")
+    with pytest.raises(ValueError, match=r"^block_mask: made for \(Q_LEN, KV_LEN\) = \(256, 300\)"):
+        cuflash.flex_attention(q, k, v, enable_gqa=True, block_mask=other)
+    with pytest.raises(TypeError, match="^block_mask: expected FlexAttention's BlockMask"):
+        cuflash.flex_attention(q, k, v, enable_gqa=True,
+                               block_mask=cuflash.block_sparse.create_block_mask(cuflash.masks.causal(), 2, 1, 200, 300))
+    with pytest.raises(ValueError, match="^query: expected 4 dimensions"):
+        cuflash.flex_attention(q[0], k, v)
