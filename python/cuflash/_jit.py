@@ -227,8 +227,18 @@ def expression_module(score, mask, dtype: str, head_dim: int, head_dim_v: int, s
 def expression_kernels(score, mask, dtype: str, head_dim: int, head_dim_v: int, expected_abi: int,
                        split: bool = False, paged: bool = False, pack_gqa: bool = False) -> Tuple[int, int]:
     """(forward, backward) launcher addresses of expression_module's module, loaded into this
-    process."""
-    return load(expression_module(score, mask, dtype, head_dim, head_dim_v, split, paged, pack_gqa), expected_abi)
+    process; found by structure after the first call (every call with a callable asks)."""
+    key = (None if score is None else score.structure_key(), None if mask is None else mask.structure_key(), dtype,
+           head_dim, head_dim_v, expected_abi, split, paged, pack_gqa, str(_cache_dir()))
+    kernels = _kernels_by_structure.get(key)
+    if kernels is None:
+        kernels = load(expression_module(score, mask, dtype, head_dim, head_dim_v, split, paged, pack_gqa),
+                       expected_abi)
+        _kernels_by_structure[key] = kernels
+    return kernels
+
+
+_kernels_by_structure: Dict[tuple, Tuple[int, int]] = {}
 
 
 def enabled() -> bool:

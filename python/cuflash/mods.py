@@ -677,6 +677,12 @@ class TracedMod:
         kinds and ranks, not the constants' values nor the tensors' contents)."""
         return self._structure_key
 
+    def __setstate__(self, state):
+        # Unpickled (another process traced it, e.g. a data-parallel worker's parent): known
+        # by structure here too, as the torch custom ops find it.
+        self.__dict__.update(state)
+        _register_structure(self)
+
     def __repr__(self) -> str:
         return f"<cuflash.mods.TracedMod {self.role}_mod {self.name}: {self.num_ops} ops>"
 
@@ -985,14 +991,19 @@ def _emit(graph: _Graph, role: str, name: str, result: Sym, grad: Optional[Sym],
     traced = TracedMod(role=role, name=name, code=code, types=types_, result=register[result.index],
                        grad=register[grad.index] if grad is not None else -1, constants=constants, aux=aux,
                        aux_kinds=aux_kinds, aux_ranks=[len(a.shape) for a in aux], uses_aux_tensors=uses_aux)
-    # Its structure, without the constants and tensors (which it would keep alive).
-    _STRUCTURES.setdefault(traced.structure_key(), dataclasses.replace(traced, constants=[], aux=[]))
+    _register_structure(traced)
     return traced
 
 
 # Every structure traced in this process, by key: what a call that carries a program and its key
 # (the torch custom ops) compiles for the GPU.
 _STRUCTURES: Dict[str, TracedMod] = {}
+
+
+def _register_structure(traced: TracedMod) -> None:
+    # The structure, without the constants and tensors (which it would keep alive).
+    if traced.structure_key() not in _STRUCTURES:
+        _STRUCTURES[traced.structure_key()] = dataclasses.replace(traced, constants=[], aux=[])
 
 
 def structure_of(key: str) -> Optional[TracedMod]:

@@ -34,8 +34,9 @@ def tanh_cap(cap: float):
     return lambda score, b, h, q_idx, kv_idx: cap * mods.tanh(score / cap)
 
 
-def tanh_cap_bwd(cap: float, factor: float = 1.0):
-    """score_mod_bwd of tanh_cap(cap), times `factor` (a constant: one module for every factor)."""
+def tanh_cap_bwd(cap: float, factor: float):
+    """score_mod_bwd of tanh_cap(cap), times `factor` (a constant: one module for the factors
+    other than 1 and cap, which would share their constant's slot)."""
 
     def score_mod_bwd(grad, score, b, h, q_idx, kv_idx):
         t = mods.tanh(score / cap)
@@ -59,7 +60,7 @@ def _modules():
         (alibi, None, False, True, False),  # paged KV
         (alibi, None, False, False, True),  # packed GQA
         (mods.trace_score_mod(tanh_cap(20.0)), None, False, False, False),
-        (mods.trace_score_mod(tanh_cap(20.0), bwd=tanh_cap_bwd(20.0)), None, False, False, False),
+        (mods.trace_score_mod(tanh_cap(20.0), bwd=tanh_cap_bwd(20.0, 0.5)), None, False, False, False),
         (None, causal, False, False, False),
         (None, causal, True, False, False),  # split-KV
     ]

@@ -5,6 +5,7 @@ with the built-ins they spell out, and the errors for what cannot be traced."""
 from __future__ import annotations
 
 import math
+import pickle
 
 import numpy as np
 import pytest
@@ -460,6 +461,11 @@ def test_structures_are_kept_without_constants_or_tensors():
     assert structure.code == traced.code and structure.types == traced.types
     assert structure.aux == [] and structure.constants == []
     assert structure.structure_key() == traced.structure_key()
+    # A traced callable from another process (unpickled) is known by its structure too.
+    mods._STRUCTURES.pop(traced.structure_key())
+    copy = pickle.loads(pickle.dumps(traced))
+    assert mods.structure_of(traced.structure_key()).code == traced.code
+    np.testing.assert_array_equal(copy.aux[0], table)
     q, k, v = _qkv_small()
     checked = cuflash.interface._CheckedExpression("score", [traced.result, traced.grad] + traced.code,
                                                    traced.constants, [table], "0123456789abcdef")
