@@ -8,6 +8,8 @@ mask_mod are Python callables traced by cuflash (cuflash.mods: what they may use
 mask is FlexAttention's BlockMask (``torch.nn.attention.flex_attention.create_block_mask``,
 128 x 128 blocks), whose lists cuflash reads as they are, the backward's (q_*) lists included.
 Under torch autograd, out (and lse) are differentiable with respect to query, key and value.
+NumPy and JAX arrays work as with the other functions (JAX under jax.jit and jax.grad too),
+without a block mask (BlockMask is torch's).
 """
 
 from __future__ import annotations

@@ -407,6 +407,26 @@ def test_score_mod_bwd_inside_jit(rng):
     np.testing.assert_array_equal(np.asarray(dv), expected[2])
 
 
+def test_flex_attention_interface(rng):
+    # FlexAttention's (batch, heads, seqlen, head_dim) layout under jax.jit and jax.grad: the
+    # same attention as the seed's functions on swapped axes.
+    q, k, v = (randn(rng, (2, 4, 20, 32)), randn(rng, (2, 2, 24, 32)), randn(rng, (2, 2, 24, 32)))
+    score_mod = lambda s, b, h, i, j: s - 0.1 * h * abs(i - j)  # noqa: E731
+
+    def loss(fn):
+        def f(q, k, v):
+            return jnp.sum(fn(q, k, v).astype(jnp.float32) ** 2)
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
+
+    flex = lambda q, k, v: cuflash.flex_attention(q, k, v, score_mod=score_mod, enable_gqa=True)  # noqa: E731
+    seed = lambda q, k, v: cuflash.flash_attn_varlen_func(  # noqa: E731
+        *(t.swapaxes(1, 2) for t in (q, k, v)), score_mod=score_mod)[0].swapaxes(1, 2)
+    got, expected = loss(flex)(*on_cpu(q, k, v)), loss(seed)(*on_cpu(q, k, v))
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(expected[0]))
+    for g, e in zip(got[1], expected[1]):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(e))
+
+
 def test_vjp_vmap_and_eager_grad(rng):
     q, k, v = (randn(rng, (3, 1, 12, 2, 32)) for _ in range(3))
     jq, jk, jv = on_cpu(q, k, v)
