@@ -100,8 +100,10 @@ def create_block_mask(mask_mod: Any, B: Optional[int], H: Optional[int], Q_LEN: 
     move to q's device. BLOCK_SIZE: an int or (block_m, block_n); 128 x 128 only, the blocks the
     attention functions read the arrays as (the arrays do not carry their block size). Lists of
     one batch entry (B None) are repeated over the call's batch.
-    Evaluated on the CPU, pair by pair: for long sequences prefer the mask_mod alone (causal and
-    windows fold into the kernels' own masks, document masks build their lists on the GPU)."""
+    Evaluated on the CPU, one row block of pairs at a time: for long sequences prefer the
+    mask_mod alone (causal and windows fold into the kernels' own masks, document masks build
+    their lists on the GPU), or FlexAttention's create_block_mask on the GPU with
+    cuflash.flex_attention."""
     from ._tensors import framework_of
 
     def is_int(value):
@@ -146,19 +148,21 @@ def create_block_mask(mask_mod: Any, B: Optional[int], H: Optional[int], Q_LEN: 
     mask_cnt = np.zeros(shape, np.int32)
     full_idx = np.zeros(shape + (cols,), np.int32)
     mask_idx = np.zeros(shape + (cols,), np.int32)
-    q_positions = np.arange(seqlen_q)
     k_positions = np.arange(seqlen_k)
+    # Keys past seqlen_k in the last column block: kept for "all", not for "any".
+    padding = ((0, 0), (0, cols * block_n - seqlen_k))
     for b in range(batch):
         for h in range(heads):
-            kept = keep(b, h, q_positions[:, None], k_positions[None, :])
-            kept = np.broadcast_to(kept, (seqlen_q, seqlen_k))
+            # One row block at a time: memory of block_m x seqlen_k pairs, whatever the lengths.
             for m in range(rows):
-                for n in range(cols):
-                    block = kept[m * block_m:(m + 1) * block_m, n * block_n:(n + 1) * block_n]
-                    if block.all():
-                        full_idx[b, h, m, full_cnt[b, h, m]] = n
-                        full_cnt[b, h, m] += 1
-                    elif block.any():
-                        mask_idx[b, h, m, mask_cnt[b, h, m]] = n
-                        mask_cnt[b, h, m] += 1
+                q_positions = np.arange(m * block_m, min((m + 1) * block_m, seqlen_q))
+                kept = np.broadcast_to(keep(b, h, q_positions[:, None], k_positions[None, :]),
+                                       (len(q_positions), seqlen_k))
+                every = np.pad(kept, padding, constant_values=True).reshape(len(q_positions), cols, block_n).all(axis=(0, 2))
+                some = np.pad(kept, padding, constant_values=False).reshape(len(q_positions), cols, block_n).any(axis=(0, 2))
+                full = np.flatnonzero(every)
+                partial = np.flatnonzero(some & ~every)
+                full_cnt[b, h, m], mask_cnt[b, h, m] = len(full), len(partial)
+                full_idx[b, h, m, :len(full)] = full
+                mask_idx[b, h, m, :len(partial)] = partial
     return BlockLists(full_cnt, full_idx, mask_cnt, mask_idx)

@@ -4,6 +4,7 @@ score_mod, BlockMask, GQA and the interface's errors."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
@@ -11,7 +12,7 @@ flex = pytest.importorskip("torch.nn.attention.flex_attention", reason="this tor
 
 import cuflash  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
 
 
 def inputs(gen, batch=2, heads=4, heads_kv=2, seqlen_q=200, seqlen_k=300, dim=32, dim_v=32):
@@ -145,3 +146,30 @@ def test_errors_name_the_argument(gen):
                                block_mask=cuflash.block_sparse.create_block_mask(cuflash.masks.causal(), 2, 1, 200, 300))
     with pytest.raises(ValueError, match="^query: expected 4 dimensions"):
         cuflash.flex_attention(q[0], k, v)
+
+
+@pytest.mark.parametrize("lengths", [(200, 300), (300, 300), (1, 129), (128, 256)])
+def test_cuflash_block_mask_matches_torchs(lengths):
+    # cuflash.block_sparse.create_block_mask (NumPy, for every framework) lists the blocks torch's
+    # does, in ascending order. A last block cut short by the sequence's end is full here when
+    # every pair in range is kept; torch lists it as partial (it counts the pairs past the end).
+    seqlen_q, seqlen_k = lengths
+    doc = torch.tensor([[0] * 100 + [1] * 200, [0] * 150 + [2] * 150], dtype=torch.int32)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (doc[b, q_idx] == doc[b, kv_idx]) & (kv_idx <= q_idx + 40 * h)
+
+    ours = cuflash.block_sparse.create_block_mask(mask_mod, 2, 3, seqlen_q, seqlen_k)
+    theirs = flex.create_block_mask(mask_mod, 2, 3, seqlen_q, seqlen_k, device="cpu")
+
+    def blocks(cnt, idx, position):
+        return list(idx[position][:cnt[position]])
+
+    full, partial = (ours.full_block_cnt, ours.full_block_idx), (ours.mask_block_cnt, ours.mask_block_idx)
+    their_full = (theirs.full_kv_num_blocks.numpy(), theirs.full_kv_indices.numpy())
+    their_partial = (theirs.kv_num_blocks.numpy(), theirs.kv_indices.numpy())
+    for position in np.ndindex(*ours.full_block_cnt.shape):
+        mine_full, mine_partial = blocks(*full, position), blocks(*partial, position)
+        assert mine_full == sorted(mine_full) and mine_partial == sorted(mine_partial)
+        assert sorted(mine_full + mine_partial) == sorted(blocks(*their_full, position) + blocks(*their_partial, position))
+        assert set(blocks(*their_full, position)) <= set(mine_full)
