@@ -22,6 +22,11 @@ against FlexAttention's (max abs difference relative to its max) before timing.
 --deterministic (with --backward): two more cuflash columns, cuflash_flex_det and
 cuflash_sparse_det: what the fixed dQ order costs over each.
 
+--flex-api: one more column, cuflash_flex_api: cuflash.flex_attention given FlexAttention's own
+arguments (the mask_mod callable in the same BlockMask), so the kernels compiled at run time for
+the callable (cuflash._jit; the first call of each mask and head dim builds them, about a minute,
+before timing).
+
 --backward: each column runs its forward once with autograd, then each timed call is
 torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), as bench_bwd.py; FLOPs are 2.5x the
 forward's, and max_err compares dq, dk, dv with FlexAttention's.
@@ -65,6 +70,8 @@ def main():
     parser.add_argument("--backward", action="store_true", help="time the backward alone (see above)")
     parser.add_argument("--deterministic", action="store_true",
                         help="with --backward: block-list and deterministic cuflash columns (see above)")
+    parser.add_argument("--flex-api", action="store_true",
+                        help="a cuflash.flex_attention column with FlexAttention's arguments (see above)")
     args = parser.parse_args()
     if args.deterministic and not args.backward:
         parser.error("--deterministic: only with --backward (the forward has no deterministic mode)")
@@ -130,6 +137,8 @@ def main():
                     q, k, v, mask_mod=m, deterministic=True, **ls)
             block_mask = create_block_mask(mask_mod, batch, None, seqlen, seqlen, device="cuda")
             columns["flexattention"] = lambda: flex(qt, kt, vt, block_mask=block_mask)
+            if args.flex_api:
+                columns["cuflash_flex_api"] = lambda: cuflash.flex_attention(qt, kt, vt, block_mask=block_mask)
             # Visible pairs, for the FLOP count.
             qi = torch.arange(seqlen, device="cuda")
             visible = 0
@@ -169,6 +178,7 @@ def main():
                       flush=True)
             common.write_json(records, json_path)
     det_header = f" {'flex_det/flex':>14} {'sparse_det/sparse':>18}" if args.deterministic else ""
+    det_header += f" {'flex_api/FlexAttention':>23}" if args.flex_api else ""
     print(f"\n{'mask':>9} {'hdim':>4} {'seqlen':>6} {'flex/FlexAttention':>19} {'flex/plain':>11}"
           f" {'sparse/FlexAttention':>21}{det_header}")
     for hdim, seqlen, _, _ in common.grid(args):
@@ -183,6 +193,8 @@ def main():
             if args.deterministic:
                 det = (f" {get['cuflash_flex_det'] / get['cuflash_flex']:14.3f}"
                        f" {get['cuflash_sparse_det'] / get['cuflash_sparse']:18.3f}")
+            if args.flex_api:
+                det += f" {get['cuflash_flex_api'] / get['flexattention']:23.3f}"
             print(f"{mask:>9} {hdim:>4} {seqlen:>6} {get['cuflash_flex'] / get['flexattention']:19.3f} {ratio_plain}"
                   f" {get['cuflash_sparse'] / get['flexattention']:21.3f}{det}")
     return 0
