@@ -166,6 +166,106 @@ def test_generated_int_arithmetic_wraps(tmp_path, index):
                 assert evaluate(0, 0.0, 0, 0, i, j) == float(part(expected(0, 0, i, j))), (half, i, j)
 
 
+HOOKS_HARNESS = r"""
+extern "C" int cf_hook(int which, const void* const* aux, const int* shapes, int a0, int a1, int* lo, int* hi) {
+  cuflash::ModParams p;
+  for (int i = 0; i < cuflash::ModParams::kMaxAux; ++i) {
+    p.aux[i] = aux[i];
+    for (int d = 0; d < 3; ++d) p.aux_shape[i][d] = shapes[3 * i + d];
+  }
+  auto sw = GeneratedSwitch::from(p);
+  int result = 0;
+  sw.visit([&](auto const& mod) {
+    if (which == 0) result = mod.all_visible(a0, a1, *lo, *hi) ? 1 : 0;
+    if (which == 1) mod.col_range(a0, a1, *lo, *hi);
+    if (which == 2) mod.row_range(a0, a1, *lo, *hi);
+  });
+  return result;
+}
+"""
+
+TABLE_DOC = np.repeat(np.arange(5), 64)[None, :].repeat(2, axis=0).astype(np.int32)  # (2, 320)
+
+# Masks whose block-level hooks come from the program's intervals, with whether the hooks must
+# narrow (causal-like programs of positions) or may leave everything (tables, b, h).
+HOOK_MASKS = [
+    ("causal", lambda b, h, i, j: j <= i, True),
+    ("window", lambda b, h, i, j: (j <= i) & (i - j <= 40), True),
+    ("bidirectional", lambda b, h, i, j: abs(i - j) <= 17, True),
+    ("prefix", lambda b, h, i, j: (j <= i) | (j < 30), True),
+    ("chunked", lambda b, h, i, j: i // 64 == j // 64, True),
+    ("shifted", lambda b, h, i, j: j * 2 - 5 <= i + 3, True),
+    ("capped", lambda b, h, i, j: j <= mods.minimum(i, 100), True),
+    ("selected", lambda b, h, i, j: j <= mods.where(i > 50, i, 50), True),
+    ("negated", lambda b, h, i, j: ~(j > i) & ~(j < i - 90), True),
+    ("dilated", lambda b, h, i, j: ((i - j) % 4 == 0) & (j <= i), True),
+    ("per_head", lambda b, h, i, j: mods.where(h > 1, j <= i, j >= i), False),
+    ("document", lambda b, h, i, j: (TABLE_DOC[b, i] == TABLE_DOC[b, j]) & (j <= i), True),
+    ("table_only", lambda b, h, i, j: TABLE_DOC[b, i] == TABLE_DOC[b, j], False),
+    ("positions_free", lambda b, h, i, j: TABLE_DOC[b, 5] == h, False),
+]
+
+
+@pytest.mark.skipif(CXX is None, reason="no C++ compiler")
+@pytest.mark.parametrize("name, fn, narrows", HOOK_MASKS, ids=[m[0] for m in HOOK_MASKS])
+def test_generated_mask_hooks_are_sound(tmp_path, name, fn, narrows):
+    """all_visible only where every element is visible; col_range / row_range keep every column /
+    row that some element of the rectangle sees; for programs of positions they do narrow."""
+    traced = mods.trace_mask_mod(fn)
+    source = _codegen.functor_source(traced, "Generated") + HOOKS_HARNESS
+    path = tmp_path / "hooks.cpp"
+    path.write_text(source)
+    library = tmp_path / "hooks.so"
+    result = subprocess.run([CXX, "-std=c++17", "-O1", "-shared", "-fPIC", "-Wall", "-Werror", f"-I{ROOT / 'src'}",
+                             f"-I{ROOT / 'include'}", str(path), "-o", str(library)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr + "\n" + source
+    lib = ctypes.CDLL(str(library))
+    tensors = [np.ascontiguousarray(a, dtype=np.int32) for a in traced.aux]
+    pointers = (ctypes.c_void_p * 4)(*([t.ctypes.data for t in tensors] + [None] * (4 - len(tensors))))
+    shape_list = []
+    for i in range(4):
+        shape = list(tensors[i].shape) if i < len(tensors) else []
+        shape_list += shape + [1] * (3 - len(shape))
+    shapes = (ctypes.c_int * 12)(*shape_list)
+
+    def hook(which, a0, a1, lo, hi):
+        lo_, hi_ = ctypes.c_int(lo), ctypes.c_int(hi)
+        flag = lib.cf_hook(which, pointers, shapes, a0, a1, ctypes.byref(lo_), ctypes.byref(hi_))
+        return flag, lo_.value, hi_.value
+
+    length = 320
+    positions = np.arange(length)
+    b, h = np.arange(2)[:, None, None, None], np.arange(4)[None, :, None, None]
+    seen = np.broadcast_to(np.asarray(fn(b, h, positions[:, None], positions[None, :]), dtype=bool),
+                           (2, 4, length, length)).any(axis=(0, 1))  # (q, kv): seen for some b, h
+    every = np.broadcast_to(np.asarray(fn(b, h, positions[:, None], positions[None, :]), dtype=bool),
+                            (2, 4, length, length)).all(axis=(0, 1))
+    generator = np.random.default_rng(7)
+    narrowed = 0
+    for _ in range(300):
+        r0, r1 = sorted(generator.integers(0, length, 2))
+        c0, c1 = sorted(generator.integers(0, length, 2))
+        if generator.random() < 0.3:  # whole rows or columns, as the kernels ask
+            c0, c1 = 0, length - 1
+        flag, _, _ = hook(0, int(r0), int(r1), int(c0), int(c1))
+        if flag:
+            assert every[r0:r1 + 1, c0:c1 + 1].all(), (name, r0, r1, c0, c1)
+        _, begin, end = hook(1, int(r0), int(r1), int(c0), int(c1) + 1)
+        assert c0 <= begin and end <= c1 + 1
+        columns = np.flatnonzero(seen[r0:r1 + 1, c0:c1 + 1].any(axis=0)) + c0
+        assert all(begin <= c < end for c in columns), (name, r0, r1, c0, c1, begin, end)
+        _, begin_r, end_r = hook(2, int(c0), int(c1), int(r0), int(r1) + 1)
+        assert r0 <= begin_r and end_r <= r1 + 1
+        rows = np.flatnonzero(seen[r0:r1 + 1, c0:c1 + 1].any(axis=1)) + r0
+        assert all(begin_r <= r < end_r for r in rows), (name, r0, r1, c0, c1, begin_r, end_r)
+        narrowed += (begin, end) != (c0, c1 + 1) or (begin_r, end_r) != (r0, r1 + 1) or flag
+    assert (narrowed > 0) == narrows
+    if name == "causal":  # exact for a row interval: the keys up to the last row
+        assert hook(1, 100, 163, 0, length)[1:] == (0, 164)
+        assert hook(2, 100, 163, 0, length)[1:] == (100, length)
+        assert hook(0, 200, 263, 0, 200)[0] == 1 and hook(0, 200, 263, 0, 201)[0] == 0
+
+
 def test_source_depends_on_structure_only():
     a = _codegen.functor_source(mods.trace_score_mod(lambda s, b, h, i, j: s * 2.0), "F")
     b = _codegen.functor_source(mods.trace_score_mod(lambda s, b, h, i, j: s * 5.0), "F")
@@ -183,7 +283,12 @@ __global__ void use_generated(ScoreSwitch score, MaskSwitch mask, float* out) {
     value = mod.score(out[i], 0, 1, i, j);
     grad = mod.grad(out[i], 0, 1, i, j);
   });
-  mask.visit([&](auto const& mod) { visible = mod.visible(0, 1, i, j); });
+  mask.visit([&](auto const& mod) {
+    int lo = 0, hi = j + 1;
+    mod.col_range(i, i + 63, lo, hi);
+    mod.row_range(lo, hi, lo, hi);
+    visible = mod.visible(0, 1, i, j) && !mod.all_visible(i, i + 63, lo, hi);
+  });
   out[i + j] = visible ? value * grad : 0.f;
 }
 """
