@@ -22,10 +22,11 @@ against FlexAttention's (max abs difference relative to its max) before timing.
 --deterministic (with --backward): two more cuflash columns, cuflash_flex_det and
 cuflash_sparse_det: what the fixed dQ order costs over each.
 
---flex-api: one more column, cuflash_flex_api: cuflash.flex_attention given FlexAttention's own
-arguments (the mask_mod callable in the same BlockMask), so the kernels compiled at run time for
-the callable (cuflash._jit; the first call of each mask and head dim builds them, about a minute,
-before timing).
+--flex-api: two more columns through the kernels compiled at run time for the mask_mod callable
+(cuflash._jit; the first call of each mask and head dim builds them, about a minute, before
+timing): cuflash_flex_api, cuflash.flex_attention given FlexAttention's own arguments (the
+callable in the same BlockMask), and cuflash_callable, the callable alone (no block lists: the
+blocks skipped are those its program's intervals decide).
 
 --backward: each column runs its forward once with autograd, then each timed call is
 torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), as bench_bwd.py; FLOPs are 2.5x the
@@ -139,6 +140,7 @@ def main():
             columns["flexattention"] = lambda: flex(qt, kt, vt, block_mask=block_mask)
             if args.flex_api:
                 columns["cuflash_flex_api"] = lambda: cuflash.flex_attention(qt, kt, vt, block_mask=block_mask)
+                columns["cuflash_callable"] = lambda m=mask_mod: cuflash.flash_attn_func(q, k, v, mask_mod=m)
             # Visible pairs, for the FLOP count.
             qi = torch.arange(seqlen, device="cuda")
             visible = 0
@@ -178,7 +180,7 @@ def main():
                       flush=True)
             common.write_json(records, json_path)
     det_header = f" {'flex_det/flex':>14} {'sparse_det/sparse':>18}" if args.deterministic else ""
-    det_header += f" {'flex_api/FlexAttention':>23}" if args.flex_api else ""
+    det_header += f" {'flex_api/FlexAttention':>23} {'callable/FlexAttention':>23}" if args.flex_api else ""
     print(f"\n{'mask':>9} {'hdim':>4} {'seqlen':>6} {'flex/FlexAttention':>19} {'flex/plain':>11}"
           f" {'sparse/FlexAttention':>21}{det_header}")
     for hdim, seqlen, _, _ in common.grid(args):
@@ -194,7 +196,8 @@ def main():
                 det = (f" {get['cuflash_flex_det'] / get['cuflash_flex']:14.3f}"
                        f" {get['cuflash_sparse_det'] / get['cuflash_sparse']:18.3f}")
             if args.flex_api:
-                det += f" {get['cuflash_flex_api'] / get['flexattention']:23.3f}"
+                det += (f" {get['cuflash_flex_api'] / get['flexattention']:23.3f}"
+                        f" {get['cuflash_callable'] / get['flexattention']:23.3f}")
             print(f"{mask:>9} {hdim:>4} {seqlen:>6} {get['cuflash_flex'] / get['flexattention']:19.3f} {ratio_plain}"
                   f" {get['cuflash_sparse'] / get['flexattention']:21.3f}{det}")
     return 0
