@@ -89,6 +89,17 @@ def _toolchain_or_skip():
         pytest.skip(str(error))
 
 
+def _torch_gpu_jit_or_skip(monkeypatch):
+    """torch, on a GPU build with a device and the toolchain for callables (else the test skips),
+    with CUFLASH_JIT_CALLABLES unset."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    if not (torch.cuda.is_available() and cuflash.built_with_cuda):
+        pytest.skip("no CUDA device or a build without CUDA")
+    _toolchain_or_skip()
+    monkeypatch.delenv("CUFLASH_JIT_CALLABLES", raising=False)
+    return torch
+
+
 def test_build_and_load_a_module(tmp_path, monkeypatch):
     """Compiles forward and backward for one callable pair (about a minute on two cores)."""
     _toolchain_or_skip()
@@ -112,11 +123,7 @@ def test_build_and_load_a_module(tmp_path, monkeypatch):
 def test_gpu_callables_jit(monkeypatch):
     """On a GPU: callables through kernels compiled at run time match the built-ins, forward and
     backward; with CUFLASH_JIT_CALLABLES=0 they are refused by name."""
-    torch = pytest.importorskip("torch", reason="torch is not installed")
-    if not (torch.cuda.is_available() and cuflash.built_with_cuda):
-        pytest.skip("no CUDA device or a build without CUDA")
-    _toolchain_or_skip()
-    monkeypatch.delenv("CUFLASH_JIT_CALLABLES", raising=False)
+    torch = _torch_gpu_jit_or_skip(monkeypatch)
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(2, 300, 4, gpu_callables.HEAD_DIM, device="cuda", dtype=torch.bfloat16,
                            generator=gen).requires_grad_()
@@ -205,11 +212,7 @@ def test_gpu_callables_jit(monkeypatch):
 def test_gpu_callable_under_torch_compile(monkeypatch):
     """On a GPU: a traced callable inside torch.compile(fullgraph=True) runs the kernels compiled
     for it from within the custom ops, forward and backward, as eager does."""
-    torch = pytest.importorskip("torch", reason="torch is not installed")
-    if not (torch.cuda.is_available() and cuflash.built_with_cuda):
-        pytest.skip("no CUDA device or a build without CUDA")
-    _toolchain_or_skip()
-    monkeypatch.delenv("CUFLASH_JIT_CALLABLES", raising=False)
+    torch = _torch_gpu_jit_or_skip(monkeypatch)
     gen = torch.Generator(device="cuda").manual_seed(1)
     q, k, v = (torch.randn(2, 200, 4, gpu_callables.HEAD_DIM, device="cuda", dtype=torch.bfloat16,
                            generator=gen).requires_grad_()
@@ -236,12 +239,8 @@ def test_gpu_callable_under_torch_compile(monkeypatch):
 def test_gpu_flex_attention_with_a_block_mask(monkeypatch):
     """On a GPU: cuflash.flex_attention with torch's BlockMask (lists made on the GPU) and its
     mask_mod callable, against the causal kernels on the same memory, forward and backward."""
-    torch = pytest.importorskip("torch", reason="torch is not installed")
-    if not (torch.cuda.is_available() and cuflash.built_with_cuda):
-        pytest.skip("no CUDA device or a build without CUDA")
+    torch = _torch_gpu_jit_or_skip(monkeypatch)
     flex = pytest.importorskip("torch.nn.attention.flex_attention", reason="this torch has no FlexAttention")
-    _toolchain_or_skip()
-    monkeypatch.delenv("CUFLASH_JIT_CALLABLES", raising=False)
     gen = torch.Generator(device="cuda").manual_seed(2)
     q, k, v = (torch.randn(2, 4, 300, gpu_callables.HEAD_DIM, device="cuda", dtype=torch.bfloat16,
                            generator=gen).requires_grad_()
