@@ -266,6 +266,105 @@ def test_generated_mask_hooks_are_sound(tmp_path, name, fn, narrows):
         assert hook(0, 200, 263, 0, 200)[0] == 1 and hook(0, 200, 263, 0, 201)[0] == 0
 
 
+def random_mask_source(generator, depth=3):
+    """A random mask_mod body over b, h, i (q_idx), j (kv_idx): int arithmetic (+ - * // % min
+    max abs neg where) under comparisons and & | ~."""
+
+    def integer(d):
+        if d == 0 or generator.random() < 0.25:
+            return str(generator.choice(["i", "j", "i", "j", "h", str(int(generator.integers(-7, 10)))]))
+        kind = generator.integers(0, 9)
+        a, b = integer(d - 1), integer(d - 1)
+        if kind < 5:
+            return f"({a} {['+', '-', '*', '//', '%'][kind]} {b})"
+        if kind == 5:
+            return f"mods.{generator.choice(['minimum', 'maximum'])}({a}, {b})"
+        if kind == 6:
+            return f"abs({a})"
+        if kind == 7:
+            return f"(-{a})"
+        return f"mods.where({boolean(d - 1)}, {a}, {b})"
+
+    def boolean(d):
+        kind = generator.integers(0, 4) if d > 0 else 0
+        if kind <= 1:
+            return f"({integer(d)} {generator.choice(['<', '<=', '>', '>=', '==', '!='])} {integer(d)})"
+        if kind == 2:
+            return f"({boolean(d - 1)} {generator.choice(['&', '|'])} {boolean(d - 1)})"
+        return f"(~{boolean(d - 1)})"
+
+    return boolean(depth)
+
+
+FUZZ_HARNESS = r"""
+extern "C" int cf_fuzz(int index, int which, int b, int h, int a0, int a1, int* lo, int* hi) {
+  int result = 0;
+  auto run = [&](auto const& sw) {
+    sw.visit([&](auto const& mod) {
+      if (which == 0) result = mod.all_visible(a0, a1, *lo, *hi) ? 1 : 0;
+      if (which == 1) mod.col_range(a0, a1, *lo, *hi);
+      if (which == 2) mod.row_range(a0, a1, *lo, *hi);
+      if (which == 3) result = mod.visible(b, h, a0, a1) ? 1 : 0;
+    });
+  };
+  cuflash::ModParams p;
+  switch (index) {
+CASES
+  }
+  return result;
+}
+"""
+
+
+@pytest.mark.skipif(CXX is None, reason="no C++ compiler")
+def test_generated_mask_hooks_fuzz(tmp_path):
+    """The interval hooks of 60 random programs of positions (wrapping int arithmetic, floor
+    division and modulo by values that may be 0 or negative, selects): never a claim the point
+    functor contradicts on any rectangle tried."""
+    generator = np.random.default_rng(11)
+    traced = []
+    while len(traced) < 60:
+        body = random_mask_source(generator)
+        fn = eval(f"lambda b, h, i, j: {body}", {"mods": mods})  # noqa: S307 (generated here)
+        try:
+            t = mods.trace_mask_mod(fn)
+        except TypeError:
+            continue
+        if t.num_ops <= mods.MAX_OPS:
+            traced.append((body, t))
+    sources = [_codegen.functor_source(t, f"Fuzz{k}") for k, (_, t) in enumerate(traced)]
+    cases = "\n".join(f"    case {k}: run(Fuzz{k}Switch::from(p)); break;" for k in range(len(traced)))
+    path = tmp_path / "fuzz.cpp"
+    path.write_text("\n".join(sources) + FUZZ_HARNESS.replace("CASES", cases))
+    library = tmp_path / "fuzz.so"
+    result = subprocess.run([CXX, "-std=c++17", "-O1", "-shared", "-fPIC", f"-I{ROOT / 'src'}",
+                             f"-I{ROOT / 'include'}", str(path), "-o", str(library)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-4000:]
+    lib = ctypes.CDLL(str(library))
+
+    def call(index, which, b, h, a0, a1, lo=0, hi=0):
+        lo_, hi_ = ctypes.c_int(lo), ctypes.c_int(hi)
+        flag = lib.cf_fuzz(index, which, b, h, a0, a1, ctypes.byref(lo_), ctypes.byref(hi_))
+        return flag, lo_.value, hi_.value
+
+    length = 40
+    for k, (body, _) in enumerate(traced):
+        visible = np.array([[[[call(k, 3, b, h, q, kv)[0] for kv in range(length)] for q in range(length)]
+                             for h in range(3)] for b in range(2)], dtype=bool)
+        seen, every = visible.any(axis=(0, 1)), visible.all(axis=(0, 1))
+        for _ in range(40):
+            r0, r1 = sorted(int(x) for x in generator.integers(0, length, 2))
+            c0, c1 = sorted(int(x) for x in generator.integers(0, length, 2))
+            if call(k, 0, 0, 0, r0, r1, c0, c1)[0]:
+                assert every[r0:r1 + 1, c0:c1 + 1].all(), (body, r0, r1, c0, c1)
+            _, begin, end = call(k, 1, 0, 0, r0, r1, c0, c1 + 1)
+            columns = np.flatnonzero(seen[r0:r1 + 1, c0:c1 + 1].any(axis=0)) + c0
+            assert c0 <= begin and end <= c1 + 1 and all(begin <= c < end for c in columns), (body, r0, r1, c0, c1)
+            _, begin, end = call(k, 2, 0, 0, c0, c1, r0, r1 + 1)
+            rows = np.flatnonzero(seen[r0:r1 + 1, c0:c1 + 1].any(axis=1)) + r0
+            assert r0 <= begin and end <= r1 + 1 and all(begin <= r < end for r in rows), (body, r0, r1, c0, c1)
+
+
 def test_source_depends_on_structure_only():
     a = _codegen.functor_source(mods.trace_score_mod(lambda s, b, h, i, j: s * 2.0), "F")
     b = _codegen.functor_source(mods.trace_score_mod(lambda s, b, h, i, j: s * 5.0), "F")
