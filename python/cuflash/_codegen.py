@@ -225,8 +225,9 @@ def _body(traced: "_m.TracedMod", output: int) -> List[str]:
     return lines
 
 
-def _needed(traced: "_m.TracedMod", output: int) -> set:
-    """The registers that register `output` depends on, itself included."""
+def _needed(traced: "_m.TracedMod", output: int, through_loads: bool = True) -> set:
+    """The registers that register `output` depends on, itself included (without the index
+    registers of tensor reads unless `through_loads`)."""
     code = traced.code
     needed = set()
     stack = [output]
@@ -236,7 +237,7 @@ def _needed(traced: "_m.TracedMod", output: int) -> set:
             continue
         needed.add(r)
         word, a, b, c = code[4 * r: 4 * r + 4]
-        if word & 0xFF not in (_m.INT, _m.FLOAT, _m.BOOL):
+        if word & 0xFF not in (_m.INT, _m.FLOAT, _m.BOOL) and (through_loads or word & 0xFF != _m.LOAD):
             stack.extend(x for x in (a, b, c) if x >= 0)
     return needed
 
@@ -253,7 +254,7 @@ def _interval_body(traced: "_m.TracedMod") -> List[str]:
     (the prelude's IInt / IBool / IFloat), then the return of the result's IBool."""
     code, types = traced.code, traced.types
     lines = []
-    for r in sorted(_needed(traced, traced.result)):
+    for r in sorted(_needed(traced, traced.result, through_loads=False)):
         word, a, b, c = code[4 * r: 4 * r + 4]
         op, t = word & 0xFF, types[r]
         ns = "cuflash::expr::"
@@ -307,9 +308,10 @@ def _mask_hooks(traced: "_m.TracedMod") -> List[str]:
     """The block-level hooks of a mask functor (see src/variants/builtin_mods.hpp), from the
     program's interval evaluation: all_visible where it is never false on the rectangle, and
     col_range / row_range trimmed at both ends to where it is not never true, by bisection
-    (a rectangle inside one where it is never true is one too). A program that reads neither
-    q_idx nor kv_idx gives none: every block is visited and asked element by element."""
-    leaves = {traced.code[4 * r] & 0xFF for r in _needed(traced, traced.result)}
+    (a rectangle inside one where it is never true is one too). A program whose result depends
+    on q_idx and kv_idx only through tensor reads (whose values are unknown here) gives none:
+    every block is visited and asked element by element."""
+    leaves = {traced.code[4 * r] & 0xFF for r in _needed(traced, traced.result, through_loads=False)}
     if not leaves & {_m.Q_IDX, _m.KV_IDX}:
         return [
             "  // No position in the program: every block is visited and asked element by element.",

@@ -93,7 +93,9 @@ def create_block_mask(mask_mod: Any, B: Optional[int], H: Optional[int], Q_LEN: 
     to flash_attn_func together with the same mask_mod.
 
     mask_mod: a built-in from cuflash.masks (top-left aligned, as FlexAttention's), or a
-    callable mask_mod(b, h, q_idx, kv_idx) -> bool that works on NumPy index arrays.
+    callable mask_mod(b, h, q_idx, kv_idx) -> bool that works on NumPy index arrays (int64, as
+    torch's create_mask: a callable whose int arithmetic overflows int32 may get lists that
+    differ from the 32-bit mask the attention functions apply).
     B, H: batch and heads; None broadcasts (a list of 1 over that dimension; built-ins do not
     depend on the head, so their lists always have one head). Q_LEN, KV_LEN: sequence lengths.
     device: accepted for compatibility; the lists are NumPy arrays, which the attention functions

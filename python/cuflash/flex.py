@@ -59,6 +59,9 @@ def _block_mask_arguments(block_mask: Any, seqlen_q: int, seqlen_k: int) -> dict
                                         f"{seqlen_q} and {seqlen_k} tokens")
     mask_cnt, mask_idx, full_cnt, full_idx, q_mask_cnt, q_mask_idx, q_full_cnt, q_full_idx = (
         getattr(block_mask, name) for name in lists)
+    if getattr(block_mask.mask_mod, "__name__", "") == "_sliced_mask_mod_error":
+        _fail(ValueError, "block_mask", "a sliced BlockMask (block_mask[...]) has no mask_mod to apply; pass the "
+                                        "whole BlockMask, or one made for these sequences")
     mask_mod = None if _is_noop_mask(block_mask.mask_mod) else block_mask.mask_mod
     return dict(mask_mod=mask_mod, block_sparse=(mask_cnt, mask_idx, full_cnt, full_idx),
                 q_block_sparse=(q_mask_cnt, q_mask_idx, q_full_cnt, q_full_idx))
@@ -72,8 +75,8 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Optiona
     pairs block_mask keeps.
 
     Args:
-        query: (B, Hq, L, E); key: (B, Hkv, S, E); value: (B, Hkv, S, Ev); float16, bfloat16
-            (float32 on the CPU). Any strides with a contiguous last dimension.
+        query: (B, Hq, L, E); key: (B, Hkv, S, E); value: (B, Hkv, S, Ev); float16 or bfloat16.
+            Any strides with a contiguous last dimension.
         score_mod: score_mod(score, b, h, q_idx, kv_idx) -> new score (cuflash.mods), or None.
         block_mask: FlexAttention's BlockMask with 128 x 128 blocks (its mask_mod is applied in
             the blocks it lists as partial), or None (every pair).
@@ -94,7 +97,14 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Optiona
         if len(getattr(x, "shape", ())) != 4:
             _fail(ValueError, name, f"expected 4 dimensions (batch, heads, seqlen, head_dim), got shape "
                                     f"{tuple(getattr(x, 'shape', ()))}")
-    heads, heads_kv = int(query.shape[1]), int(key.shape[1])
+    (batch, heads, seqlen_q, dim), (batch_k, heads_kv, seqlen_k, dim_k) = (
+        tuple(int(x) for x in t.shape) for t in (query, key))
+    if batch_k != batch or dim_k != dim:
+        _fail(ValueError, "key", f"expected shape ({batch}, Hkv, S, {dim}) (batch and head_dim of query, "
+                                 f"no broadcasting), got {tuple(key.shape)}")
+    if tuple(int(x) for x in value.shape[:3]) != (batch, heads_kv, seqlen_k):
+        _fail(ValueError, "value", f"expected shape ({batch}, {heads_kv}, {seqlen_k}, Ev) (batch, heads and "
+                                   f"seqlen of key), got {tuple(value.shape)}")
     if heads != heads_kv and not enable_gqa:
         _fail(ValueError, "enable_gqa", f"query has {heads} heads and key {heads_kv}: pass enable_gqa=True for "
                                         f"grouped-query attention")
@@ -112,7 +122,7 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Optiona
     q, k, v = (x.swapaxes(1, 2) for x in (query, key, value))
     masking = {}
     if block_mask is not None:
-        masking = _block_mask_arguments(block_mask, int(query.shape[2]), int(key.shape[2]))
+        masking = _block_mask_arguments(block_mask, seqlen_q, seqlen_k)
     call = _interface._prepare(q, k, v, softmax_scale=scale, score_mod=score_mod, **masking)
     out, lse = _interface._attention(call)
     out = out.swapaxes(1, 2)

@@ -116,6 +116,36 @@ def test_block_mask_without_a_mask_mod(gen):
     check(*run_both(q, k, v, block_mask=block_mask))
 
 
+def test_block_lists_narrower_than_the_mask(gen):
+    # Lists alone decide what is computed (as FlexAttention's compiled kernels do; its eager CPU
+    # path ignores them): each row block sees only the key blocks listed, here the diagonal block
+    # and the first one, with the noop mask_mod.
+    q, k, v = inputs(gen, heads_kv=4, seqlen_q=300, seqlen_k=300)
+    rows = 3
+    counts = torch.full((1, 1, rows), 2, dtype=torch.int32)
+    counts[0, 0, 0] = 1
+    indices = torch.zeros((1, 1, rows, rows), dtype=torch.int32)
+    for m in range(1, rows):
+        indices[0, 0, m, :2] = torch.tensor([0, m])
+    block_mask = flex.BlockMask.from_kv_blocks(counts, indices, seq_lengths=(300, 300))
+
+    def listed(b, h, q_idx, kv_idx):
+        return (kv_idx // 128 == q_idx // 128) | (kv_idx < 128)
+
+    results = []
+    for name in ("reference", "cuflash"):
+        for t in (q, k, v):
+            t.grad = None
+        if name == "reference":
+            out, lse = naive(q, k, v, mask_mod=listed)
+        else:
+            out, lse = cuflash.flex_attention(q, k, v, block_mask=block_mask, return_lse=True)
+        weights = torch.linspace(-1, 1, out.numel()).half().reshape(out.shape).to(out.dtype)
+        ((out * weights).sum() + (lse * 0.5).sum()).backward()
+        results.append([out.detach().float(), lse.detach().float()] + [t.grad.clone().float() for t in (q, k, v)])
+    check(*results)
+
+
 def test_return_aux_and_layout(gen):
     q, k, v = inputs(gen, heads_kv=4)
     out, aux = cuflash.flex_attention(q, k, v, return_aux=flex.AuxRequest(lse=True))
@@ -146,6 +176,13 @@ def test_errors_name_the_argument(gen):
                                block_mask=cuflash.block_sparse.create_block_mask(cuflash.masks.causal(), 2, 1, 200, 300))
     with pytest.raises(ValueError, match="^query: expected 4 dimensions"):
         cuflash.flex_attention(q[0], k, v)
+    with pytest.raises(ValueError, match=r"^key: expected shape \(2, Hkv, S, 32\)"):
+        cuflash.flex_attention(q, k[:1], v[:1], enable_gqa=True)
+    with pytest.raises(ValueError, match=r"^value: expected shape \(2, 2, 300, Ev\)"):
+        cuflash.flex_attention(q, k, v[:, :, :100], enable_gqa=True)
+    whole = flex.create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, 2, 4, 200, 300, device="cpu")
+    with pytest.raises(ValueError, match=r"^block_mask: a sliced BlockMask"):
+        cuflash.flex_attention(q, k, v, enable_gqa=True, block_mask=whole[:, :, :1])
 
 
 @pytest.mark.parametrize("lengths", [(200, 300), (300, 300), (1, 129), (128, 256)])
