@@ -24,6 +24,7 @@ import numpy as np
 
 from . import _C, _jit
 from . import mods as _mods
+from . import masks
 from ._tensors import TRACED, Framework, _dtype_name, framework_of
 from ._variants import BuiltinVariant, MaskMod, ScoreMod
 from .block_sparse import BLOCK_M, BLOCK_N
@@ -438,19 +439,6 @@ def _resolve_callable(mod: Any, argument: str, cls: type, aux_tensors: Optional[
         _fail(TypeError, argument, f"{mod!r} is a traced {mod.role}_mod, not a {role}_mod")
     traced = _mods._trace(mod, role, argument, aux_tensors, bwd)
     framework = call.framework
-    # JAX under jax.jit: the arrays' device is not known while tracing; the backend's decides
-    # whether the kernels for the callable are compiled (a CPU computation ignores them).
-    traced_on_gpu = call.device == TRACED and sys.modules["jax"].default_backend() == "gpu"
-    if call.device[0] == "cuda" or traced_on_gpu:
-        if not _C.built_with_cuda:
-            _fail(NotImplementedError, argument, "this cuflash was built without CUDA: Python callables run on "
-                                                 "the CPU reference (pass CPU tensors)")
-        if not _jit.enabled():
-            _fail(NotImplementedError, argument,
-                  "Python callables on the GPU need kernels compiled at run time, which CUFLASH_JIT_CALLABLES=0 "
-                  "turns off: unset it, pass CPU tensors (the CPU reference), or use a built-in from "
-                  "cuflash.scores / cuflash.masks")
-        _set_traced(call, role, traced)
     aux = []
     for i, (tensor, kind) in enumerate(zip(traced.aux, traced.aux_kinds)):
         own = framework_of(tensor)
@@ -469,6 +457,23 @@ def _resolve_callable(mod: Any, argument: str, cls: type, aux_tensors: Optional[
         else:
             tensor = _to_int32(framework, tensor, f"{argument} aux[{i}]")
         aux.append(framework.contiguous(tensor))
+    if role == "mask":
+        builtin = _builtin_mask(traced, aux, argument, call)
+        if builtin is not None:
+            return builtin, traced.uses_aux_tensors
+    # JAX under jax.jit: the arrays' device is not known while tracing; the backend's decides
+    # whether the kernels for the callable are compiled (a CPU computation ignores them).
+    traced_on_gpu = call.device == TRACED and sys.modules["jax"].default_backend() == "gpu"
+    if call.device[0] == "cuda" or traced_on_gpu:
+        if not _C.built_with_cuda:
+            _fail(NotImplementedError, argument, "this cuflash was built without CUDA: Python callables run on "
+                                                 "the CPU reference (pass CPU tensors)")
+        if not _jit.enabled():
+            _fail(NotImplementedError, argument,
+                  "Python callables on the GPU need kernels compiled at run time, which CUFLASH_JIT_CALLABLES=0 "
+                  "turns off: unset it, pass CPU tensors (the CPU reference), or use a built-in from "
+                  "cuflash.scores / cuflash.masks")
+        _set_traced(call, role, traced)
     program = [traced.result, traced.grad] + list(traced.code)
     if role == "score":
         call.score_program = program
@@ -479,6 +484,44 @@ def _resolve_callable(mod: Any, argument: str, cls: type, aux_tensors: Optional[
 
 # ScoreModKind / MaskModKind::kExpression (include/cuflash/options.hpp).
 _EXPRESSION_KIND = 100
+
+
+def _builtin_mask(traced: Any, aux: List[Tensor], argument: str,
+                  call: _Call) -> Optional[Tuple[int, List[float], List[Tensor]]]:
+    """The built-in mask a traced mask_mod spells exactly, resolved, or None: ``kv_idx <= q_idx``
+    (cuflash.masks.causal) and ``ids[b, q_idx] == ids[b, kv_idx]`` of an integer (batch, L)
+    table with L covering the sequences (cuflash.masks.document). Those run on the built-in
+    kernels (the plain ones for causal at equal lengths; document block lists made on the GPU),
+    with nothing to compile."""
+    code = traced.code
+
+    def op(register: int) -> int:
+        return code[4 * register] & 0xFF
+
+    def args(register: int) -> List[int]:
+        return code[4 * register + 1: 4 * register + 4]
+
+    result = traced.result
+    if op(result) not in (_mods.LE, _mods.GE, _mods.EQ):  # the operands below are registers
+        return None
+    first, second, _ = args(result)
+    if (op(result), op(first), op(second)) in ((_mods.LE, _mods.KV_IDX, _mods.Q_IDX),
+                                                (_mods.GE, _mods.Q_IDX, _mods.KV_IDX)):
+        builtin = masks.causal()
+    elif op(result) == _mods.EQ and op(first) == op(second) == _mods.LOAD and code[4 * first] == code[4 * second]:
+        slot = code[4 * first] >> 8
+        (b0, i0, _), (b1, i1, _) = args(first), args(second)
+        if not (traced.aux_ranks[slot] == 2 and traced.aux_kinds[slot] != "float"
+                and op(b0) == op(b1) == _mods.BATCH and {op(i0), op(i1)} == {_mods.Q_IDX, _mods.KV_IDX}):
+            return None
+        builtin = masks.document(aux[slot])
+    else:
+        return None
+    try:
+        resolved, _ = _resolve_variant(builtin, argument, MaskMod, None, call)
+    except ValueError:  # a table that does not cover the sequences: the callable as it is
+        return None
+    return resolved
 
 
 def _set_traced(call: _Call, role: str, traced: Any) -> None:

@@ -46,6 +46,12 @@ def tanh_cap_bwd(cap: float, factor: float):
 
 
 def causal_mask(b, h, q_idx, kv_idx):
+    """The causal mask as a program (``kv_idx <= q_idx`` itself would run as the built-in)."""
+    return q_idx - kv_idx >= 0
+
+
+def causal_builtin_spelling(b, h, q_idx, kv_idx):
+    """The spelling of the causal mask that runs as the built-in (nothing compiled)."""
     return kv_idx <= q_idx
 
 

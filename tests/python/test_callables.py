@@ -180,6 +180,38 @@ def test_mask_mod_matches_builtins(rng):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=repr(builtin))
 
 
+def test_mask_callables_that_spell_a_builtin_run_as_it(rng):
+    # kv_idx <= q_idx and ids[b, q_idx] == ids[b, kv_idx] become the built-in masks (nothing to
+    # compile on the GPU, the built-ins' block skipping); other spellings stay programs. Either
+    # way the result is the mask's.
+    q, k, v = qkv(rng, seqlen_q=40, seqlen_k=40)
+    doc = np.sort(rng.integers(0, 3, (2, 40))).astype(np.int64)
+    cases = [
+        (lambda b, h, i, j: j <= i, cuflash.masks.causal(), True),
+        (lambda b, h, i, j: i >= j, cuflash.masks.causal(), True),
+        (lambda b, h, i, j: doc[b, i] == doc[b, j], cuflash.masks.document(doc.astype(np.int32)), True),
+        (lambda b, h, i, j: doc[b, j] == doc[b, i], cuflash.masks.document(doc.astype(np.int32)), True),
+        (lambda b, h, i, j: i - j >= 0, cuflash.masks.causal(), False),
+        (lambda b, h, i, j: doc[b, i] == doc[b, j + 0], cuflash.masks.document(doc.astype(np.int32)), False),
+    ]
+    for mask_mod, builtin, lowered in cases:
+        call = cuflash.interface._prepare(q, k, v, mask_mod=mask_mod)
+        assert (call.mask_program == []) == lowered
+        assert (call.mask_mod[0] == builtin.kind) == lowered
+        out, lse = cuflash.flash_attn_func(q, k, v, mask_mod=mask_mod)
+        expected_out, expected_lse = cuflash.flash_attn_func(q, k, v, mask_mod=builtin)
+        np.testing.assert_allclose(out.astype(np.float32), expected_out.astype(np.float32), atol=1e-3, rtol=1e-3)
+        if lowered:
+            np.testing.assert_array_equal(out, expected_out)
+    # A table that does not cover the sequences (one row for two sequences) is the callable's
+    # (the CPU reference refuses the read past its end, as for any callable).
+    short = doc[:1]
+    call = cuflash.interface._prepare(q, k, v, mask_mod=lambda b, h, i, j: short[0 * b, i] == short[0 * b, j])
+    assert call.mask_program != []
+    call = cuflash.interface._prepare(q, k, v, mask_mod=lambda b, h, i, j: short[b, i] == short[b, j])
+    assert call.mask_program != []
+
+
 def test_mask_mod_per_head_and_bool_table(rng):
     q, k, v = qkv(rng, seqlen_q=16, seqlen_k=20)
     allowed = rng.random((4, 16, 20)) < 0.6  # bool: read as int32, compared with 0

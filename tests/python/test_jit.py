@@ -207,6 +207,9 @@ def test_gpu_callables_jit(monkeypatch):
     monkeypatch.setenv("CUFLASH_JIT_CALLABLES", "0")
     with pytest.raises(NotImplementedError, match="^mask_mod: .*CUFLASH_JIT_CALLABLES=0"):
         cuflash.flash_attn_func(q, k, v, mask_mod=gpu_callables.causal_mask)
+    # A callable that spells a built-in runs as it, with nothing to compile.
+    out, _ = cuflash.flash_attn_func(q, k, v, mask_mod=gpu_callables.causal_builtin_spelling)
+    torch.testing.assert_close(out, causal, atol=0, rtol=0)
 
 
 def test_gpu_callable_under_torch_compile(monkeypatch):
