@@ -24,7 +24,7 @@ import numpy as np
 
 from . import _C, _jit
 from . import mods as _mods
-from . import masks
+from . import masks, scores
 from ._tensors import TRACED, Framework, _dtype_name, framework_of
 from ._variants import BuiltinVariant, MaskMod, ScoreMod
 from .block_sparse import BLOCK_M, BLOCK_N
@@ -457,10 +457,10 @@ def _resolve_callable(mod: Any, argument: str, cls: type, aux_tensors: Optional[
         else:
             tensor = _to_int32(framework, tensor, f"{argument} aux[{i}]")
         aux.append(framework.contiguous(tensor))
-    if role == "mask":
-        builtin = _builtin_mask(traced, aux, argument, call)
-        if builtin is not None:
-            return builtin, traced.uses_aux_tensors
+    builtin = (_builtin_mask(traced, aux, argument, call) if role == "mask" else
+               _builtin_score(traced, aux, argument, call) if bwd is None else None)
+    if builtin is not None:
+        return builtin, traced.uses_aux_tensors
     # JAX under jax.jit: the arrays' device is not known while tracing; the backend's decides
     # whether the kernels for the callable are compiled (a CPU computation ignores them).
     traced_on_gpu = call.device == TRACED and sys.modules["jax"].default_backend() == "gpu"
@@ -484,6 +484,42 @@ def _resolve_callable(mod: Any, argument: str, cls: type, aux_tensors: Optional[
 
 # ScoreModKind / MaskModKind::kExpression (include/cuflash/options.hpp).
 _EXPRESSION_KIND = 100
+
+
+def _builtin_score(traced: Any, aux: List[Tensor], argument: str,
+                   call: _Call) -> Optional[Tuple[int, List[float], List[Tensor]]]:
+    """The built-in score_mod a traced one spells exactly, resolved, or None: ``score +
+    slopes[h] * (kv_idx - q_idx)`` of a float (num_heads,) table (cuflash.scores.alibi, operands of
+    + and * in either order). It runs on the built-in kernels, whose backward needs no
+    per-element derivative, with nothing to compile."""
+    code = traced.code
+
+    def op(register: int) -> int:
+        return code[4 * register] & 0xFF
+
+    def operands(register: int, expected: int) -> Optional[List[int]]:
+        return code[4 * register + 1: 4 * register + 3] if op(register) == expected else None
+
+    def ordered(pair: Optional[List[int]], first_op: int) -> Optional[List[int]]:
+        if pair is None:
+            return None
+        return pair if op(pair[0]) == first_op else pair[::-1] if op(pair[1]) == first_op else None
+
+    add = ordered(operands(traced.result, _mods.ADD), _mods.SCORE)
+    product = add and ordered(operands(add[1], _mods.MUL), _mods.LOAD)
+    if not product:
+        return None
+    slot, (head, *_) = code[4 * product[0]] >> 8, code[4 * product[0] + 1: 4 * product[0] + 4]
+    distance = operands(product[1], _mods.TO_FLOAT)
+    difference = distance and operands(distance[0], _mods.SUB)
+    if not (difference and op(difference[0]) == _mods.KV_IDX and op(difference[1]) == _mods.Q_IDX
+            and op(head) == _mods.HEAD and traced.aux_ranks[slot] == 1 and traced.aux_kinds[slot] == "float"):
+        return None
+    try:
+        resolved, _ = _resolve_variant(scores.alibi(aux[slot]), argument, ScoreMod, None, call)
+    except ValueError:  # a table that is not one slope per head: the callable as it is
+        return None
+    return resolved
 
 
 def _builtin_mask(traced: Any, aux: List[Tensor], argument: str,

@@ -21,10 +21,11 @@ HEAD_DIM = 64
 
 
 def alibi_like(slopes):
-    """score + slopes[h] * (kv_idx - q_idx): the built-in cuflash.scores.alibi as a callable."""
+    """score - slopes[h] * (q_idx - kv_idx): the built-in cuflash.scores.alibi as a program (the
+    spelling ``score + slopes[h] * (kv_idx - q_idx)`` would run as the built-in itself)."""
 
     def score_mod(score, b, h, q_idx, kv_idx):
-        return score + slopes[h] * (kv_idx - q_idx)
+        return score - slopes[h] * (q_idx - kv_idx)
 
     return score_mod
 

@@ -180,6 +180,36 @@ def test_mask_mod_matches_builtins(rng):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=repr(builtin))
 
 
+def test_score_callables_that_spell_alibi_run_as_it(rng):
+    # score + slopes[h] * (kv_idx - q_idx) (operands of + and * in either order) becomes the
+    # built-in ALiBi; other spellings, other tables and a hand-written score_mod_bwd keep the
+    # program.
+    q, k, v = qkv(rng, seqlen_q=30, seqlen_k=40)
+    slopes = cuflash.scores.alibi_slopes(4)
+    builtin = cuflash.scores.alibi(slopes)
+    cases = [
+        (lambda s, b, h, i, j: s + slopes[h] * (j - i), True),
+        (lambda s, b, h, i, j: (j - i) * slopes[h] + s, True),
+        (lambda s, b, h, i, j: s - slopes[h] * (i - j), False),
+        (lambda s, b, h, i, j: s + slopes[b] * (j - i), False),
+        (lambda s, b, h, i, j: s + slopes[h] * (j - i) * 1, False),
+    ]
+    expected = cuflash.flash_attn_varlen_func(q, k, v, score_mod=builtin)
+    for score_mod, lowered in cases:
+        call = cuflash.interface._prepare(q, k, v, score_mod=score_mod)
+        assert (call.score_program == []) == lowered and (call.score_mod[0] == builtin.kind) == lowered
+        if lowered:
+            got = cuflash.flash_attn_varlen_func(q, k, v, score_mod=score_mod)
+            for g, e in zip(got, expected):
+                np.testing.assert_array_equal(g, e)
+    call = cuflash.interface._prepare(q, k, v, score_mod=cases[0][0],
+                                      score_mod_bwd=lambda g, s, b, h, i, j: g * 2.0)
+    assert call.score_program != []
+    short = slopes[:2]
+    call = cuflash.interface._prepare(q, k, v, score_mod=lambda s, b, h, i, j: s + short[h] * (j - i))
+    assert call.score_program != []
+
+
 def test_mask_callables_that_spell_a_builtin_run_as_it(rng):
     # kv_idx <= q_idx and ids[b, q_idx] == ids[b, kv_idx] become the built-in masks (nothing to
     # compile on the GPU, the built-ins' block skipping); other spellings stay programs. Either
