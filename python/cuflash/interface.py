@@ -325,11 +325,6 @@ class _Call:
             mask_mod_program=list(self.mask_program),
         )
 
-    @property
-    def has_expression(self) -> bool:
-        """Whether a score_mod or mask_mod is a traced Python callable."""
-        return bool(self.score_program or self.mask_program)
-
 
 def _resolve_variant(mod: Any, argument: str, cls: type, aux_tensors: Optional[List[Tensor]],
                      call: _Call, bwd: Optional[Callable] = None) -> Tuple[Tuple[int, List[float], List[Tensor]], bool]:
@@ -486,6 +481,11 @@ def _resolve_callable(mod: Any, argument: str, cls: type, aux_tensors: Optional[
 _EXPRESSION_KIND = 100
 
 
+def _opcode(code: List[int], register: int) -> int:
+    """The operation of a program's instruction `register` (mods: the opcode word's low byte)."""
+    return code[4 * register] & 0xFF
+
+
 def _builtin_score(traced: Any, aux: List[Tensor], argument: str,
                    call: _Call) -> Optional[Tuple[int, List[float], List[Tensor]]]:
     """The built-in score_mod a traced one spells exactly, resolved, or None: ``score +
@@ -495,7 +495,7 @@ def _builtin_score(traced: Any, aux: List[Tensor], argument: str,
     code = traced.code
 
     def op(register: int) -> int:
-        return code[4 * register] & 0xFF
+        return _opcode(code, register)
 
     def operands(register: int, expected: int) -> Optional[List[int]]:
         return code[4 * register + 1: 4 * register + 3] if op(register) == expected else None
@@ -532,7 +532,7 @@ def _builtin_mask(traced: Any, aux: List[Tensor], argument: str,
     code = traced.code
 
     def op(register: int) -> int:
-        return code[4 * register] & 0xFF
+        return _opcode(code, register)
 
     def args(register: int) -> List[int]:
         return code[4 * register + 1: 4 * register + 4]
