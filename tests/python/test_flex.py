@@ -44,7 +44,6 @@ def run_both(q, k, v, score_mod=None, mask_mod=None, **kwargs):
     """(out, lse, dq, dk, dv) of the reference and of cuflash's flex_attention for one loss that
     uses out and lse; the outputs also against torch's flex_attention."""
     results = []
-    flex_kwargs = {key: value for key, value in kwargs.items() if key != "block_mask"}
     for name in ("reference", "cuflash"):
         for t in (q, k, v):
             t.grad = None
