@@ -350,6 +350,37 @@ class Sym:
     def __iter__(self):
         self.graph.fail("a traced value is a scalar: it cannot be iterated")
 
+    # torch's b.new_ones((), dtype=torch.bool, device=b.device) / new_zeros: the constants
+    # FlexAttention's and_masks, or_masks and noop_mask start from.
+    @property
+    def device(self) -> None:
+        return None
+
+    def new_ones(self, size: Any = (), dtype: Any = None, **_: Any) -> "Sym":
+        return self._new_constant(1, size, dtype, "new_ones")
+
+    def new_zeros(self, size: Any = (), dtype: Any = None, **_: Any) -> "Sym":
+        return self._new_constant(0, size, dtype, "new_zeros")
+
+    def _new_constant(self, value: int, size: Any, dtype: Any, name: str) -> "Sym":
+        size = (size,) if isinstance(size, numbers.Integral) else tuple(size)
+        if size not in ((), (1,)):
+            self.graph.fail(f"{name} makes a scalar only (size ()), got size {size}")
+        if dtype is None:
+            kind = self.type
+        else:
+            try:  # NumPy dtypes and names
+                kind = {"b": "bool", "i": "int", "u": "int", "f": "float"}.get(np.dtype(dtype).kind, "")
+            except TypeError:  # torch dtypes: torch.bool, torch.int32, torch.float32, ...
+                kind = str(dtype).rsplit(".", 1)[-1]
+        if kind == "bool":
+            return self.graph.constant(bool(value))
+        if kind.startswith(("int", "uint")):
+            return self.graph.constant(int(value))
+        if kind.startswith(("float", "bfloat")):
+            return self.graph.float_constant(float(value))
+        self.graph.fail(f"{name}: dtype {dtype} is not supported")
+
     # NumPy functions (np.exp, np.where, np.maximum, ...) on traced values.
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         function = _NUMPY_UFUNCS.get(ufunc.__name__)
@@ -600,6 +631,11 @@ def _with_proxies(fn: Callable, make_proxy: Callable[[Any, str], Any],
             return make_proxy(value, name)
         if isinstance(value, types.FunctionType) and (not same_module_only or value.__module__ == fn.__module__):
             return _with_proxies(value, make_proxy, copies)
+        if not same_module_only and isinstance(value, (tuple, list)) and any(
+                isinstance(x, types.FunctionType) for x in value):
+            # Functions a closure holds together (FlexAttention's and_masks / or_masks).
+            new = [substitute(x, name, same_module_only) if isinstance(x, types.FunctionType) else x for x in value]
+            return value if all(a is b for a, b in zip(new, value)) else type(value)(new)
         return value
 
     code = fn.__code__

@@ -338,6 +338,31 @@ def test_mask_mod_fully_masked_rows(rng):
     assert np.isfinite(lse[:, :, 4:]).all()
 
 
+def test_new_ones_and_new_zeros_start_a_mask(rng):
+    # torch's b.new_ones((), dtype=torch.bool) idiom (FlexAttention's and_masks / or_masks), with
+    # NumPy dtypes here; functions a closure holds in a tuple are traced too.
+    q, k, v = qkv(rng, seqlen_q=20, seqlen_k=20)
+    parts = (lambda b, h, i, j: j <= i, lambda b, h, i, j: i - j <= 5)
+
+    def both(b, h, i, j):
+        result = b.new_ones((), dtype=np.bool_, device=b.device)
+        for part in parts:
+            result = result & part(b, h, i, j)
+        return result
+
+    def either(b, h, i, j):
+        result = b.new_zeros((), dtype="bool")
+        for part in parts:
+            result = result | part(b, h, i, j)
+        return result
+
+    for mask_mod, expected in ((both, lambda b, i, j: (j <= i) & (i - j <= 5)),
+                               (either, lambda b, i, j: (j <= i) | (i - j <= 5))):
+        run(rng, ref.Options(mask=expected), q, k, v, function="func", mask_mod=mask_mod)
+    with pytest.raises(TypeError, match="new_ones makes a scalar only"):
+        mods.trace_mask_mod(lambda b, h, i, j: b.new_ones((2,), dtype=np.bool_) & (j <= i))
+
+
 def test_mask_mod_constant_true(rng):
     q, k, v = qkv(rng)
     plain = cuflash.flash_attn_func(q, k, v)

@@ -109,6 +109,26 @@ def test_document_mask_per_batch_and_head(gen):
     assert torch.isinf(got[1][1, 3, 256:]).all() and not got[0][1, 3, 256:].any()
 
 
+def test_and_masks_and_or_masks(gen):
+    # FlexAttention's mask combinators trace as they are (their b.new_ones / new_zeros start, the
+    # functions they hold in their closure).
+    q, k, v = inputs(gen, heads_kv=4, seqlen_q=300)
+    doc = torch.tensor([[0] * 130 + [1] * 170, [0] * 300], dtype=torch.int32)
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def document(b, h, q_idx, kv_idx):
+        return doc[b, q_idx] == doc[b, kv_idx]
+
+    def near(b, h, q_idx, kv_idx):
+        return abs(q_idx - kv_idx) <= 8
+
+    for mask_mod in (flex.and_masks(causal, document), flex.or_masks(flex.and_masks(causal, document), near)):
+        block_mask = flex.create_block_mask(mask_mod, 2, None, 300, 300, device="cpu")
+        check(*run_both(q, k, v, mask_mod=mask_mod, block_mask=block_mask))
+
+
 def test_block_mask_without_a_mask_mod(gen):
     q, k, v = inputs(gen, heads_kv=4)
     block_mask = flex.create_block_mask(flex.noop_mask, None, None, 200, 300, device="cpu")
