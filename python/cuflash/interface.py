@@ -490,8 +490,9 @@ def _builtin_score(traced: Any, aux: List[Tensor], argument: str,
                    call: _Call) -> Optional[Tuple[int, List[float], List[Tensor]]]:
     """The built-in score_mod a traced one spells exactly, resolved, or None: ``score +
     slopes[h] * (kv_idx - q_idx)`` of a float (num_heads,) table (cuflash.scores.alibi, operands of
-    + and * in either order). It runs on the built-in kernels, whose backward needs no
-    per-element derivative, with nothing to compile."""
+    + and * in either order), and ``cap * tanh(score / cap)`` without the softcap option (which
+    it becomes: no score_mod). They run on the built-in kernels (the backward of ALiBi needs no
+    per-element derivative), with nothing to compile."""
     code = traced.code
 
     def op(register: int) -> int:
@@ -505,6 +506,17 @@ def _builtin_score(traced: Any, aux: List[Tensor], argument: str,
             return None
         return pair if op(pair[0]) == first_op else pair[::-1] if op(pair[1]) == first_op else None
 
+    def constant(register: int) -> Optional[float]:
+        return traced.constants[code[4 * register + 1]] if op(register) == _mods.FLOAT else None
+
+    cap = ordered(operands(traced.result, _mods.MUL), _mods.FLOAT)
+    tanh = cap and operands(cap[1], _mods.TANH)
+    quotient = tanh and operands(tanh[0], _mods.DIV)
+    if quotient and op(quotient[0]) == _mods.SCORE and call.softcap == 0.0:
+        value = constant(cap[0])
+        if value is not None and value > 0 and constant(quotient[1]) == value:
+            call.softcap = value
+            return 0, [], []
     add = ordered(operands(traced.result, _mods.ADD), _mods.SCORE)
     product = add and ordered(operands(add[1], _mods.MUL), _mods.LOAD)
     if not product:

@@ -31,8 +31,9 @@ def alibi_like(slopes):
 
 
 def tanh_cap(cap: float):
-    """cap * tanh(score / cap): the built-in softcap as a callable (its derivative is not 1)."""
-    return lambda score, b, h, q_idx, kv_idx: cap * mods.tanh(score / cap)
+    """cap * tanh(score * (1 / cap)): the built-in softcap as a program (its derivative is not 1;
+    the spelling ``cap * tanh(score / cap)`` would run as the softcap option itself)."""
+    return lambda score, b, h, q_idx, kv_idx: cap * mods.tanh(score * (1.0 / cap))
 
 
 def tanh_cap_bwd(cap: float, factor: float):

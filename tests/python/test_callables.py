@@ -205,6 +205,17 @@ def test_score_callables_that_spell_alibi_run_as_it(rng):
     call = cuflash.interface._prepare(q, k, v, score_mod=cases[0][0],
                                       score_mod_bwd=lambda g, s, b, h, i, j: g * 2.0)
     assert call.score_program != []
+    # cap * tanh(score / cap) becomes the softcap option (not beside one: it would cap twice).
+    for score_mod in (lambda s, b, h, i, j: 7.5 * mods.tanh(s / 7.5), lambda s, b, h, i, j: mods.tanh(s / 7.5) * 7.5):
+        call = cuflash.interface._prepare(q, k, v, score_mod=score_mod)
+        assert call.score_program == [] and call.score_mod[0] == 0 and call.softcap == 7.5
+        got = cuflash.flash_attn_varlen_func(q, k, v, score_mod=score_mod)
+        for g, e in zip(got, cuflash.flash_attn_varlen_func(q, k, v, softcap=7.5)):
+            np.testing.assert_array_equal(g, e)
+    for score_mod, softcap in ((lambda s, b, h, i, j: 7.5 * mods.tanh(s / 7.0), 0.0),
+                               (lambda s, b, h, i, j: 7.5 * mods.tanh(s / 7.5), 30.0)):
+        call = cuflash.interface._prepare(q, k, v, score_mod=score_mod, softcap=softcap)
+        assert call.score_program != [] and call.softcap == softcap
     short = slopes[:2]
     call = cuflash.interface._prepare(q, k, v, score_mod=lambda s, b, h, i, j: s + short[h] * (j - i))
     assert call.score_program != []
