@@ -452,14 +452,14 @@ def _resolve_callable(mod: Any, argument: str, cls: type, aux_tensors: Optional[
         else:
             tensor = _to_int32(framework, tensor, f"{argument} aux[{i}]")
         aux.append(framework.contiguous(tensor))
-    builtin = (_builtin_mask(traced, aux, argument, call) if role == "mask" else
-               _builtin_score(traced, aux, argument, call) if bwd is None else None)
-    if builtin is not None:
-        return builtin, traced.uses_aux_tensors
     # JAX under jax.jit: the arrays' device is not known while tracing; the backend's decides
     # whether the kernels for the callable are compiled (a CPU computation ignores them).
-    traced_on_gpu = call.device == TRACED and sys.modules["jax"].default_backend() == "gpu"
-    if call.device[0] == "cuda" or traced_on_gpu:
+    on_gpu = call.device[0] == "cuda" or (call.device == TRACED and sys.modules["jax"].default_backend() == "gpu")
+    builtin = (_builtin_mask(traced, aux, argument, call, on_gpu) if role == "mask" else
+               _builtin_score(traced, aux, argument, call, on_gpu) if not traced.grad_written else None)
+    if builtin is not None:
+        return builtin, traced.uses_aux_tensors
+    if on_gpu:
         if not _C.built_with_cuda:
             _fail(NotImplementedError, argument, "this cuflash was built without CUDA: Python callables run on "
                                                  "the CPU reference (pass CPU tensors)")
@@ -486,8 +486,28 @@ def _opcode(code: List[int], register: int) -> int:
     return code[4 * register] & 0xFF
 
 
-def _builtin_score(traced: Any, aux: List[Tensor], argument: str,
-                   call: _Call) -> Optional[Tuple[int, List[float], List[Tensor]]]:
+def _builtin_kernels_built(call: _Call, families: Sequence[str]) -> bool:
+    """Whether this build holds the forward kernels of `families` ("flex", "softcap") for the
+    call's dtype, head dims and form (paged, an explicit split, packed GQA asked for), as
+    built_kernels names them; the backward kernels are built with them. A callable that spells a
+    built-in runs as the built-in only then: else it is compiled at run time as any callable (a
+    build of other head dims or dtypes must not refuse what it used to run)."""
+    dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(call.dtype)
+    try:
+        head_dim, head_dim_v = _jit.kernel_head_dims(call.head_dim, call.head_dim_v)
+    except _jit.JitError:
+        return False
+    if dtype is None:
+        return False
+    dims = f"hdim{head_dim}" if head_dim == head_dim_v else f"hdim{head_dim}x{head_dim_v}"
+    form = ((["paged"] if call.page_table is not None else []) + (["split"] if call.num_splits > 1 else [])
+            + (["packgqa"] if call.pack_gqa is True and call.num_heads != call.num_heads_kv else []))
+    built = set(_C.built_kernels())
+    return all(" ".join(["fwd", dtype, dims, family] + form) in built for family in families)
+
+
+def _builtin_score(traced: Any, aux: List[Tensor], argument: str, call: _Call,
+                   on_gpu: bool) -> Optional[Tuple[int, List[float], List[Tensor]]]:
     """The built-in score_mod a traced one spells exactly, resolved, or None: ``score +
     slopes[h] * (kv_idx - q_idx)`` of a float (num_heads,) table (cuflash.scores.alibi, operands of
     + and * in either order), and ``cap * tanh(score / cap)`` without the softcap option (which
@@ -514,7 +534,10 @@ def _builtin_score(traced: Any, aux: List[Tensor], argument: str,
     quotient = tanh and operands(tanh[0], _mods.DIV)
     if quotient and op(quotient[0]) == _mods.SCORE and call.softcap == 0.0:
         value = constant(cap[0])
-        if value is not None and value > 0 and constant(quotient[1]) == value:
+        # A cap float32 holds exactly (the option is a float32): the same scores bit for bit.
+        if (value is not None and constant(quotient[1]) == value
+                and 0 < value <= float(np.finfo(np.float32).max) and float(np.float32(value)) == value
+                and (not on_gpu or _builtin_kernels_built(call, ("softcap", "flex")))):
             call.softcap = value
             return 0, [], []
     add = ordered(operands(traced.result, _mods.ADD), _mods.SCORE)
@@ -527,6 +550,8 @@ def _builtin_score(traced: Any, aux: List[Tensor], argument: str,
     if not (difference and op(difference[0]) == _mods.KV_IDX and op(difference[1]) == _mods.Q_IDX
             and op(head) == _mods.HEAD and traced.aux_ranks[slot] == 1 and traced.aux_kinds[slot] == "float"):
         return None
+    if on_gpu and not _builtin_kernels_built(call, ("flex",)):
+        return None
     try:
         resolved, _ = _resolve_variant(scores.alibi(aux[slot]), argument, ScoreMod, None, call)
     except ValueError:  # a table that is not one slope per head: the callable as it is
@@ -534,8 +559,8 @@ def _builtin_score(traced: Any, aux: List[Tensor], argument: str,
     return resolved
 
 
-def _builtin_mask(traced: Any, aux: List[Tensor], argument: str,
-                  call: _Call) -> Optional[Tuple[int, List[float], List[Tensor]]]:
+def _builtin_mask(traced: Any, aux: List[Tensor], argument: str, call: _Call,
+                  on_gpu: bool) -> Optional[Tuple[int, List[float], List[Tensor]]]:
     """The built-in mask a traced mask_mod spells exactly, resolved, or None: ``kv_idx <= q_idx``
     (cuflash.masks.causal) and ``ids[b, q_idx] == ids[b, kv_idx]`` of an integer (batch, L)
     table with L covering the sequences (cuflash.masks.document). Those run on the built-in
@@ -564,6 +589,8 @@ def _builtin_mask(traced: Any, aux: List[Tensor], argument: str,
             return None
         builtin = masks.document(aux[slot])
     else:
+        return None
+    if on_gpu and not _builtin_kernels_built(call, ("flex",)):
         return None
     try:
         resolved, _ = _resolve_variant(builtin, argument, MaskMod, None, call)

@@ -631,7 +631,7 @@ def _with_proxies(fn: Callable, make_proxy: Callable[[Any, str], Any],
             return make_proxy(value, name)
         if isinstance(value, types.FunctionType) and (not same_module_only or value.__module__ == fn.__module__):
             return _with_proxies(value, make_proxy, copies)
-        if not same_module_only and isinstance(value, (tuple, list)) and any(
+        if not same_module_only and type(value) in (tuple, list) and any(
                 isinstance(x, types.FunctionType) for x in value):
             # Functions a closure holds together (FlexAttention's and_masks / or_masks).
             new = [substitute(x, name, same_module_only) if isinstance(x, types.FunctionType) else x for x in value]
@@ -698,6 +698,7 @@ class TracedMod:
     aux_kinds: List[str] = field(default_factory=list)  # "float", "int" or "bool" per slot
     aux_ranks: List[int] = field(default_factory=list)  # dimensions of each tensor
     uses_aux_tensors: bool = False  # whether the call's aux_tensors were passed as arguments
+    grad_written: bool = False      # score_mod: `grad` from a hand-written score_mod_bwd
 
     @property
     def num_ops(self) -> int:
@@ -819,7 +820,9 @@ def _trace(fn: Callable, role: str, argument: str, aux_tensors: Optional[Sequenc
                                  [grad_in] + args + (aux_args if bwd_uses_aux else []))
             grad = _derivative_of_linear(graph, value, _name(bwd))
             graph.argument = argument
-    return _emit(graph, role, name, result, grad, uses_aux or bwd_uses_aux)
+    traced = _emit(graph, role, name, result, grad, uses_aux or bwd_uses_aux)
+    traced.grad_written = bwd is not None
+    return traced
 
 
 def _call_traced(graph: _Graph, fn: Callable, argument: str, make_proxy: Callable, args: List[Any]) -> Any:

@@ -202,9 +202,15 @@ def test_score_callables_that_spell_alibi_run_as_it(rng):
             got = cuflash.flash_attn_varlen_func(q, k, v, score_mod=score_mod)
             for g, e in zip(got, expected):
                 np.testing.assert_array_equal(g, e)
+    # A hand-written gradient keeps the program, given beside score_mod or traced with it.
     call = cuflash.interface._prepare(q, k, v, score_mod=cases[0][0],
                                       score_mod_bwd=lambda g, s, b, h, i, j: g * 2.0)
     assert call.score_program != []
+    traced = mods.trace_score_mod(cases[0][0], bwd=lambda g, s, b, h, i, j: g * 2.0)
+    assert cuflash.interface._prepare(q, k, v, score_mod=traced).score_program != []
+    traced = mods.trace_score_mod(lambda s, b, h, i, j: 2.0 * mods.tanh(s / 2.0), bwd=lambda g, s, b, h, i, j: g)
+    call = cuflash.interface._prepare(q, k, v, score_mod=traced)
+    assert call.score_program != [] and call.softcap == 0.0
     # cap * tanh(score / cap) becomes the softcap option (not beside one: it would cap twice).
     for score_mod in (lambda s, b, h, i, j: 7.5 * mods.tanh(s / 7.5), lambda s, b, h, i, j: mods.tanh(s / 7.5) * 7.5):
         call = cuflash.interface._prepare(q, k, v, score_mod=score_mod)
@@ -212,13 +218,34 @@ def test_score_callables_that_spell_alibi_run_as_it(rng):
         got = cuflash.flash_attn_varlen_func(q, k, v, score_mod=score_mod)
         for g, e in zip(got, cuflash.flash_attn_varlen_func(q, k, v, softcap=7.5)):
             np.testing.assert_array_equal(g, e)
+    # Not another cap, nor beside the option, nor a cap the float32 option would change.
     for score_mod, softcap in ((lambda s, b, h, i, j: 7.5 * mods.tanh(s / 7.0), 0.0),
-                               (lambda s, b, h, i, j: 7.5 * mods.tanh(s / 7.5), 30.0)):
+                               (lambda s, b, h, i, j: 7.5 * mods.tanh(s / 7.5), 30.0),
+                               (lambda s, b, h, i, j: 0.3 * mods.tanh(s / 0.3), 0.0),
+                               (lambda s, b, h, i, j: 1e39 * mods.tanh(s / 1e39), 0.0),
+                               (lambda s, b, h, i, j: 1e-50 * mods.tanh(s / 1e-50), 0.0)):
         call = cuflash.interface._prepare(q, k, v, score_mod=score_mod, softcap=softcap)
         assert call.score_program != [] and call.softcap == softcap
     short = slopes[:2]
     call = cuflash.interface._prepare(q, k, v, score_mod=lambda s, b, h, i, j: s + short[h] * (j - i))
     assert call.score_program != []
+
+
+def test_builtin_spellings_need_the_builtin_kernels(monkeypatch):
+    # On the GPU a callable runs as the built-in it spells only where this build holds that
+    # kernel for the call's dtype, head dims and form; else it is compiled as any callable.
+    q, k, v = qkv(np.random.default_rng(0), dim=64)
+    call = cuflash.interface._prepare(q, k, v)
+    names = ["fwd fp16 hdim64 flex", "fwd fp16 hdim64 softcap", "fwd bf16 hdim128 flex paged split"]
+    monkeypatch.setattr(cuflash.interface, "_C", type("Built", (), {"built_kernels": staticmethod(lambda: names)}))
+    assert cuflash.interface._builtin_kernels_built(call, ("flex",))
+    assert cuflash.interface._builtin_kernels_built(call, ("softcap", "flex"))
+    names.remove("fwd fp16 hdim64 flex")
+    assert not cuflash.interface._builtin_kernels_built(call, ("softcap", "flex"))
+    call.page_table, call.num_splits, call.head_dim, call.head_dim_v, call.dtype = object(), 3, 128, 128, "bfloat16"
+    assert cuflash.interface._builtin_kernels_built(call, ("flex",))
+    call.pack_gqa = True  # packed GQA asked for (4 query heads per 2 kv heads): its own kernel
+    assert not cuflash.interface._builtin_kernels_built(call, ("flex",))
 
 
 def test_mask_callables_that_spell_a_builtin_run_as_it(rng):

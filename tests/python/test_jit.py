@@ -207,7 +207,10 @@ def test_gpu_callables_jit(monkeypatch):
     monkeypatch.setenv("CUFLASH_JIT_CALLABLES", "0")
     with pytest.raises(NotImplementedError, match="^mask_mod: .*CUFLASH_JIT_CALLABLES=0"):
         cuflash.flash_attn_func(q, k, v, mask_mod=gpu_callables.causal_mask)
-    # A callable that spells a built-in runs as it, with nothing to compile.
+    # A callable that spells a built-in runs as it where the build has its kernels (this build's
+    # hdim64 flex kernels), with nothing to compile.
+    call = cuflash.interface._prepare(q, k, v, mask_mod=gpu_callables.causal_builtin_spelling)
+    assert call.mask_program == [] and call.mask_traced is None
     out, _ = cuflash.flash_attn_func(q, k, v, mask_mod=gpu_callables.causal_builtin_spelling)
     torch.testing.assert_close(out, causal, atol=0, rtol=0)
 
