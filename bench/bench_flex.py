@@ -26,9 +26,9 @@ cuflash_sparse_det: what the fixed dQ order costs over each.
 (cuflash._jit; the first call of each mask and head dim builds them, about a minute, before
 timing): cuflash_flex_api, cuflash.flex_attention given FlexAttention's own arguments (the
 callable in the same BlockMask), and cuflash_callable, the callable alone (no block lists: the
-blocks skipped are those its program's intervals decide). The causal and document mask_mods
-below are the spellings that run as cuflash's built-ins (nothing compiled); the window one is
-compiled.
+blocks skipped are those its program's intervals decide). The three mask_mods below are
+spellings that run as cuflash's built-ins (nothing compiled); spell them otherwise (e.g.
+qi - ki >= 0) to time the compiled path.
 
 --backward: each column runs its forward once with autograd, then each timed call is
 torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), as bench_bwd.py; FLOPs are 2.5x the

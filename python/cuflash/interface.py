@@ -562,10 +562,11 @@ def _builtin_score(traced: Any, aux: List[Tensor], argument: str, call: _Call,
 def _builtin_mask(traced: Any, aux: List[Tensor], argument: str, call: _Call,
                   on_gpu: bool) -> Optional[Tuple[int, List[float], List[Tensor]]]:
     """The built-in mask a traced mask_mod spells exactly, resolved, or None: ``kv_idx <= q_idx``
-    (cuflash.masks.causal) and ``ids[b, q_idx] == ids[b, kv_idx]`` of an integer (batch, L)
-    table with L covering the sequences (cuflash.masks.document). Those run on the built-in
-    kernels (the plain ones for causal at equal lengths; document block lists made on the GPU),
-    with nothing to compile."""
+    (cuflash.masks.causal), that and ``q_idx - kv_idx <= W`` (or ``< W + 1``; either order of &;
+    cuflash.masks.sliding_window(W)), and ``ids[b, q_idx] == ids[b, kv_idx]`` of an integer
+    (batch, L) table with L covering the sequences (cuflash.masks.document). Those run on the
+    built-in kernels (the plain ones for causal and windows at equal lengths; document block
+    lists made on the GPU), with nothing to compile."""
     code = traced.code
 
     def op(register: int) -> int:
@@ -574,13 +575,37 @@ def _builtin_mask(traced: Any, aux: List[Tensor], argument: str, call: _Call,
     def args(register: int) -> List[int]:
         return code[4 * register + 1: 4 * register + 4]
 
+    def is_causal(register: int) -> bool:
+        first, second, _ = args(register)
+        return (op(register), op(first), op(second)) in ((_mods.LE, _mods.KV_IDX, _mods.Q_IDX),
+                                                         (_mods.GE, _mods.Q_IDX, _mods.KV_IDX))
+
+    def window(register: int) -> Optional[int]:
+        """W of ``q_idx - kv_idx <= W`` / ``< W + 1`` (or with the sides swapped), else None."""
+        if op(register) not in (_mods.LE, _mods.LT, _mods.GE, _mods.GT):
+            return None
+        first, second, _ = args(register)
+        if op(register) in (_mods.GE, _mods.GT):  # W >= q - kv is q - kv <= W
+            first, second = second, first
+        distance = args(first)
+        if not (op(first) == _mods.SUB and op(distance[0]) == _mods.Q_IDX and op(distance[1]) == _mods.KV_IDX
+                and op(second) == _mods.INT):
+            return None
+        bound = code[4 * second + 1] - (1 if op(register) in (_mods.LT, _mods.GT) else 0)
+        return bound if bound >= 0 else None
+
     result = traced.result
-    if op(result) not in (_mods.LE, _mods.GE, _mods.EQ):  # the operands below are registers
+    if op(result) not in (_mods.LE, _mods.GE, _mods.EQ, _mods.AND):  # the operands below are registers
         return None
     first, second, _ = args(result)
-    if (op(result), op(first), op(second)) in ((_mods.LE, _mods.KV_IDX, _mods.Q_IDX),
-                                                (_mods.GE, _mods.Q_IDX, _mods.KV_IDX)):
+    if op(result) in (_mods.LE, _mods.GE) and is_causal(result):
         builtin = masks.causal()
+    elif op(result) == _mods.AND:
+        parts = [(first, second), (second, first)]
+        bounds = [window(w) for c, w in parts if op(c) in (_mods.LE, _mods.GE) and is_causal(c)]
+        if not bounds or bounds[0] is None:
+            return None
+        builtin = masks.sliding_window(bounds[0])
     elif op(result) == _mods.EQ and op(first) == op(second) == _mods.LOAD and code[4 * first] == code[4 * second]:
         slot = code[4 * first] >> 8
         (b0, i0, _), (b1, i1, _) = args(first), args(second)

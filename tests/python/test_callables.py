@@ -259,6 +259,11 @@ def test_mask_callables_that_spell_a_builtin_run_as_it(rng):
         (lambda b, h, i, j: i >= j, cuflash.masks.causal(), True),
         (lambda b, h, i, j: doc[b, i] == doc[b, j], cuflash.masks.document(doc.astype(np.int32)), True),
         (lambda b, h, i, j: doc[b, j] == doc[b, i], cuflash.masks.document(doc.astype(np.int32)), True),
+        (lambda b, h, i, j: (i >= j) & (i - j <= 7), cuflash.masks.sliding_window(7), True),
+        (lambda b, h, i, j: (i - j < 8) & (j <= i), cuflash.masks.sliding_window(7), True),
+        (lambda b, h, i, j: (7 >= i - j) & (i >= j), cuflash.masks.sliding_window(7), True),
+        (lambda b, h, i, j: (i >= j) & (j - i <= 7), cuflash.masks.causal(), False),
+        (lambda b, h, i, j: (i >= j) & (i - j <= 7 + 0 * b), cuflash.masks.sliding_window(7), False),
         (lambda b, h, i, j: i - j >= 0, cuflash.masks.causal(), False),
         (lambda b, h, i, j: doc[b, i] == doc[b, j + 0], cuflash.masks.document(doc.astype(np.int32)), False),
     ]
