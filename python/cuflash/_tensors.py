@@ -172,6 +172,11 @@ class TorchFramework(Framework):
         return tuple(x.stride())
 
     def address(self, x):
+        compiler = getattr(self.torch, "compiler", None)
+        if compiler is not None and getattr(compiler, "is_compiling", lambda: False)():
+            # torch.compile cannot read an address while it traces the call: unknown (the C++ API
+            # refuses an unaligned start by name when the graph runs).
+            return None
         return int(x.data_ptr())
 
     def _dtype(self, dtype):
