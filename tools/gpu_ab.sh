@@ -8,7 +8,8 @@
 #   REGEX='^flash_fwd_hdim128_bf16_(flex_(split_)?)?sm90$' TEST_VARIANT=new GTEST_FILTER='*ForwardFlex*' \
 #   BENCH=flex BENCH_ARGS="--hdims 128 --seqlens 2048,8192" PASSES=2 tools/gpu_ab.sh
 #
-# VARIANTS: space-separated NAME or NAME:FLAGS (FLAGS: one -D... for CMAKE_CUDA_FLAGS, no spaces).
+# VARIANTS: space-separated NAME or NAME:FLAGS (FLAGS: one -D... for CMAKE_CUDA_FLAGS and
+# CMAKE_CXX_FLAGS, no spaces).
 # KERNEL_SET (default custom), HDIMS, DTYPES (default bf16), FEATURES, REGEX (CUFLASH_KERNEL_REGEX):
 # the kernel selection of every variant. TEST_VARIANT / GTEST_FILTER / TEST_TIMEOUT: the GPU tests
 # (none without TEST_VARIANT). BENCH: a bench/bench_NAME.py step of gpu_check (fwd, bwd, flex, gqa;
@@ -59,7 +60,8 @@ for variant in $VARIANTS; do
   name=$(name_of "$variant")
   flags=$(flags_of "$variant")
   extra=${REGEX:+-DCUFLASH_KERNEL_REGEX=$REGEX}
-  [[ -n $flags ]] && extra="$extra -DCMAKE_CUDA_FLAGS=$flags"
+  # Device and host code alike (a switch that the host's sizes read too must agree with the kernels).
+  [[ -n $flags ]] && extra="$extra -DCMAKE_CUDA_FLAGS=$flags -DCMAKE_CXX_FLAGS=$flags"
   [[ $name != "${TEST_VARIANT:-}" ]] && extra="$extra -DCUFLASH_BUILD_TESTS=OFF"
   [[ $first == 1 ]] || { [[ ${DRY_RUN:-0} == 1 ]] || sleep "$STAGGER"; }
   first=0

@@ -37,9 +37,10 @@
 #include "sm90/trace_sm90.hpp"
 #include "sm90/utils_sm90.hpp"
 
-// Build switch for an A/B of where the loop rescales O (MainloopFwdSm90::kRescaleAfterPv).
+// Build switch for A/Bs of where the loop rescales O (MainloopFwdSm90::kRescaleAfterPv): -1 where
+// measured to pay, 0 nowhere, 1 in every kernel with head dim V up to 128.
 #ifndef CUFLASH_FWD_RESCALE_AFTER_PV
-#define CUFLASH_FWD_RESCALE_AFTER_PV 0
+#define CUFLASH_FWD_RESCALE_AFTER_PV -1
 #endif
 
 namespace cuflash::sm90 {
@@ -80,8 +81,14 @@ struct MainloopFwdSm90 {
   // Where the loop rescales O by the move of the running max: between the warpgroup's Q K^T
   // and P V issues, inside its turn (the other warpgroup waits for both issues), or at the end
   // of the iteration, once P V is done and outside the turn, as FlashAttention-3 does at head
-  // dims up to 128 (build switch CUFLASH_FWD_RESCALE_AFTER_PV, not yet measured: bench/NOTES.md).
-  static constexpr bool kRescaleAfterPv = CUFLASH_FWD_RESCALE_AFTER_PV && kHeadDimV <= 128;
+  // dims up to 128. Measured on the H200 (bf16, 2k-8k, bench/NOTES.md "Where the forward
+  // rescales O"): after the P V gains 0.3-1.7% at head dim 64 and 1.1-2.0% at 96, moves hdim128
+  // by -0.3 to +0.3% (its lazy rescale skips most rescales), and loses 2-4% in the hdim128 flex
+  // kernel on block lists, which rescales every block. So: the plain kernels (and their softcap,
+  // split, paged and packed variants) at head dims V up to 96.
+  static constexpr bool kRescaleAfterPv =
+      CUFLASH_FWD_RESCALE_AFTER_PV < 0 ? !kIsFlex && kHeadDimV <= 96
+                                       : CUFLASH_FWD_RESCALE_AFTER_PV > 0 && kHeadDimV <= 128;
 
   using TileShapeQK = cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>, cute::Int<kHeadDim>>;
   using TileShapePV = cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDimV>, cute::Int<kBlockN>>;

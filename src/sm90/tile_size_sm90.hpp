@@ -7,6 +7,14 @@
 
 namespace cuflash::sm90 {
 
+// The hdim128 key block, a build switch for A/Bs of the tile (host and device must agree: set it
+// in both CMAKE_CUDA_FLAGS and CMAKE_CXX_FLAGS, as tools/gpu_ab.sh does). 160 and 176 leave no
+// room for the second Q buffer; measured at 160 (bench/NOTES.md, "The hdim128 key block"), equal
+// to 128 with one Q buffer non-causal and 2% slower causal at 2k, so 128 with two Q buffers stays.
+#ifndef CUFLASH_FWD_HDIM128_BLOCK_N
+#define CUFLASH_FWD_HDIM128_BLOCK_N 128
+#endif
+
 struct FwdTileSize {
   int block_m;  // rows of Q per CTA: 64 per MMA warpgroup
   int block_n;  // rows of K/V per pipeline stage
@@ -20,7 +28,7 @@ constexpr FwdTileSize fwd_tile_size(int head_dim, int head_dim_v) {
   // less the producer's), which holds S and P of a 64 x 128 block and O, not a wider n-block.
   if (head_dim <= 64) return {192, 128, 2};
   if (head_dim <= 96) return {128, 160, 2};
-  if (head_dim <= 128) return {128, 128, 2};
+  if (head_dim <= 128) return {128, CUFLASH_FWD_HDIM128_BLOCK_N, 2};
   if (head_dim <= 192)
     return head_dim_v <= 128 ? FwdTileSize{128, 128, 2} : FwdTileSize{128, 112, 2};
   return {128, 80, 2};
