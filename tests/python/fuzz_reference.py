@@ -33,6 +33,7 @@ import cuflash  # noqa: E402
 from cuflash import mods  # noqa: E402
 import attention_reference as ref  # noqa: E402
 from conftest import TOLERANCE, numpy_dtype  # noqa: E402
+from test_forward import split_full_and_mask  # noqa: E402
 
 BLOCK = 128
 
@@ -503,15 +504,7 @@ def build(c):
                         ch = np.flatnonzero(lr.random(cols) < dens)
                         cnt[bi, h, m] = len(ch)
                         idx[bi, h, m, : len(ch)] = lr.permutation(ch)
-            fc, mc = np.zeros_like(cnt), np.zeros_like(cnt)
-            fi, mi = np.zeros_like(idx), np.zeros_like(idx)
-            for pos in np.ndindex(cnt.shape):
-                blocks = idx[pos][: cnt[pos]]
-                isf = lr.random(len(blocks)) < 0.5
-                f, m_ = blocks[isf], blocks[~isf]
-                fc[pos], mc[pos] = len(f), len(m_)
-                fi[pos][: len(f)] = f
-                mi[pos][: len(m_)] = m_
+            fc, fi, mc, mi = split_full_and_mask(lr, cnt, idx)
         lists = (fc, fi, mc, mi)
         kw.update(full_block_cnt=fc, full_block_idx=fi, mask_block_cnt=mc, mask_block_idx=mi)
         fcb, fib, mcb, mib = (np.broadcast_to(x, (B,) + x.shape[1:]) for x in lists)
