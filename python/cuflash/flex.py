@@ -5,8 +5,9 @@
 
 Tensors are (batch, heads, seqlen, head_dim), as FlexAttention's. score_mod and the block mask's
 mask_mod are Python callables traced by cuflash (cuflash.mods: what they may use); the block
-mask is FlexAttention's BlockMask (``torch.nn.attention.flex_attention.create_block_mask``,
-128 x 128 blocks), whose lists cuflash reads as they are, the backward's (q_*) lists included.
+mask is FlexAttention's BlockMask (``torch.nn.attention.flex_attention.create_block_mask``):
+with 128 x 128 blocks (its default) cuflash reads its lists as they are, the backward's (q_*)
+lists included; other block sizes are converted to 128 x 128 lists that keep the same pairs.
 Under torch autograd, out (and lse) are differentiable with respect to query, key and value.
 NumPy and JAX arrays work as with the other functions (JAX under jax.jit and jax.grad too),
 without a block mask (BlockMask is torch's).
@@ -14,7 +15,7 @@ without a block mask (BlockMask is torch's).
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Tuple
 
 from . import interface as _interface
 from .block_sparse import BLOCK_M, BLOCK_N
@@ -50,9 +51,8 @@ def _block_mask_arguments(block_mask: Any, seqlen_q: int, seqlen_k: int) -> dict
                                        f"create_block_mask), got {type(block_mask).__name__}; cuflash's own block "
                                        f"lists go to flash_attn_func")
     sizes = tuple(int(x) for x in block_mask.BLOCK_SIZE)
-    if sizes != (BLOCK_M, BLOCK_N):
-        _fail(ValueError, "block_mask", f"cuflash reads block lists of {BLOCK_M} x {BLOCK_N} blocks, got BLOCK_SIZE "
-                                        f"{sizes}; create the BlockMask with BLOCK_SIZE=128")
+    if len(sizes) != 2 or min(sizes) < 1:
+        _fail(ValueError, "block_mask", f"BLOCK_SIZE must be two positive sizes, got {sizes}")
     lengths = getattr(block_mask, "seq_lengths", None)
     if lengths is not None and tuple(int(x) for x in lengths) != (seqlen_q, seqlen_k):
         _fail(ValueError, "block_mask", f"made for (Q_LEN, KV_LEN) = {tuple(lengths)}, but query and key have "
@@ -63,8 +63,116 @@ def _block_mask_arguments(block_mask: Any, seqlen_q: int, seqlen_k: int) -> dict
         _fail(ValueError, "block_mask", "a sliced BlockMask (block_mask[...]) has no mask_mod to apply; pass the "
                                         "whole BlockMask, or one made for these sequences")
     mask_mod = None if _is_noop_mask(block_mask.mask_mod) else block_mask.mask_mod
+    if sizes != (BLOCK_M, BLOCK_N):
+        return _regrid_block_mask(sizes, mask_mod, mask_cnt, mask_idx, full_cnt, full_idx, seqlen_q, seqlen_k)
     return dict(mask_mod=mask_mod, block_sparse=(mask_cnt, mask_idx, full_cnt, full_idx),
                 q_block_sparse=(q_mask_cnt, q_mask_idx, q_full_cnt, q_full_idx))
+
+
+# Block states of a BlockMask's grid: skipped, partial (mask_mod applied), full.
+_EMPTY, _PARTIAL, _FULL = 0, 1, 2
+
+
+def _block_states(cnt: Tensor, idx: Tensor, cols: int, state: int, grid: Tensor) -> None:
+    """Writes `state` into grid (B, H, rows, cols) at the blocks that (cnt, idx) list (entries past
+    the grid, which lists made for longer sequences may hold, name no block here)."""
+    import torch
+
+    rows = min(int(cnt.shape[2]), int(grid.shape[2]))
+    cnt, idx = cnt[:, :, :rows].to(grid.device), idx[:, :, :rows].to(grid.device).long()
+    listed = (torch.arange(idx.shape[3], device=grid.device) < cnt[..., None]) & (idx >= 0) & (idx < cols)
+    b, h, m, j = torch.nonzero(listed, as_tuple=True)
+    grid[b, h, m, idx[b, h, m, j]] = state
+
+
+def _cover(block: int, size: int, length: int, device: Any) -> Tuple[Tensor, Tensor]:
+    """For each cuflash block (of `block` tokens) over `length` tokens, the first and last BlockMask
+    block (of `size` tokens) that it overlaps."""
+    import torch
+
+    start = torch.arange(-(-length // block), device=device) * block
+    end = torch.clamp(start + block, max=length) - 1
+    return start // size, end // size
+
+
+def _regrid(states: Tensor, axis: int, first: Tensor, last: Tensor) -> Tuple[Tensor, Tensor]:
+    """The least and greatest state over each new block's span [first, last] of old blocks along
+    `axis` (spans are short: a cuflash block overlaps at most 128 / size + 1 of them)."""
+    import torch
+
+    low = high = None
+    for offset in range(int((last - first).max()) + 1 if len(first) else 0):
+        picked = states.index_select(axis, torch.minimum(first + offset, last))
+        low = picked if low is None else torch.minimum(low, picked)
+        high = picked if high is None else torch.maximum(high, picked)
+    return low, high
+
+
+def _lists(grid: Tensor, state: int) -> Tuple[Tensor, Tensor]:
+    """cnt (B, H, rows) and idx (B, H, rows, cols) int32 of the blocks in `state`, ascending."""
+    import torch
+
+    chosen = grid == state
+    cnt = chosen.sum(-1, dtype=torch.int32)
+    idx = torch.argsort((~chosen).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    idx = torch.where(torch.arange(grid.shape[-1], device=grid.device) < cnt[..., None], idx, 0)
+    return cnt.contiguous(), idx.contiguous()
+
+
+def _regrid_block_mask(sizes: Tuple[int, int], mask_mod: Optional[Callable], mask_cnt: Tensor, mask_idx: Tensor,
+                       full_cnt: Optional[Tensor], full_idx: Optional[Tensor], seqlen_q: int, seqlen_k: int) -> dict:
+    """A BlockMask of other block sizes, as the lists of cuflash's 128 x 128 blocks and the mask_mod
+    that keeps exactly what FlexAttention keeps: a cuflash block is full where every BlockMask
+    block it overlaps is full, skipped where every one is skipped, partial otherwise. In a partial
+    block the mask_mod alone decides where the overlapped blocks are all partial (FlexAttention
+    applies it there too); where they mix states, the mask_mod is wrapped to read each pair's
+    BlockMask block state first (full: kept, skipped: not, partial: the mask_mod's answer), since a
+    BlockMask's lists, not its mask_mod, decide the pairs of its full and skipped blocks."""
+    import torch
+
+    size_q, size_k = sizes
+    if seqlen_q == 0 or seqlen_k == 0:  # nothing to compute, nothing to list
+        return dict(mask_mod=mask_mod)
+    rows, cols = -(-seqlen_q // size_q), -(-seqlen_k // size_k)
+    batch, heads = int(mask_cnt.shape[0]), int(mask_cnt.shape[1])
+    states = torch.zeros((batch, heads, rows, cols), dtype=torch.int8, device=mask_cnt.device)
+    _block_states(mask_cnt, mask_idx, cols, _PARTIAL, states)
+    if full_cnt is not None:
+        _block_states(full_cnt, full_idx, cols, _FULL, states)
+    row_first, row_last = _cover(BLOCK_M, size_q, seqlen_q, states.device)
+    col_first, col_last = _cover(BLOCK_N, size_k, seqlen_k, states.device)
+    low, high = _regrid(states, 2, row_first, row_last)
+    low, _ = _regrid(low, 3, col_first, col_last)
+    _, high = _regrid(high, 3, col_first, col_last)
+    grid = torch.where(low == _FULL, _FULL, torch.where(high == _EMPTY, _EMPTY, _PARTIAL)).to(torch.int8)
+    if bool(((grid == _PARTIAL) & ((low != _PARTIAL) | (high != _PARTIAL))).any()):
+        mask_mod = _reading_block_states(states, mask_mod, size_q, size_k)
+    full_cnt, full_idx = _lists(grid, _FULL)
+    mask_cnt, mask_idx = _lists(grid, _PARTIAL)
+    by_col = grid.transpose(2, 3)
+    q_full_cnt, q_full_idx = _lists(by_col, _FULL)
+    q_mask_cnt, q_mask_idx = _lists(by_col, _PARTIAL)
+    return dict(mask_mod=mask_mod, block_sparse=(mask_cnt, mask_idx, full_cnt, full_idx),
+                q_block_sparse=(q_mask_cnt, q_mask_idx, q_full_cnt, q_full_idx))
+
+
+def _reading_block_states(states: Tensor, mask_mod: Optional[Callable], size_q: int, size_k: int) -> Callable:
+    """mask_mod wrapped to keep a pair by its BlockMask block's state (states (B, H, rows, cols), B
+    and H possibly 1): full kept, skipped not, partial as mask_mod says (None: kept)."""
+    import torch
+
+    batch, heads = int(states.shape[0]), int(states.shape[1])
+    # Traced tensors have at most three dimensions: batch and head share the first.
+    table = states.to(torch.int32).reshape(batch * heads, states.shape[2], states.shape[3]).contiguous()
+
+    def block_state_mask(b, h, q_idx, kv_idx):
+        slot = (b * heads if batch > 1 else 0) + (h if heads > 1 else 0)
+        state = table[slot, q_idx // size_q, kv_idx // size_k]
+        if mask_mod is None:
+            return state != _EMPTY
+        return (state == _FULL) | ((state == _PARTIAL) & mask_mod(b, h, q_idx, kv_idx))
+
+    return block_state_mask
 
 
 def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Optional[Callable] = None,
@@ -78,8 +186,11 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Optiona
         query: (B, Hq, L, E); key: (B, Hkv, S, E); value: (B, Hkv, S, Ev); float16 or bfloat16.
             Any strides with a contiguous last dimension.
         score_mod: score_mod(score, b, h, q_idx, kv_idx) -> new score (cuflash.mods), or None.
-        block_mask: FlexAttention's BlockMask with 128 x 128 blocks (its mask_mod is applied in
-            the blocks it lists as partial), or None (every pair).
+        block_mask: FlexAttention's BlockMask (its mask_mod is applied in the blocks it lists as
+            partial), or None (every pair). Block sizes other than 128 x 128 are converted on the
+            BlockMask's device each call (and the mask_mod wrapped to read the block states
+            where a 128 x 128 block overlaps blocks of different states); make it with
+            BLOCK_SIZE=128 to skip that.
         scale: the score's scale; default 1 / sqrt(E).
         enable_gqa: Hq may be a multiple of Hkv (grouped-query attention); else they must match.
         return_lse: also return the log-sum-exp of the scores (B, Hq, L), float32, natural log.

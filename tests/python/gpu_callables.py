@@ -8,6 +8,7 @@ pytest)."""
 from __future__ import annotations
 
 import concurrent.futures
+import importlib.util
 import time
 
 import numpy as np
@@ -57,13 +58,23 @@ def causal_builtin_spelling(b, h, q_idx, kv_idx):
     return kv_idx <= q_idx
 
 
+def causal_mask_on_block_states():
+    """causal_mask as cuflash.flex_attention runs it for a BlockMask of 64 x 64 blocks (batch and
+    heads 1): wrapped to read each pair's block state, since its 128 x 128 blocks mix states."""
+    import torch
+
+    from cuflash.flex import _reading_block_states
+
+    return _reading_block_states(torch.zeros((1, 1, 5, 5), dtype=torch.int8), causal_mask, 64, 64)
+
+
 def _modules():
     """(score, mask, split, paged, pack_gqa) of the modules the GPU tests build; constants do not
     change a module (the source depends on the program's structure only)."""
     slopes = np.asarray(cuflash.scores.alibi_slopes(4), np.float32)
     alibi = mods.trace_score_mod(alibi_like(slopes))
     causal = mods.trace_mask_mod(causal_mask)
-    return [
+    modules = [
         (alibi, None, False, False, False),
         (alibi, None, False, True, False),  # paged KV
         (alibi, None, False, False, True),  # packed GQA
@@ -72,6 +83,9 @@ def _modules():
         (None, causal, False, False, False),
         (None, causal, True, False, False),  # split-KV
     ]
+    if importlib.util.find_spec("torch") is None:  # flex_attention's BlockMask is torch's
+        return modules
+    return modules + [(None, mods.trace_mask_mod(causal_mask_on_block_states()), False, False, False)]
 
 
 def build_all() -> None:

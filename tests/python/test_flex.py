@@ -165,6 +165,68 @@ def test_block_lists_narrower_than_the_mask(gen):
     check(*results)
 
 
+@pytest.mark.parametrize("block_size", [64, (64, 128), (128, 32), 256, (256, 64), (96, 80)])
+def test_block_sizes_other_than_128(gen, block_size):
+    # A BlockMask made with other blocks: converted to 128 x 128 lists; where its blocks in one
+    # 128 x 128 block all share a state, the mask_mod is used as it is, else wrapped.
+    q, k, v = inputs(gen, seqlen_q=300, seqlen_k=333)
+    doc = torch.tensor([[0] * 70 + [1] * 263, [0] * 200 + [1] * 133], dtype=torch.int32)
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (doc[b, q_idx] == doc[b, kv_idx]) & (kv_idx <= q_idx + 33)
+
+    block_mask = flex.create_block_mask(document_causal, B=2, H=None, Q_LEN=300, KV_LEN=333, device="cpu",
+                                        BLOCK_SIZE=block_size)
+    check(*run_both(q, k, v, mask_mod=document_causal, block_mask=block_mask, enable_gqa=True))
+
+
+@pytest.mark.parametrize("with_mask_mod", [False, True])
+def test_block_lists_of_64_decide_their_pairs(gen, with_mask_mod):
+    # Lists of 64 x 64 blocks that the mask_mod does not describe: FlexAttention's compiled
+    # kernels keep every pair of a full block and none of an unlisted one, whatever the mask_mod
+    # says; a 128 x 128 block of cuflash mixes such blocks, so the conversion reads their states.
+    q, k, v = inputs(gen, heads_kv=4, seqlen_q=200, seqlen_k=260)
+    rows, cols = 4, 5
+    gen_lists = torch.Generator().manual_seed(7)
+    states = torch.randint(0, 3, (1, 4, rows, cols), generator=gen_lists)  # 0 skipped, 1 partial, 2 full
+    states[0, 1, 2] = 0  # a row block that sees no key
+
+    def lists(state):
+        chosen = states == state
+        cnt = chosen.sum(-1, dtype=torch.int32)
+        idx = torch.argsort((~chosen).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return cnt, idx
+
+    (mask_cnt, mask_idx), (full_cnt, full_idx) = lists(1), lists(2)
+
+    def band(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx) % 3 != 0
+
+    mask_mod = band if with_mask_mod else None
+    block_mask = flex.BlockMask.from_kv_blocks(mask_cnt, mask_idx, full_cnt, full_idx, BLOCK_SIZE=64,
+                                               mask_mod=mask_mod, seq_lengths=(200, 260))
+    expanded = states.repeat_interleave(64, dim=2).repeat_interleave(64, dim=3)[..., :200, :260]
+
+    def listed(b, h, q_idx, kv_idx):
+        state = expanded[0, h, q_idx, kv_idx]
+        partial = band(b, h, q_idx, kv_idx) if with_mask_mod else True
+        return (state == 2) | ((state == 1) & partial)
+
+    results = []
+    for name in ("reference", "cuflash"):
+        for t in (q, k, v):
+            t.grad = None
+        if name == "reference":
+            out, lse = naive(q, k, v, mask_mod=listed)
+        else:
+            out, lse = cuflash.flex_attention(q, k, v, block_mask=block_mask, return_lse=True)
+        weights = torch.linspace(-1, 1, out.numel()).half().reshape(out.shape).to(out.dtype)
+        ((out * weights).sum() + (torch.where(torch.isinf(lse), 0, lse) * 0.5).sum()).backward()
+        results.append([out.detach().float(), lse.detach().float()] + [t.grad.clone().float() for t in (q, k, v)])
+    check(*results)
+    assert torch.isinf(results[1][1][:, 1, 128:192]).all()
+
+
 def test_return_aux_and_layout(gen):
     q, k, v = inputs(gen, heads_kv=4)
     out, aux = cuflash.flex_attention(q, k, v, return_aux=flex.AuxRequest(lse=True))
@@ -184,9 +246,6 @@ def test_errors_name_the_argument(gen):
         cuflash.flex_attention(q, k, v, enable_gqa=True, kernel_options={"BLOCK_M": 64})
     with pytest.raises(NotImplementedError, match="^return_aux: max_scores"):
         cuflash.flex_attention(q, k, v, enable_gqa=True, return_aux=flex.AuxRequest(lse=True, max_scores=True))
-    small = flex.create_block_mask(flex.noop_mask, None, None, 200, 300, device="cpu", BLOCK_SIZE=64)
-    with pytest.raises(ValueError, match="^block_mask: cuflash reads block lists of 128 x 128 blocks"):
-        cuflash.flex_attention(q, k, v, enable_gqa=True, block_mask=small)
     other = flex.create_block_mask(flex.noop_mask, None, None, 256, 300, device="cpu")
     with pytest.raises(ValueError, match=r"^block_mask: made for \(Q_LEN, KV_LEN\) = \(256, 300\)"):
         cuflash.flex_attention(q, k, v, enable_gqa=True, block_mask=other)

@@ -242,16 +242,19 @@ def test_gpu_callable_under_torch_compile(monkeypatch):
         torch.testing.assert_close(g, e)
 
 
-def test_gpu_flex_attention_with_a_block_mask(monkeypatch):
+@pytest.mark.parametrize("block_size", [128, 64, 256])
+def test_gpu_flex_attention_with_a_block_mask(monkeypatch, block_size):
     """On a GPU: cuflash.flex_attention with torch's BlockMask (lists made on the GPU) and its
-    mask_mod callable, against the causal kernels on the same memory, forward and backward."""
+    mask_mod callable, against the causal kernels on the same memory, forward and backward. Other
+    block sizes are converted on the GPU (64: the mask_mod wrapped to read the block states)."""
     torch = _torch_gpu_jit_or_skip(monkeypatch)
     flex = pytest.importorskip("torch.nn.attention.flex_attention", reason="this torch has no FlexAttention")
     gen = torch.Generator(device="cuda").manual_seed(2)
     q, k, v = (torch.randn(2, 4, 300, gpu_callables.HEAD_DIM, device="cuda", dtype=torch.bfloat16,
                            generator=gen).requires_grad_()
                for _ in range(3))
-    block_mask = flex.create_block_mask(gpu_callables.causal_mask, None, None, 300, 300, device="cuda")
+    block_mask = flex.create_block_mask(gpu_callables.causal_mask, None, None, 300, 300, device="cuda",
+                                        BLOCK_SIZE=block_size)
     with skip_if_not_built():  # the hdim64 flex kernels of the build
         out, lse = cuflash.flex_attention(q, k, v, block_mask=block_mask, return_lse=True)
     expected, expected_lse = cuflash.flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), causal=True)
