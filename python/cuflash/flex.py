@@ -75,33 +75,35 @@ _EMPTY, _PARTIAL, _FULL = 0, 1, 2
 
 def _block_states(cnt: Tensor, idx: Tensor, cols: int, state: int, grid: Tensor) -> None:
     """Writes `state` into grid (B, H, rows, cols) at the blocks that (cnt, idx) list (entries past
-    the grid, which lists made for longer sequences may hold, name no block here)."""
+    the grid, which lists made for longer sequences may hold, name no block here). No host
+    synchronisation: a scatter of the greatest state."""
     import torch
 
     rows = min(int(cnt.shape[2]), int(grid.shape[2]))
     cnt, idx = cnt[:, :, :rows].to(grid.device), idx[:, :, :rows].to(grid.device).long()
     listed = (torch.arange(idx.shape[3], device=grid.device) < cnt[..., None]) & (idx >= 0) & (idx < cols)
-    b, h, m, j = torch.nonzero(listed, as_tuple=True)
-    grid[b, h, m, idx[b, h, m, j]] = state
+    grid[:, :, :rows].scatter_reduce_(3, torch.where(listed, idx, 0), (listed * state).to(grid.dtype), "amax")
 
 
-def _cover(block: int, size: int, length: int, device: Any) -> Tuple[Tensor, Tensor]:
+def _cover(block: int, size: int, length: int, device: Any) -> Tuple[Tensor, Tensor, int]:
     """For each cuflash block (of `block` tokens) over `length` tokens, the first and last BlockMask
-    block (of `size` tokens) that it overlaps."""
+    block (of `size` tokens) that it overlaps, and the most it overlaps (on the host)."""
     import torch
 
-    start = torch.arange(-(-length // block), device=device) * block
+    starts = range(0, length, block)
+    span = max(((min(start + block, length) - 1) // size - start // size + 1 for start in starts), default=0)
+    start = torch.arange(len(starts), device=device) * block
     end = torch.clamp(start + block, max=length) - 1
-    return start // size, end // size
+    return start // size, end // size, span
 
 
-def _regrid(states: Tensor, axis: int, first: Tensor, last: Tensor) -> Tuple[Tensor, Tensor]:
+def _regrid(states: Tensor, axis: int, first: Tensor, last: Tensor, span: int) -> Tuple[Tensor, Tensor]:
     """The least and greatest state over each new block's span [first, last] of old blocks along
     `axis` (spans are short: a cuflash block overlaps at most 128 / size + 1 of them)."""
     import torch
 
     low = high = None
-    for offset in range(int((last - first).max()) + 1 if len(first) else 0):
+    for offset in range(span):
         picked = states.index_select(axis, torch.minimum(first + offset, last))
         low = picked if low is None else torch.minimum(low, picked)
         high = picked if high is None else torch.maximum(high, picked)
@@ -123,11 +125,13 @@ def _regrid_block_mask(sizes: Tuple[int, int], mask_mod: Optional[Callable], mas
                        full_cnt: Optional[Tensor], full_idx: Optional[Tensor], seqlen_q: int, seqlen_k: int) -> dict:
     """A BlockMask of other block sizes, as the lists of cuflash's 128 x 128 blocks and the mask_mod
     that keeps exactly what FlexAttention keeps: a cuflash block is full where every BlockMask
-    block it overlaps is full, skipped where every one is skipped, partial otherwise. In a partial
-    block the mask_mod alone decides where the overlapped blocks are all partial (FlexAttention
-    applies it there too); where they mix states, the mask_mod is wrapped to read each pair's
-    BlockMask block state first (full: kept, skipped: not, partial: the mask_mod's answer), since a
-    BlockMask's lists, not its mask_mod, decide the pairs of its full and skipped blocks."""
+    block it overlaps is full, skipped where every one is skipped, partial otherwise. Where the
+    BlockMask's blocks are multiples of 128, a partial block lies in one partial BlockMask block
+    and the mask_mod alone decides (as in FlexAttention). Otherwise a partial block may overlap
+    blocks of other states, so the mask_mod is wrapped to read each pair's BlockMask block state
+    first (full: kept, skipped: not, partial: the mask_mod's answer), since a BlockMask's lists,
+    not its mask_mod, decide the pairs of its full and unlisted blocks. Decided by the sizes, not
+    by the lists' contents: nothing here waits for the device."""
     import torch
 
     size_q, size_k = sizes
@@ -139,13 +143,13 @@ def _regrid_block_mask(sizes: Tuple[int, int], mask_mod: Optional[Callable], mas
     _block_states(mask_cnt, mask_idx, cols, _PARTIAL, states)
     if full_cnt is not None:
         _block_states(full_cnt, full_idx, cols, _FULL, states)
-    row_first, row_last = _cover(BLOCK_M, size_q, seqlen_q, states.device)
-    col_first, col_last = _cover(BLOCK_N, size_k, seqlen_k, states.device)
-    low, high = _regrid(states, 2, row_first, row_last)
-    low, _ = _regrid(low, 3, col_first, col_last)
-    _, high = _regrid(high, 3, col_first, col_last)
+    row_first, row_last, row_span = _cover(BLOCK_M, size_q, seqlen_q, states.device)
+    col_first, col_last, col_span = _cover(BLOCK_N, size_k, seqlen_k, states.device)
+    low, high = _regrid(states, 2, row_first, row_last, row_span)
+    low, _ = _regrid(low, 3, col_first, col_last, col_span)
+    _, high = _regrid(high, 3, col_first, col_last, col_span)
     grid = torch.where(low == _FULL, _FULL, torch.where(high == _EMPTY, _EMPTY, _PARTIAL)).to(torch.int8)
-    if bool(((grid == _PARTIAL) & ((low != _PARTIAL) | (high != _PARTIAL))).any()):
+    if size_q % BLOCK_M or size_k % BLOCK_N:
         mask_mod = _reading_block_states(states, mask_mod, size_q, size_k)
     full_cnt, full_idx = _lists(grid, _FULL)
     mask_cnt, mask_idx = _lists(grid, _PARTIAL)
@@ -188,9 +192,8 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Optiona
         score_mod: score_mod(score, b, h, q_idx, kv_idx) -> new score (cuflash.mods), or None.
         block_mask: FlexAttention's BlockMask (its mask_mod is applied in the blocks it lists as
             partial), or None (every pair). Block sizes other than 128 x 128 are converted on the
-            BlockMask's device each call (and the mask_mod wrapped to read the block states
-            where a 128 x 128 block overlaps blocks of different states); make it with
-            BLOCK_SIZE=128 to skip that.
+            BlockMask's device each call (sizes that are not multiples of 128 also wrap the
+            mask_mod to read each pair's block state); make it with BLOCK_SIZE=128 to skip that.
         scale: the score's scale; default 1 / sqrt(E).
         enable_gqa: Hq may be a multiple of Hkv (grouped-query attention); else they must match.
         return_lse: also return the log-sum-exp of the scores (B, Hq, L), float32, natural log.

@@ -167,8 +167,8 @@ def test_block_lists_narrower_than_the_mask(gen):
 
 @pytest.mark.parametrize("block_size", [64, (64, 128), (128, 32), 256, (256, 64), (96, 80)])
 def test_block_sizes_other_than_128(gen, block_size):
-    # A BlockMask made with other blocks: converted to 128 x 128 lists; where its blocks in one
-    # 128 x 128 block all share a state, the mask_mod is used as it is, else wrapped.
+    # A BlockMask made with other blocks: converted to 128 x 128 lists; the mask_mod is used as it
+    # is for multiples of 128, else wrapped to read the block states.
     q, k, v = inputs(gen, seqlen_q=300, seqlen_k=333)
     doc = torch.tensor([[0] * 70 + [1] * 263, [0] * 200 + [1] * 133], dtype=torch.int32)
 
@@ -178,6 +178,9 @@ def test_block_sizes_other_than_128(gen, block_size):
     block_mask = flex.create_block_mask(document_causal, B=2, H=None, Q_LEN=300, KV_LEN=333, device="cpu",
                                         BLOCK_SIZE=block_size)
     check(*run_both(q, k, v, mask_mod=document_causal, block_mask=block_mask, enable_gqa=True))
+    sizes = block_size if isinstance(block_size, tuple) else (block_size, block_size)
+    converted = cuflash.flex._block_mask_arguments(block_mask, 300, 333)["mask_mod"]
+    assert (converted is document_causal) == (sizes[0] % 128 == 0 and sizes[1] % 128 == 0)
 
 
 @pytest.mark.parametrize("with_mask_mod", [False, True])
