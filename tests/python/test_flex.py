@@ -62,6 +62,24 @@ def run_both(q, k, v, score_mod=None, mask_mod=None, **kwargs):
     return results
 
 
+def run_against_lists(q, k, v, block_mask, listed):
+    """(out, lse, dq, dk, dv) of float64 torch operations masked by `listed` (the pairs a BlockMask's
+    lists keep, which torch's eager CPU FlexAttention does not read) and of cuflash given the
+    BlockMask, for one loss of out and lse."""
+    results = []
+    for name in ("reference", "cuflash"):
+        for t in (q, k, v):
+            t.grad = None
+        if name == "reference":
+            out, lse = naive(q, k, v, mask_mod=listed)
+        else:
+            out, lse = cuflash.flex_attention(q, k, v, block_mask=block_mask, return_lse=True)
+        weights = torch.linspace(-1, 1, out.numel()).half().reshape(out.shape).to(out.dtype)
+        ((out * weights).sum() + (torch.where(torch.isinf(lse), 0, lse) * 0.5).sum()).backward()
+        results.append([out.detach().float(), lse.detach().float()] + [t.grad.clone().float() for t in (q, k, v)])
+    return results
+
+
 def check(expected, got):
     for name, e, g in zip(("out", "lse", "dq", "dk", "dv"), expected, got):
         assert g.shape == e.shape, name
@@ -151,18 +169,7 @@ def test_block_lists_narrower_than_the_mask(gen):
     def listed(b, h, q_idx, kv_idx):
         return (kv_idx // 128 == q_idx // 128) | (kv_idx < 128)
 
-    results = []
-    for name in ("reference", "cuflash"):
-        for t in (q, k, v):
-            t.grad = None
-        if name == "reference":
-            out, lse = naive(q, k, v, mask_mod=listed)
-        else:
-            out, lse = cuflash.flex_attention(q, k, v, block_mask=block_mask, return_lse=True)
-        weights = torch.linspace(-1, 1, out.numel()).half().reshape(out.shape).to(out.dtype)
-        ((out * weights).sum() + (lse * 0.5).sum()).backward()
-        results.append([out.detach().float(), lse.detach().float()] + [t.grad.clone().float() for t in (q, k, v)])
-    check(*results)
+    check(*run_against_lists(q, k, v, block_mask, listed))
 
 
 @pytest.mark.parametrize("block_size", [64, (64, 128), (128, 32), 256, (256, 64), (96, 80)])
@@ -215,17 +222,7 @@ def test_block_lists_of_64_decide_their_pairs(gen, with_mask_mod):
         partial = band(b, h, q_idx, kv_idx) if with_mask_mod else True
         return (state == 2) | ((state == 1) & partial)
 
-    results = []
-    for name in ("reference", "cuflash"):
-        for t in (q, k, v):
-            t.grad = None
-        if name == "reference":
-            out, lse = naive(q, k, v, mask_mod=listed)
-        else:
-            out, lse = cuflash.flex_attention(q, k, v, block_mask=block_mask, return_lse=True)
-        weights = torch.linspace(-1, 1, out.numel()).half().reshape(out.shape).to(out.dtype)
-        ((out * weights).sum() + (torch.where(torch.isinf(lse), 0, lse) * 0.5).sum()).backward()
-        results.append([out.detach().float(), lse.detach().float()] + [t.grad.clone().float() for t in (q, k, v)])
+    results = run_against_lists(q, k, v, block_mask, listed)
     check(*results)
     assert torch.isinf(results[1][1][:, 1, 128:192]).all()
 
