@@ -138,6 +138,15 @@ def _regrid_block_mask(sizes: Tuple[int, int], mask_mod: Optional[Callable], mas
     if seqlen_q == 0 or seqlen_k == 0:  # nothing to compute, nothing to list
         return dict(mask_mod=mask_mod)
     rows, cols = -(-seqlen_q // size_q), -(-seqlen_k // size_k)
+    for cnt, idx in ((mask_cnt, mask_idx), (full_cnt, full_idx)):
+        if cnt is None:
+            continue
+        if cnt.dim() != 3 or idx.dim() != 4 or tuple(idx.shape[:3]) != tuple(cnt.shape):
+            _fail(ValueError, "block_mask", f"expected lists of shape (B, H, rows) and (B, H, rows, cols), got "
+                                            f"{tuple(cnt.shape)} and {tuple(idx.shape)}")
+        if tuple(cnt.shape[:2]) != tuple(mask_cnt.shape[:2]):
+            _fail(ValueError, "block_mask", f"its full lists have batch and heads {tuple(cnt.shape[:2])}, its "
+                                            f"partial lists {tuple(mask_cnt.shape[:2])}: they must match")
     batch, heads = int(mask_cnt.shape[0]), int(mask_cnt.shape[1])
     states = torch.zeros((batch, heads, rows, cols), dtype=torch.int8, device=mask_cnt.device)
     _block_states(mask_cnt, mask_idx, cols, _PARTIAL, states)

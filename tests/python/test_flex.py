@@ -225,6 +225,11 @@ def test_block_lists_of_64_decide_their_pairs(gen, with_mask_mod):
     results = run_against_lists(q, k, v, block_mask, listed)
     check(*results)
     assert torch.isinf(results[1][1][:, 1, 128:192]).all()
+    # Full and partial lists of other batch / head extents are refused by name, not broadcast.
+    uneven = flex.BlockMask.from_kv_blocks(mask_cnt, mask_idx, full_cnt[:, :1], full_idx[:, :1], BLOCK_SIZE=64,
+                                           mask_mod=mask_mod, seq_lengths=(200, 260))
+    with pytest.raises(ValueError, match="^block_mask: its full lists have batch and heads"):
+        cuflash.flex_attention(q, k, v, block_mask=uneven)
 
 
 def test_return_aux_and_layout(gen):
