@@ -15,6 +15,7 @@ without a block mask (BlockMask is torch's).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, NamedTuple, Optional, Tuple
 
 from . import interface as _interface
@@ -63,26 +64,88 @@ def _block_mask_arguments(block_mask: Any, seqlen_q: int, seqlen_k: int) -> dict
         _fail(ValueError, "block_mask", "a sliced BlockMask (block_mask[...]) has no mask_mod to apply; pass the "
                                         "whole BlockMask, or one made for these sequences")
     mask_mod = None if _is_noop_mask(block_mask.mask_mod) else block_mask.mask_mod
-    if sizes != (BLOCK_M, BLOCK_N):
-        return _regrid_block_mask(sizes, mask_mod, mask_cnt, mask_idx, full_cnt, full_idx, seqlen_q, seqlen_k)
-    return dict(mask_mod=mask_mod, block_sparse=(mask_cnt, mask_idx, full_cnt, full_idx),
-                q_block_sparse=(q_mask_cnt, q_mask_idx, q_full_cnt, q_full_idx))
+    rows, cols = -(-seqlen_q // BLOCK_M), -(-seqlen_k // BLOCK_N)
+    if sizes == (BLOCK_M, BLOCK_N) and _lists_fit(mask_idx, rows, cols) and _lists_fit(full_idx, rows, cols) and (
+            _lists_fit(q_mask_idx, cols, rows) and _lists_fit(q_full_idx, cols, rows)):
+        return dict(mask_mod=mask_mod, block_sparse=(mask_cnt, mask_idx, full_cnt, full_idx),
+                    q_block_sparse=(q_mask_cnt, q_mask_idx, q_full_cnt, q_full_idx))
+    # Other block sizes, or 128 x 128 lists of another extent (BlockMask.from_kv_blocks takes
+    # lists longer or narrower than its seq_lengths' grid): converted, once per BlockMask.
+    forward_lists = (mask_cnt, mask_idx, full_cnt, full_idx)
+    key = ((seqlen_q, seqlen_k), mask_mod, forward_lists, tuple(getattr(t, "_version", None) for t in forward_lists))
+    cached = _converted_block_mask(block_mask, key)
+    if cached is None:
+        cached = _regrid_block_mask(sizes, mask_mod, mask_cnt, mask_idx, full_cnt, full_idx, seqlen_q, seqlen_k)
+        _remember_converted_block_mask(block_mask, key, cached)
+    return dict(cached)
+
+
+def _lists_fit(idx: Optional[Tensor], rows: int, cols: int) -> bool:
+    """Whether block lists (B, H, rows, cols) have the extents cuflash's 128 x 128 lists have."""
+    return idx is None or (len(idx.shape) == 4 and tuple(int(x) for x in idx.shape[2:]) == (rows, cols))
+
+
+# Converted BlockMasks, kept while the BlockMask lives: a model's layers (and training steps)
+# reuse one BlockMask, whose conversion is a few dozen small device operations and a new
+# mask_mod wrapper. The key holds the lengths, the mask_mod and the lists themselves (compared by
+# identity) with their versions, so lists replaced or changed in place are converted again.
+_CONVERTED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _compiling() -> bool:
+    import torch
+
+    return bool(getattr(torch, "compiler", None) and torch.compiler.is_compiling())
+
+
+def _converted_block_mask(block_mask: Any, key: tuple) -> Optional[dict]:
+    if _compiling():
+        return None
+    try:
+        entry = _CONVERTED.get(block_mask)
+    except TypeError:  # neither weakly referenceable nor hashable: not cached
+        return None
+    if entry is None:
+        return None
+    (lengths, mask_mod, lists, versions), converted = entry
+    same = (lengths == key[0] and mask_mod is key[1] and versions == key[3]
+            and all(a is b for a, b in zip(lists, key[2])))
+    return converted if same else None
+
+
+def _remember_converted_block_mask(block_mask: Any, key: tuple, converted: dict) -> None:
+    if _compiling():
+        return
+    try:
+        _CONVERTED[block_mask] = (key, converted)
+    except TypeError:
+        pass
 
 
 # Block states of a BlockMask's grid: skipped, partial (mask_mod applied), full.
 _EMPTY, _PARTIAL, _FULL = 0, 1, 2
 
 
+_SLAB_ENTRIES = 1 << 22
+
+
 def _block_states(cnt: Tensor, idx: Tensor, cols: int, state: int, grid: Tensor) -> None:
     """Writes `state` into grid (B, H, rows, cols) at the blocks that (cnt, idx) list (entries past
     the grid, which lists made for longer sequences may hold, name no block here). No host
-    synchronisation: a scatter of the greatest state."""
+    synchronisation: a scatter of the greatest state, over slabs of rows so that the int64
+    temporaries stay near _SLAB_ENTRIES entries whatever the lists' size."""
     import torch
 
     rows = min(int(cnt.shape[2]), int(grid.shape[2]))
-    cnt, idx = cnt[:, :, :rows].to(grid.device), idx[:, :, :rows].to(grid.device).long()
-    listed = (torch.arange(idx.shape[3], device=grid.device) < cnt[..., None]) & (idx >= 0) & (idx < cols)
-    grid[:, :, :rows].scatter_reduce_(3, torch.where(listed, idx, 0), (listed * state).to(grid.dtype), "amax")
+    slab = max(1, _SLAB_ENTRIES // max(1, int(idx.shape[0]) * int(idx.shape[1]) * int(idx.shape[3])))
+    slots = torch.arange(idx.shape[3], device=grid.device)
+    for first in range(0, rows, slab):
+        last = min(first + slab, rows)
+        part_cnt = cnt[:, :, first:last].to(grid.device)
+        part_idx = idx[:, :, first:last].to(grid.device).long()
+        listed = (slots < part_cnt[..., None]) & (part_idx >= 0) & (part_idx < cols)
+        grid[:, :, first:last].scatter_reduce_(3, torch.where(listed, part_idx, 0), (listed * state).to(grid.dtype),
+                                               "amax")
 
 
 def _cover(block: int, size: int, length: int, device: Any) -> Tuple[Tensor, Tensor, int]:
@@ -97,17 +160,16 @@ def _cover(block: int, size: int, length: int, device: Any) -> Tuple[Tensor, Ten
     return start // size, end // size, span
 
 
-def _regrid(states: Tensor, axis: int, first: Tensor, last: Tensor, span: int) -> Tuple[Tensor, Tensor]:
-    """The least and greatest state over each new block's span [first, last] of old blocks along
-    `axis` (spans are short: a cuflash block overlaps at most 128 / size + 1 of them)."""
+def _regrid(states: Tensor, axis: int, first: Tensor, last: Tensor, span: int, reduce: Callable) -> Tensor:
+    """`reduce` (torch.minimum or torch.maximum) of the states over each new block's span [first,
+    last] of old blocks along `axis` (spans are short: a cuflash block overlaps at most
+    128 / size + 1 of them)."""
     import torch
 
-    low = high = None
-    for offset in range(span):
-        picked = states.index_select(axis, torch.minimum(first + offset, last))
-        low = picked if low is None else torch.minimum(low, picked)
-        high = picked if high is None else torch.maximum(high, picked)
-    return low, high
+    out = states.index_select(axis, first)
+    for offset in range(1, span):
+        out = reduce(out, states.index_select(axis, torch.minimum(first + offset, last)))
+    return out
 
 
 def _lists(grid: Tensor, state: int) -> Tuple[Tensor, Tensor]:
@@ -154,9 +216,8 @@ def _regrid_block_mask(sizes: Tuple[int, int], mask_mod: Optional[Callable], mas
         _block_states(full_cnt, full_idx, cols, _FULL, states)
     row_first, row_last, row_span = _cover(BLOCK_M, size_q, seqlen_q, states.device)
     col_first, col_last, col_span = _cover(BLOCK_N, size_k, seqlen_k, states.device)
-    low, high = _regrid(states, 2, row_first, row_last, row_span)
-    low, _ = _regrid(low, 3, col_first, col_last, col_span)
-    _, high = _regrid(high, 3, col_first, col_last, col_span)
+    low, high = (_regrid(_regrid(states, 2, row_first, row_last, row_span, reduce), 3, col_first, col_last,
+                         col_span, reduce) for reduce in (torch.minimum, torch.maximum))
     grid = torch.where(low == _FULL, _FULL, torch.where(high == _EMPTY, _EMPTY, _PARTIAL)).to(torch.int8)
     if size_q % BLOCK_M or size_k % BLOCK_N:
         mask_mod = _reading_block_states(states, mask_mod, size_q, size_k)
@@ -200,9 +261,11 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Optiona
             Any strides with a contiguous last dimension.
         score_mod: score_mod(score, b, h, q_idx, kv_idx) -> new score (cuflash.mods), or None.
         block_mask: FlexAttention's BlockMask (its mask_mod is applied in the blocks it lists as
-            partial), or None (every pair). Block sizes other than 128 x 128 are converted on the
-            BlockMask's device each call (sizes that are not multiples of 128 also wrap the
-            mask_mod to read each pair's block state); make it with BLOCK_SIZE=128 to skip that.
+            partial), or None (every pair). Block sizes other than 128 x 128 (and 128 x 128
+            lists of another extent than the sequences' grid) are converted on the BlockMask's
+            device at its first call, and the conversion kept while the BlockMask and its lists
+            stay the same (sizes that are not multiples of 128 also wrap the mask_mod to read
+            each pair's block state); make it with BLOCK_SIZE=128 to skip that.
         scale: the score's scale; default 1 / sqrt(E).
         enable_gqa: Hq may be a multiple of Hkv (grouped-query attention); else they must match.
         return_lse: also return the log-sum-exp of the scores (B, Hq, L), float32, natural log.

@@ -172,6 +172,61 @@ def test_block_lists_narrower_than_the_mask(gen):
     check(*run_against_lists(q, k, v, block_mask, listed))
 
 
+@pytest.mark.parametrize("extent", ["narrower", "longer"])
+def test_block_lists_of_128_for_another_grid(gen, extent):
+    # 128 x 128 lists whose extent is not the sequences' grid (BlockMask.from_kv_blocks takes
+    # them): converted as other block sizes are, keeping the pairs they list within the lengths.
+    q, k, v = inputs(gen, heads_kv=4, seqlen_q=300, seqlen_k=300)
+    rows, cols = (3, 2) if extent == "narrower" else (5, 4)
+    counts = torch.full((1, 1, rows), 1, dtype=torch.int32)
+    indices = torch.zeros((1, 1, rows, cols), dtype=torch.int32)
+    for m in range(rows):
+        indices[0, 0, m, 0] = min(m, cols - 1)  # the diagonal block, or the last column there is
+    block_mask = flex.BlockMask.from_kv_blocks(counts, indices, seq_lengths=(300, 300))
+
+    def listed(b, h, q_idx, kv_idx):
+        return kv_idx // 128 == torch.clamp(q_idx // 128, max=cols - 1)
+
+    check(*run_against_lists(q, k, v, block_mask, listed))
+
+
+def test_converted_block_masks_are_kept(gen, monkeypatch):
+    # A BlockMask is converted once while its lists stay as they are (the same lists and mask_mod
+    # wrapper come back), and again after its lists change in place; the conversion's slabs of
+    # rows give the lists one slab gives.
+    doc = torch.tensor([[0] * 70 + [1] * 230], dtype=torch.int32)
+
+    def document(b, h, q_idx, kv_idx):
+        return doc[0, q_idx] == doc[0, kv_idx]
+
+    block_mask = flex.create_block_mask(document, B=None, H=None, Q_LEN=300, KV_LEN=300, device="cpu",
+                                        BLOCK_SIZE=64)
+    first = cuflash.flex._block_mask_arguments(block_mask, 300, 300)
+    again = cuflash.flex._block_mask_arguments(block_mask, 300, 300)
+    assert again["mask_mod"] is first["mask_mod"]
+    assert all(a is b for a, b in zip(again["block_sparse"], first["block_sparse"]))
+    monkeypatch.setattr(cuflash.flex, "_SLAB_ENTRIES", 7)
+    block_mask.full_kv_num_blocks.zero_()  # the full blocks now unlisted: converted again
+    changed = cuflash.flex._block_mask_arguments(block_mask, 300, 300)
+    assert changed["mask_mod"] is not first["mask_mod"]
+    assert int(changed["block_sparse"][2].sum()) == 0
+    monkeypatch.setattr(cuflash.flex, "_SLAB_ENTRIES", 1 << 22)
+    assert all(torch.equal(a, b) for a, b in zip(
+        changed["block_sparse"], cuflash.flex._regrid_block_mask(
+            (64, 64), document, block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
+            block_mask.full_kv_indices, 300, 300)["block_sparse"]))
+    q, k, v = inputs(gen, batch=1, heads_kv=4, seqlen_q=300, seqlen_k=300)
+    partial = block_mask.kv_num_blocks.clone()  # the lists' pairs: partial blocks, as the mask says
+
+    def listed(b, h, q_idx, kv_idx):
+        row, col = q_idx // 64, kv_idx // 64
+        slots = torch.arange(block_mask.kv_indices.shape[-1])
+        hit = ((block_mask.kv_indices[0, 0, row] == col[..., None]) & (slots < partial[0, 0, row][..., None])).any(-1)
+        return hit & document(b, h, q_idx, kv_idx)
+
+    check(*run_against_lists(q, k, v, block_mask, listed))
+
+
 @pytest.mark.parametrize("block_size", [64, (64, 128), (128, 32), 256, (256, 64), (96, 80)])
 def test_block_sizes_other_than_128(gen, block_size):
     # A BlockMask made with other blocks: converted to 128 x 128 lists; the mask_mod is used as it
