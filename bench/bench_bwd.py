@@ -18,7 +18,8 @@ seeded by the shape, so every implementation of a shape sees the same values.
 Before timing, each implementation's gradients are checked: finite, within --max-err of a
 cuDNN reference (max |g - ref| / max |ref| over dq, dk, dv; FlashAttention-2's where cuDNN
 refuses the shape; a column further off is recorded as skipped, not timed), and whether a
-second call gives bitwise the same result (the deterministic-mode property). The deterministic column runs after
+second call gives bitwise the same result (the deterministic-mode property; the deterministic
+column is recorded as skipped, not timed, where it does not). The deterministic column runs after
 all the others, so that a hang or a fault there costs only its own numbers.
 
 Writes bwd_sm90.json (records {impl, dtype, hdim, seqlen, batch, nheads, nheads_kv, causal, deterministic,
@@ -48,21 +49,6 @@ METHOD = {
 def label(record):
     """Table / plot column of a record: the deterministic cuflash runs are their own column."""
     return record["impl"] + ("_det" if record["deterministic"] else "")
-
-
-class ContextLost(Exception):
-    """The CUDA context is unusable after a device fault: nothing after it can be measured."""
-
-
-def cuda_context_ok():
-    import torch
-
-    try:
-        torch.cuda.synchronize()
-        torch.zeros(1, device="cuda").add_(1).item()
-        return True
-    except Exception:
-        return False
 
 
 def make_columns(args):
@@ -143,15 +129,6 @@ def check_impls(args):
     return [c for c in COLUMNS if c in wanted]
 
 
-def relative_error(grads, reference):
-    """max over dq, dk, dv of max |g - ref| / max |ref|."""
-    worst = 0.0
-    for g, r in zip(grads, reference):
-        scale = r.float().abs().max().item()
-        worst = max(worst, (g.float() - r.float()).abs().max().item() / (scale if scale > 0 else 1.0))
-    return worst
-
-
 def make_inputs(hdim, seqlen, batch, nheads, dtype, gqa=1):
     """q, k, v (requiring grad) and dout, standard normal, seeded by the shape; k and v with
     nheads / gqa heads."""
@@ -191,9 +168,11 @@ def measure(name, prepare, q, k, v, dout, causal, hdim, flops, args, reference):
         del second
         if not all(torch.isfinite(g).all().item() for g in first):
             return float("nan"), "non-finite gradients", None, repeatable
+        if name == "cuflash_det" and not repeatable:
+            return float("nan"), "deterministic=True gave different gradients in two calls", None, repeatable
         err = None
         if reference is not None:
-            err = relative_error(first, reference)
+            err = common.relative_error(first, reference)
             if err > args.max_err:
                 return float("nan"), f"gradients off: max error {err:.3g} relative to the reference > --max-err", \
                     err, repeatable
@@ -202,8 +181,8 @@ def measure(name, prepare, q, k, v, dout, causal, hdim, flops, args, reference):
         return flops / ms / 1e9, None, err, repeatable
     except Exception as error:
         reason = f"{type(error).__name__}: {error}".strip().splitlines()[0][:300]
-        if not cuda_context_ok():
-            raise ContextLost(reason)
+        if not common.cuda_context_ok():
+            raise common.ContextLost(reason)
         return float("nan"), reason, None, None
     finally:
         del fn
@@ -308,7 +287,7 @@ def main():
                     try:
                         tflops, skipped, err, repeatable = measure(name, columns[name], q, k, v, dout, causal, hdim,
                                                                    flops, args, checked)
-                    except ContextLost as error:
+                    except common.ContextLost as error:
                         lost = f"{name} hdim={hdim} seqlen={seqlen} causal={int(causal)}: {error}"
                         tflops, skipped, err, repeatable = float("nan"), f"device fault: {error}", None, None
                     record(name, hdim, seqlen, batch, nheads, causal, tflops, skipped, err, ref_name, repeatable)

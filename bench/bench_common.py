@@ -7,6 +7,7 @@ FLOP counts can be printed on a machine without either (bench_bwd.py --dry-run).
 
 import datetime
 import json
+import math
 import os
 import statistics
 
@@ -57,15 +58,19 @@ def bools(text):
 
 
 def grid(args):
-    """(hdim, seqlen, batch, nheads) over --hdims x --seqlens, with batch * seqlen = TOKENS and
-    nheads * hdim = HIDDEN."""
+    """(hdim, seqlen, batch, nheads) over --hdims x --seqlens, with batch * seqlen = TOKENS (batch 1
+    beyond TOKENS) and nheads * hdim = HIDDEN."""
     for hdim in ints(args.hdims):
         for seqlen in ints(args.seqlens):
-            yield hdim, seqlen, TOKENS // seqlen, HIDDEN // hdim
+            yield hdim, seqlen, max(1, TOKENS // seqlen), HIDDEN // hdim
 
 
 def fwd_flops(batch, nheads, seqlen_q, seqlen_k, hdim, causal):
-    """4 * B * H * Sq * Sk * D (two matmuls), half of it when causal."""
+    """4 * B * H * Sq * Sk * D (two matmuls), half of it when causal (the convention of
+    FlashAttention's and cuDNN's figures, for square masks: a causal count of other lengths
+    would have to say which pairs it counts, so it is refused)."""
+    if causal and seqlen_q != seqlen_k:
+        raise ValueError(f"causal FLOPs are counted for seqlen_q == seqlen_k, got {seqlen_q} and {seqlen_k}")
     return 4 * batch * nheads * seqlen_q * seqlen_k * hdim // (2 if causal else 1)
 
 
@@ -101,9 +106,46 @@ def time_ms(fn, warmup, repeats, groups=5):
     return statistics.median(means)
 
 
+def _finite_or_none(value):
+    """JSON has no NaN or infinity: a number that is not finite (a failed or skipped
+    measurement) is written as null, which `lookup` reads back as NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_none(v) for v in value]
+    return value
+
+
 def write_json(records, path):
+    """The records as strict JSON (allow_nan off: a NaN left in would fail here, not in a reader)."""
     with open(path, "w") as f:
-        json.dump(records, f, indent=1)
+        json.dump(_finite_or_none(records), f, indent=1, allow_nan=False)
+
+
+class ContextLost(Exception):
+    """The CUDA context is unusable after a device fault: nothing after it can be measured."""
+
+
+def cuda_context_ok():
+    import torch
+
+    try:
+        torch.cuda.synchronize()
+        torch.zeros(1, device="cuda").add_(1).item()
+        return True
+    except Exception:
+        return False
+
+
+def relative_error(results, reference):
+    """max over the tensors of max |x - ref| / max |ref|."""
+    worst = 0.0
+    for x, r in zip(results, reference):
+        scale = r.float().abs().max().item()
+        worst = max(worst, (x.float() - r.float()).abs().max().item() / (scale if scale > 0 else 1.0))
+    return worst
 
 
 def by_impl(record):

@@ -8,9 +8,15 @@ Shapes follow FlashAttention's benchmark: bf16 (--dtype fp16 for fp16), batch * 
 Each timing is the median over groups of back-to-back calls timed with CUDA events after warm-up
 (see bench_common.time_ms).
 
+Before timing, each column's output is checked: finite, and within --max-err of cuDNN's (max
+|out - ref| / max |ref|; FlashAttention-2's where cuDNN refuses the shape). A column further off
+is recorded as skipped, not timed.
+
 Writes fwd_sm90.json (records {impl, dtype, hdim, seqlen, batch, nheads, causal, fwd_tflops,
-gpu, date}, and hdim_v under --hdim-v) and fwd_sm90.png to --out, and prints a table with the ratio to cuDNN. --impls times
-only the columns named (cuflash, cudnn, fa2; all three by default), in that order.
+gpu, date} plus skipped (reason or null) and out_err, and hdim_v under --hdim-v; rewritten after
+every shape, so a run cut short keeps what it measured) and fwd_sm90.png to --out, and prints a
+table with the ratio to cuDNN. --impls times only the columns named (cuflash, cudnn, fa2; all
+three by default), in that order.
 """
 
 import argparse
@@ -40,9 +46,9 @@ def make_impls():
     def sdpa(backend):
         def run(q, k, v, causal):
             with sdpa_kernel(backend):
-                # SDPA takes (batch, heads, seqlen, dim); these are views of the same tensors.
+                # SDPA takes and gives (batch, heads, seqlen, dim): views of the same tensors.
                 return F.scaled_dot_product_attention(
-                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal).transpose(1, 2)
 
         return run
 
@@ -51,10 +57,48 @@ def make_impls():
     return impls
 
 
+def reference_output(q, k, v, causal):
+    """cuDNN's output (FlashAttention-2's where cuDNN refuses the shape), untimed; None if both fail."""
+    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
+        try:
+            with torch.no_grad(), sdpa_kernel(backend):
+                out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                     is_causal=causal)
+            return out.transpose(1, 2).clone()
+        except Exception:
+            continue
+    return None
+
+
+def measure(fn, q, k, v, causal, flops, args, reference):
+    """(tflops, skipped reason, out_err) of one column at one shape: its output checked against
+    the reference before it is timed."""
+    try:
+        with torch.no_grad():
+            out = fn(q, k, v, causal)  # (batch, seqlen, heads, dim), cuflash's with its lse
+            out = out[0] if isinstance(out, tuple) else out
+            if not torch.isfinite(out).all().item():
+                return float("nan"), "non-finite output", None
+            err = None if reference is None else common.relative_error([out], [reference])
+            del out
+            if err is not None and err > args.max_err:
+                return float("nan"), f"output off: max error {err:.3g} relative to the reference > --max-err", err
+            ms = common.time_ms(lambda: fn(q, k, v, causal), args.warmup, args.repeats)
+        return flops / ms / 1e9, None, err
+    except Exception as error:
+        reason = f"{type(error).__name__}: {error}".strip().splitlines()[0][:300]
+        if not common.cuda_context_ok():
+            raise common.ContextLost(reason)
+        return float("nan"), reason, None
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     common.add_grid_args(parser)
     parser.add_argument("--impls", default="cuflash,cudnn,fa2", help="the columns to time, comma-separated")
+    parser.add_argument("--max-err", type=float, default=0.05,
+                        help="outputs further than this from cuDNN's (relative to its max) are recorded as "
+                             "skipped, not timed")
     parser.add_argument("--hdim-v", type=int, default=0,
                         help="V's head dim (such as 128 under --hdims 192); 0: each --hdims value")
     args = parser.parse_args()
@@ -70,31 +114,40 @@ def main():
     if not impls:
         raise SystemExit(f"--impls {args.impls}: none of these columns can run here (see above)")
     records = []
+    json_path = common.out_path(args, "fwd_sm90", "json")
+    lost = None
     torch.manual_seed(0)
     for hdim, seqlen, batch, nheads in common.grid(args):
         hdim_v = args.hdim_v or hdim
         dtype = common.torch_dtype(args.dtype)
-        q, k = (torch.randn((batch, seqlen, nheads, hdim), device="cuda", dtype=dtype) for _ in range(2))
-        v = torch.randn((batch, seqlen, nheads, hdim_v), device="cuda", dtype=dtype)
+        if lost is None:
+            q, k = (torch.randn((batch, seqlen, nheads, hdim), device="cuda", dtype=dtype) for _ in range(2))
+            v = torch.randn((batch, seqlen, nheads, hdim_v), device="cuda", dtype=dtype)
         for causal in common.bools(args.causal):
             # Q K^T over hdim, P V over hdim_v: half the count at each.
             flops = (common.fwd_flops(batch, nheads, seqlen, seqlen, hdim, causal) +
                      common.fwd_flops(batch, nheads, seqlen, seqlen, hdim_v, causal)) // 2
+            reference = None if lost else reference_output(q, k, v, causal)
             for name, fn in impls.items():
-                try:
-                    with torch.no_grad():
-                        ms = common.time_ms(lambda: fn(q, k, v, causal), args.warmup, args.repeats)
-                    tflops = flops / ms / 1e9
-                except Exception as error:
-                    print(f"{name} hdim={hdim} seqlen={seqlen} causal={causal}: {type(error).__name__}: {error}")
-                    tflops = float("nan")
+                tflops, skipped, err = float("nan"), None, None
+                if lost:
+                    skipped = f"not run: CUDA context lost earlier ({lost})"
+                else:
+                    try:
+                        tflops, skipped, err = measure(fn, q, k, v, causal, flops, args, reference)
+                    except common.ContextLost as error:
+                        lost = f"{name} hdim={hdim} seqlen={seqlen} causal={int(causal)}: {error}"
+                        skipped = f"device fault: {error}"
+                if skipped:
+                    print(f"{name} hdim={hdim} seqlen={seqlen} causal={causal}: skipped: {skipped}")
                 record = dict(impl=name, dtype=args.dtype, hdim=hdim, seqlen=seqlen, batch=batch,
-                              nheads=nheads, causal=causal, fwd_tflops=tflops, gpu=gpu, date=date)
+                              nheads=nheads, causal=causal, fwd_tflops=tflops, gpu=gpu, date=date,
+                              skipped=skipped, out_err=err)
                 if hdim_v != hdim:
                     record["hdim_v"] = hdim_v
                 records.append(record)
-
-    common.write_json(records, common.out_path(args, "fwd_sm90", "json"))
+            del reference
+        common.write_json(records, json_path)
 
     names = list(impls)
     title = common.titled(f"forward TFLOP/s, {args.dtype}, {gpu}, {date}",

@@ -1,99 +1,157 @@
 """GQA forward with short query lengths (decode and short prompts): cuflash with pack_gqa on and
-off, and PyTorch SDPA (cuDNN backend, on K/V expanded to every query head) on the same inputs.
+off, next to PyTorch SDPA's cuDNN and FlashAttention-2 backends on the same inputs, K / V not
+expanded (each reads the kv heads once, as cuflash does).
 
 Shapes: head dim 128, 32 query heads on 8 kv heads (group 4) or 64 on 8 (group 8), seqlen_k 8k,
-batch 8, seqlen_q 1 .. 128. Reported: microseconds per call and the K/V bandwidth it reaches
-(K and V bytes read once over the call's time), the figure of merit when seqlen_q is small.
-Writes gqa_sm90.json (records {impl, dtype, hdim, seqlen_q, seqlen_k, batch, nheads, nheads_kv,
-causal, us, kv_gbps, gpu, date}).
+batch 8, seqlen_q 1 .. 128, causal with q's rows the last of the keys (bottom-right, cuflash's
+rule for seqlen_q < seqlen_k). Columns:
+  cuflash_packed / cuflash_unpacked  flash_attn_varlen_func(causal=True, pack_gqa=True / False)
+  cudnn    SDPA, cuDNN backend, enable_gqa; seqlen_q 1 needs no mask, longer q a boolean
+           bottom-right mask built once outside the timing (PyTorch's cuDNN path has no
+           bottom-right causal flag: torch's causal_lower_right falls back to such a mask there)
+  fa2      aten._scaled_dot_product_flash_attention(is_causal=True), whose causal is
+           bottom-right, on the kv heads as they are (FlashAttention-2 reads grouped heads)
+Reported: microseconds per call and the K/V bandwidth it reaches (K and V bytes read once over the
+call's time), the figure of merit when seqlen_q is small. Before timing, each column's output is
+checked against a float32 computation of the same attention (max |out - ref| / max |ref|): a
+column further than --max-err off, or one that fails, is recorded as skipped (us null), not timed.
+Writes gqa_sm90{tag}.json (records {impl, dtype, hdim, seqlen_q, seqlen_k, batch, nheads,
+nheads_kv, causal, us, kv_gbps, max_err, skipped, gpu, date}) to --out.
 
 --score-mod alibi runs cuflash with the built-in ALiBi score_mod (the flex kernels, packed and
-unpacked; each packed row's slope is its own head's) and writes gqa_sm90_alibi.json; the cuDNN
-column stays the plain causal call, a bound on what the mod-free decode costs.
+unpacked; each packed row's slope is its own head's) and writes gqa_sm90_alibi{tag}.json; the
+peers stay the plain causal call, a bound on what the mod-free decode costs, and only the cuflash
+columns are checked (against the reference with the ALiBi bias).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import os
+import sys
 
-import bench_common as common
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common as common  # noqa: E402
+
+
+def reference(q, k, v, bias=None):
+    """float32 softmax(q k^T / sqrt(d) + bias) v with bottom-right causal, over the kv heads
+    expanded to the query heads; one batch entry at a time to bound the score matrix."""
+    import torch
+
+    group = q.shape[2] // k.shape[2]
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    rows = torch.arange(seqlen_q, device=q.device)[:, None] + (seqlen_k - seqlen_q)
+    visible = torch.arange(seqlen_k, device=q.device)[None, :] <= rows
+    outs = []
+    for b in range(q.shape[0]):
+        qb = q[b].float().transpose(0, 1)  # (H, Sq, D)
+        kb = k[b].float().repeat_interleave(group, dim=1).transpose(0, 1)
+        vb = v[b].float().repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = qb @ kb.transpose(1, 2) / math.sqrt(q.shape[-1])
+        if bias is not None:
+            scores = scores + bias
+        scores = scores.masked_fill(~visible, float("-inf"))
+        outs.append((torch.softmax(scores, dim=-1) @ vb).transpose(0, 1))
+    return torch.stack(outs)
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=".")
+    parser.add_argument("--tag", default="", help="suffix for the output file names")
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"), help="element type of q, k, v")
     parser.add_argument("--seqlens-q", default="1,4,16,64,128")
     parser.add_argument("--seqlen-k", type=int, default=8192)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--groups", default="32:8,64:8", help="heads:heads_kv pairs")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--max-err", type=float, default=0.05,
+                        help="outputs further than this from the float32 reference (relative to its max) are "
+                             "recorded as skipped, not timed")
     parser.add_argument("--score-mod", choices=("none", "alibi"), default="none")
     args = parser.parse_args()
 
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.attention.bias import causal_lower_right
 
     import cuflash
 
     gpu = torch.cuda.get_device_name()
     date = common.utc_now()
-    hdim, dtype = 128, torch.bfloat16
+    hdim, dtype = 128, common.torch_dtype(args.dtype)
+    suffix = "" if args.score_mod == "none" else f"_{args.score_mod}"
+    json_path = common.out_path(args, f"gqa_sm90{suffix}", "json")
     records = []
-    print(f"GQA forward, bf16, hdim {hdim}, seqlen_k {args.seqlen_k}, batch {args.batch}, causal, "
-          f"score_mod {args.score_mod}; {gpu}, {date}")
-    print(f"{'heads':>7} {'sq':>4} {'packed us':>10} {'unpacked us':>12} {'cudnn us':>9} "
-          f"{'packed GB/s':>12}")
+    names = ("cuflash_packed", "cuflash_unpacked", "cudnn", "fa2")
+    print(f"GQA forward, {args.dtype}, hdim {hdim}, seqlen_k {args.seqlen_k}, batch {args.batch}, causal "
+          f"(bottom-right), score_mod {args.score_mod}; {gpu}, {date}")
+    print(f"{'heads':>7} {'sq':>4} " + " ".join(f"{n + ' us':>17}" for n in names) + f" {'packed GB/s':>12}")
     for pair in args.groups.split(","):
         heads, heads_kv = (int(x) for x in pair.split(":"))
         for seqlen_q in common.ints(args.seqlens_q):
             gen = torch.Generator(device="cuda").manual_seed(0)
             q = torch.randn(args.batch, seqlen_q, heads, hdim, device="cuda", dtype=dtype, generator=gen)
-            k = torch.randn(args.batch, args.seqlen_k, heads_kv, hdim, device="cuda", dtype=dtype,
-                            generator=gen)
-            v = torch.randn_like(k)
+            k, v = (torch.randn(args.batch, args.seqlen_k, heads_kv, hdim, device="cuda", dtype=dtype,
+                                generator=gen) for _ in range(2))
             kv_bytes = 2 * k.numel() * k.element_size()
-            times = {}
-            score_mod = None
+            score_mod, bias = None, None
+            expected = reference(q, k, v)
             if args.score_mod == "alibi":
-                score_mod = cuflash.scores.alibi(
-                    torch.tensor(cuflash.scores.alibi_slopes(heads), device="cuda"))
-            for name, pack in (("cuflash_packed", True), ("cuflash_unpacked", False)):
-                times[name] = 1e3 * common.time_ms(
-                    lambda: cuflash.flash_attn_varlen_func(q, k, v, causal=True, pack_gqa=pack,
-                                                           score_mod=score_mod),
-                    args.warmup, args.repeats)
-            group = heads // heads_kv
-            ke = k.repeat_interleave(group, dim=2).transpose(1, 2)
-            ve = v.repeat_interleave(group, dim=2).transpose(1, 2)
-            qt = q.transpose(1, 2)
+                slopes = torch.tensor(cuflash.scores.alibi_slopes(heads), device="cuda", dtype=torch.float32)
+                score_mod = cuflash.scores.alibi(slopes)
+                # cuflash.scores.alibi: score + slopes[h] * (kv_idx - q_idx), q_idx the row in q.
+                rows = torch.arange(seqlen_q, device="cuda")[:, None]
+                cols = torch.arange(args.seqlen_k, device="cuda")[None, :]
+                bias = slopes[:, None, None] * (cols - rows)
+            qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+            mask = None
+            if seqlen_q > 1:  # bottom-right causal as a boolean mask, built once
+                rows = torch.arange(seqlen_q, device="cuda")[:, None] + (args.seqlen_k - seqlen_q)
+                mask = torch.arange(args.seqlen_k, device="cuda")[None, :] <= rows
 
             def cudnn():
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    # bottom-right causal, as cuflash's: q's rows are the last of the keys
-                    return F.scaled_dot_product_attention(
-                        qt, ke, ve, attn_mask=causal_lower_right(seqlen_q, args.seqlen_k))
+                    return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=True).transpose(1, 2)
 
-            try:
-                times["cudnn"] = 1e3 * common.time_ms(cudnn, args.warmup, args.repeats)
-            except Exception as error:  # noqa: BLE001 - the table says why
-                print(f"cudnn: {error}")
-                times["cudnn"] = float("nan")
-            print(f"{heads:>3}:{heads_kv:<3} {seqlen_q:>4} {times['cuflash_packed']:>10.1f} "
-                  f"{times['cuflash_unpacked']:>12.1f} {times['cudnn']:>9.1f} "
-                  f"{kv_bytes / times['cuflash_packed'] / 1e3:>12.0f}")
-            for impl, us in times.items():
-                records.append(dict(impl=impl, dtype="bf16", hdim=hdim, seqlen_q=seqlen_q,
-                                    seqlen_k=args.seqlen_k, batch=args.batch, nheads=heads,
-                                    nheads_kv=heads_kv, causal=True, us=us,
-                                    kv_gbps=kv_bytes / us / 1e3, gpu=gpu, date=date))
-    suffix = "" if args.score_mod == "none" else f"_{args.score_mod}"
-    with open(os.path.join(args.out, f"gqa_sm90{suffix}.json"), "w") as f:
-        json.dump(records, f, indent=1)
+            def fa2():
+                return torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, is_causal=True)[0].transpose(1, 2)
+
+            columns = {
+                name: (lambda pack=pack: cuflash.flash_attn_varlen_func(q, k, v, causal=True, pack_gqa=pack,
+                                                                        score_mod=score_mod)[0])
+                for name, pack in (("cuflash_packed", True), ("cuflash_unpacked", False))}
+            columns.update(cudnn=cudnn, fa2=fa2)
+            checked = {name: reference(q, k, v, bias) if bias is not None and name.startswith("cuflash")
+                       else expected for name in columns}
+            times = {}
+            for name, fn in columns.items():
+                us, err, skipped = float("nan"), None, None
+                try:
+                    out = fn()
+                    err = common.relative_error([out], [checked[name]])
+                    del out
+                    if not err <= args.max_err:
+                        skipped = f"output off: max error {err:.3g} relative to the reference > --max-err"
+                    else:
+                        us = 1e3 * common.time_ms(fn, args.warmup, args.repeats)
+                except Exception as error:  # noqa: BLE001 - the record says why
+                    skipped = f"{type(error).__name__}: {error}".strip().splitlines()[0][:300]
+                    if not common.cuda_context_ok():
+                        raise
+                if skipped:
+                    print(f"{name} heads {pair} sq {seqlen_q}: skipped: {skipped}")
+                times[name] = us
+                records.append(dict(impl=name, dtype=args.dtype, hdim=hdim, seqlen_q=seqlen_q,
+                                    seqlen_k=args.seqlen_k, batch=args.batch, nheads=heads, nheads_kv=heads_kv,
+                                    causal=True, us=us, kv_gbps=kv_bytes / us / 1e3, max_err=err,
+                                    skipped=skipped, gpu=gpu, date=date))
+            print(f"{heads:>3}:{heads_kv:<3} {seqlen_q:>4} " + " ".join(f"{times[n]:>17.1f}" for n in names) +
+                  f" {kv_bytes / times['cuflash_packed'] / 1e3:>12.0f}", flush=True)
+            common.write_json(records, json_path)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,15 @@
 """The benchmark helpers that run without a GPU: bench/ncu_stall_top.py on a small source page,
 bench/det_order_model.py on small launches, bench/trace_fwd.py and bench/trace_bwd.py on made-up
-timelines, bench/probe_flex_lists.py's list merging."""
+timelines, bench/probe_flex_lists.py's list merging, bench_common's grid, FLOP counts and JSON,
+bench_gqa's float32 reference against cuflash's CPU reference."""
 
 import importlib.util
+import json
+import math
 import pathlib
 import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -190,3 +195,57 @@ def test_probe_flex_lists_merges_both_lists():
     assert counts.tolist() == [[[3, 2]]]
     # Ascending, the unused tail left at 0.
     assert indices.tolist() == [[[[1, 2, 3, 0], [0, 3, 0, 0]]]]
+
+
+def test_grid_and_flops():
+    common = load("bench_common")
+
+    class Args:
+        hdims, seqlens = "64,128", "512,16384,32768"
+
+    shapes = list(common.grid(Args))
+    assert shapes[:3] == [(64, 512, 32, 32), (64, 16384, 1, 32), (64, 32768, 1, 32)]
+    assert common.fwd_flops(2, 3, 5, 7, 8, False) == 4 * 2 * 3 * 5 * 7 * 8
+    assert common.fwd_flops(2, 3, 6, 6, 8, True) == 2 * 2 * 3 * 6 * 6 * 8
+    assert common.bwd_flops(2, 3, 6, 6, 8, True) == 5 * 2 * 3 * 6 * 6 * 8
+    with pytest.raises(ValueError, match="seqlen_q == seqlen_k"):
+        common.fwd_flops(1, 1, 4, 8, 8, True)
+
+
+def test_json_has_no_nan(tmp_path):
+    # Failed and skipped measurements are NaN in memory, null in the file, NaN again in tables.
+    common = load("bench_common")
+    records = [dict(impl="cuflash", hdim=128, seqlen=512, causal=False, fwd_tflops=float("nan"), extra=[float("inf")]),
+               dict(impl="cudnn", hdim=128, seqlen=512, causal=False, fwd_tflops=12.5, extra=[])]
+    path = tmp_path / "r.json"
+    common.write_json(records, path)
+    text = path.read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    back = json.loads(text)
+    assert back[0]["fwd_tflops"] is None and back[0]["extra"] == [None] and back[1]["fwd_tflops"] == 12.5
+    assert math.isnan(common.lookup(back, "fwd_tflops", "cuflash", 128, 512, False))
+    lines = common.table_lines("t", back, "fwd_tflops", ["cuflash", "cudnn"], [("r", "cuflash", "cudnn")])
+    assert lines[2].split()[-3:] == ["nan", "12.5", "nan"]
+
+
+@pytest.mark.parametrize("alibi", [False, True])
+def test_gqa_reference_is_cuflash_semantics(alibi):
+    # bench_gqa checks every column against its own float32 reference: bottom-right causal over
+    # grouped heads (and ALiBi as cuflash.scores.alibi adds it), the rules of cuflash's.
+    torch = pytest.importorskip("torch")
+    cuflash = pytest.importorskip("cuflash")
+    gqa = load("bench_gqa")
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 5, 4, 32, generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn(2, 40, 2, 32, generator=gen).to(torch.bfloat16) for _ in range(2))
+    score_mod, bias = None, None
+    if alibi:
+        slopes = torch.tensor(cuflash.scores.alibi_slopes(4))
+        score_mod = cuflash.scores.alibi(slopes)
+        bias = slopes[:, None, None] * (torch.arange(40)[None, :] - torch.arange(5)[:, None])
+    expected = gqa.reference(q, k, v, bias)
+    out = cuflash.flash_attn_varlen_func(q, k, v, causal=True, score_mod=score_mod)[0]
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+    # Without the mask the output differs: the check has teeth.
+    unmasked = cuflash.flash_attn_varlen_func(q, k, v, score_mod=score_mod)[0]
+    assert (unmasked.float() - expected).abs().max() > 0.1
