@@ -104,6 +104,14 @@ class Framework:
         written them."""
         return list(outputs)
 
+    def requires_grad(self, x: Any) -> bool:
+        """Whether writing `x` in place would go behind an autograd graph's back."""
+        return False
+
+    def mark_written(self, buffers: Sequence[Any]) -> None:
+        """The caller's buffers the extension wrote in place (through DLPack, unseen by the
+        framework): told to the framework where it tracks writes."""
+
 
 class NumpyFramework(Framework):
     name = "numpy"
@@ -211,6 +219,17 @@ class TorchFramework(Framework):
     def export(self, x):
         # DLPack export refuses tensors that require grad; autograd is handled above this layer.
         return x.detach()
+
+    def requires_grad(self, x):
+        return self.torch.is_grad_enabled() and x.requires_grad
+
+    def mark_written(self, buffers):
+        # A write through DLPack leaves the version counter as it was: bumped here, so that an
+        # autograd node that saved the buffer fails its version check rather than reading the
+        # new contents as if they were the saved ones.
+        buffers = [x for x in buffers if x is not None]
+        if buffers:
+            self.torch.autograd.graph.increment_version(buffers)
 
     def workspace_allocator(self, like):
         # From the caching allocator, on the current stream (the one the call runs on): counted

@@ -124,9 +124,19 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
 
 @bwd.register_fake
 def _(dout, q, k, v, out, lse, dlse, learnable_sink, *args):
+    # Contiguous, as the real op allocates them (not q's strides: q may be a transposed view).
     heads = 0 if learnable_sink is None else q.shape[-2]
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             q.new_empty((heads,), dtype=torch.float32))
+
+
+def _no_double_backward(ctx, *grads):
+    raise NotImplementedError(_interface.NO_DOUBLE_BACKWARD)
+
+
+# The backward's gradients are not differentiable again: differentiating them (a gradient
+# penalty, a Hessian-vector product) fails by name instead of with torch's generic message.
+torch.library.register_autograd("cuflash::bwd", _no_double_backward)
 
 
 _FWD_INPUTS = ("q", "k", "v", "learnable_sink", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k",

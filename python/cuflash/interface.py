@@ -949,6 +949,7 @@ def _run_forward(call: _Call, out: Optional[Tensor] = None, lse: Optional[Tensor
     """out / lse: the caller's buffers (checked by _check_output), else allocated here; without
     return_lse and a caller's lse, no lse is written (None)."""
     framework = call.framework
+    given = [out, lse]
     alloc = _output_alloc(framework, call.cu_seqlens_q is not None)
     if out is None:
         out = alloc(call.out_shape, call.dtype, like=call.q)
@@ -961,6 +962,7 @@ def _run_forward(call: _Call, out: Optional[Tensor] = None, lse: Optional[Tensor
                stream=stream, expression_kernel=_expression_kernels(call)[0],
                workspace_allocator=framework.workspace_allocator(call.q), **call.common_kwargs())
     out, lse = framework.finish([out, lse], stream, like=call.q)
+    framework.mark_written(given)
     return out, lse
 
 
@@ -990,6 +992,7 @@ def _run_backward(call: _Call, out: Tensor, dout: Tensor, lse: Tensor, dlse: Opt
                 expression_kernel=_expression_kernels(call)[1],
                 workspace_allocator=framework.workspace_allocator(call.q), **call.common_kwargs())
     dq, dk, dv, d_sink = framework.finish([dq, dk, dv, d_sink], stream, like=call.q)
+    framework.mark_written(grads)
     return dq, dk, dv, d_sink
 
 
@@ -1011,7 +1014,17 @@ def _check_output(call: _Call, x: Optional[Tensor], argument: str, shape: Tuple[
     _check_shape(x, argument, shape)
     if framework.dtype(x) != dtype:
         _fail(TypeError, argument, f"expected dtype {dtype}, got {framework.dtype(x)}")
+    _refuse_grad_output(framework, x, argument)
     return x
+
+
+def _refuse_grad_output(framework: Any, x: Tensor, argument: str) -> None:
+    """A buffer written in place must not require grad (with grad mode on): autograd cannot
+    follow the write, as torch's own out= arguments refuse."""
+    if framework.requires_grad(x):
+        _fail(RuntimeError, argument, "requires grad: cuflash writes it in place, which autograd cannot follow "
+                                      "(as torch's out= arguments); pass a tensor that does not require grad, "
+                                      "or leave it None and use the result")
 
 
 def _check_outputs_apart(call: _Call, outputs: Sequence[Tuple[Optional[Tensor], str]],
@@ -1069,6 +1082,23 @@ def _check_backward_inputs(call: _Call, out: Tensor, dout: Tensor, lse: Tensor, 
 
 _autograd_function = None
 
+NO_DOUBLE_BACKWARD = ("cuflash's attention backward is not differentiable (no double backward): the gradients "
+                      "of q, k, v and learnable_sink cannot be differentiated again (create_graph=True, gradient "
+                      "penalties, Hessian-vector products)")
+
+
+def _not_differentiable_again(torch: Any, grads: Sequence[Optional[Tensor]]) -> Tuple[Optional[Tensor], ...]:
+    """Under create_graph=True, the gradients wrapped so that differentiating them fails by name
+    (torch's DelayedError, as once_differentiable does) instead of silently dropping the
+    second-order terms; as they are otherwise."""
+    present = [g for g in grads if g is not None]
+    if not torch.is_grad_enabled() or not present:
+        return tuple(grads)
+    wrapped = torch._C._functions.DelayedError(NO_DOUBLE_BACKWARD.encode(), len(present))(
+        *[g.detach().requires_grad_() for g in present])
+    wrapped = iter(wrapped if isinstance(wrapped, tuple) else (wrapped,))
+    return tuple(None if g is None else next(wrapped) for g in grads)
+
 
 def _side_tensors(call: _Call) -> List[Tensor]:
     """The tensors of a call besides q, k, v and learnable_sink that its backward reads again."""
@@ -1105,10 +1135,11 @@ def _torch_function():
                 dout = call.framework.zeros(_shape(out), call.dtype, like=out)
             dout = _maybe_contiguous(call.framework, dout)
             dlse = _maybe_contiguous(call.framework, dlse)
-            dq, dk, dv, d_sink = _run_backward(call, out, dout, lse, dlse)
-            if d_sink is not None:
-                d_sink = d_sink.to(learnable_sink.dtype)
-            return dq, dk, dv, d_sink, None
+            with torch.no_grad():
+                dq, dk, dv, d_sink = _run_backward(call, out, dout, lse, dlse)
+                if d_sink is not None:
+                    d_sink = d_sink.to(learnable_sink.dtype)
+            return _not_differentiable_again(torch, (dq, dk, dv, d_sink)) + (None,)
 
     _autograd_function = FlashAttnFunction
     return FlashAttnFunction
@@ -1538,6 +1569,7 @@ def flash_attn_combine(
     return_lse = _check_bool(return_lse, "return_lse")
 
     out_shape = _shape(out_partial)[1:]
+    given_out = out
     if out is None:
         dtype = "float32" if out_dtype is None else _dtype_arg(out_dtype)
         out = framework.empty(out_shape, dtype, like=out_partial)
@@ -1549,6 +1581,7 @@ def flash_attn_combine(
         _check_dtype(framework, out, "out", ("float16", "bfloat16", "float32"))
         _check_device(framework, out, "out", device)
         _check_distinct_elements(framework, out, "out")
+        _refuse_grad_output(framework, out, "out")
         if out_dtype is not None and _dtype_arg(out_dtype) != framework.dtype(out):
             _fail(TypeError, "out_dtype", f"{_dtype_arg(out_dtype)} differs from out's dtype "
                                           f"{framework.dtype(out)} (out_dtype is for an out allocated here)")
@@ -1564,6 +1597,7 @@ def flash_attn_combine(
                cu_seqlens=None if cu_seqlens is None else ex(cu_seqlens),
                seqused=None if seqused is None else ex(seqused), stream=stream)
     out, lse = framework.finish([out, lse], stream, like=out_partial)
+    framework.mark_written([given_out])
     return out, lse
 
 

@@ -367,3 +367,82 @@ def test_mod_tensors_that_require_grad_are_refused(gen):
     with torch.no_grad():
         out_no_grad, _ = cuflash.flash_attn_varlen_func(q, k, v, score_mod=cuflash.scores.alibi(slopes))
     assert torch.equal(out.detach(), out_no_grad)
+
+
+def test_backward_fake_has_the_strides_of_the_op(gen, torch_path, monkeypatch):
+    # torch.compile (inductor) checks the real outputs against the fake's strides: the fake
+    # gradients must be contiguous as the op's are, also for transposed inputs (what
+    # cuflash.flex_attention passes on).
+    if torch_path != "custom_op":
+        pytest.skip("the fake implementations belong to the custom ops")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from cuflash import _torch_ops
+
+    q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+               for t in tensors(gen, [(1, 24, 4, 32), (1, 24, 2, 32), (1, 24, 2, 32)]))
+    assert not q.is_contiguous()
+    calls = []
+    real_bwd = _torch_ops.bwd
+
+    def recording_bwd(*args, **kwargs):
+        calls.append((args, kwargs))
+        return real_bwd(*args, **kwargs)
+
+    monkeypatch.setattr(_torch_ops, "bwd", recording_bwd)
+    out, _ = cuflash.flash_attn_func(q, k, v, causal=True)
+    out.float().sum().backward()
+    (args, kwargs), = calls
+    real = real_bwd(*args, **kwargs)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        fake = real_bwd(*fake_args, **kwargs)
+    for name, r, f in zip(("dq", "dk", "dv", "d_sink"), real, fake):
+        assert (tuple(f.shape), f.stride()) == (tuple(r.shape), r.stride()), name
+
+
+def test_no_double_backward(gen, torch_path):
+    # create_graph=True gives gradients that fail by name when differentiated again, on both
+    # paths (the autograd.Function's used to be constants: a gradient penalty lost its term).
+    q, k, v = tensors(gen, [(1, 12, 2, 32)] * 3)
+    out, _ = cuflash.flash_attn_func(q, k, v)
+    dq, = torch.autograd.grad((out.float() ** 2).sum(), q, create_graph=True)
+    assert dq.requires_grad
+    with pytest.raises(Exception, match="no double backward"):
+        (dq.float() ** 2).sum().backward()
+    # Without create_graph, nothing changes.
+    out, _ = cuflash.flash_attn_func(q, k, v)
+    dq, = torch.autograd.grad(out.float().sum(), q)
+    assert not dq.requires_grad
+
+
+def test_buffers_written_in_place_and_autograd(gen):
+    # A buffer cuflash writes in place: its version moves (a node that saved it fails its check
+    # instead of reading the new contents), and one that requires grad is refused by name.
+    q, k, v = tensors(gen, [(1, 12, 2, 32)] * 3, requires_grad=False)
+    y = torch.randn(1, 12, 2, 32, generator=gen).to(q.dtype).requires_grad_()
+    saved = torch.ones_like(q)
+    product = y * saved  # mul saves `saved` for y's gradient
+    before = saved._version
+    cuflash.interface.flash_attn_forward(q, k, v, out=saved)
+    assert saved._version > before
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        product.float().sum().backward()
+    with pytest.raises(RuntimeError, match="^out: requires grad"):
+        cuflash.interface.flash_attn_forward(q, k, v, out=y.exp())
+    with torch.no_grad():
+        cuflash.interface.flash_attn_forward(q, k, v, out=y.detach().clone().requires_grad_())
+    out, lse = cuflash.interface.flash_attn_forward(q, k, v, return_lse=True)
+    dout = torch.randn_like(out)
+    dq = torch.zeros_like(q)
+    before = dq._version
+    cuflash.flash_attn_backward(dout, q, k, v, out, lse, dq=dq)
+    assert dq._version > before
+    partial_out = torch.randn(2, 1, 12, 2, 32, generator=gen)
+    partial_lse = torch.randn(2, 1, 12, 2, generator=gen)
+    combined = torch.zeros(1, 12, 2, 32)
+    before = combined._version
+    cuflash.flash_attn_combine(partial_out, partial_lse, out=combined)
+    assert combined._version > before
+    with pytest.raises(RuntimeError, match="^out: requires grad"):
+        cuflash.flash_attn_combine(partial_out, partial_lse, out=torch.zeros(1, 12, 2, 32, requires_grad=True))
