@@ -99,6 +99,10 @@ struct SequenceLayout {
   // (B,) int32: rows in use of each sequence, at most its length (its cu_seqlens segment,
   // the dense S, or max_pages * page_size).
   std::optional<TensorView> seqused_q, seqused_k;
+  // With cu_seqlens_*: at least the longest segment of cu_seqlens_* (whatever seqused_* leaves
+  // of it). The GPU kernels size their grids by them; read from host memory they are checked,
+  // in device memory trusted (CUFLASH_CHECK_INPUTS=1 checks them). Absent: the longest segment
+  // from host memory, else total rows (an upper bound, more blocks launched).
   std::optional<std::int64_t> max_seqlen_q, max_seqlen_k;
   std::optional<TensorView> page_table;
 };

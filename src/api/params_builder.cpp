@@ -58,6 +58,27 @@ RowStrides lse_strides(const TensorView& lse) {
   return {0, 1, lse.stride[0]};
 }
 
+// The kernels hold mod scalars as float32, exact for whole numbers up to 2^24. A sliding_window
+// side or prefix_lm length at or past every row and key (`reach`) keeps or hides the same keys as
+// 2^30 (unbounded in ModParams::whole), which it becomes; one below the reach and above 2^24
+// (sequences longer than 16M tokens) would be rounded, and is refused.
+std::vector<double> exact_mask_scalars(const MaskMod& mod, std::int64_t reach) {
+  std::vector<double> scalars = mod.scalars;
+  if (mod.kind != MaskModKind::kSlidingWindow && mod.kind != MaskModKind::kPrefixLM) return scalars;
+  for (std::size_t i = 0; i < scalars.size(); ++i) {
+    if (scalars[i] >= static_cast<double>(reach)) {
+      scalars[i] = static_cast<double>(1 << 30);
+    } else if (scalars[i] > static_cast<double>(1 << 24)) {
+      const std::string argument = "mask_mod.scalars[" + std::to_string(i) + "]";
+      throw Error(Error::Kind::kNotSupported, argument,
+                  argument + ": " + std::to_string(std::int64_t(scalars[i])) +
+                      " is past 2^24, where the GPU kernels' float32 scalars are no longer exact, and "
+                      "within the sequences' " + std::to_string(reach) + " tokens");
+    }
+  }
+  return scalars;
+}
+
 ModParams make_mod_params(int kind, const std::vector<double>& scalars,
                           const std::vector<TensorView>& aux) {
   ModParams mod;
@@ -173,7 +194,14 @@ void fill_attention_params(Params& p, const TensorView& q, const TensorView& k, 
   p.softmax_scale = opts.softmax_scale.value_or(default_softmax_scale(shape.head_dim));
   p.softmax_scale_log2 = p.softmax_scale * kLog2e;
   p.softcap = opts.softcap;
-  const MaskWindow w = normalize_window(opts.causal, opts.window_left, opts.window_right);
+  // A window side that reaches past every key (left) or every row (right) bounds nothing: it
+  // becomes unbounded here, so that the kernels' int arithmetic on it (row + offset - left,
+  // times the packed GQA group) cannot overflow on a caller's INT_MAX.
+  // Bounds of every sequence: the dense or paged length, the packed rows in all.
+  const std::int64_t rows = shape.varlen_q ? std::max(shape.seqlen_q, shape.total_q) : shape.seqlen_q;
+  const std::int64_t keys = shape.varlen_k ? std::max(shape.seqlen_k, shape.total_k) : shape.seqlen_k;
+  const MaskWindow w = normalize_window(opts.causal, opts.window_left >= keys ? -1 : opts.window_left,
+                                        opts.window_right >= rows ? -1 : opts.window_right);
   p.is_causal = w.is_causal;
   p.is_local = w.is_local;
   p.window_left = w.window_left;
@@ -186,8 +214,8 @@ void fill_attention_params(Params& p, const TensorView& q, const TensorView& k, 
   p.dtype = static_cast<int>(shape.dtype);
   p.score_mod = make_mod_params(static_cast<int>(opts.score_mod.kind), opts.score_mod.scalars,
                                 opts.score_mod.aux);
-  p.mask_mod = make_mod_params(static_cast<int>(opts.mask_mod.kind), opts.mask_mod.scalars,
-                               opts.mask_mod.aux);
+  p.mask_mod = make_mod_params(static_cast<int>(opts.mask_mod.kind),
+                               exact_mask_scalars(opts.mask_mod, std::max(rows, keys)), opts.mask_mod.aux);
   p.block_sparse = make_block_sparse_params(opts, shape, backward);
   p.device_index = shape.device.index;
 }

@@ -60,6 +60,19 @@ void check_sane(const TensorView& t, const std::string& name) {
     }
     if (t.stride[d] < 0) fail(name, "expected non-negative strides, got " + stride_string(t));
   }
+  // The element count and the last element's offset in int64, before anything multiplies them
+  // (sizes fit in int32 each, their product need not).
+  std::int64_t count = 1, reach = 0;
+  bool empty = false;
+  for (int d = 0; d < t.ndim; ++d) empty = empty || t.shape[d] == 0;
+  for (int d = 0; d < t.ndim && !empty; ++d) {
+    std::int64_t span = 0;
+    if (__builtin_mul_overflow(count, t.shape[d], &count) ||
+        __builtin_mul_overflow(t.shape[d] - 1, t.stride[d], &span) || __builtin_add_overflow(reach, span, &reach)) {
+      fail(name, "expected an element count and element offsets that fit in int64, got shape " +
+                     t.shape_string() + " and strides " + stride_string(t));
+    }
+  }
   if (t.data == nullptr && t.numel() > 0) {
     fail(name, "expected a data pointer for " + std::to_string(t.numel()) + " elements, got null");
   }
@@ -411,12 +424,13 @@ HostLengths check_host_sequences(const SequenceLayout& seq, const AttentionShape
     if (!hint || lens.empty()) return;
     const std::int64_t longest = *std::max_element(lens.begin(), lens.end());
     if (*hint < longest) {
-      fail(name, "expected at least " + std::to_string(longest) + " (the longest sequence in " +
-                     source + "), got " + std::to_string(*hint));
+      fail(name, "expected at least " + std::to_string(longest) + " (the longest segment of " + source +
+                     ", seqused or not: the kernels visit the rows the hint counts, and write every row "
+                     "of a segment), got " + std::to_string(*hint));
     }
   };
-  if (s.varlen_q) check_hint(seq.max_seqlen_q, lengths.q, "max_seqlen_q", "cu_seqlens_q");
-  if (s.varlen_k) check_hint(seq.max_seqlen_k, lengths.k, "max_seqlen_k", "cu_seqlens_k");
+  if (s.varlen_q) check_hint(seq.max_seqlen_q, lengths.q_rows, "max_seqlen_q", "cu_seqlens_q");
+  if (s.varlen_k) check_hint(seq.max_seqlen_k, lengths.k_rows, "max_seqlen_k", "cu_seqlens_k");
   return lengths;
 }
 

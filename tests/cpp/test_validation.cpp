@@ -203,6 +203,16 @@ TEST_F(ForwardValidation, RejectsBrokenViews) {
   args.q.shape[1] = std::int64_t{1} << 32;
   EXPECT_INVALID(validate(args), "q", "expected every size to fit in int32");
 
+  // Sizes that fit in int32 each but whose product (or the last element's offset) does not fit
+  // in int64: refused before anything multiplies them.
+  args = dense_forward();
+  args.q.shape[1] = args.q.shape[2] = std::numeric_limits<std::int32_t>::max();
+  for (int d = 0; d < 4; ++d) args.q.stride[d] = d == 3 ? 1 : 0;
+  EXPECT_INVALID(validate(args), "q", "expected an element count and element offsets that fit in int64");
+  args = dense_forward();
+  args.k.stride[1] = std::int64_t{1} << 62;
+  EXPECT_INVALID(validate(args), "k", "expected an element count and element offsets that fit in int64");
+
   args = dense_forward();
   for (auto* t : {&args.q, &args.out}) *t = tensor(DType::kFloat32, {2, 1 << 30, 8, 64});
   args.lse.reset();
@@ -401,13 +411,12 @@ TEST_F(ForwardValidation, RejectsOutputsWhoseElementsShareMemory) {
   args.out = strided(DType::kFloat32, {2, 128, 8, 64}, {128 * 64, 64, 64, 1});
   EXPECT_INVALID(validate(args), "out", "starts inside the span of dimension");
 
-  // Batches 2^62 apart over rows 2^60 apart: 128 rows span 2^67, which wraps to 0 in 64 bits.
+  // Batches 2^62 apart over rows 2^60 apart: 128 rows span 2^67, which would wrap to 0 in 64
+  // bits; refused before the overlap check multiplies them.
   args = dense_forward();
   args.out = strided(DType::kFloat32, {2, 128, 8, 64},
                      {std::int64_t{1} << 62, std::int64_t{1} << 60, 64, 1});
-  EXPECT_INVALID(validate(args), "out",
-                 "dimension 0 (stride 4611686018427387904) starts inside the span of dimension 1 "
-                 "(size 128 x stride 1152921504606846976)");
+  EXPECT_INVALID(validate(args), "out", "expected an element count and element offsets that fit in int64");
 
   args = dense_forward();
   args.lse = strided(DType::kFloat32, {2, 8, 128}, {128, 0, 1});
@@ -528,8 +537,20 @@ TEST_F(ForwardValidation, ChecksSequsedAndLengthHints) {
 
   args = varlen_forward();
   args.seq.max_seqlen_q = 20;
-  EXPECT_INVALID(validate(args), "max_seqlen_q",
-                 "expected at least 30 (the longest sequence in cu_seqlens_q), got 20");
+  EXPECT_INVALID(validate(args), "max_seqlen_q", "expected at least 30 (the longest segment of cu_seqlens_q",
+                 "got 20");
+  // The hints stand for whole segments, whatever seqused leaves of them: the kernels visit the
+  // rows the hint counts and must write every row of a segment (0 and -inf past seqused).
+  std::vector<std::int32_t> shortened{10, 5};
+  args = varlen_forward();
+  args.seq.seqused_q = int_tensor(shortened, {2});
+  args.seq.max_seqlen_q = 10;
+  EXPECT_INVALID(validate(args), "max_seqlen_q", "expected at least 30 (the longest segment of cu_seqlens_q",
+                 "got 10");
+  args = varlen_forward();
+  args.seq.seqused_k = int_tensor(shortened, {2});
+  args.seq.max_seqlen_k = 10;
+  EXPECT_INVALID(validate(args), "max_seqlen_k", "expected at least", "got 10");
 
   args = varlen_forward();
   args.seq.max_seqlen_k = -1;

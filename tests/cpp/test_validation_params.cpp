@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <set>
 #include <string>
@@ -83,6 +84,66 @@ TEST(ParamsWindow, NormalizesCausalAndLocalAsTheSeed) {
     EXPECT_EQ(w.is_local, c.is_local);
     EXPECT_EQ(w.window_left, c.out_left);
     EXPECT_EQ(w.window_right, c.out_right);
+  }
+}
+
+TEST(ParamsForward, WindowSidesPastTheSequencesAreUnbounded) {
+  // A side reaching past every key (left) or row (right), INT_MAX included, is no bound: the
+  // kernels then do no int arithmetic on it (row + offset - left overflowed and hid every key).
+  ForwardArgs args;
+  args.q = tensor(DType::kBFloat16, {2, 256, 8, 64});
+  args.k = tensor(DType::kBFloat16, {2, 64, 2, 64});
+  args.v = tensor(DType::kBFloat16, {2, 64, 2, 64});
+  args.out = tensor(DType::kBFloat16, {2, 256, 8, 64});
+  constexpr int kMax = std::numeric_limits<int>::max();
+  struct Case {
+    bool causal;
+    int left, right;
+    bool is_causal, is_local;
+    int out_left, out_right;
+  };
+  const Case cases[] = {
+      {false, kMax, 0, true, false, -1, 0},    // left past the keys: causal
+      {true, kMax, -1, true, false, -1, 0},     // causal with such a left side
+      {false, kMax, kMax, false, false, -1, -1},  // both past: no mask
+      {false, 63, kMax, false, true, 63, -1},   // left 63 < 64 keys still bounds
+      {false, 64, 255, false, true, -1, 255},   // left 64 does not; right 255 < 256 rows does
+      {false, 3, 256, false, true, 3, -1},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(::testing::Message() << "causal=" << c.causal << " left=" << c.left << " right=" << c.right);
+    args.opts.causal = c.causal;
+    args.opts.window_left = c.left;
+    args.opts.window_right = c.right;
+    const FwdParams p = make_fwd_params(args, check_forward(args));
+    EXPECT_EQ(p.is_causal, c.is_causal);
+    EXPECT_EQ(p.is_local, c.is_local);
+    EXPECT_EQ(p.window_left, c.out_left);
+    EXPECT_EQ(p.window_right, c.out_right);
+  }
+  // Mask-mod sides and prefix lengths likewise become 2^30 (unbounded); within the sequences
+  // and past 2^24 (float32 no longer exact) they are refused by name.
+  args.opts = AttentionOptions{};
+  args.opts.mask_mod.kind = MaskModKind::kSlidingWindow;
+  args.opts.mask_mod.scalars = {16777217.0, 5.0};
+  FwdParams p = make_fwd_params(args, check_forward(args));
+  EXPECT_EQ(p.mask_mod.scalars[0], float(1 << 30));
+  EXPECT_EQ(p.mask_mod.scalars[1], 5.f);
+  args.opts.mask_mod.kind = MaskModKind::kPrefixLM;
+  args.opts.mask_mod.scalars = {100.0};
+  p = make_fwd_params(args, check_forward(args));
+  EXPECT_EQ(p.mask_mod.scalars[0], 100.f);
+  args.q = tensor(DType::kBFloat16, {1, 1 << 25, 8, 64});
+  args.out = tensor(DType::kBFloat16, {1, 1 << 25, 8, 64});
+  args.k = tensor(DType::kBFloat16, {1, 1 << 25, 2, 64});
+  args.v = tensor(DType::kBFloat16, {1, 1 << 25, 2, 64});
+  args.opts.mask_mod.scalars = {16777217.0};
+  try {
+    make_fwd_params(args, check_forward(args));
+    ADD_FAILURE() << "a prefix of 2^24 + 1 within 2^25 tokens was taken";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.argument(), "mask_mod.scalars[0]");
+    EXPECT_NE(std::string(error.what()).find("past 2^24"), std::string::npos) << error.what();
   }
 }
 
