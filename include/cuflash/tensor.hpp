@@ -54,7 +54,8 @@ struct TensorView {
   std::string shape_string() const;
 };
 
-// Workspace the caller may hand in; when empty, cuflash allocates on the stream.
+// Workspace the caller may hand in (device memory of at least forward_workspace_size /
+// backward_workspace_size bytes, 256-byte aligned); when empty, cuflash allocates on the stream.
 struct Workspace {
   void* data = nullptr;
   std::size_t bytes = 0;

@@ -27,11 +27,18 @@ bool on_cpu(const Device& device) { return device.type == DeviceType::kCPU; }
 
 #if CUFLASH_HAS_CUDA
 
-void require_device() {
+// The tensors' device must be a Hopper GPU: another GPU of the same host would fail at the
+// launch with a bare CUDA error.
+void require_device(const Device& device) {
   if (!sm90::device_available()) {
     throw Error(Error::Kind::kCuda, "device",
                 "device: CUDA tensors were passed but no usable Hopper (sm_90) CUDA device was "
                 "found");
+  }
+  if (!sm90::device_is_hopper(device.index)) {
+    throw Error(Error::Kind::kNotSupported, "q",
+                "q: the tensors are on CUDA device " + std::to_string(device.index) +
+                    ", which is not a Hopper (sm_90) GPU; cuflash's kernels run on sm_90 only");
   }
 }
 
@@ -152,7 +159,7 @@ std::size_t forward_workspace_size(const ForwardArgs& args) {
   const detail::AttentionShape shape = detail::check_forward(args);
   if (on_cpu(shape.device)) return 0;
 #if CUFLASH_HAS_CUDA
-  require_device();
+  require_device(shape.device);
   detail::DeviceGuard guard(shape.device.index);
   const FwdParams params = device_fwd_params(args, shape);
   // Unsupported calls fail here already, as forward would (which has nothing to run without
@@ -169,7 +176,7 @@ std::size_t backward_workspace_size(const BackwardArgs& args) {
   const detail::AttentionShape shape = detail::check_backward(args);
   if (on_cpu(shape.device)) return 0;
 #if CUFLASH_HAS_CUDA
-  require_device();
+  require_device(shape.device);
   detail::DeviceGuard guard(shape.device.index);
   const BwdParams params = device_bwd_params(args, shape);
   return document_lists_bytes(args.opts, params.block_sparse, params.batch) +
@@ -189,7 +196,7 @@ void run_forward_call(const ForwardArgs& args, StreamHandle stream, Workspace wo
     return;
   }
 #if CUFLASH_HAS_CUDA
-  require_device();
+  require_device(shape.device);
   detail::DeviceGuard guard(shape.device.index);
   if (detail::check_inputs_on_host()) detail::check_index_values_on_host(args, stream);
   FwdParams params = device_fwd_params(args, shape);
@@ -224,10 +231,13 @@ void run_backward_call(const BackwardArgs& args, StreamHandle stream, Workspace 
     return;
   }
 #if CUFLASH_HAS_CUDA
-  require_device();
+  require_device(shape.device);
   detail::DeviceGuard guard(shape.device.index);
   if (detail::check_inputs_on_host()) detail::check_index_values_on_host(args, stream);
   BwdParams params = device_bwd_params(args, shape);
+  // Before the caller's allocator (as the forward): a kernel not in the build fails with nothing
+  // allocated or launched.
+  sm90::check_backward_built(params);
   // Paged k/v: gathered into dense rows in the workspace, the gradients summed back into pages.
   const std::size_t list_bytes = document_lists_bytes(args.opts, params.block_sparse, params.batch);
   const std::size_t bytes =
@@ -275,7 +285,7 @@ void combine(const CombineArgs& args, StreamHandle stream) {
     return;
   }
 #if CUFLASH_HAS_CUDA
-  require_device();
+  require_device(shape.device);
   detail::DeviceGuard guard(shape.device.index);
   if (detail::check_inputs_on_host()) detail::check_index_values_on_host(args, stream);
   if (args.out.numel() == 0) return;

@@ -25,6 +25,9 @@ void run_backward(BwdParams& params, StreamHandle stream);
 std::size_t backward_workspace_bytes(const BwdParams& params);
 // Whether the backward kernel that `params` would launch is in this build.
 bool backward_kernel_built(const BwdParams& params);
+// kNotBuilt naming the build options when it is not (dispatch calls it before the caller's
+// allocator runs; a kernel module compiled at run time for expression mods stands in for it).
+void check_backward_built(const BwdParams& params);
 // The backward with paged k/v (params.page_table): the pages gathered into dense rows, the
 // backward above on them, the gradients summed back into the pages (paged_bwd_sm90.cu).
 void run_paged_backward(BwdParams& params, StreamHandle stream);
@@ -38,7 +41,9 @@ void build_document_block_lists(BlockSparseParams& bs, const ModParams& mask_mod
 std::vector<std::string> built_kernels();
 // The backward ones, e.g. "bwd bf16 hdim128" (defined with the backward dispatch).
 std::vector<std::string> built_backward_kernels();
+// Whether some device is a Hopper GPU (sm_90); whether device `device_index` is one.
 bool device_available();
+bool device_is_hopper(int device_index);
 int device_sm_count(int device_index);
 
 }  // namespace cuflash::sm90

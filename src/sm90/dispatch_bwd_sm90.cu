@@ -242,21 +242,12 @@ void check_supported(const BwdParams& p) {
   check_aligned("dv", p.dv, {p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride});
 }
 
-}  // namespace
-
-// Unsupported calls fail here already, before dispatch allocates the workspace.
-std::size_t backward_workspace_bytes(const BwdParams& params) {
-  check_supported(params);
-  return workspace_layout(params).total;
-}
-
-void run_backward(BwdParams& params, StreamHandle stream) {
-  check_supported(params);
+// The built kernel `params` launches (null name for a module compiled at run time for
+// expression mods, python/cuflash/_jit.py, which stands in for the built-in flex kernel);
+// kNotBuilt naming the build options when the build lacks it.
+const BwdEntry* built_entry(const BwdParams& params) {
   const BwdEntry* const entry = find_entry(kernel_name(params));
-  // A kernel module compiled at run time for expression mods (python/cuflash/_jit.py) stands in
-  // for the built-in flex kernel.
-  bool const expression = params.expression_kernel != 0;
-  if (entry->name == nullptr && !expression) {
+  if (entry->name == nullptr && params.expression_kernel == 0) {
     KernelHeadDims const dims = kernel_head_dims(params);
     std::string const hdim = std::to_string(dims.head_dim) +
                              (dims.head_dim_v != dims.head_dim ? "x" + std::to_string(dims.head_dim_v) : "");
@@ -266,6 +257,23 @@ void run_backward(BwdParams& params, StreamHandle stream) {
                     "); reconfigure with -DCUFLASH_KERNEL_SET=all, or =custom with CUFLASH_HDIMS and "
                     "CUFLASH_DTYPES naming it, and CUFLASH_FEATURES holding its features");
   }
+  return entry;
+}
+
+}  // namespace
+
+// Unsupported calls fail here already, before dispatch allocates the workspace.
+std::size_t backward_workspace_bytes(const BwdParams& params) {
+  check_supported(params);
+  return workspace_layout(params).total;
+}
+
+void check_backward_built(const BwdParams& params) { built_entry(params); }
+
+void run_backward(BwdParams& params, StreamHandle stream) {
+  check_supported(params);
+  const BwdEntry* const entry = built_entry(params);
+  bool const expression = params.expression_kernel != 0;
   WorkspaceLayout const layout = workspace_layout(params);
   // No query rows and no buffer that needs them (dense seqlen_q 0, or batch 0): 0 bytes, and
   // dispatch passes no workspace; the column blocks still write zero dK / dV.

@@ -228,6 +228,18 @@ bool device_available() {
   return false;
 }
 
+bool device_is_hopper(int device_index) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no device" error
+    return false;
+  }
+  int major = 0;
+  return device_index >= 0 && device_index < count &&
+         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_index) == cudaSuccess &&
+         major == 9;
+}
+
 int device_sm_count(int device_index) {
   int count = 0;
   cudaError_t status = cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device_index);

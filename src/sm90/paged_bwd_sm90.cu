@@ -197,7 +197,7 @@ PagedLayout paged_layout(BwdParams const& p, char* base) {
   l.dense.v_head_stride = l.dense.dv_head_stride = p.head_dim_v;
 
   WorkspaceLayoutBuilder buffers;
-  // The dense backward's own checks (dtype, head dims, alignment, built kernels) run here,
+  // The dense backward's own checks (dtype, head dims, alignment) run here,
   // before anything is launched, with 256-byte aligned placeholders for the buffers it will read
   // and write in the workspace (the pages themselves need no alignment: gather and scatter read
   // and write them element by element).
