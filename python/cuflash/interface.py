@@ -1524,7 +1524,10 @@ def flash_attn_combine(
 
     Returns:
         (out, lse): out with shape out_partial.shape[1:], and lse float32 with shape
-        lse_partial.shape[1:] (None when return_lse is False).
+        lse_partial.shape[1:] (None when return_lse is False). With torch tensors that require
+        grad (partials of attention calls, as in ring attention), out and lse are differentiable
+        with respect to out_partial and lse_partial (out must then be None); rows the combine
+        does not merge get zero gradients.
     """
     framework = _check_tensor(out_partial, "out_partial")
     _check_tensor(lse_partial, "lse_partial", framework)
@@ -1570,10 +1573,17 @@ def flash_attn_combine(
 
     out_shape = _shape(out_partial)[1:]
     given_out = out
+    differentiable = framework.requires_grad(out_partial) or framework.requires_grad(lse_partial)
     if out is None:
         dtype = "float32" if out_dtype is None else _dtype_arg(out_dtype)
+        if differentiable:  # ring attention: partials of attention calls merged by their lse
+            out, lse = _combine_function().apply(out_partial, lse_partial, dtype, cu_seqlens, seqused)
+            return out, lse if return_lse else None
         out = framework.empty(out_shape, dtype, like=out_partial)
     else:
+        if differentiable:
+            _fail(RuntimeError, "out", "out_partial or lse_partial requires grad, and autograd cannot follow a "
+                                       "write into a preallocated out; leave out None")
         _check_tensor(out, "out", framework)
         if framework.name == "jax":
             _fail(TypeError, "out", "JAX arrays are immutable: leave out=None")
@@ -1590,15 +1600,84 @@ def flash_attn_combine(
                                      "is False, e.g. a view of a read-only buffer); pass a writable one or "
                                      "leave out=None")
     lse = framework.empty(_shape(lse_partial)[1:], "float32", like=out_partial) if return_lse else None
+    _run_combine(framework, out_partial, lse_partial, out, lse, cu_seqlens, seqused)
+    framework.mark_written([given_out])
+    return out, lse
 
+
+def _run_combine(framework: Any, out_partial: Tensor, lse_partial: Tensor, out: Tensor, lse: Optional[Tensor],
+                 cu_seqlens: Optional[Tensor], seqused: Optional[Tensor]) -> None:
     stream = framework.stream(out_partial)
     ex = framework.export
     _C.combine(ex(out_partial), ex(lse_partial), ex(out), lse=None if lse is None else ex(lse),
                cu_seqlens=None if cu_seqlens is None else ex(cu_seqlens),
                seqused=None if seqused is None else ex(seqused), stream=stream)
-    out, lse = framework.finish([out, lse], stream, like=out_partial)
-    framework.mark_written([given_out])
-    return out, lse
+    framework.finish([out, lse], stream, like=out_partial)
+
+
+_combine_autograd = None
+
+
+def _combined_rows(torch: Any, lse: Tensor, cu_seqlens: Optional[Tensor], seqused: Optional[Tensor]) -> Tensor:
+    """Which rows the combine merges, as a bool tensor broadcasting against lse (batch, seqlen,
+    heads) or packed (total, heads): the rows of each sequence below its seqused, and for packed
+    rows those inside a cu_seqlens segment (all rows one sequence without cu_seqlens)."""
+    device = lse.device
+    if lse.dim() == 3:  # dense: (batch, seqlen, heads)
+        if seqused is None:
+            return torch.ones((1, 1, 1), dtype=torch.bool, device=device)
+        return (torch.arange(lse.shape[1], device=device)[None, :] < seqused.to(device).long()[:, None])[..., None]
+    rows = torch.arange(lse.shape[0], device=device)
+    cu = (torch.tensor([0, lse.shape[0]], device=device) if cu_seqlens is None else cu_seqlens.to(device).long())
+    segment = torch.clamp(torch.searchsorted(cu[1:], rows, right=True), max=cu.shape[0] - 2)
+    inside = (rows >= cu[0]) & (rows < cu[-1])
+    if seqused is not None:
+        inside &= rows - cu[segment] < seqused.to(device).long()[segment]
+    return inside[:, None]
+
+
+def _combine_function():
+    """torch.autograd.Function of flash_attn_combine, made on first use (importing cuflash needs
+    no torch). The forward runs the combine kernel; the backward is elementwise torch: with
+    w_s = exp(lse_s - lse), d out_s = w_s dout and d lse_s = w_s (<dout, out_s - out> + dlse), zero
+    in the rows the combine does not merge."""
+    global _combine_autograd
+    if _combine_autograd is not None:
+        return _combine_autograd
+    import torch
+
+    class CombineFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, out_partial, lse_partial, out_dtype, cu_seqlens, seqused):
+            framework = framework_of(out_partial)
+            out = framework.empty(_shape(out_partial)[1:], out_dtype, like=out_partial)
+            lse = framework.empty(_shape(lse_partial)[1:], "float32", like=out_partial)
+            _run_combine(framework, out_partial, lse_partial, out, lse, cu_seqlens, seqused)
+            ctx.save_for_backward(out_partial, lse_partial, lse, *(t for t in (cu_seqlens, seqused) if t is not None))
+            ctx.has_index = (cu_seqlens is not None, seqused is not None)
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, dout, dlse):
+            out_partial, lse_partial, lse, *index = ctx.saved_tensors
+            cu_seqlens = index.pop(0) if ctx.has_index[0] else None
+            seqused = index.pop(0) if ctx.has_index[1] else None
+            merged = _combined_rows(torch, lse, cu_seqlens, seqused)
+            finite = torch.isfinite(lse)
+            weights = torch.where(finite & merged, torch.exp(lse_partial - torch.where(finite, lse, 0.0)), 0.0)
+            d_lse_partial = weights * (0.0 if dlse is None else torch.where(merged, dlse, 0.0))
+            d_out_partial = None
+            if dout is not None:
+                dout = dout.float()
+                d_out_partial = weights[..., None] * dout
+                out = (weights[..., None] * torch.nan_to_num(out_partial)).sum(0)
+                inner = (dout * (torch.nan_to_num(out_partial) - out)).sum(-1)
+                d_lse_partial = d_lse_partial + weights * inner
+            grads = _not_differentiable_again(torch, (d_out_partial, d_lse_partial))
+            return grads + (None, None, None)
+
+    _combine_autograd = CombineFunction
+    return CombineFunction
 
 
 def _dtype_arg(dtype: Any) -> str:

@@ -446,3 +446,70 @@ def test_buffers_written_in_place_and_autograd(gen):
     assert combined._version > before
     with pytest.raises(RuntimeError, match="^out: requires grad"):
         cuflash.flash_attn_combine(partial_out, partial_lse, out=torch.zeros(1, 12, 2, 32, requires_grad=True))
+
+
+def combine_reference(out_partial, lse_partial, merged):
+    """float64 torch: softmax over the splits of lse_partial weighting out_partial; rows not
+    merged give 0 (their gradients then 0 too)."""
+    empty = ~torch.isfinite(lse_partial).any(0)  # no split: out 0, lse -inf, no gradient
+    lse_partial = torch.where(empty, 0, lse_partial.double())
+    lse = torch.logsumexp(lse_partial, dim=0)
+    out = (torch.softmax(lse_partial, dim=0)[..., None] * out_partial.double()).sum(0)
+    kept = merged & ~empty
+    return torch.where(kept[..., None], out, 0), torch.where(kept, lse, torch.where(merged, float("-inf"), 0))
+
+
+@pytest.mark.parametrize("layout", ["dense", "dense_seqused", "packed"])
+def test_combine_gradients(gen, layout):
+    splits, heads, dim = 3, 2, 16
+    if layout == "packed":
+        cu = torch.tensor([2, 9, 9, 20], dtype=torch.int32)  # rows 0-1 and 20-22 in no sequence
+        used = torch.tensor([5, 0, 11], dtype=torch.int32)
+        shape, kwargs = (23,), dict(cu_seqlens=cu, seqused=used)
+        rows = torch.arange(23)
+        merged = ((rows >= 2) & (rows < 7)) | ((rows >= 9) & (rows < 20))
+        merged = merged[:, None].expand(23, heads)
+    else:
+        used = torch.tensor([4, 7], dtype=torch.int32)
+        shape, kwargs = (2, 7), dict(seqused=used) if layout == "dense_seqused" else {}
+        merged = torch.arange(7)[None, :] < (used[:, None] if kwargs else 7)
+        merged = merged[..., None].expand(2, 7, heads)
+    out_partial = torch.randn((splits, *shape, heads, dim), generator=gen, requires_grad=True)
+    lse_partial = (3 * torch.randn((splits, *shape, heads), generator=gen)).detach()
+    lse_partial[1, ..., 0] = float("-inf")  # an empty split in some rows
+    lse_partial[:, 0] = float("-inf")  # rows with no split at all: out 0, lse -inf
+    lse_partial.requires_grad_()
+    dout = torch.randn((*shape, heads, dim), generator=gen)
+    dlse = torch.randn((*shape, heads), generator=gen)
+    out, lse = cuflash.flash_attn_combine(out_partial, lse_partial, **kwargs)
+    assert out.requires_grad and lse.requires_grad
+    got = torch.autograd.grad((out * dout).sum() + (torch.where(merged & torch.isfinite(lse), lse, 0) * dlse).sum(),
+                              (out_partial, lse_partial))
+    ref_out, ref_lse = combine_reference(out_partial, lse_partial, merged)
+    finite = torch.isfinite(ref_lse)
+    expected = torch.autograd.grad((ref_out * dout.double()).sum() + (torch.where(finite, ref_lse, 0) * dlse).sum(),
+                                   (out_partial, lse_partial))
+    torch.testing.assert_close(torch.where(merged[..., None], out, 0), ref_out.float(), atol=1e-5, rtol=1e-5)
+    for name, g, e in zip(("d_out_partial", "d_lse_partial"), got, expected):
+        assert torch.isfinite(g).all(), name
+        torch.testing.assert_close(g, e.float(), atol=1e-4, rtol=1e-4, msg=name)
+    # A preallocated out cannot carry the graph: refused by name.
+    with pytest.raises(RuntimeError, match="^out: out_partial or lse_partial requires grad"):
+        cuflash.flash_attn_combine(out_partial, lse_partial, out=torch.empty((*shape, heads, dim)), **kwargs)
+
+
+def test_ring_attention_gradients(gen):
+    # Attention over two halves of the keys, merged by flash_attn_combine, has the gradients of
+    # attention over all keys (the combine's backward carries the lse gradient back).
+    q, k, v = tensors(gen, [(2, 24, 4, 32), (2, 40, 2, 32), (2, 40, 2, 32)])
+    halves = [cuflash.flash_attn_func(q, k[:, s], v[:, s]) for s in (slice(0, 17), slice(17, 40))]
+    out_partial = torch.stack([o.float() for o, _ in halves])
+    lse_partial = torch.stack([lse.transpose(1, 2) for _, lse in halves])  # (B, S, H) per split
+    out, _ = cuflash.flash_attn_combine(out_partial, lse_partial, out_dtype=q.dtype)
+    weights = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
+    got = torch.autograd.grad((out.float() * weights).sum(), (q, k, v))
+    whole, _ = cuflash.flash_attn_func(q, k, v)
+    expected = torch.autograd.grad((whole.float() * weights).sum(), (q, k, v))
+    torch.testing.assert_close(out.float(), whole.float(), atol=2e-2, rtol=2e-2)
+    for name, g, e in zip("qkv", got, expected):
+        torch.testing.assert_close(g.float(), e.float(), atol=3e-2, rtol=3e-2, msg=f"d{name}")
