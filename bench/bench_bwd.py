@@ -24,7 +24,7 @@ all the others, so that a hang or a fault there costs only its own numbers.
 
 Writes bwd_sm90.json (records {impl, dtype, hdim, seqlen, batch, nheads, nheads_kv, causal, deterministic,
 bwd_tflops, gpu, date} plus skipped (reason or null), grad_err, grad_ref, repeatable),
-bwd_sm90.png and bwd_sm90_table.txt to --out (default $OUT), and prints a table with the ratios to cuDNN and of
+bwd_sm90.png and bwd_sm90_table.txt to --out (default $OUT), and prints a table with the ratios to cuDNN, to the best peer (cuDNN or FA2) and of
 deterministic to default cuflash (target >= 0.85). The JSON is rewritten after every shape, so
 a run that is cut short keeps what it measured. --dry-run prints the grid and FLOP counts
 without touching a GPU (no torch needed).
@@ -301,7 +301,8 @@ def main():
     title = common.titled(f"backward TFLOP/s, {args.dtype}, {gpu}, {date}", settings)
     lines = common.table_lines(f"{title}; {METHOD[args.cuflash_call]}", records,
                                "bwd_tflops", names,
-                               [("cuflash/cudnn", "cuflash", "cudnn"), ("det/cuflash", "cuflash_det", "cuflash")],
+                               [("cuflash/cudnn", "cuflash", "cudnn"), ("cuflash/best", "cuflash", ("cudnn", "fa2")),
+                                ("det/cuflash", "cuflash_det", "cuflash")],
                                label=label, ratio_width=13)
     # The skipped columns' reasons go into the table file too, so that a pass without numbers
     # says why.

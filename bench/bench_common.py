@@ -167,7 +167,8 @@ def grid_keys(records):
 
 def table_lines(title, records, value_key, names, ratios, label=by_impl, ratio_width=8):
     """A title, a header and one row per (hdim, causal, seqlen): the value of each column in
-    `names`, then each ratio (heading, numerator column, denominator column)."""
+    `names`, then each ratio (heading, numerator column, denominator column or a tuple of
+    columns, whose best number is taken: DESIGN.md's ratio to the best peer)."""
     lines = [title]
     widths = [max(8, len(n)) for n in names]
     header = f"{'hdim':>4} {'causal':>6} {'seqlen':>6} " + " ".join(f"{n:>{w}}" for n, w in zip(names, widths))
@@ -179,7 +180,11 @@ def table_lines(title, records, value_key, names, ratios, label=by_impl, ratio_w
         row = f"{hdim:>4} {int(causal):>6} {seqlen:>6} " + " ".join(f"{x:{w}.1f}" for x, w in zip(values, widths))
         for _, num, den in ratios:
             a = lookup(records, value_key, num, hdim, seqlen, causal, label)
-            b = lookup(records, value_key, den, hdim, seqlen, causal, label)
+            # A tuple of columns: the best of them that has a number (the best peer).
+            peers = [lookup(records, value_key, d, hdim, seqlen, causal, label) for d in
+                     (den if isinstance(den, tuple) else (den,))]
+            peers = [x for x in peers if math.isfinite(x)]
+            b = max(peers) if peers else float("nan")
             ratio = a / b if b else float("nan")
             row += f"  {ratio:{ratio_width}.3f}"
         lines.append(row)

@@ -15,7 +15,7 @@ is recorded as skipped, not timed.
 Writes fwd_sm90.json (records {impl, dtype, hdim, seqlen, batch, nheads, causal, fwd_tflops,
 gpu, date} plus skipped (reason or null) and out_err, and hdim_v under --hdim-v; rewritten after
 every shape, so a run cut short keeps what it measured) and fwd_sm90.png to --out, and prints a
-table with the ratio to cuDNN. --impls times only the columns named (cuflash, cudnn, fa2; all
+table with the ratios to cuDNN and to the best peer (cuDNN or FA2). --impls times only the columns named (cuflash, cudnn, fa2; all
 three by default), in that order.
 """
 
@@ -152,7 +152,9 @@ def main():
     names = list(impls)
     title = common.titled(f"forward TFLOP/s, {args.dtype}, {gpu}, {date}",
                           common.run_settings(args, [f"hdim_v {args.hdim_v}"] if args.hdim_v else []))
-    lines = common.table_lines(title, records, "fwd_tflops", names, [("cuflash/cudnn", "cuflash", "cudnn")])
+    lines = common.table_lines(title, records, "fwd_tflops", names, [("cuflash/cudnn", "cuflash", "cudnn"),
+                                                                      ("cuflash/best", "cuflash", ("cudnn", "fa2"))],
+                               ratio_width=13)
     print("\n" + "\n".join(lines))
     with open(common.out_path(args, "fwd_sm90_table", "txt"), "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -249,3 +249,13 @@ def test_gqa_reference_is_cuflash_semantics(alibi):
     # Without the mask the output differs: the check has teeth.
     unmasked = cuflash.flash_attn_varlen_func(q, k, v, score_mod=score_mod)[0]
     assert (unmasked.float() - expected).abs().max() > 0.1
+
+
+def test_ratio_to_the_best_peer():
+    common = load("bench_common")
+    records = [dict(impl=i, hdim=64, seqlen=512, causal=False, v=x) for i, x in
+               (("cuflash", 300.0), ("cudnn", 250.0), ("fa2", 320.0))]
+    records += [dict(impl=i, hdim=64, seqlen=1024, causal=False, v=x) for i, x in
+                (("cuflash", 300.0), ("cudnn", 200.0), ("fa2", None))]
+    lines = common.table_lines("t", records, "v", ["cuflash"], [("c/best", "cuflash", ("cudnn", "fa2"))])
+    assert [line.split()[-1] for line in lines[2:]] == ["0.938", "1.500"]
