@@ -6,6 +6,8 @@ Shapes: head dim 128, 32 query heads on 8 kv heads (group 4) or 64 on 8 (group 8
 batch 8, seqlen_q 1 .. 128, causal with q's rows the last of the keys (bottom-right, cuflash's
 rule for seqlen_q < seqlen_k). Columns:
   cuflash_packed / cuflash_unpacked  flash_attn_varlen_func(causal=True, pack_gqa=True / False)
+  cuflash_split   pack_gqa=True with num_splits=0 (the split-KV heuristic: with few kv heads and
+                  short q, too few CTAs fill the SMs otherwise)
   cudnn    SDPA, cuDNN backend, enable_gqa; seqlen_q 1 needs no mask, longer q a boolean
            bottom-right mask built once outside the timing (PyTorch's cuDNN path has no
            bottom-right causal flag: torch's causal_lower_right falls back to such a mask there)
@@ -86,7 +88,7 @@ def main():
     suffix = "" if args.score_mod == "none" else f"_{args.score_mod}"
     json_path = common.out_path(args, f"gqa_sm90{suffix}", "json")
     records = []
-    names = ("cuflash_packed", "cuflash_unpacked", "cudnn", "fa2")
+    names = ("cuflash_packed", "cuflash_unpacked", "cuflash_split", "cudnn", "fa2")
     print(f"GQA forward, {args.dtype}, hdim {hdim}, seqlen_k {args.seqlen_k}, batch {args.batch}, causal "
           f"(bottom-right), score_mod {args.score_mod}; {gpu}, {date}")
     print(f"{'heads':>7} {'sq':>4} " + " ".join(f"{n + ' us':>17}" for n in names) + f" {'packed GB/s':>12}")
@@ -121,9 +123,10 @@ def main():
                 return torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, is_causal=True)[0].transpose(1, 2)
 
             columns = {
-                name: (lambda pack=pack: cuflash.flash_attn_varlen_func(q, k, v, causal=True, pack_gqa=pack,
-                                                                        score_mod=score_mod)[0])
-                for name, pack in (("cuflash_packed", True), ("cuflash_unpacked", False))}
+                name: (lambda pack=pack, splits=splits: cuflash.flash_attn_varlen_func(
+                    q, k, v, causal=True, pack_gqa=pack, num_splits=splits, score_mod=score_mod)[0])
+                for name, pack, splits in (("cuflash_packed", True, 1), ("cuflash_unpacked", False, 1),
+                                           ("cuflash_split", True, 0))}
             columns.update(cudnn=cudnn, fa2=fa2)
             checked = {name: reference(q, k, v, bias) if bias is not None and name.startswith("cuflash")
                        else expected for name in columns}
