@@ -510,6 +510,24 @@ def test_torch_gpu_matches_cpu_reference(rng):
     assert_lse_close(to_f64(gpu_lse), to_f64(cpu_lse))
 
 
+@pytest.mark.parametrize("pack_gqa", [False, True])
+def test_torch_window_sides_of_int_max(rng, pack_gqa):
+    # A window side of 2^31 - 1 ("unbounded" to a caller) with more queries than keys: the
+    # forward's window arithmetic overflowed int and hid every key (out 0, lse -inf); the sides
+    # past the sequences are now no bound, as on the CPU.
+    torch = torch_cuda()
+    big = 2**31 - 1
+    q = torch.from_numpy(rng.standard_normal((2, 256, 8, 128)).astype(np.float32)).bfloat16()
+    k, v = (torch.from_numpy(rng.standard_normal((2, 64, 2, 128)).astype(np.float32)).bfloat16() for _ in range(2))
+    for window, causal in (((big, 0), False), ((big, big), False), ((big, -1), True)):
+        cpu_out, cpu_lse = cuflash.flash_attn_func(q, k, v, window_size=window, causal=causal)
+        with skip_if_not_built():
+            gpu_out, gpu_lse = cuflash.flash_attn_func(q.cuda(), k.cuda(), v.cuda(), window_size=window,
+                                                       causal=causal, pack_gqa=pack_gqa)
+        assert_close(to_f64(gpu_out), to_f64(cpu_out), "bfloat16", what=f"out {window} causal={causal}")
+        assert_lse_close(to_f64(gpu_lse), to_f64(cpu_lse))
+
+
 def test_cupy(rng):
     cupy = pytest.importorskip("cupy", reason="cupy is not installed")
     try:
