@@ -61,12 +61,13 @@ RowStrides lse_strides(const TensorView& lse) {
 // The kernels hold mod scalars as float32, exact for whole numbers up to 2^24. A sliding_window
 // side or prefix_lm length at or past every row and key (`reach`) keeps or hides the same keys as
 // 2^30 (unbounded in ModParams::whole), which it becomes; one below the reach and above 2^24
-// (sequences longer than 16M tokens) would be rounded, and is refused.
+// (sequences longer than 16M tokens) would be rounded, and is refused (as is any above 2^24
+// where the sequences reach past 2^30, which would no longer mean unbounded).
 std::vector<double> exact_mask_scalars(const MaskMod& mod, std::int64_t reach) {
   std::vector<double> scalars = mod.scalars;
   if (mod.kind != MaskModKind::kSlidingWindow && mod.kind != MaskModKind::kPrefixLM) return scalars;
   for (std::size_t i = 0; i < scalars.size(); ++i) {
-    if (scalars[i] >= static_cast<double>(reach)) {
+    if (scalars[i] >= static_cast<double>(reach) && reach <= (std::int64_t{1} << 30)) {
       scalars[i] = static_cast<double>(1 << 30);
     } else if (scalars[i] > static_cast<double>(1 << 24)) {
       const std::string argument = "mask_mod.scalars[" + std::to_string(i) + "]";

@@ -3,6 +3,7 @@
 // kernels do not support (kNotSupported) or what this build did not compile (kNotBuilt).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -157,6 +158,30 @@ const FwdEntry& built_entry(const FwdParams& params) {
 
 }  // namespace
 
+// The kernels count rows (packed GQA: the group's rows of a sequence) and tiles (m-blocks x
+// heads x batch x splits, claimed by the persistent scheduler up to a grid past the count) in
+// int. Counted here in int64 over the narrowest tile (64 rows): with packed sequences the
+// m-blocks come from max_seqlen_q, or from total_q when it is absent, per sequence.
+static void check_tile_count(const FwdParams& params) {
+  long long const group = params.pack_gqa ? params.num_heads / std::max(1, params.num_heads_kv) : 1;
+  long long const rows = (long long)params.seqlen_q * group;
+  long long const tile_heads = params.pack_gqa ? params.num_heads_kv : params.num_heads;
+  long long const tiles = (rows + 63) / 64 * tile_heads * params.batch * std::max(1, params.num_splits);
+  constexpr long long kMaxTiles = INT32_MAX - (1 << 20);
+  if (rows <= INT32_MAX && tiles <= kMaxTiles) return;
+  bool const packed = params.cu_seqlens_q != nullptr;
+  not_supported(packed ? "max_seqlen_q" : "q",
+                std::string("the sm90 forward counts its tiles in int32: ") + std::to_string(tiles) +
+                    " tiles of 64 rows (seqlen_q " + std::to_string(params.seqlen_q) +
+                    (group > 1 ? " x the packed GQA group " + std::to_string(group) : std::string()) + ", " +
+                    std::to_string(tile_heads) + " heads, batch " + std::to_string(params.batch) +
+                    (params.num_splits > 1 ? ", " + std::to_string(params.num_splits) + " splits" : std::string()) +
+                    ") are more than " + std::to_string(kMaxTiles) +
+                    (packed ? "; pass max_seqlen_q (the longest sequence: without it every sequence is "
+                              "counted as long as total_q)"
+                            : ""));
+}
+
 void check_forward_supported(const FwdParams& params) {
   if (DType(params.dtype) != DType::kFloat16 && DType(params.dtype) != DType::kBFloat16) {
     not_supported("q",
@@ -177,6 +202,7 @@ void check_forward_supported(const FwdParams& params) {
                       std::to_string(params.softmax_scale));
   }
   if (needs_flex(params)) check_flex(params);
+  check_tile_count(params);
   check_tma_operand("q", params.q,
                     {params.q_row_stride, params.q_head_stride, params.q_batch_stride});
   check_tma_operand("k", params.k,

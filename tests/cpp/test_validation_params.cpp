@@ -1267,6 +1267,40 @@ TEST(ParamsBackward, GridLimitsAndEmptyBatch) {
   EXPECT_EQ(sm90::backward_workspace_bytes(p), 0u);
 }
 
+// The forward's scheduler counts tiles in int: more than it holds (packed sequences without
+// max_seqlen_q count each as long as total_q) is refused by name, not wrapped into a grid that
+// writes nothing.
+TEST(ParamsForward, TileCountFitsTheScheduler) {
+  FwdParams p;
+  p.dtype = int(DType::kBFloat16);
+  p.head_dim = p.head_dim_v = 128;
+  p.num_heads = p.num_heads_kv = 32;
+  p.batch = 8192;
+  p.seqlen_q = p.seqlen_k = 1 << 20;
+  std::vector<std::int32_t> cu(2, 0);
+  p.cu_seqlens_q = cu.data();
+  auto refusal = [&] { return refused_argument([&] { sm90::check_forward_supported(p); }); };
+  EXPECT_EQ(refusal(), "max_seqlen_q");  // 2^14 x 32 x 8192 = 2^32 tiles
+  p.seqlen_q = 128;
+  EXPECT_EQ(refusal(), "");
+  p.cu_seqlens_q = nullptr;
+  p.batch = 64;
+  p.seqlen_q = 1 << 23;  // dense: 2^17 x 32 x 64 = 2^28 tiles
+  EXPECT_EQ(refusal(), "");
+  p.num_splits = 16;
+  EXPECT_EQ(refusal(), "q");
+  // Packed GQA: the group's rows of a sequence are counted in int as well.
+  p.num_splits = 1;
+  p.batch = 1;
+  p.num_heads = 128;
+  p.num_heads_kv = 1;
+  p.pack_gqa = true;
+  p.seqlen_q = 1 << 24;
+  EXPECT_EQ(refusal(), "q");  // 2^31 rows
+  p.seqlen_q = 1 << 23;
+  EXPECT_EQ(refusal(), "");
+}
+
 // The plain sm90 forward takes each row's running max before the softmax scale, so a negative
 // scale without softcap is refused by name, before any device work; with softcap, or in the flex
 // kernels, the scale's sign does not matter.
