@@ -1600,19 +1600,22 @@ def flash_attn_combine(
                                      "is False, e.g. a view of a read-only buffer); pass a writable one or "
                                      "leave out=None")
     lse = framework.empty(_shape(lse_partial)[1:], "float32", like=out_partial) if return_lse else None
-    _run_combine(framework, out_partial, lse_partial, out, lse, cu_seqlens, seqused)
+    out, lse = _run_combine(framework, out_partial, lse_partial, out, lse, cu_seqlens, seqused)
     framework.mark_written([given_out])
     return out, lse
 
 
 def _run_combine(framework: Any, out_partial: Tensor, lse_partial: Tensor, out: Tensor, lse: Optional[Tensor],
-                 cu_seqlens: Optional[Tensor], seqused: Optional[Tensor]) -> None:
+                 cu_seqlens: Optional[Tensor], seqused: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+    """The combine kernel into out / lse; (out, lse) as the caller's framework returns them
+    (JAX: arrays made from the buffers written)."""
     stream = framework.stream(out_partial)
     ex = framework.export
     _C.combine(ex(out_partial), ex(lse_partial), ex(out), lse=None if lse is None else ex(lse),
                cu_seqlens=None if cu_seqlens is None else ex(cu_seqlens),
                seqused=None if seqused is None else ex(seqused), stream=stream)
-    framework.finish([out, lse], stream, like=out_partial)
+    out, lse = framework.finish([out, lse], stream, like=out_partial)
+    return out, lse
 
 
 _combine_autograd = None
@@ -1652,7 +1655,7 @@ def _combine_function():
             framework = framework_of(out_partial)
             out = framework.empty(_shape(out_partial)[1:], out_dtype, like=out_partial)
             lse = framework.empty(_shape(lse_partial)[1:], "float32", like=out_partial)
-            _run_combine(framework, out_partial, lse_partial, out, lse, cu_seqlens, seqused)
+            out, lse = _run_combine(framework, out_partial, lse_partial, out, lse, cu_seqlens, seqused)
             ctx.save_for_backward(out_partial, lse_partial, lse, *(t for t in (cu_seqlens, seqused) if t is not None))
             ctx.has_index = (cu_seqlens is not None, seqused is not None)
             return out, lse
