@@ -186,7 +186,26 @@ def _forward_call(static: _Static, q, k, v, sink, extras, aux):
                jax.ShapeDtypeStruct(static.lse_shape, np.float32))
     call = jax.ffi.ffi_call(FORWARD_TARGET, results, vmap_method="sequential")
     out, lse = call(q, k, v, *operands, **static.attributes(bits, forward=True))
+    cu_seqlens_q = extras[0]
+    if cu_seqlens_q is not None:
+        rows = _rows_in_sequences(cu_seqlens_q, out.shape[0])
+        out, lse = _zero_outside(out, rows[:, None, None]), _zero_outside(lse, rows[None, :])
     return out, lse
+
+
+def _rows_in_sequences(cu_seqlens, total: int):
+    """Which of `total` packed rows lie in a sequence of cu_seqlens, [cu_seqlens[0], cu_seqlens[-1])."""
+    jnp = _jax().numpy
+    rows = jnp.arange(total, dtype=np.int32)
+    return (rows >= cu_seqlens[0]) & (rows < cu_seqlens[-1])
+
+
+def _zero_outside(x, inside):
+    """x with 0 where `inside` is False. The kernels (and the CPU reference) write no row outside
+    the sequences of a padded packed batch, and XLA's result buffers hold whatever was there: the
+    other frameworks' packed outputs start as zeros, these are zeroed after."""
+    jnp = _jax().numpy
+    return jnp.where(inside, x, jnp.zeros((), x.dtype))
 
 
 def _backward_block_lists(extras):
@@ -233,6 +252,12 @@ def _backward_call(static: _Static, q, k, v, sink, extras, aux, out, dout, lse, 
     call = jax.ffi.ffi_call(BACKWARD_TARGET, tuple(results), vmap_method="sequential")
     grads = call(q, k, v, out, dout, lse, *operands, **static.attributes(bits, forward=False))
     dq, dk, dv = grads[:3]
+    cu_seqlens_q, cu_seqlens_k, page_table = extras[0], extras[1], extras[4]
+    if cu_seqlens_q is not None:
+        dq = _zero_outside(dq, _rows_in_sequences(cu_seqlens_q, dq.shape[0])[:, None, None])
+    if cu_seqlens_k is not None and page_table is None:
+        rows = _rows_in_sequences(cu_seqlens_k, dk.shape[0])[:, None, None]
+        dk, dv = _zero_outside(dk, rows), _zero_outside(dv, rows)
     return dq, dk, dv, (grads[3] if sink is not None else None)
 
 

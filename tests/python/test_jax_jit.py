@@ -144,6 +144,36 @@ def test_varlen_forward_and_grad(rng, causal):
     check_grads([f64(g) for g in grads] + [None], expected)
 
 
+def test_padded_packed_rows_are_zero(rng):
+    # Rows outside the sequences of a padded packed batch (before cu_seqlens[0], past
+    # cu_seqlens[-1]) are written by no kernel: out, lse and the gradients there are 0 (as the
+    # other frameworks give), not what XLA's result buffers held.
+    q = jax.device_put(randn(rng, (24, 2, 32)).astype(jnp.bfloat16), CPU)
+    k = jax.device_put(randn(rng, (30, 2, 32)).astype(jnp.bfloat16), CPU)
+    cu_q, cu_k = (jax.device_put(np.array(c, np.int32), CPU) for c in ([2, 7, 14], [0, 10, 25]))
+
+    def attention(q, k):
+        return cuflash.flash_attn_varlen_func(q, k, k, cu_q, cu_k, 7, 15)
+
+    jnp.full((1 << 18,), jnp.nan).block_until_ready()  # leave NaN in freed host memory
+    out, lse = jax.jit(attention)(q, k)
+    inside_q = (np.arange(24) >= 2) & (np.arange(24) < 14)
+    assert np.all(np.asarray(out, np.float32)[~inside_q] == 0)
+    assert np.all(np.asarray(lse)[:, ~inside_q] == 0)
+    assert np.all(np.isfinite(np.asarray(out, np.float32)))
+
+    def loss(q, k):
+        out, lse = attention(q, k)
+        return jnp.sum(out.astype(jnp.float32)) + jnp.sum(lse)
+
+    dq, dk = jax.jit(jax.grad(loss, argnums=(0, 1)))(q, k)
+    dq, dk = np.asarray(dq, np.float32), np.asarray(dk, np.float32)
+    assert np.all(np.isfinite(dq)) and np.all(np.isfinite(dk))
+    assert np.all(dq[~inside_q] == 0) and np.all(dk[25:] == 0)
+    eager = cuflash.flash_attn_varlen_func(*(np.asarray(x) for x in (q, k, k, cu_q, cu_k)), 7, 15)
+    assert_close(f64(out), f64(eager[0]), what="out against eager")
+
+
 def test_varlen_seqused_with_constant_index_arrays(rng):
     # Index arrays captured by the traced function (constants of the computation), NumPy aux.
     lengths = [7, 12, 3]
