@@ -56,6 +56,9 @@ def _check_tensor(x: Any, argument: str, framework: Optional[Framework] = None) 
         _fail(TypeError, argument, f"expected a tensor or array (torch, numpy, cupy or jax), got {type(x).__name__}")
     if framework is not None and own is not framework:
         _fail(TypeError, argument, f"expected a {framework.name} array like q, got a {own.name} array")
+    if own.name == "jax" and not own._is_tracer(x) and len(x.devices()) > 1:
+        _fail(ValueError, argument, f"a JAX array on {len(x.devices())} devices (sharded or replicated); cuflash "
+                                    f"takes arrays on one device (under jax.jit, shard_map runs it per shard)")
     if own.name == "jax" and not _jax_ffi_available():
         from . import _jax
 

@@ -821,9 +821,13 @@ void check_mask_mod(const MaskMod& mod, const AttentionShape& s, const KnownLeng
       const std::int64_t needed =
           std::max(known.q.value_or(s.seqlen_q), known.k.value_or(s.seqlen_k));
       if (doc.shape[0] != s.batch || doc.shape[1] < needed) {
+        const bool unknown = (s.varlen_q && !known.q) || (s.varlen_k && !known.k);
         fail("mask_mod.aux[0]", "expected shape (" + std::to_string(s.batch) +
                                     ", L) with L >= " + std::to_string(needed) +
-                                    " (batch, max(seqlen_q, seqlen_k)), got " + doc.shape_string());
+                                    " (batch, max(seqlen_q, seqlen_k)), got " + doc.shape_string() +
+                                    (unknown ? "; the lengths of sequences in device memory are their bounds (total "
+                                               "rows) unless max_seqlen_q / max_seqlen_k are given"
+                                             : ""));
       }
       return;
     }

@@ -115,3 +115,28 @@ def test_traced_values_need_the_handlers(rng, monkeypatch):
 
     with pytest.raises(TypeError, match="^q: .*jax"):
         attention(q)
+
+
+def test_arrays_on_several_devices_are_refused_by_name():
+    # A sharded (or replicated) eager array: refused naming the argument. Several CPU devices
+    # exist only when XLA is told before jax starts, so this runs in a fresh interpreter.
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    program = (
+        "import jax, jax.numpy as jnp, numpy as np, cuflash\n"
+        "from jax.sharding import Mesh, NamedSharding, PartitionSpec as P\n"
+        "mesh = Mesh(np.array(jax.devices()), ('x',))\n"
+        "q = jnp.zeros((2, 8, 2, 32), jnp.bfloat16)\n"
+        "k = jax.device_put(q, NamedSharding(mesh, P('x')))\n"
+        "try:\n"
+        "    cuflash.flash_attn_func(q, k, q)\n"
+        "except ValueError as error:\n"
+        "    print(error)\n")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join([str(pathlib.Path(cuflash.__file__).parents[1]), env.get("PYTHONPATH", "")])
+    result = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("k: a JAX array on 2 devices"), result.stdout
