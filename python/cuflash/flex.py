@@ -313,11 +313,14 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Optiona
     out, lse = _interface._attention(call)
     out = out.swapaxes(1, 2)
     if return_aux is not None:
-        return out, _aux_output(lse if want_lse else None)
+        return out, _aux_output(lse if want_lse else None, call.framework.name)
     return (out, lse) if want_lse else out
 
 
-def _aux_output(lse: Optional[Tensor]):
+def _aux_output(lse: Optional[Tensor], framework_name: str):
+    """torch's AuxOutput for torch tensors (where torch has one), cuflash's otherwise."""
+    if framework_name != "torch":
+        return AuxOutput(lse=lse)
     try:
         from torch.nn.attention.flex_attention import AuxOutput as TorchAuxOutput
     except ImportError:

@@ -455,6 +455,11 @@ def test_flex_attention_interface(rng):
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(expected[0]))
     for g, e in zip(got[1], expected[1]):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(e))
+    # return_aux gives cuflash's AuxOutput of JAX arrays (torch's is for torch tensors).
+    request = type("AuxRequest", (), {"lse": True, "max_scores": False})()
+    out, aux = cuflash.flex_attention(*on_cpu(q, k, v), enable_gqa=True, return_aux=request)
+    assert isinstance(aux, cuflash.flex.AuxOutput) and isinstance(aux.lse, jax.Array)
+    assert aux.lse.shape == (2, 4, 20)
 
 
 def test_vjp_vmap_and_eager_grad(rng):
