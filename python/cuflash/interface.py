@@ -106,6 +106,16 @@ def _check_int(value: Any, argument: str, optional: bool = False, minimum: Optio
 def _check_float(value: Any, argument: str, optional: bool = False) -> Optional[float]:
     if value is None and optional:
         return None
+    own = None if isinstance(value, (bool, numbers.Real)) else framework_of(value)
+    if own is not None and tuple(getattr(value, "shape", (None,))) == () and own.dtype(value).startswith(("float", "bfloat", "int", "uint")):
+        # A concrete 0-d numeric array (jnp.float32(0.1), a torch scalar tensor): its value.
+        if own.name == "jax" and own._is_tracer(value):
+            _fail(TypeError, argument, "expected a Python float, got a traced JAX value: it sets the kernels' "
+                                       "constants, so it must be concrete (a static argument under jax.jit)")
+        if own.requires_grad(value):
+            _fail(NotImplementedError, argument, "requires grad, but cuflash computes no gradient for it; pass a "
+                                                 "float (or a tensor that does not require grad)")
+        value = float(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         expected = "a float or None" if optional else "a float"
         _fail(TypeError, argument, f"expected {expected}, got {type(value).__name__}")

@@ -140,3 +140,15 @@ def test_arrays_on_several_devices_are_refused_by_name():
     result = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("k: a JAX array on 2 devices"), result.stdout
+
+
+def test_concrete_scalar_arrays_as_floats(rng):
+    # softmax_scale / softcap given as 0-d JAX arrays: their values when concrete, refused by name
+    # when traced (they set the kernels' constants).
+    jnp = jax.numpy
+    q = jnp.asarray(randn(rng, (1, 8, 2, 32)), jnp.bfloat16)
+    got = cuflash.flash_attn_func(q, q, q, softmax_scale=jnp.float32(0.1), softcap=jnp.asarray(5.0))[0]
+    expected = cuflash.flash_attn_func(q, q, q, softmax_scale=0.1, softcap=5.0)[0]
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+    with pytest.raises(TypeError, match="^softmax_scale: expected a Python float, got a traced JAX value"):
+        jax.jit(lambda q, s: cuflash.flash_attn_func(q, q, q, softmax_scale=s)[0])(q, jnp.float32(0.1))

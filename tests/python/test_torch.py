@@ -513,3 +513,13 @@ def test_ring_attention_gradients(gen):
     torch.testing.assert_close(out.float(), whole.float(), atol=2e-2, rtol=2e-2)
     for name, g, e in zip("qkv", got, expected):
         torch.testing.assert_close(g.float(), e.float(), atol=3e-2, rtol=3e-2, msg=f"d{name}")
+
+
+def test_scalar_tensors_as_floats(gen):
+    # A 0-d tensor for softmax_scale is its value; one that requires grad is refused (no gradient
+    # for it is computed), not silently left untrained.
+    q, k, v = tensors(gen, [(1, 12, 2, 32)] * 3, requires_grad=False)
+    got = cuflash.flash_attn_func(q, k, v, softmax_scale=torch.tensor(0.1))[0]
+    torch.testing.assert_close(got, cuflash.flash_attn_func(q, k, v, softmax_scale=0.1)[0], atol=0, rtol=0)
+    with pytest.raises(NotImplementedError, match="^softmax_scale: requires grad"):
+        cuflash.flash_attn_func(q, k, v, softmax_scale=torch.tensor(0.1, requires_grad=True))
