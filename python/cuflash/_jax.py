@@ -19,7 +19,7 @@ from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
-from . import _C
+from . import _C, _jax_sharding
 from .block_sparse import BLOCK_M, BLOCK_N
 
 FORWARD_TARGET = "cuflash_forward"
@@ -178,14 +178,30 @@ def _operands(sink, extras, aux, forward: bool) -> Tuple[List[Any], int]:
 # The custom calls
 
 
-def _forward_call(static: _Static, q, k, v, sink, extras, aux):
+def _forward_ffi(static: _Static, bits: int, group: int, q, k, v, *operands):
+    """The forward custom call on arrays whose shapes `static` describes (a whole call, or one
+    shard of it: _jax_sharding)."""
     jax = _jax()
-    _register()
-    operands, bits = _operands(sink, extras, aux, forward=True)
     results = (jax.ShapeDtypeStruct(static.out_shape, q.dtype),
                jax.ShapeDtypeStruct(static.lse_shape, np.float32))
     call = jax.ffi.ffi_call(FORWARD_TARGET, results, vmap_method="sequential")
-    out, lse = call(q, k, v, *operands, **static.attributes(bits, forward=True))
+    return tuple(call(q, k, v, *operands, **static.attributes(bits, forward=True)))
+
+
+def _backward_ffi(static: _Static, bits: int, group: int, q, k, v, out, dout, lse, *operands):
+    jax = _jax()
+    results = [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in (q, k, v)]
+    if bits & 1:  # learnable_sink: its gradient
+        results.append(jax.ShapeDtypeStruct((static.num_heads,), np.float32))
+    call = jax.ffi.ffi_call(BACKWARD_TARGET, tuple(results), vmap_method="sequential")
+    return tuple(call(q, k, v, out, dout, lse, *operands, **static.attributes(bits, forward=False)))
+
+
+def _forward_call(static: _Static, q, k, v, sink, extras, aux):
+    _register()
+    operands, bits = _operands(sink, extras, aux, forward=True)
+    group = static.num_heads // k.shape[-2]
+    out, lse = _jax_sharding.call(_forward_ffi, True, static, bits, group, q, k, v, *operands)
     cu_seqlens_q = extras[0]
     if cu_seqlens_q is not None:
         rows = _rows_in_sequences(cu_seqlens_q, out.shape[0])
@@ -242,15 +258,11 @@ def transpose_block_lists(cnt, idx, num_col_blocks: int):
 
 def _backward_call(static: _Static, q, k, v, sink, extras, aux, out, dout, lse, dlse=None):
     """dlse: the gradient reaching lse (lse's shape, float32), or None."""
-    jax = _jax()
     _register()
     extras = _backward_block_lists(extras) + (dlse,)
     operands, bits = _operands(sink, extras, aux, forward=False)
-    results = [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in (q, k, v)]
-    if sink is not None:
-        results.append(jax.ShapeDtypeStruct((static.num_heads,), np.float32))
-    call = jax.ffi.ffi_call(BACKWARD_TARGET, tuple(results), vmap_method="sequential")
-    grads = call(q, k, v, out, dout, lse, *operands, **static.attributes(bits, forward=False))
+    group = static.num_heads // k.shape[-2]
+    grads = _jax_sharding.call(_backward_ffi, False, static, bits, group, q, k, v, out, dout, lse, *operands)
     dq, dk, dv = grads[:3]
     cu_seqlens_q, cu_seqlens_k, page_table = extras[0], extras[1], extras[4]
     if cu_seqlens_q is not None:

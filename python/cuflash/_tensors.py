@@ -332,9 +332,9 @@ class JaxFramework(Framework):
             return ("cpu", 0) if isinstance(x, np.ndarray) else ("cuda", int(x.__dlpack_device__()[1]))
         if self._is_tracer(x):
             return TRACED
-        devices = list(x.devices())
-        if len(devices) != 1:
-            raise ValueError("cuflash takes JAX arrays on a single device")
+        # An array over several devices (sharded: the XLA custom calls partition over its mesh)
+        # stands for its mesh's first device.
+        devices = sorted(x.devices(), key=lambda d: d.id)
         platform = devices[0].platform
         if platform == "gpu":
             return ("cuda", int(getattr(devices[0], "local_hardware_id", devices[0].id)))

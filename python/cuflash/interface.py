@@ -56,9 +56,11 @@ def _check_tensor(x: Any, argument: str, framework: Optional[Framework] = None) 
         _fail(TypeError, argument, f"expected a tensor or array (torch, numpy, cupy or jax), got {type(x).__name__}")
     if framework is not None and own is not framework:
         _fail(TypeError, argument, f"expected a {framework.name} array like q, got a {own.name} array")
-    if own.name == "jax" and not own._is_tracer(x) and len(x.devices()) > 1:
-        _fail(ValueError, argument, f"a JAX array on {len(x.devices())} devices (sharded or replicated); cuflash "
-                                    f"takes arrays on one device (under jax.jit, shard_map runs it per shard)")
+    if own.name == "jax" and not own._is_tracer(x) and len(x.devices()) > 1 and not _jax_ffi_available():
+        # The XLA custom calls partition over a mesh (_jax_sharding); the DLPack path cannot.
+        _fail(ValueError, argument, f"a JAX array on {len(x.devices())} devices (sharded or replicated), which "
+                                    f"this build takes only through its XLA custom calls; "
+                                    f"{_jax_unavailable_message()}")
     if own.name == "jax" and not _jax_ffi_available():
         from . import _jax
 
@@ -66,6 +68,12 @@ def _check_tensor(x: Any, argument: str, framework: Optional[Framework] = None) 
             _fail(TypeError, argument, f"traced JAX values (inside jax.jit or jax.grad) run as XLA custom calls, "
                                        f"but {_jax.unavailable_message()}; or call cuflash eagerly")
     return own
+
+
+def _jax_unavailable_message() -> str:
+    from . import _jax
+
+    return _jax.unavailable_message()
 
 
 def _jax_ffi_available() -> bool:

@@ -1,0 +1,194 @@
+"""Sharding rules for cuflash's XLA custom calls: under jax.jit with arrays sharded over a mesh,
+attention stays sharded over its batch and heads instead of being gathered onto every device.
+
+Each custom call (python/cuflash/_jax.py) is wrapped in ``custom_partitioning`` with a Shardy
+rule in einsum notation. Dense q, k, v, out are (batch, seqlen, heads, dim) and lse (batch,
+heads, seqlen); packed ones (total, heads, dim) and (heads, total); paged k / v (pages,
+page_size, heads, dim). The query heads are the kv heads times the GQA group, ``(h g)``: the kv
+heads ``h`` may be sharded, the group ``g`` not, so that every shard holds whole groups. The
+batch ``b`` may be sharded in dense layouts (a page table's rows and seqused follow it).
+Sequence, row, page and head-dim factors are never sharded. Where the kernels read a batch or
+head index from elsewhere (a score_mod / mask_mod, its tensors, block lists), the batch and heads
+are not sharded either; nor is the batch of packed sequences (cu_seqlens hold the whole batch)
+or of a backward with a learnable sink or pages (their gradients sum over the batch). Each shard
+then runs the custom call on its own part, with the shapes of that part. With one device, and
+under jax.vmap (which custom_partitioning does not batch), the custom calls run unpartitioned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+from typing import Any, List, Tuple
+
+import numpy as np
+
+_OPTIONAL = ("learnable_sink", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "page_table",
+             "mask_block_cnt", "mask_block_idx", "full_block_cnt", "full_block_idx",
+             "q_mask_block_cnt", "q_mask_block_idx", "q_full_block_cnt", "q_full_block_idx", "dlse")
+
+
+def _jax():
+    return sys.modules["jax"]
+
+
+def _present(bits: int) -> List[str]:
+    return [name for i, name in enumerate(_OPTIONAL) if bits >> i & 1]
+
+
+def _layout(static: Any, bits: int) -> Tuple[bool, bool, bool]:
+    """(packed q, packed k, paged k / v) of a call."""
+    present = _present(bits)
+    return "cu_seqlens_q" in present, "cu_seqlens_k" in present, "page_table" in present
+
+
+def _rule(static: Any, bits: int, forward: bool, group: int, ranks: List[int]) -> Tuple[str, dict]:
+    """The einsum-like Shardy rule of a custom call (operand ranks `ranks`) and its options."""
+    packed_q, packed_k, paged = _layout(static, bits)
+    present = _present(bits)
+    fresh = (f"x{i}" for i in range(1000))  # never-sharded factors of the index tensors
+    batch = "b" if not packed_q else None
+    # The query heads: kv heads x group, as a compound factor only where both exceed 1 (Shardy
+    # takes no factor of size 1 in a compound); MQA's heads are the group alone (not sharded).
+    heads = "h" if group == 1 else "g" if static.num_heads == group else "(h g)"
+    q = f"tq {heads} d" if packed_q else f"b s {heads} d"
+    kv_rows = "p z" if paged else ("tk" if packed_k else "b t")
+    k, v = f"{kv_rows} h d", f"{kv_rows} h e"
+    out = f"tq {heads} e" if packed_q else f"b s {heads} e"
+    lse = f"{heads} tq" if packed_q else f"b {heads} s"
+    operands = [q, k, v] if forward else [q, k, v, out, out, lse]
+    for name in present:
+        if name == "learnable_sink":
+            operands.append(heads)
+        elif name in ("seqused_q", "seqused_k"):
+            operands.append(batch or next(fresh))
+        elif name == "page_table":
+            operands.append(f"{batch or next(fresh)} {next(fresh)}")
+        elif name == "dlse":
+            operands.append(lse)
+        else:  # cu_seqlens and block lists
+            operands.append(" ".join(next(fresh) for _ in range(ranks[len(operands)])))
+    while len(operands) < len(ranks):  # the tensors a score_mod / mask_mod reads
+        operands.append(" ".join(next(fresh) for _ in range(ranks[len(operands)])))
+    results = [out, lse] if forward else [q, k, v] + ([heads] if "learnable_sink" in present else [])
+    factors = []  # in order of first appearance, the order Shardy numbers them in
+    for text in operands + results:
+        factors += [f for f in text.replace("(", " ").replace(")", " ").split() if f not in factors]
+    replicated = {"s", "t", "d", "e", "g", "tq", "tk", "p", "z"} | {f for f in factors if f.startswith("x")}
+    if static.num_heads == group:  # one kv head
+        replicated.add("h")
+    # The kernels read batch and head indices for mods, their tensors and block lists, which
+    # hold the whole batch and all heads.
+    if (static.score_mod_kind or static.mask_mod_kind or static.num_score_aux or static.num_mask_aux
+            or any(name.endswith(("_cnt", "_idx")) for name in present)):
+        replicated |= {"b", "h"}
+    # cu_seqlens hold the whole batch; the backward sums over the batch for a sink's gradient and
+    # for the pages' (a page may serve sequences of several batch shards).
+    if packed_q or packed_k or (not forward and ("learnable_sink" in present or paged)):
+        replicated.add("b")
+    options = dict(need_replication_factors=tuple(f for f in factors if f in replicated))
+    if heads == "(h g)":
+        options["g"] = group
+    return f"{', '.join(operands)} -> {', '.join(results)}", options
+
+
+def _dims(side: str) -> List[Tuple[str, ...]]:
+    """Per tensor of one side of a rule, its dimensions as factor tuples ("(h g)" -> ("h", "g"))."""
+    tensors = []
+    for text in side.split(", "):
+        dims, group = [], None
+        for token in text.replace("(", " ( ").replace(")", " ) ").split():
+            if token == "(":
+                group = []
+            elif token == ")":
+                dims.append(tuple(group))
+                group = None
+            elif group is not None:
+                group.append(token)
+            else:
+                dims.append((token,))
+        tensors.append(dims)
+    return tensors
+
+
+def _local_static(static: Any, q: Any, v: Any, packed_q: bool) -> Any:
+    """The static part of a shard's call: its output shapes and head count."""
+    heads = q.shape[-2]
+    out_shape = tuple(q.shape[:-1]) + (v.shape[-1],)
+    lse_shape = (heads, q.shape[0]) if packed_q else (q.shape[0], heads, q.shape[1])
+    return dataclasses.replace(static, out_shape=out_shape, lse_shape=lse_shape, num_heads=heads)
+
+
+def call(call_fn: Any, forward: bool, static: Any, bits: int, group: int, *arrays: Any) -> Any:
+    """call_fn(static, bits, group, *arrays), partitioned where several devices may shard it.
+    With one device there is nothing to partition; under jax.vmap (which custom_partitioning
+    does not batch) the custom call runs as before, once per batch entry."""
+    jax = _jax()
+    if jax.device_count() == 1 or any(_is_batched(x) for x in arrays):
+        return call_fn(static, bits, group, *arrays)
+    return _partitioned(call_fn, forward)(static, bits, group, *arrays)
+
+
+def _is_batched(x: Any) -> bool:
+    try:
+        from jax._src.interpreters.batching import BatchTracer
+    except ImportError:  # another JAX layout: treat every tracer as possibly batched
+        return isinstance(x, _jax().core.Tracer)
+    return isinstance(x, BatchTracer)
+
+
+@functools.lru_cache(maxsize=None)
+def _partitioned(call_fn: Any, forward: bool) -> Any:
+    """call_fn(static, bits, group, q, k, v, *operands) as a custom_partitioning function:
+    sharded by the rule above, each shard calling call_fn with its own static part."""
+    from jax._src.interpreters import mlir
+    from jax.experimental.custom_partitioning import custom_partitioning
+
+    wrapped = custom_partitioning(call_fn, static_argnums=(0, 1, 2))
+
+    def sharding_rule(static, bits, group, mesh, operand_types, result_types):
+        ranks = [mlir.ir.RankedTensorType(t).rank for t in operand_types]
+        return _rule(static, bits, forward, group, ranks)
+
+    def partition(static, bits, group, mesh, arg_shapes, result_shape):
+        # The shardings this call runs with, whatever the operands came with: the batch and the
+        # kv heads on the mesh axes that shard them in q (where the rule lets them be sharded
+        # and the axes divide them), every other dimension whole; the partitioner reshards the
+        # operands to match.
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        rule, options = _rule(static, bits, forward, group, [len(a.shape) for a in arg_shapes])
+        operand_dims, result_dims = (_dims(side) for side in rule.split(" -> "))
+        replicated = set(options["need_replication_factors"])
+        q_spec = tuple(arg_shapes[0].sharding.spec) + (None,) * 4
+        q_dims = operand_dims[0]
+        axes = {}
+        for factor, q_dim, size in (("b", ("b",), None), ("h", ("h", "g"), arg_shapes[1].shape[-2]),
+                                    ("h", ("h",), arg_shapes[1].shape[-2])):
+            if factor in replicated or q_dim not in q_dims:
+                continue
+            dim = q_dims.index(q_dim)
+            names = q_spec[dim]
+            names = () if names is None else (names,) if isinstance(names, str) else tuple(names)
+            count = int(np.prod([mesh.shape[n] for n in names])) if names else 1
+            extent = arg_shapes[0].shape[dim] if factor == "b" else size
+            if names and extent % count == 0:
+                axes[factor] = names
+
+        def sharding(dims):
+            return NamedSharding(mesh, PartitionSpec(*(
+                axes.get("b") if dim == ("b",) else axes.get("h") if dim in (("h",), ("h", "g")) else None
+                for dim in dims)))
+
+        arg_shardings = tuple(sharding(dims) for dims in operand_dims)
+        result_shardings = tuple(sharding(dims) for dims in result_dims)
+        packed_q = _layout(static, bits)[0]
+
+        def lower_fn(q, k, v, *operands):
+            return call_fn(_local_static(static, q, v, packed_q), bits, group, q, k, v, *operands)
+
+        return mesh, lower_fn, result_shardings, arg_shardings
+
+    wrapped.def_partition(partition=partition, sharding_rule=sharding_rule)
+    return wrapped
