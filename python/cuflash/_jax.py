@@ -197,11 +197,31 @@ def _backward_ffi(static: _Static, bits: int, group: int, q, k, v, out, dout, ls
     return tuple(call(q, k, v, out, dout, lse, *operands, **static.attributes(bits, forward=False)))
 
 
+@functools.lru_cache(maxsize=None)
+def _not_differentiable(forward: bool):
+    """A custom call whose own derivative fails by name, as under torch, instead of with XLA's
+    generic message. Only a second-order gradient (jax.hessian, a gradient penalty)
+    differentiates them: the first order goes through the custom_vjp below."""
+    jax = _jax()
+
+    @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
+    def call(static, bits, group, *arrays):
+        return _jax_sharding.call(_forward_ffi if forward else _backward_ffi, forward, static, bits, group, *arrays)
+
+    @call.defjvp
+    def _(static, bits, group, primals, tangents):
+        from .interface import NO_DOUBLE_BACKWARD
+
+        raise NotImplementedError(NO_DOUBLE_BACKWARD)
+
+    return call
+
+
 def _forward_call(static: _Static, q, k, v, sink, extras, aux):
     _register()
     operands, bits = _operands(sink, extras, aux, forward=True)
     group = static.num_heads // k.shape[-2]
-    out, lse = _jax_sharding.call(_forward_ffi, True, static, bits, group, q, k, v, *operands)
+    out, lse = _not_differentiable(True)(static, bits, group, q, k, v, *operands)
     cu_seqlens_q = extras[0]
     if cu_seqlens_q is not None:
         rows = _rows_in_sequences(cu_seqlens_q, out.shape[0])
@@ -262,7 +282,7 @@ def _backward_call(static: _Static, q, k, v, sink, extras, aux, out, dout, lse, 
     extras = _backward_block_lists(extras) + (dlse,)
     operands, bits = _operands(sink, extras, aux, forward=False)
     group = static.num_heads // k.shape[-2]
-    grads = _jax_sharding.call(_backward_ffi, False, static, bits, group, q, k, v, out, dout, lse, *operands)
+    grads = _not_differentiable(False)(static, bits, group, q, k, v, out, dout, lse, *operands)
     dq, dk, dv = grads[:3]
     cu_seqlens_q, cu_seqlens_k, page_table = extras[0], extras[1], extras[4]
     if cu_seqlens_q is not None:

@@ -1104,8 +1104,8 @@ def _check_backward_inputs(call: _Call, out: Tensor, dout: Tensor, lse: Tensor, 
 _autograd_function = None
 
 NO_DOUBLE_BACKWARD = ("cuflash's attention backward is not differentiable (no double backward): the gradients "
-                      "of q, k, v and learnable_sink cannot be differentiated again (create_graph=True, gradient "
-                      "penalties, Hessian-vector products)")
+                      "of q, k, v and learnable_sink cannot be differentiated again (torch's create_graph=True, "
+                      "JAX's grad of grad, gradient penalties, Hessian-vector products)")
 
 
 def _not_differentiable_again(torch: Any, grads: Sequence[Optional[Tensor]]) -> Tuple[Optional[Tensor], ...]:

@@ -520,3 +520,16 @@ def test_mod_tensors_are_not_differentiated(rng):
     dq = jax.grad(loss, argnums=1)(slopes, q)
     dq_constant = jax.grad(lambda s, q: loss(jax.lax.stop_gradient(s), q), argnums=(0, 1))(slopes, q)
     np.testing.assert_array_equal(np.asarray(dq), np.asarray(dq_constant[1]))
+
+
+def test_no_second_order_gradients(rng):
+    # A gradient of a gradient fails by name (the backward custom call has no derivative), as
+    # under torch; the first order is unchanged.
+    q = jax.device_put(randn(rng, (1, 8, 2, 16)).astype(jnp.bfloat16), CPU)
+
+    def loss(q):
+        return jnp.sum(cuflash.flash_attn_func(q, q, q)[0].astype(jnp.float32) ** 2)
+
+    assert jax.jit(jax.grad(loss))(q).shape == q.shape
+    with pytest.raises(NotImplementedError, match="no double backward"):
+        jax.grad(lambda q: jnp.sum(jax.grad(loss)(q).astype(jnp.float32) ** 2))(q)
