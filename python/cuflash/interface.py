@@ -14,6 +14,7 @@ raises NotImplementedError naming the build option.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import sys
@@ -1639,9 +1640,6 @@ def _run_combine(framework: Any, out_partial: Tensor, lse_partial: Tensor, out: 
     return out, lse
 
 
-_combine_autograd = None
-
-
 def _combined_rows(torch: Any, lse: Tensor, cu_seqlens: Optional[Tensor], seqused: Optional[Tensor]) -> Tensor:
     """Which rows the combine merges, as a bool tensor broadcasting against lse (batch, seqlen,
     heads) or packed (total, heads): the rows of each sequence below its seqused, and for packed
@@ -1660,14 +1658,12 @@ def _combined_rows(torch: Any, lse: Tensor, cu_seqlens: Optional[Tensor], sequse
     return inside[:, None]
 
 
+@functools.lru_cache(maxsize=None)
 def _combine_function():
     """torch.autograd.Function of flash_attn_combine, made on first use (importing cuflash needs
     no torch). The forward runs the combine kernel; the backward is elementwise torch: with
     w_s = exp(lse_s - lse), d out_s = w_s dout and d lse_s = w_s (<dout, out_s - out> + dlse), zero
     in the rows the combine does not merge."""
-    global _combine_autograd
-    if _combine_autograd is not None:
-        return _combine_autograd
     import torch
 
     class CombineFunction(torch.autograd.Function):
@@ -1700,7 +1696,6 @@ def _combine_function():
             grads = _not_differentiable_again(torch, (d_out_partial, d_lse_partial))
             return grads + (None, None, None)
 
-    _combine_autograd = CombineFunction
     return CombineFunction
 
 
