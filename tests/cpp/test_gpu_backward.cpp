@@ -82,7 +82,9 @@ struct Problem : gpu_testing::RowLayout {
     fill_normal(dout, std::size_t(rows_q) * c.heads * c.head_dim_v, c.dtype, normal, rng);
     if (c.sink) {
       sink.resize(c.heads);
-      for (float& x : sink) x = gpu_testing::round_to(normal(rng), *c.sink == DType::kFloat32 ? c.dtype : *c.sink);
+      // An fp32 sink keeps its fp32 value (a kernel that rounded it to 16 bits would fail).
+      for (float& x : sink)
+        x = *c.sink == DType::kFloat32 ? normal(rng) : gpu_testing::round_to(normal(rng), *c.sink);
     }
     scale = c.zero_scale ? 0.f : 1.f / std::sqrt(float(c.head_dim));
     run_forward();
@@ -329,7 +331,9 @@ std::vector<BwdCase> backward_cases() {
   unsigned seed = 1000;
   for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
     for (auto [d, dv] : head_dims) {
-      auto add = [&](BwdCase c) {
+      // fp16 runs the first cases and those marked for both dtypes; bf16 runs every case.
+      auto add = [&](BwdCase c, bool fp16_too = false) {
+        if (dtype == DType::kFloat16 && !fp16_too) return;
         c.dtype = dtype;
         c.head_dim = d;
         c.head_dim_v = dv;
@@ -339,16 +343,19 @@ std::vector<BwdCase> backward_cases() {
       BwdCase c;
       c = {};
       c.label = "dense", c.batch = 2, c.seqlen_q = 257, c.seqlen_k = 257, c.heads = 3, c.heads_kv = 3;
-      add(c);
+      add(c, true);
       c = {};
       c.label = "causal_long", c.batch = 1, c.seqlen_q = 1023, c.seqlen_k = 1023, c.heads = 2, c.heads_kv = 2,
       c.causal = true;
-      add(c);
+      add(c, true);
       c = {};
       c.label = "varlen_causal_gqa", c.batch = 4, c.seqlen_q = 300, c.seqlen_k = 333, c.heads = 4, c.heads_kv = 1,
       c.causal = true, c.varlen = true;
-      add(c);
-      if (dtype == DType::kFloat16) continue;  // the rest once per head dim
+      add(c, true);
+      c = {};  // a gradient reaching lse where rows see no key (lse -inf, dlse NaN there: unread)
+      c.label = "dlse_causal_sq_gt_sk", c.batch = 2, c.seqlen_q = 300, c.seqlen_k = 100, c.heads = 4, c.heads_kv = 2,
+      c.causal = true, c.dlse = true;
+      add(c, true);
       c = {};  // masked keys (causal, past the keys in the last block) under a scale of 0
       c.label = "zero_scale_causal", c.batch = 2, c.seqlen_q = 200, c.seqlen_k = 333, c.heads = 2, c.heads_kv = 2,
       c.causal = true, c.zero_scale = true;
@@ -363,7 +370,7 @@ std::vector<BwdCase> backward_cases() {
       c = {};
       c.label = "causal_sq_gt_sk", c.batch = 1, c.seqlen_q = 300, c.seqlen_k = 100, c.heads = 2, c.heads_kv = 2,
       c.causal = true;
-      add(c);
+      add(c, true);
       c = {};
       c.label = "local_gqa2", c.batch = 1, c.seqlen_q = 513, c.seqlen_k = 513, c.heads = 4, c.heads_kv = 2,
       c.window_left = 64, c.window_right = 32;
@@ -390,7 +397,7 @@ std::vector<BwdCase> backward_cases() {
       c.label = "softcap_deterministic_varlen_local", c.batch = 3, c.seqlen_q = 420, c.seqlen_k = 390, c.heads = 4,
       c.heads_kv = 2, c.varlen = true, c.window_left = 90, c.window_right = 20, c.softcap = 20.f,
       c.deterministic = true;
-      add(c);
+      add(c, true);
       c = {};
       c.label = "sink_fp32_one_query", c.batch = 3, c.seqlen_q = 1, c.seqlen_k = 17, c.heads = 4, c.heads_kv = 4,
       c.sink = DType::kFloat32;
@@ -398,7 +405,7 @@ std::vector<BwdCase> backward_cases() {
       c = {};
       c.label = "sink_bf16_causal", c.batch = 1, c.seqlen_q = 129, c.seqlen_k = 129, c.heads = 2, c.heads_kv = 2,
       c.causal = true, c.sink = DType::kBFloat16;
-      add(c);
+      add(c, true);
       c = {};
       c.label = "sink_fp16_local_mqa", c.batch = 1, c.seqlen_q = 190, c.seqlen_k = 260, c.heads = 2, c.heads_kv = 1,
       c.window_left = 20, c.window_right = 0, c.sink = DType::kFloat16;
@@ -428,7 +435,7 @@ std::vector<BwdCase> backward_cases() {
       c = {};
       c.label = "deterministic_causal_gqa_sink", c.batch = 2, c.seqlen_q = 600, c.seqlen_k = 650, c.heads = 6,
       c.heads_kv = 2, c.causal = true, c.sink = DType::kFloat32, c.deterministic = true;
-      add(c);
+      add(c, true);
       c = {};
       c.label = "deterministic_varlen_local", c.batch = 4, c.seqlen_q = 500, c.seqlen_k = 520, c.heads = 3,
       c.heads_kv = 1, c.varlen = true, c.window_left = 150, c.window_right = 40, c.deterministic = true;

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <random>
@@ -440,10 +441,15 @@ TEST_P(GpuBackwardFlex, MatchesReference) {
   expect_grad_close("dk", gpu->dk, naive.dk, ref.dk);
   expect_grad_close("dv", gpu->dv, naive.dv, ref.dv);
   if (c.deterministic) {
-    const Grads again = run_gpu(pb);  // 16-bit values widened to double: equal iff the bits are
-    EXPECT_EQ(gpu->dq, again.dq) << "dq differs between two deterministic runs";
-    EXPECT_EQ(gpu->dk, again.dk) << "dk differs between two deterministic runs";
-    EXPECT_EQ(gpu->dv, again.dv) << "dv differs between two deterministic runs";
+    // 16-bit values widened to double: the same bits iff the doubles' bytes are (== would take
+    // -0 for +0).
+    auto same_bits = [](const std::vector<double>& a, const std::vector<double>& b) {
+      return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(double)) == 0;
+    };
+    const Grads again = run_gpu(pb);
+    EXPECT_TRUE(same_bits(gpu->dq, again.dq)) << "dq differs between two deterministic runs";
+    EXPECT_TRUE(same_bits(gpu->dk, again.dk)) << "dk differs between two deterministic runs";
+    EXPECT_TRUE(same_bits(gpu->dv, again.dv)) << "dv differs between two deterministic runs";
   }
   if (c.label.find("empty_rows") != std::string::npos) {
     EXPECT_GT(std::count(pb.lse.begin(), pb.lse.end(), kNegInf), 0)

@@ -38,6 +38,7 @@ struct FwdCase {
   std::optional<DType> sink;
   bool varlen = false;   // packed rows with cu_seqlens; per-sequence lengths drawn up to seqlen_q/k
   bool seqused = false;  // seqused_q/k cap each sequence below its length
+  bool keyless = false;  // varlen: sequence 2 has queries and no keys (every row fully masked)
   int seqused_past = 0;  // device seqused past the rows on even sequences (capped by the kernel)
   // K / V rows past each sequence's seqused_k hold NaN (memory a cache has not filled), which
   // the kernel must not let into the output (under the default CUFLASH_FWD_ZERO_V_TAIL=auto).
@@ -75,7 +76,7 @@ struct Problem : gpu_testing::RowLayout {
   std::vector<float> sink;
   float scale = 1.f;
 
-  explicit Problem(const FwdCase& fc) : RowLayout(fc, fc.seqused, false), c(fc) {
+  explicit Problem(const FwdCase& fc) : RowLayout(fc, fc.seqused, fc.keyless), c(fc) {
     seqused_past = c.seqused_past;
     std::mt19937 rng(c.seed);
     draw_lengths(rng);
@@ -87,8 +88,9 @@ struct Problem : gpu_testing::RowLayout {
                              rng);
     if (c.sink) {
       sink.resize(c.heads);
+      // An fp32 sink keeps its fp32 value (a kernel that rounded it to 16 bits would fail).
       for (float& x : sink)
-        x = gpu_testing::round_to(normal(rng), *c.sink == DType::kFloat32 ? c.dtype : *c.sink);
+        x = *c.sink == DType::kFloat32 ? normal(rng) : gpu_testing::round_to(normal(rng), *c.sink);
     }
     scale = c.zero_scale ? 0.f : 1.f / std::sqrt(float(c.head_dim));
     if (c.key_ramp != 0) {
@@ -283,7 +285,9 @@ std::vector<FwdCase> forward_cases() {
   unsigned seed = 1;
   for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
     for (auto [d, dv] : head_dims) {
-      auto add = [&](FwdCase c) {
+      // fp16 runs the first cases and those marked for both dtypes; bf16 runs every case.
+      auto add = [&](FwdCase c, bool fp16_too = false) {
+        if (dtype == DType::kFloat16 && !fp16_too) return;
         c.dtype = dtype;
         c.head_dim = d;
         c.head_dim_v = dv;
@@ -294,15 +298,15 @@ std::vector<FwdCase> forward_cases() {
       c = {};
       c.label = "dense", c.batch = 2, c.seqlen_q = 257, c.seqlen_k = 257, c.heads = 3,
       c.heads_kv = 3;
-      add(c);
+      add(c, true);
       c = {};
       c.label = "causal_long", c.batch = 1, c.seqlen_q = 1023, c.seqlen_k = 1023, c.heads = 2,
       c.heads_kv = 2, c.causal = true;
-      add(c);
+      add(c, true);
       c = {};
       c.label = "varlen_causal_gqa", c.batch = 4, c.seqlen_q = 300, c.seqlen_k = 333, c.heads = 4,
       c.heads_kv = 1, c.causal = true, c.varlen = true;
-      add(c);
+      add(c, true);
       // Stream-K tail (head dims up to 128, 128-row tiles: fwd_stream_k_tile): 144 tiles, keys
       // not a whole number of blocks; each tail tile in two to four pieces. hdim64 runs these
       // rows on its 192-row tile, which has no tail; its cases below take the 128-row tile.
@@ -310,8 +314,30 @@ std::vector<FwdCase> forward_cases() {
       c = {};
       c.label = "stream_k_tail_gqa3", c.batch = 2, c.seqlen_q = 1024, c.seqlen_k = 1000,
       c.heads = 9, c.heads_kv = 3, c.stream_k = "always";
-      if (stream_k && d > 64) add(c);
-      if (dtype == DType::kFloat16) continue;  // the rest once per head dim
+      if (stream_k && d > 64) add(c, true);
+      // Sequences with queries and no keys (rows fully masked: out 0, lse -inf, or lse = the
+      // sink with one), with a sink, and through split-KV's combine (all partials masked).
+      c = {};
+      c.label = "varlen_keyless_sink_causal_gqa", c.batch = 4, c.seqlen_q = 300, c.seqlen_k = 333,
+      c.heads = 4, c.heads_kv = 1, c.causal = true, c.varlen = true, c.keyless = true,
+      c.sink = DType::kFloat32;
+      add(c, true);
+      c = {};
+      c.label = "split3_varlen_keyless_causal_gqa", c.batch = 4, c.seqlen_q = 64, c.seqlen_k = 1200,
+      c.heads = 8, c.heads_kv = 2, c.causal = true, c.varlen = true, c.keyless = true, c.num_splits = 3;
+      add(c);
+      c = {};
+      c.label = "split3_no_lse", c.batch = 2, c.seqlen_q = 33, c.seqlen_k = 900, c.heads = 4,
+      c.heads_kv = 2, c.num_splits = 3, c.with_lse = false;
+      add(c);
+      c = {};  // softcap inside a window, on the plain kernels
+      c.label = "softcap_local_gqa", c.batch = 2, c.seqlen_q = 300, c.seqlen_k = 420, c.heads = 4,
+      c.heads_kv = 2, c.window_left = 80, c.window_right = 16, c.softcap = 20.f;
+      add(c, true);
+      c = {};  // right side only, more queries than keys: the first rows see no key
+      c.label = "local_right_only_sq_gt_sk", c.batch = 1, c.seqlen_q = 400, c.seqlen_k = 150,
+      c.heads = 2, c.heads_kv = 2, c.window_right = 10;
+      add(c);
       c = {};  // masked keys (causal, past the keys in the last block) under a scale of 0
       c.label = "zero_scale_causal", c.batch = 2, c.seqlen_q = 200, c.seqlen_k = 333, c.heads = 2,
       c.heads_kv = 2, c.causal = true, c.zero_scale = true;
@@ -332,7 +358,7 @@ std::vector<FwdCase> forward_cases() {
       c = {};
       c.label = "causal_sq_gt_sk", c.batch = 1, c.seqlen_q = 300, c.seqlen_k = 100, c.heads = 2,
       c.heads_kv = 2, c.causal = true;
-      add(c);
+      add(c, true);
       c = {};
       c.label = "local", c.batch = 1, c.seqlen_q = 513, c.seqlen_k = 513, c.heads = 4,
       c.heads_kv = 2, c.window_left = 64, c.window_right = 32;
@@ -379,7 +405,7 @@ std::vector<FwdCase> forward_cases() {
       c.label = "packed_gqa3_local_sink", c.batch = 2, c.seqlen_q = 77, c.seqlen_k = 300,
       c.heads = 6, c.heads_kv = 2, c.window_left = 40, c.window_right = 10,
       c.sink = DType::kFloat32, c.pack_gqa = true;
-      add(c);
+      add(c, true);
       c = {};
       c.label = "packed_gqa2_causal_strided", c.batch = 2, c.seqlen_q = 300, c.seqlen_k = 260,
       c.heads = 4, c.heads_kv = 2, c.causal = true, c.strided = true, c.pack_gqa = true;
@@ -401,7 +427,7 @@ std::vector<FwdCase> forward_cases() {
       c.label = "packed_gqa4_softcap_split3_causal", c.batch = 2, c.seqlen_q = 3, c.seqlen_k = 900,
       c.heads = 8, c.heads_kv = 2, c.causal = true, c.softcap = 30.f, c.num_splits = 3,
       c.pack_gqa = true;
-      add(c);
+      add(c, true);
       c = {};
       c.label = "softcap_decode_gqa8_auto", c.batch = 2, c.seqlen_q = 1, c.seqlen_k = 1500,
       c.heads = 8, c.heads_kv = 1, c.softcap = 25.f, c.num_splits = 0;
@@ -417,7 +443,7 @@ std::vector<FwdCase> forward_cases() {
       c = {};
       c.label = "split3_causal_sink", c.batch = 2, c.seqlen_q = 65, c.seqlen_k = 1000, c.heads = 4,
       c.heads_kv = 2, c.causal = true, c.sink = DType::kFloat32, c.num_splits = 3;
-      add(c);
+      add(c, true);
       c = {};
       c.label = "split_auto_varlen_seqused", c.batch = 3, c.seqlen_q = 17, c.seqlen_k = 900,
       c.heads = 2, c.heads_kv = 1, c.varlen = true, c.seqused = true, c.num_splits = 0;

@@ -42,7 +42,8 @@ struct PagedCase {
   bool packed_q = false;      // q packed with cu_seqlens_q, lengths drawn up to seqlen_q
   bool shared_pages = false;  // sequence 1 starts with sequence 0's pages (a shared prefix)
   // Every pool row that holds no used key is NaN (the unfilled tail of a sequence's last page,
-  // spare pages): the kernel must not let it into the output (CUFLASH_FWD_ZERO_V_TAIL=1).
+  // spare pages): the kernel must not let it into the output (CUFLASH_FWD_ZERO_V_TAIL=auto, the
+  // default, zeroes the V tail of paged calls).
   bool nan_tail = false;
   int num_splits = 1;         // split-KV; <= 0 lets cuflash choose
   float softcap = 0.f;
