@@ -225,6 +225,59 @@ def test_torch_paged_kv_backward(rng, deterministic):
             assert torch.equal(a, b), f"{name} differs between two deterministic runs"
 
 
+@pytest.mark.parametrize("case", ["fp16_softcap", "sink_fp32", "packed_q_sink_softcap", "d256_local", "d96_gqa4"])
+def test_torch_paged_kv_backward_options(rng, case):
+    """The paged backward with the options beside pages: fp16, softcap, a learnable sink (its
+    gradient too), packed queries, a window, head dims 96 / 256; out, lse and every gradient
+    against the CPU reference."""
+    torch = torch_cuda()
+    dtype = torch.float16 if case.startswith("fp16") else torch.bfloat16
+    dim = {"d256_local": 256, "packed_q_sink_softcap": 64, "d96_gqa4": 96}.get(case, 128)
+    heads, heads_kv = (8, 2) if case == "d96_gqa4" else (4, 2)
+    batch, seqlen_q, page_size, max_pages = 3, 90, 32, 6
+    num_pages = batch * max_pages + 2
+    table = rng.permutation(num_pages)[: batch * max_pages].reshape(batch, max_pages).astype(np.int32)
+    seqused_k = np.array([max_pages * page_size - 5, 0, 2 * page_size + 3], np.int32)  # one without keys
+    packed = case.startswith("packed")
+    lengths_q = np.array([40, 17, 33])
+    q_shape = (int(lengths_q.sum()), heads, dim) if packed else (batch, seqlen_q, heads, dim)
+    q = rng.standard_normal(q_shape).astype(np.float32)
+    k_cache, v_cache = (rng.standard_normal((num_pages, page_size, heads_kv, dim)).astype(np.float32)
+                        for _ in range(2))
+    sink = rng.standard_normal(heads).astype(np.float32) if "sink" in case else None
+    options = dict(softcap=20.0 if "softcap" in case else 0.0, causal=case != "d256_local",
+                   window_size=(100, 0) if case == "d256_local" else (None, None))
+    cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
+
+    def run(device):
+        tensors = [torch.from_numpy(x).to(device).to(dtype).requires_grad_(True) for x in (q, k_cache, v_cache)]
+        if sink is not None:
+            tensors.append(torch.from_numpy(sink).to(device).requires_grad_(True))
+        extra = dict(cu_seqlens_q=torch.from_numpy(cu_q).to(device), max_seqlen_q=int(lengths_q.max())) if packed else {}
+        out, lse = cuflash.flash_attn_varlen_func(
+            *tensors[:3], seqused_k=torch.from_numpy(seqused_k).to(device), page_table=torch.from_numpy(table).to(device),
+            learnable_sink=tensors[3] if sink is not None else None, **options, **extra)
+        dout = torch.from_numpy(rng_dout(out.shape)).to(device).to(dtype)
+        finite = torch.isfinite(lse)
+        loss = (out.float() * dout.float()).sum() + torch.where(finite, lse, torch.zeros_like(lse)).sum() * 0.5
+        grads = torch.autograd.grad(loss, tensors)
+        return [to_f64(out), to_f64(lse)] + [to_f64(g) for g in grads]
+
+    def rng_dout(shape):
+        return np.random.default_rng(11).standard_normal(tuple(shape)).astype(np.float32)
+
+    expected = run("cpu")
+    with skip_if_not_built():
+        actual = run("cuda")
+    names = ("out", "lse", "dq", "dk_cache", "dv_cache", "d_sink")
+    dtype_name = "float16" if dtype == torch.float16 else "bfloat16"
+    for name, a, e in zip(names, actual, expected):
+        if name == "lse":
+            assert_lse_close(a, e)
+        else:
+            assert_close(a, e, dtype_name, scale=max(1.0, np.abs(e).max()), what=name)
+
+
 def check_paged_autograd(rng, seqlen_q, page_size, max_pages, unused_tail, attend):
     """Paged KV under autograd on the GPU against the CPU reference: batch 2, 4 query heads on 2
     kv heads, head dim 128, shuffled pages with 3 spare, the second sequence's last unused_tail
