@@ -240,6 +240,18 @@ inline void accumulate_error(ErrorStats& stats, double actual, double expected) 
   stats.max_error = std::max(stats.max_error, std::fabs(actual - expected));
 }
 
+// The rule's tolerance comes from the naive computation's error: a naive computation that is
+// itself wrong would widen it without bound. Its error must stay within a quarter of the
+// reference's largest finite magnitude (low-precision rounding is a few percent at most).
+inline void expect_naive_sane(const char* what, const ErrorStats& naive, const std::vector<double>& ref) {
+  double scale = 0.0;
+  for (double x : ref)
+    if (std::isfinite(x)) scale = std::max(scale, std::fabs(x));
+  EXPECT_LE(naive.max_error, 0.25 * scale + 1e-3)
+      << what << ": the naive computation is off by " << naive.max_error << " (reference magnitude " << scale
+      << "): the test's own check is broken";
+}
+
 // The rule for forward outputs (out, lse): the naive computation must also agree with the
 // reference on which elements are -inf.
 inline void expect_output_close(const char* what, const std::vector<double>& gpu,
@@ -256,6 +268,7 @@ inline void expect_output_close(const char* what, const std::vector<double>& gpu
       << what << ": -inf where the reference is finite, or the reverse";
   EXPECT_FALSE(naive_stats.inf_mismatch)
       << what << ": the naive check disagrees with the reference on -inf";
+  expect_naive_sane(what, naive_stats, ref);
   const double slack = 1e-4;
   EXPECT_LE(gpu_stats.max_error, 2.0 * naive_stats.max_error + slack)
       << what << ": max error " << gpu_stats.max_error << ", naive " << naive_stats.max_error;
@@ -275,6 +288,7 @@ inline void expect_grad_close(const char* what, const std::vector<double>& gpu,
   EXPECT_FALSE(gpu_stats.has_nan) << what << ": NaN or unwritten element";
   EXPECT_FALSE(gpu_stats.inf_mismatch)
       << what << ": inf where the reference is finite, or the reverse";
+  expect_naive_sane(what, naive_stats, ref);
   const double slack = 1e-4;
   EXPECT_LE(gpu_stats.max_error, 2.0 * naive_stats.max_error + slack)
       << what << ": max error " << gpu_stats.max_error << ", naive " << naive_stats.max_error;
