@@ -558,6 +558,16 @@ std::vector<FlexBwdCase> flex_cases() {
   c.label = "document_long", c.seqlen_q = 1000, c.seqlen_k = 1000, c.head_dim = 64,
   c.mask_mod = MaskModKind::kDocument, c.doc_length_max = 600;
   add(c);
+  // Head dim 96 (its flex backward kernel had no case): a score_mod under a window, and a
+  // deterministic document mask over packed sequences.
+  c = {};
+  c.label = "alibi_window_gqa", c.batch = 2, c.seqlen_q = 400, c.seqlen_k = 450, c.heads = 4, c.heads_kv = 2,
+  c.head_dim = 96, c.window_left = 120, c.window_right = 10, c.score_mod = ScoreModKind::kAlibi;
+  add(c);
+  c = {};
+  c.label = "deterministic_varlen_document", c.batch = 3, c.seqlen_q = 500, c.seqlen_k = 500, c.head_dim = 96,
+  c.varlen = true, c.mask_mod = MaskModKind::kDocument, c.doc_length_max = 200, c.deterministic = true;
+  add(c);
   // varlen: positions count from each sequence's start
   c = {};
   c.label = "varlen_document_causal_gqa", c.batch = 4, c.seqlen_q = 300, c.seqlen_k = 333,

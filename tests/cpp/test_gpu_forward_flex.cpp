@@ -435,7 +435,7 @@ std::vector<FlexCase> flex_cases() {
   // A score_mod over long causal rows; block lists over varlen windows (unpacked: the heuristic
   // would pack these rows where the build has the packed kernel); splits; at hdim 256 a negative
   // softmax_scale too.
-  for (int d : {192, 256}) {
+  for (int d : {96, 192, 256}) {
     c = {};
     c.label = "alibi_causal_long", c.batch = 2, c.seqlen_q = 700, c.seqlen_k = 900, c.head_dim = d,
     c.causal = true, c.score_mod = ScoreModKind::kAlibi;
