@@ -9,8 +9,9 @@ differentiable through torch.autograd. JAX arrays run as XLA custom calls, also 
 and under jax.grad (when the build found jax; else eagerly, by DLPack).
 """
 
-from . import _C, block_sparse, flex, masks, mods, scores
+from . import _C, block_sparse, flex, kvcache, masks, mods, scores
 from .flex import flex_attention
+from .kvcache import flash_attn_with_kvcache
 from .interface import (flash_attn_backward, flash_attn_combine, flash_attn_forward, flash_attn_func,
                         flash_attn_varlen_func)
 
@@ -22,8 +23,10 @@ __all__ = [
     "flash_attn_combine",
     "flash_attn_forward",
     "flash_attn_backward",
+    "flash_attn_with_kvcache",
     "flex_attention",
     "flex",
+    "kvcache",
     "masks",
     "scores",
     "mods",

@@ -581,6 +581,37 @@ def test_torch_window_sides_of_int_max(rng, pack_gqa):
         assert_lse_close(to_f64(gpu_lse), to_f64(cpu_lse))
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_torch_kvcache_append_and_decode(rng, paged):
+    # flash_attn_with_kvcache on CUDA tensors: the append (torch's indexed store on the device)
+    # and the split-KV decode against the same call on the CPU, caches compared too.
+    torch = torch_cuda()
+    batch, heads, heads_kv, dim, page_size, max_pages, new = 3, 8, 2, 128, 64, 8, 2
+    capacity = page_size * max_pages
+    lengths = np.array([0, 200, capacity - new], np.int32)
+    rows = batch * max_pages + 1 if paged else batch
+    table = rng.permutation(rows)[: batch * max_pages].reshape(batch, max_pages).astype(np.int32) if paged else None
+    shape = (rows, page_size, heads_kv, dim) if paged else (batch, capacity, heads_kv, dim)
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in
+              ((batch, new, heads, dim), shape, shape, (batch, new, heads_kv, dim), (batch, new, heads_kv, dim))]
+
+    def run(device):
+        q, k_cache, v_cache, k, v = (torch.from_numpy(x).to(device).bfloat16() for x in arrays)
+        out, lse = cuflash.flash_attn_with_kvcache(
+            q, k_cache, v_cache, k=k, v=v, cache_seqlens=torch.from_numpy(lengths).to(device),
+            page_table=None if table is None else torch.from_numpy(table).to(device), causal=True,
+            return_softmax_lse=True)
+        return [to_f64(t) for t in (out, lse, k_cache, v_cache)]
+
+    expected = run("cpu")
+    with skip_if_not_built():
+        actual = run("cuda")
+    assert_close(actual[0], expected[0], "bfloat16", what="out")
+    assert_lse_close(actual[1], expected[1])
+    for name, a, e in zip(("k_cache", "v_cache"), actual[2:], expected[2:]):
+        np.testing.assert_array_equal(a, e, err_msg=name)
+
+
 def test_cupy(rng):
     cupy = pytest.importorskip("cupy", reason="cupy is not installed")
     try:
