@@ -173,7 +173,7 @@ def measure(name, prepare, q, k, v, dout, causal, hdim, flops, args, reference):
         err = None
         if reference is not None:
             err = common.relative_error(first, reference)
-            if err > args.max_err:
+            if not err <= args.max_err:  # NaN included
                 return float("nan"), f"gradients off: max error {err:.3g} relative to the reference > --max-err", \
                     err, repeatable
         del first

@@ -81,7 +81,7 @@ def measure(fn, q, k, v, causal, flops, args, reference):
                 return float("nan"), "non-finite output", None
             err = None if reference is None else common.relative_error([out], [reference])
             del out
-            if err is not None and err > args.max_err:
+            if err is not None and not err <= args.max_err:  # NaN included
                 return float("nan"), f"output off: max error {err:.3g} relative to the reference > --max-err", err
             ms = common.time_ms(lambda: fn(q, k, v, causal), args.warmup, args.repeats)
         return flops / ms / 1e9, None, err

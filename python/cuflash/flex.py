@@ -72,12 +72,25 @@ def _block_mask_arguments(block_mask: Any, seqlen_q: int, seqlen_k: int) -> dict
     # Other block sizes, or 128 x 128 lists of another extent (BlockMask.from_kv_blocks takes
     # lists longer or narrower than its seq_lengths' grid): converted, once per BlockMask.
     forward_lists = (mask_cnt, mask_idx, full_cnt, full_idx)
-    key = ((seqlen_q, seqlen_k), mask_mod, forward_lists, tuple(getattr(t, "_version", None) for t in forward_lists))
-    cached = _converted_block_mask(block_mask, key)
+    versions = tuple(_version(t) for t in forward_lists)
+    key = ((seqlen_q, seqlen_k, sizes), mask_mod, forward_lists, versions)
+    # Lists without a version counter (inference tensors) cannot tell a change: not kept.
+    keep = all(v is not None for t, v in zip(forward_lists, versions) if t is not None)
+    cached = _converted_block_mask(block_mask, key) if keep else None
     if cached is None:
         cached = _regrid_block_mask(sizes, mask_mod, mask_cnt, mask_idx, full_cnt, full_idx, seqlen_q, seqlen_k)
-        _remember_converted_block_mask(block_mask, key, cached)
+        if keep:
+            _remember_converted_block_mask(block_mask, key, cached)
     return dict(cached)
+
+
+def _version(t: Optional[Tensor]) -> Optional[int]:
+    """A tensor's version counter (bumped by every in-place change), None where it has none
+    (inference-mode tensors raise on reading it)."""
+    try:
+        return None if t is None else int(t._version)
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def _lists_fit(idx: Optional[Tensor], rows: int, cols: int) -> bool:
@@ -87,8 +100,9 @@ def _lists_fit(idx: Optional[Tensor], rows: int, cols: int) -> bool:
 
 # Converted BlockMasks, kept while the BlockMask lives: a model's layers (and training steps)
 # reuse one BlockMask, whose conversion is a few dozen small device operations and a new
-# mask_mod wrapper. The key holds the lengths, the mask_mod and the lists themselves (compared by
-# identity) with their versions, so lists replaced or changed in place are converted again.
+# mask_mod wrapper. The key holds the lengths and block sizes, the mask_mod and the lists
+# themselves (compared by identity) with their versions, so lists replaced or changed in place
+# by torch are converted again (a write torch does not see, through DLPack, is not noticed).
 _CONVERTED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 

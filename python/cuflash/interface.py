@@ -1557,6 +1557,9 @@ def flash_attn_combine(
         if framework.device(tensor) == TRACED:
             _fail(TypeError, name, "flash_attn_combine takes no traced JAX values (inside jax.jit or jax.grad); "
                                    "call it eagerly")
+        if framework.name == "jax" and len(tensor.devices()) > 1:
+            _fail(ValueError, name, f"a JAX array on {len(tensor.devices())} devices; flash_attn_combine takes "
+                                    f"arrays on one device")
     if len(out_partial.shape) not in (4, 5):
         _fail(ValueError, "out_partial", f"must have 4 or 5 dimensions, got shape {_shape(out_partial)}")
     if len(lse_partial.shape) not in (3, 4):

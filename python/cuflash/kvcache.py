@@ -118,15 +118,41 @@ def flash_attn_with_kvcache(
         if cache_seqlens is None:
             _fail(ValueError, "cache_seqlens", "appending k / v needs the lengths the caches hold (where to write)")
     lengths = _cache_lengths(framework, cache_seqlens, batch, q, capacity, seqlen_new)
-    if k is not None and seqlen_new > 0:
-        _append(framework, k_cache, v_cache, k, v, lengths, page_table, seqlen_new)
     if lengths is None:
         seqused_k = None
     else:
         seqused_k = lengths if seqlen_new == 0 else _add(framework, lengths, seqlen_new)
-    out, lse = _interface._forward(q, k_cache, v_cache, softmax_scale, causal, window_size, learnable_sink, softcap,
-                                   num_splits, pack_gqa, False, seqused_k=seqused_k, page_table=page_table)
+
+    def prepare():
+        return _named_for_caches(lambda: _interface._prepare(
+            q, k_cache, v_cache, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+            learnable_sink=learnable_sink, softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa,
+            seqused_k=seqused_k, page_table=page_table))
+
+    # Every check of the attention runs before the caches are written: a call that is refused
+    # leaves them as they were.
+    call = prepare()
+    if page_table is not None and seqused_k is not None:
+        _check_pages(framework, page_table, seqused_k, _shape(k_cache)[0], _shape(k_cache)[1])
+    if k is not None and seqlen_new > 0:
+        _append(framework, k_cache, v_cache, k, v, lengths, page_table, seqlen_new)
+        if call.k is not k_cache or call.v is not v_cache:  # the attention reads copies: made again
+            call = prepare()
+    out, lse = _interface._attention(call)
     return (out, lse) if return_softmax_lse else out
+
+
+def _named_for_caches(prepare: Any) -> Any:
+    """prepare(), with the attention's errors about its k / v named as this function's caches
+    (k and v are the new keys here)."""
+    try:
+        return prepare()
+    except (TypeError, ValueError, NotImplementedError) as error:
+        message = str(error)
+        for name in ("k", "v"):
+            if message.startswith(f"{name}: "):
+                raise type(error)(f"{name}_cache: {message[len(name) + 2:]}") from None
+        raise
 
 
 def _cache_lengths(framework: Any, cache_seqlens: Any, batch: int, q: Tensor, capacity: int,
@@ -151,6 +177,20 @@ def _cache_lengths(framework: Any, cache_seqlens: Any, batch: int, q: Tensor, ca
                                                f"{capacity} positions less {seqlen_new} new keys), got "
                                                f"cache_seqlens[{worst}] = {int(host[worst])}")
     return lengths
+
+
+def _check_pages(framework: Any, page_table: Tensor, used: Tensor, num_pages: int, page_size: int) -> None:
+    """The pages each sequence's used keys lie in name pages of the pool, where the table and
+    the lengths are in host memory (the attention checks them only after the append)."""
+    if framework.device(page_table)[0] != "cpu":
+        return
+    table, used = framework.to_numpy(page_table), framework.to_numpy(used).astype(np.int64)
+    for b in range(table.shape[0]):
+        pages = table[b, : -(-int(used[b]) // page_size)]
+        bad = np.flatnonzero((pages < 0) | (pages >= num_pages))
+        if bad.size:
+            _fail(ValueError, "page_table", f"expected page_table[{b}, {int(bad[0])}] in [0, num_pages = {num_pages}) "
+                                            f"(a page sequence {b} uses), got {int(pages[bad[0]])}")
 
 
 def _add(framework: Any, lengths: Tensor, count: int) -> Tensor:

@@ -73,8 +73,9 @@ std::vector<double> exact_mask_scalars(const MaskMod& mod, std::int64_t reach) {
       const std::string argument = "mask_mod.scalars[" + std::to_string(i) + "]";
       throw Error(Error::Kind::kNotSupported, argument,
                   argument + ": " + std::to_string(std::int64_t(scalars[i])) +
-                      " is past 2^24, where the GPU kernels' float32 scalars are no longer exact, and "
-                      "within the sequences' " + std::to_string(reach) + " tokens");
+                      " is past 2^24, where the GPU kernels' float32 scalars are no longer exact, for "
+                      "sequences of up to " + std::to_string(reach) +
+                      " tokens (a side at or past them is unbounded only up to 2^30 tokens)");
     }
   }
   return scalars;

@@ -227,6 +227,23 @@ def test_converted_block_masks_are_kept(gen, monkeypatch):
     check(*run_against_lists(q, k, v, block_mask, listed))
 
 
+def test_block_mask_made_in_inference_mode(gen):
+    # Inference tensors have no version counter: such a BlockMask is converted at every call
+    # (not kept), as it was before the conversions were kept.
+    q, k, v = inputs(gen, heads_kv=4, seqlen_q=256, seqlen_k=256)
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    with torch.inference_mode():
+        block_mask = flex.create_block_mask(causal, 1, 1, 256, 256, device="cpu", BLOCK_SIZE=64)
+        got = cuflash.flex_attention(q, k, v, block_mask=block_mask)
+        again = cuflash.flex_attention(q, k, v, block_mask=block_mask)
+    expected = cuflash.flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), causal=True)[0].transpose(1, 2)
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    torch.testing.assert_close(again, expected, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("block_size", [64, (64, 128), (128, 32), 256, (256, 64), (96, 80)])
 def test_block_sizes_other_than_128(gen, block_size):
     # A BlockMask made with other blocks: converted to 128 x 128 lists; the mask_mod is used as it

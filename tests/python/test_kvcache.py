@@ -125,3 +125,21 @@ def test_errors_name_the_argument(rng):
     k_cache.flags.writeable = False
     with pytest.raises(ValueError, match="^k_cache: is read-only"):
         cuflash.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=lengths)
+
+
+def test_refused_calls_leave_the_cache(rng):
+    # The attention's checks run before anything is appended; its errors about the caches name
+    # them (k and v are the new keys here).
+    q, k_cache, v_cache, k_new, v_new, lengths, table, _ = make_case(rng, True, 2)
+    before = (k_cache.copy(), v_cache.copy())
+    with pytest.raises(ValueError, match="^softcap"):
+        cuflash.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=lengths,
+                                        page_table=table, softcap=-1.0)
+    with pytest.raises(ValueError, match="^page_table"):
+        cuflash.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=lengths,
+                                        page_table=table + 1000)
+    np.testing.assert_array_equal(k_cache, before[0])
+    np.testing.assert_array_equal(v_cache, before[1])
+    q, k_cache, v_cache, k_new, v_new, lengths, _, _ = make_case(rng, False, 2)
+    with pytest.raises(ValueError, match="^k_cache: "):
+        cuflash.flash_attn_with_kvcache(q[..., :16], k_cache, v_cache, cache_seqlens=lengths)
