@@ -13,6 +13,7 @@ are not sharded either; nor is the batch of packed sequences (cu_seqlens hold th
 or of a backward with a learnable sink or pages (their gradients sum over the batch). Each shard
 then runs the custom call on its own part, with the shapes of that part. With one device, and
 under jax.vmap (which custom_partitioning does not batch), the custom calls run unpartitioned.
+GQA heads are sharded by kv head only where every mesh axis divides the kv heads.
 """
 
 from __future__ import annotations
@@ -43,15 +44,24 @@ def _layout(static: Any, bits: int) -> Tuple[bool, bool, bool]:
     return "cu_seqlens_q" in present, "cu_seqlens_k" in present, "page_table" in present
 
 
-def _rule(static: Any, bits: int, forward: bool, group: int, ranks: List[int]) -> Tuple[str, dict]:
+def _heads_split(mesh: Any, kv_heads: int, group: int) -> bool:
+    """Whether the query heads may be sharded as kv heads x group: every mesh axis must divide
+    the kv heads, else Shardy would split an axis across the compound factor (sub-axes, which
+    custom_partitioning cannot take)."""
+    return group == 1 or all(size == 1 or kv_heads % size == 0 for size in mesh.shape.values())
+
+
+def _rule(static: Any, bits: int, forward: bool, group: int, ranks: List[int],
+          heads_split: bool = True) -> Tuple[str, dict]:
     """The einsum-like Shardy rule of a custom call (operand ranks `ranks`) and its options."""
     packed_q, packed_k, paged = _layout(static, bits)
     present = _present(bits)
     fresh = (f"x{i}" for i in range(1000))  # never-sharded factors of the index tensors
     batch = "b" if not packed_q else None
     # The query heads: kv heads x group, as a compound factor only where both exceed 1 (Shardy
-    # takes no factor of size 1 in a compound); MQA's heads are the group alone (not sharded).
-    heads = "h" if group == 1 else "g" if static.num_heads == group else "(h g)"
+    # takes no factor of size 1 in a compound); MQA's heads are the group alone (not sharded);
+    # GQA heads the mesh cannot split by kv head are a factor of their own, not sharded.
+    heads = "h" if group == 1 else "g" if static.num_heads == group else "(h g)" if heads_split else "hq"
     q = f"tq {heads} d" if packed_q else f"b s {heads} d"
     kv_rows = "p z" if paged else ("tk" if packed_k else "b t")
     k, v = f"{kv_rows} h d", f"{kv_rows} h e"
@@ -75,8 +85,8 @@ def _rule(static: Any, bits: int, forward: bool, group: int, ranks: List[int]) -
     factors = []  # in order of first appearance, the order Shardy numbers them in
     for text in operands + results:
         factors += [f for f in text.replace("(", " ").replace(")", " ").split() if f not in factors]
-    replicated = {"s", "t", "d", "e", "g", "tq", "tk", "p", "z"} | {f for f in factors if f.startswith("x")}
-    if static.num_heads == group:  # one kv head
+    replicated = {"s", "t", "d", "e", "g", "hq", "tq", "tk", "p", "z"} | {f for f in factors if f.startswith("x")}
+    if static.num_heads == group or heads == "hq":  # one kv head, or heads the mesh cannot split
         replicated.add("h")
     # The kernels read batch and head indices for mods, their tensors and block lists, which
     # hold the whole batch and all heads.
@@ -127,7 +137,28 @@ def call(call_fn: Any, forward: bool, static: Any, bits: int, group: int, *array
     jax = _jax()
     if jax.device_count() == 1 or any(_is_batched(x) for x in arrays):
         return call_fn(static, bits, group, *arrays)
-    return _partitioned(call_fn, forward)(static, bits, group, *arrays)
+    return _batchable(call_fn, forward, static, bits, group)(*arrays)
+
+
+@functools.lru_cache(maxsize=256)
+def _batchable(call_fn: Any, forward: bool, static: Any, bits: int, group: int) -> Any:
+    """The partitioned call with a batching rule: a jax.vmap that reaches it from outside a
+    jax.jit (where the batch tracers are out of _is_batched's sight) runs the unpartitioned
+    custom call once per batch entry, as without sharding."""
+    jax = _jax()
+    partitioned = _partitioned(call_fn, forward)
+
+    @jax.custom_batching.custom_vmap
+    def batchable(*arrays):
+        return partitioned(static, bits, group, *arrays)
+
+    @batchable.def_vmap
+    def _(axis_size, in_batched, *arrays):
+        outs = jax.vmap(lambda *a: call_fn(static, bits, group, *a),
+                        in_axes=tuple(0 if batched else None for batched in in_batched))(*arrays)
+        return outs, tuple(True for _ in outs)
+
+    return batchable
 
 
 def _is_batched(x: Any) -> bool:
@@ -149,7 +180,8 @@ def _partitioned(call_fn: Any, forward: bool) -> Any:
 
     def sharding_rule(static, bits, group, mesh, operand_types, result_types):
         ranks = [mlir.ir.RankedTensorType(t).rank for t in operand_types]
-        return _rule(static, bits, forward, group, ranks)
+        kv_heads = mlir.ir.RankedTensorType(operand_types[1]).shape[-2]
+        return _rule(static, bits, forward, group, ranks, _heads_split(mesh, kv_heads, group))
 
     def partition(static, bits, group, mesh, arg_shapes, result_shape):
         # The shardings this call runs with, whatever the operands came with: the batch and the
@@ -158,7 +190,8 @@ def _partitioned(call_fn: Any, forward: bool) -> Any:
         # operands to match.
         from jax.sharding import NamedSharding, PartitionSpec
 
-        rule, options = _rule(static, bits, forward, group, [len(a.shape) for a in arg_shapes])
+        rule, options = _rule(static, bits, forward, group, [len(a.shape) for a in arg_shapes],
+                              _heads_split(mesh, arg_shapes[1].shape[-2], group))
         operand_dims, result_dims = (_dims(side) for side in rule.split(" -> "))
         replicated = set(options["need_replication_factors"])
         q_spec = tuple(arg_shapes[0].sharding.spec) + (None,) * 4

@@ -161,7 +161,13 @@ check("paged", lambda q, k, v, t, u: cuflash.flash_attn_varlen_func(q, k, v, pag
       [dense, pages, pages, P("data", None), P("data")], (0, 1, 2), False)
 check("mqa", lambda q, k, v: cuflash.flash_attn_func(q, k, v), [q, arr(4, 24, 1, 32), arr(4, 24, 1, 32)],
       [dense, P("data"), P("data")], (0, 1, 2), False)
+check("kv3", lambda q, k, v: cuflash.flash_attn_func(q, k, v, causal=True), [arr(4, 16, 6, 32), arr(4, 24, 3, 32),
+      arr(4, 24, 3, 32)], [dense, P("data"), P("data")], (0, 1, 2), False)  # 3 kv heads on 2 devices
 q5, k5 = arr(2, 4, 16, 8, 32), arr(2, 4, 24, 4, 32)
+inner = jax.vmap(jax.jit(lambda q, k, v: cuflash.flash_attn_func(q, k, v)[0]))(q5, k5, k5)  # vmap outside jit
+np.testing.assert_array_equal(np.asarray(inner, np.float32),
+                              np.asarray(jnp.stack([cuflash.flash_attn_func(q5[i], k5[i], k5[i])[0] for i in range(2)]),
+                                         np.float32))
 f = jax.jit(jax.vmap(lambda q, k, v: cuflash.flash_attn_func(q, k, v)[0]))
 spread = [jax.device_put(x, NamedSharding(mesh, P(None, "data", None, "model", None))) for x in (q5, k5, k5)]
 np.testing.assert_array_equal(np.asarray(f(*spread), np.float32), np.asarray(f(q5, k5, k5), np.float32))
