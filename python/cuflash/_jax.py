@@ -178,21 +178,34 @@ def _operands(sink, extras, aux, forward: bool) -> Tuple[List[Any], int]:
 # The custom calls
 
 
+def _result(shape, dtype, like):
+    """A custom call's result type: inside shard_map, varying over the manual mesh axes that its
+    operand `like` varies over (the custom_vjp's gradients must carry the primals' type)."""
+    jax = _jax()
+    typed = jax.typeof(like) if hasattr(jax, "typeof") else None
+    axes = getattr(typed, "manual_axis_type", None)
+    if axes is None or getattr(axes, "empty", True):
+        return jax.ShapeDtypeStruct(shape, dtype)
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(typed.sharding.mesh, PartitionSpec()),
+                                manual_axis_type=axes)
+
+
 def _forward_ffi(static: _Static, bits: int, group: int, q, k, v, *operands):
     """The forward custom call on arrays whose shapes `static` describes (a whole call, or one
     shard of it: _jax_sharding)."""
     jax = _jax()
-    results = (jax.ShapeDtypeStruct(static.out_shape, q.dtype),
-               jax.ShapeDtypeStruct(static.lse_shape, np.float32))
+    results = (_result(static.out_shape, q.dtype, q), _result(static.lse_shape, np.float32, q))
     call = jax.ffi.ffi_call(FORWARD_TARGET, results, vmap_method="sequential")
     return tuple(call(q, k, v, *operands, **static.attributes(bits, forward=True)))
 
 
 def _backward_ffi(static: _Static, bits: int, group: int, q, k, v, out, dout, lse, *operands):
     jax = _jax()
-    results = [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in (q, k, v)]
+    results = [_result(t.shape, t.dtype, q) for t in (q, k, v)]
     if bits & 1:  # learnable_sink: its gradient
-        results.append(jax.ShapeDtypeStruct((static.num_heads,), np.float32))
+        results.append(_result((static.num_heads,), np.float32, q))
     call = jax.ffi.ffi_call(BACKWARD_TARGET, tuple(results), vmap_method="sequential")
     return tuple(call(q, k, v, out, dout, lse, *operands, **static.attributes(bits, forward=False)))
 

@@ -173,6 +173,16 @@ spread = [jax.device_put(x, NamedSharding(mesh, P(None, "data", None, "model", N
 np.testing.assert_array_equal(np.asarray(f(*spread), np.float32), np.asarray(f(q5, k5, k5), np.float32))
 eager = cuflash.flash_attn_func(*(jax.device_put(x, NamedSharding(mesh, dense)) for x in (q, k, v)))[0]
 np.testing.assert_array_equal(np.asarray(eager, np.float32), np.asarray(cuflash.flash_attn_func(q, k, v)[0], np.float32))
+try:
+    from jax import shard_map
+except ImportError:
+    from jax.experimental.shard_map import shard_map
+local = shard_map(lambda q, k, v: cuflash.flash_attn_func(q, k, v, causal=True)[0], mesh=mesh,
+                  in_specs=(dense,) * 3, out_specs=dense)  # each shard's call by hand, then its gradient
+loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) ** 2)
+whole = lambda q, k, v: cuflash.flash_attn_func(q, k, v, causal=True)[0]
+for a, b in zip(jax.jit(jax.grad(loss(local), argnums=(0, 1, 2)))(q, k, v), jax.grad(loss(whole), argnums=(0, 1, 2))(q, k, v)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 print("vmap and eager agree")
 """
 
@@ -183,7 +193,8 @@ def test_sharded_arrays_under_jit():
     # and packed sequences stay sharded with no all-gather, forward and backward; calls whose
     # kernels read batch or head indices elsewhere (a sink's gradient, ALiBi's slopes, pages'
     # gradients, MQA's single kv head) gather what they must. Several CPU devices exist only
-    # when XLA is told before jax starts, so this runs in a fresh interpreter.
+    # when XLA is told before jax starts, so this runs in a fresh interpreter. shard_map with
+    # jax.grad too (the custom calls' results carry the operands' manual axes).
     import os
     import pathlib
     import subprocess
