@@ -242,6 +242,45 @@ def _forward_call(static: _Static, q, k, v, sink, extras, aux):
     return out, lse
 
 
+def combine(out_partial, lse_partial, out_dtype: str, cu_seqlens=None, seqused=None):
+    """flash_attn_combine in jax.numpy (traceable, differentiable): out = sum_s exp(lse_s - lse)
+    out_s with lse = logsumexp_s lse_s; rows with every split empty (lse_s -inf) give out 0 and
+    lse -inf, and rows the combine does not merge (past seqused, outside every packed sequence)
+    give 0 in both, as the kernel's outputs allocated by cuflash."""
+    jnp = _jax().numpy
+    highest = jnp.max(lse_partial, axis=0)
+    finite = jnp.isfinite(highest)
+    shifted = jnp.exp(lse_partial - jnp.where(finite, highest, 0.0))  # empty splits: 0
+    total = jnp.sum(shifted, axis=0)
+    lse = jnp.where(finite, jnp.log(jnp.where(finite, total, 1.0)) + jnp.where(finite, highest, 0.0), -jnp.inf)
+    weights = jnp.where(finite, shifted / jnp.where(finite, total, 1.0), 0.0)
+    # An empty split's partial output need not be finite: it weighs 0 and is not read.
+    partial = jnp.where(weights[..., None] > 0, out_partial, 0.0)
+    out = jnp.sum(weights[..., None] * partial, axis=0)
+    merged = _merged_rows(lse.shape, cu_seqlens, seqused)
+    if merged is not None:
+        out = jnp.where(merged[..., None], out, 0.0)
+        lse = jnp.where(merged, lse, 0.0)
+    return out.astype(out_dtype), lse
+
+
+def _merged_rows(shape, cu_seqlens, seqused):
+    """Which rows of an lse of `shape` ((batch, seqlen, heads) or packed (total, heads)) the
+    combine merges, broadcasting against it; None: every row."""
+    jnp = _jax().numpy
+    if len(shape) == 3:
+        if seqused is None:
+            return None
+        return (jnp.arange(shape[1], dtype=np.int32)[None, :] < seqused[:, None])[..., None]
+    rows = jnp.arange(shape[0], dtype=np.int32)
+    cu = jnp.asarray([0, shape[0]], np.int32) if cu_seqlens is None else cu_seqlens
+    segment = jnp.clip(jnp.searchsorted(cu[1:], rows, side="right"), 0, cu.shape[0] - 2)
+    inside = (rows >= cu[0]) & (rows < cu[-1])
+    if seqused is not None:
+        inside = inside & (rows - cu[segment] < seqused[segment])
+    return inside[:, None]
+
+
 def _rows_in_sequences(cu_seqlens, total: int):
     """Which of `total` packed rows lie in a sequence of cu_seqlens, [cu_seqlens[0], cu_seqlens[-1])."""
     jnp = _jax().numpy

@@ -1529,7 +1529,8 @@ def flash_attn_combine(
     return_lse: bool = True,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """Merges split attention results (e.g. from split-KV or from several devices) by their
-    log-sum-exp. JAX arrays are taken eagerly only (not inside jax.jit).
+    log-sum-exp. JAX arrays are merged in jax.numpy, so also inside jax.jit, under jax.grad and
+    in shard_map.
 
     Args:
         out_partial: float32 (num_splits, batch, seqlen, num_heads, head_dim), or
@@ -1549,17 +1550,11 @@ def flash_attn_combine(
         lse_partial.shape[1:] (None when return_lse is False). With torch tensors that require
         grad (partials of attention calls, as in ring attention), out and lse are differentiable
         with respect to out_partial and lse_partial (out must then be None); rows the combine
-        does not merge get zero gradients.
+        does not merge get zero gradients. Rows it does not merge (past seqused, outside every
+        packed sequence) are 0 in outputs allocated here and left as they were in a given out.
     """
     framework = _check_tensor(out_partial, "out_partial")
     _check_tensor(lse_partial, "lse_partial", framework)
-    for tensor, name in ((out_partial, "out_partial"), (lse_partial, "lse_partial")):
-        if framework.device(tensor) == TRACED:
-            _fail(TypeError, name, "flash_attn_combine takes no traced JAX values (inside jax.jit or jax.grad); "
-                                   "call it eagerly")
-        if framework.name == "jax" and len(tensor.devices()) > 1:
-            _fail(ValueError, name, f"a JAX array on {len(tensor.devices())} devices; flash_attn_combine takes "
-                                    f"arrays on one device")
     if len(out_partial.shape) not in (4, 5):
         _fail(ValueError, "out_partial", f"must have 4 or 5 dimensions, got shape {_shape(out_partial)}")
     if len(lse_partial.shape) not in (3, 4):
@@ -1571,7 +1566,7 @@ def flash_attn_combine(
                                          f"got {_shape(lse_partial)}")
     device = framework.device(out_partial)
     _check_device(framework, lse_partial, "lse_partial", device)
-    if framework.strides(out_partial)[-1] != 1 and out_partial.shape[-1] > 1:
+    if framework.name != "jax" and framework.strides(out_partial)[-1] != 1 and out_partial.shape[-1] > 1:
         _fail(ValueError, "out_partial", f"expected the last dimension to be contiguous (stride 1), "
                                          f"got strides {framework.strides(out_partial)}")
     num_splits = int(out_partial.shape[0])
@@ -1598,13 +1593,25 @@ def flash_attn_combine(
 
     out_shape = _shape(out_partial)[1:]
     given_out = out
+    if framework.name == "jax":
+        if out is not None:
+            _fail(TypeError, "out", "JAX arrays are immutable: leave out=None")
+        from . import _jax
+
+        # In jax.numpy: under jax.jit, jax.grad and shard_map (a ring attention's merge).
+        dtype = "float32" if out_dtype is None else _dtype_arg(out_dtype)
+        out, lse = _jax.combine(out_partial, lse_partial, dtype, cu_seqlens, seqused)
+        return out, lse if return_lse else None
+    # Rows the combine does not merge (past seqused, outside every packed sequence) are not
+    # written: zeros in the outputs allocated here, as in the attention's packed outputs.
+    alloc = framework.zeros if (is_varlen or seqused is not None) else framework.empty
     differentiable = framework.requires_grad(out_partial) or framework.requires_grad(lse_partial)
     if out is None:
         dtype = "float32" if out_dtype is None else _dtype_arg(out_dtype)
         if differentiable:  # ring attention: partials of attention calls merged by their lse
             out, lse = _combine_function().apply(out_partial, lse_partial, dtype, cu_seqlens, seqused)
             return out, lse if return_lse else None
-        out = framework.empty(out_shape, dtype, like=out_partial)
+        out = alloc(out_shape, dtype, like=out_partial)
     else:
         if differentiable:
             _fail(RuntimeError, "out", "out_partial or lse_partial requires grad, and autograd cannot follow a "
@@ -1624,7 +1631,7 @@ def flash_attn_combine(
             _fail(ValueError, "out", "expected a writable array, got a read-only NumPy array (flags.writeable "
                                      "is False, e.g. a view of a read-only buffer); pass a writable one or "
                                      "leave out=None")
-    lse = framework.empty(_shape(lse_partial)[1:], "float32", like=out_partial) if return_lse else None
+    lse = alloc(_shape(lse_partial)[1:], "float32", like=out_partial) if return_lse else None
     out, lse = _run_combine(framework, out_partial, lse_partial, out, lse, cu_seqlens, seqused)
     framework.mark_written([given_out])
     return out, lse
@@ -1673,8 +1680,9 @@ def _combine_function():
         @staticmethod
         def forward(ctx, out_partial, lse_partial, out_dtype, cu_seqlens, seqused):
             framework = framework_of(out_partial)
-            out = framework.empty(_shape(out_partial)[1:], out_dtype, like=out_partial)
-            lse = framework.empty(_shape(lse_partial)[1:], "float32", like=out_partial)
+            alloc = framework.zeros if (out_partial.dim() == 4 or seqused is not None) else framework.empty
+            out = alloc(_shape(out_partial)[1:], out_dtype, like=out_partial)
+            lse = alloc(_shape(lse_partial)[1:], "float32", like=out_partial)
             out, lse = _run_combine(framework, out_partial, lse_partial, out, lse, cu_seqlens, seqused)
             ctx.save_for_backward(out_partial, lse_partial, lse, *(t for t in (cu_seqlens, seqused) if t is not None))
             ctx.has_index = (cu_seqlens is not None, seqused is not None)

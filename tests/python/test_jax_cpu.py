@@ -103,6 +103,55 @@ def test_combine(rng):
         cuflash.flash_attn_combine(*on_cpu(out_partial, lse_partial), out=jax.numpy.zeros((10, 2, 32)))
 
 
+@pytest.mark.parametrize("layout", ["dense_seqused", "packed"])
+def test_combine_in_jit_and_grad(rng, layout):
+    # The combine in jax.numpy under jax.jit matches the kernel on NumPy arrays (merged rows;
+    # the rows it does not merge are 0), and jax.grad through it matches the gradients of a
+    # direct logsumexp / softmax formulation.
+    jnp = jax.numpy
+    if layout == "packed":
+        shape, cu, used = (23,), np.array([2, 9, 9, 20], np.int32), np.array([5, 0, 11], np.int32)
+        kwargs = dict(cu_seqlens=cu, seqused=used)
+        rows = np.arange(23)
+        merged = (((rows >= 2) & (rows < 7)) | ((rows >= 9) & (rows < 20)))[:, None]
+    else:
+        shape, used = (2, 7), np.array([4, 7], np.int32)
+        kwargs = dict(seqused=used)
+        merged = (np.arange(7)[None, :] < used[:, None])[..., None]
+    out_partial = rng.standard_normal((3, *shape, 2, 16)).astype(np.float32)
+    lse_partial = (3 * rng.standard_normal((3, *shape, 2))).astype(np.float32)
+    lse_partial[1, ..., 0] = -np.inf  # an empty split in some rows
+    lse_partial[:, 0] = -np.inf  # rows with no split at all
+    expected_out, expected_lse = cuflash.flash_attn_combine(out_partial, lse_partial, **kwargs)
+    jitted = jax.jit(lambda o, l: cuflash.flash_attn_combine(o, l, **{n: jnp.asarray(t) for n, t in kwargs.items()}))
+    out, lse = jitted(*on_cpu(out_partial, lse_partial))
+    np.testing.assert_allclose(np.asarray(out), np.where(merged[..., None], expected_out, 0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse), np.where(merged, expected_lse, 0), rtol=1e-5, atol=1e-6)
+
+    weights = rng.standard_normal(out.shape).astype(np.float32)
+
+    def loss(combine):
+        def f(o, l):
+            out, lse = combine(o, l)
+            return jnp.sum(out * weights) + jnp.sum(jnp.where(jnp.isfinite(lse) & merged, lse, 0.0))
+        return f
+
+    def direct(o, l):
+        empty = ~jnp.isfinite(l).any(0)
+        l = jnp.where(empty, 0.0, l)
+        out = jnp.sum(jax.nn.softmax(l, axis=0)[..., None] * jnp.where(jnp.isfinite(o), o, 0.0), axis=0)
+        keep = merged & ~empty
+        return jnp.where(keep[..., None], out, 0.0), jnp.where(keep, jax.nn.logsumexp(l, axis=0), 0.0)
+
+    index = {n: jnp.asarray(t) for n, t in kwargs.items()}
+    got = jax.jit(jax.grad(loss(lambda o, l: cuflash.flash_attn_combine(o, l, **index)), argnums=(0, 1)))(
+        out_partial, lse_partial)
+    expected = jax.grad(loss(direct), argnums=(0, 1))(out_partial, lse_partial)
+    for g, e in zip(got, expected):
+        assert np.all(np.isfinite(np.asarray(g)))
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-4, atol=1e-5)
+
+
 def test_traced_values_need_the_handlers(rng, monkeypatch):
     from cuflash import _jax
 

@@ -497,8 +497,9 @@ def test_errors_name_the_argument(rng):
             q, jnp.array([0, 8], jnp.int32))
     with pytest.raises(TypeError, match="^causal"):
         jax.jit(lambda q: cuflash.flash_attn_func(q, q, q, causal=1))(q)
-    with pytest.raises(TypeError, match="^out_partial"):
-        jax.jit(lambda o, l: cuflash.flash_attn_combine(o, l))(jnp.zeros((2, 8, 4, 32)), jnp.zeros((2, 8, 4)))
+    with pytest.raises(TypeError, match="^out_partial: expected dtype float32"):
+        jax.jit(lambda o, l: cuflash.flash_attn_combine(o, l))(jnp.zeros((2, 8, 4, 32), jnp.bfloat16),
+                                                               jnp.zeros((2, 8, 4)))
 
 
 def test_mod_tensors_are_not_differentiated(rng):
