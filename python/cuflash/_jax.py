@@ -178,34 +178,54 @@ def _operands(sink, extras, aux, forward: bool) -> Tuple[List[Any], int]:
 # The custom calls
 
 
-def _result(shape, dtype, like):
-    """A custom call's result type: inside shard_map, varying over the manual mesh axes that its
-    operand `like` varies over (the custom_vjp's gradients must carry the primals' type)."""
+def _varying(x) -> frozenset:
+    """The manual mesh axes (inside shard_map) that x's values vary over."""
     jax = _jax()
-    typed = jax.typeof(like) if hasattr(jax, "typeof") else None
-    axes = getattr(typed, "manual_axis_type", None)
-    if axes is None or getattr(axes, "empty", True):
+    axes = getattr(jax.typeof(x), "manual_axis_type", None) if hasattr(jax, "typeof") else None
+    return frozenset(getattr(axes, "varying", None) or ())
+
+
+def _result(shape, dtype, *operands):
+    """A custom call's result type: inside shard_map, varying over every manual mesh axis that an
+    operand varies over (the values depend on all of them); the custom_vjp's backward then sums
+    each gradient over the axes its primal does not vary over."""
+    jax = _jax()
+    varying = frozenset().union(*(_varying(x) for x in operands if x is not None))
+    if not varying:
         return jax.ShapeDtypeStruct(shape, dtype)
     from jax.sharding import NamedSharding, PartitionSpec
 
+    typed = next(jax.typeof(x) for x in operands if x is not None and _varying(x))
+    axes = type(typed.manual_axis_type)(varying=varying)
     return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(typed.sharding.mesh, PartitionSpec()),
                                 manual_axis_type=axes)
+
+
+def _summed_to(grad, primal):
+    """A gradient varying over manual axes its primal does not vary over (a replicated k under
+    shard_map): summed over them, as the primal's uses on every shard add up."""
+    if grad is None:
+        return None
+    extra = _varying(grad) - _varying(primal)
+    return _jax().lax.psum(grad, tuple(sorted(extra))) if extra else grad
 
 
 def _forward_ffi(static: _Static, bits: int, group: int, q, k, v, *operands):
     """The forward custom call on arrays whose shapes `static` describes (a whole call, or one
     shard of it: _jax_sharding)."""
     jax = _jax()
-    results = (_result(static.out_shape, q.dtype, q), _result(static.lse_shape, np.float32, q))
+    results = (_result(static.out_shape, q.dtype, q, k, v, *operands),
+               _result(static.lse_shape, np.float32, q, k, v, *operands))
     call = jax.ffi.ffi_call(FORWARD_TARGET, results, vmap_method="sequential")
     return tuple(call(q, k, v, *operands, **static.attributes(bits, forward=True)))
 
 
 def _backward_ffi(static: _Static, bits: int, group: int, q, k, v, out, dout, lse, *operands):
     jax = _jax()
-    results = [_result(t.shape, t.dtype, q) for t in (q, k, v)]
+    everything = (q, k, v, out, dout, lse) + operands
+    results = [_result(t.shape, t.dtype, *everything) for t in (q, k, v)]
     if bits & 1:  # learnable_sink: its gradient
-        results.append(_result((static.num_heads,), np.float32, q))
+        results.append(_result((static.num_heads,), np.float32, *everything))
     call = jax.ffi.ffi_call(BACKWARD_TARGET, tuple(results), vmap_method="sequential")
     return tuple(call(q, k, v, out, dout, lse, *operands, **static.attributes(bits, forward=False)))
 
@@ -249,36 +269,42 @@ def combine(out_partial, lse_partial, out_dtype: str, cu_seqlens=None, seqused=N
     give 0 in both, as the kernel's outputs allocated by cuflash."""
     jnp = _jax().numpy
     highest = jnp.max(lse_partial, axis=0)
-    finite = jnp.isfinite(highest)
-    shifted = jnp.exp(lse_partial - jnp.where(finite, highest, 0.0))  # empty splits: 0
+    # Rows with some split that saw keys; NaN and +inf pass through as in the kernel.
+    seen = highest != -jnp.inf
+    shift = jnp.where(seen, highest, 0.0)
+    shifted = jnp.exp(lse_partial - shift)  # empty splits: 0
     total = jnp.sum(shifted, axis=0)
-    lse = jnp.where(finite, jnp.log(jnp.where(finite, total, 1.0)) + jnp.where(finite, highest, 0.0), -jnp.inf)
-    weights = jnp.where(finite, shifted / jnp.where(finite, total, 1.0), 0.0)
+    lse = jnp.where(seen, jnp.log(jnp.where(seen, total, 1.0)) + shift, -jnp.inf)
+    weights = jnp.where(seen, shifted / jnp.where(seen, total, 1.0), 0.0)
     # An empty split's partial output need not be finite: it weighs 0 and is not read.
-    partial = jnp.where(weights[..., None] > 0, out_partial, 0.0)
+    partial = jnp.where(weights[..., None] != 0, out_partial, 0.0)
     out = jnp.sum(weights[..., None] * partial, axis=0)
-    merged = _merged_rows(lse.shape, cu_seqlens, seqused)
-    if merged is not None:
+    masks = _merged_rows(lse.shape, cu_seqlens, seqused)
+    if masks is not None:
+        merged, inside = masks
         out = jnp.where(merged[..., None], out, 0.0)
-        lse = jnp.where(merged, lse, 0.0)
+        # Rows of a sequence past its seqused: out 0 and lse -inf (no key seen), as the kernel
+        # writes them; rows outside every sequence are not written: 0 as allocated.
+        lse = jnp.where(merged, lse, jnp.where(inside, -jnp.inf, 0.0))
     return out.astype(out_dtype), lse
 
 
 def _merged_rows(shape, cu_seqlens, seqused):
-    """Which rows of an lse of `shape` ((batch, seqlen, heads) or packed (total, heads)) the
-    combine merges, broadcasting against it; None: every row."""
+    """(merged, inside) for an lse of `shape` ((batch, seqlen, heads) or packed (total, heads)),
+    broadcasting against it: the rows the combine merges, and the rows of some sequence (merged
+    or past its seqused); None: every row is merged."""
     jnp = _jax().numpy
     if len(shape) == 3:
         if seqused is None:
             return None
-        return (jnp.arange(shape[1], dtype=np.int32)[None, :] < seqused[:, None])[..., None]
+        merged = (jnp.arange(shape[1], dtype=np.int32)[None, :] < seqused[:, None])[..., None]
+        return merged, jnp.ones_like(merged)
     rows = jnp.arange(shape[0], dtype=np.int32)
     cu = jnp.asarray([0, shape[0]], np.int32) if cu_seqlens is None else cu_seqlens
     segment = jnp.clip(jnp.searchsorted(cu[1:], rows, side="right"), 0, cu.shape[0] - 2)
     inside = (rows >= cu[0]) & (rows < cu[-1])
-    if seqused is not None:
-        inside = inside & (rows - cu[segment] < seqused[segment])
-    return inside[:, None]
+    merged = inside if seqused is None else inside & (rows - cu[segment] < seqused[segment])
+    return merged[:, None], inside[:, None]
 
 
 def _rows_in_sequences(cu_seqlens, total: int):
@@ -382,6 +408,7 @@ def _attention_fn():
         if isinstance(dout, SymbolicZero):
             dout = jax.numpy.zeros(out.shape, out.dtype)
         dq, dk, dv, d_sink = _backward_call(static, q, k, v, sink, extras, aux, out, dout, lse, dlse)
+        dq, dk, dv, d_sink = (_summed_to(g, p) for g, p in ((dq, q), (dk, k), (dv, v), (d_sink, sink)))
         if d_sink is not None:
             d_sink = d_sink.astype(sink.dtype)
         return dq, dk, dv, d_sink, None, None

@@ -194,7 +194,8 @@ def _partitioned(call_fn: Any, forward: bool) -> Any:
                               _heads_split(mesh, arg_shapes[1].shape[-2], group))
         operand_dims, result_dims = (_dims(side) for side in rule.split(" -> "))
         replicated = set(options["need_replication_factors"])
-        q_spec = tuple(arg_shapes[0].sharding.spec) + (None,) * 4
+        # A sharding without a partition spec (GSPMD's, inside a partly manual shard_map): whole.
+        q_spec = tuple(getattr(arg_shapes[0].sharding, "spec", None) or ()) + (None,) * 4
         q_dims = operand_dims[0]
         axes = {}
         for factor, q_dim, size in (("b", ("b",), None), ("h", ("h", "g"), arg_shapes[1].shape[-2]),

@@ -1550,8 +1550,9 @@ def flash_attn_combine(
         lse_partial.shape[1:] (None when return_lse is False). With torch tensors that require
         grad (partials of attention calls, as in ring attention), out and lse are differentiable
         with respect to out_partial and lse_partial (out must then be None); rows the combine
-        does not merge get zero gradients. Rows it does not merge (past seqused, outside every
-        packed sequence) are 0 in outputs allocated here and left as they were in a given out.
+        does not merge get zero gradients. Rows past a sequence's seqused give out 0 and lse
+        -inf; rows outside every packed sequence are not written: 0 in outputs allocated here,
+        as they were in a given out.
     """
     framework = _check_tensor(out_partial, "out_partial")
     _check_tensor(lse_partial, "lse_partial", framework)

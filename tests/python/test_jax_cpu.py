@@ -125,8 +125,14 @@ def test_combine_in_jit_and_grad(rng, layout):
     expected_out, expected_lse = cuflash.flash_attn_combine(out_partial, lse_partial, **kwargs)
     jitted = jax.jit(lambda o, l: cuflash.flash_attn_combine(o, l, **{n: jnp.asarray(t) for n, t in kwargs.items()}))
     out, lse = jitted(*on_cpu(out_partial, lse_partial))
-    np.testing.assert_allclose(np.asarray(out), np.where(merged[..., None], expected_out, 0), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(lse), np.where(merged, expected_lse, 0), rtol=1e-5, atol=1e-6)
+    # Every row as the kernel gives it (past seqused: 0 and -inf; outside every sequence: 0).
+    np.testing.assert_allclose(np.asarray(out), expected_out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse), expected_lse, rtol=1e-5, atol=1e-6)
+    # A NaN partial lse reaches the output, as in the kernel (not taken for an empty row).
+    row = (3,) if layout == "packed" else (1, 2)  # a merged row
+    poisoned = lse_partial.copy()
+    poisoned[(0,) + row] = np.nan
+    assert np.isnan(np.asarray(jitted(*on_cpu(out_partial, poisoned))[1])[row]).all()
 
     weights = rng.standard_normal(out.shape).astype(np.float32)
 
@@ -232,6 +238,17 @@ loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) ** 2)
 whole = lambda q, k, v: cuflash.flash_attn_func(q, k, v, causal=True)[0]
 for a, b in zip(jax.jit(jax.grad(loss(local), argnums=(0, 1, 2)))(q, k, v), jax.grad(loss(whole), argnums=(0, 1, 2))(q, k, v)):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+# A sink replicated over the shards: its gradient is the sum of the shards' (psum in the backward).
+sink = jnp.asarray(rng.standard_normal(8).astype(np.float32))
+with_sink = lambda q, k, v, s: cuflash.flash_attn_func(q, k, v, causal=True, learnable_sink=s)[0]
+sharded_sink = shard_map(with_sink, mesh=mesh, in_specs=(dense,) * 3 + (P("model"),), out_specs=dense)
+batch_only = shard_map(with_sink, mesh=mesh, in_specs=(P("data"),) * 3 + (P(),), out_specs=P("data"))
+loss4 = lambda f: lambda q, k, v, s: jnp.sum(f(q, k, v, s).astype(jnp.float32) ** 2)
+expected = jax.grad(loss4(with_sink), argnums=(0, 1, 2, 3))(q, k, v, sink)
+for f in (sharded_sink, batch_only):
+    for a, b in zip(jax.jit(jax.grad(loss4(f), argnums=(0, 1, 2, 3)))(q, k, v, sink), expected):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-2 * max(1.0, np.abs(b).max()))
 print("vmap and eager agree")
 """
 
