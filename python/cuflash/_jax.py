@@ -302,7 +302,7 @@ def _merged_rows(shape, cu_seqlens, seqused):
     rows = jnp.arange(shape[0], dtype=np.int32)
     cu = jnp.asarray([0, shape[0]], np.int32) if cu_seqlens is None else cu_seqlens
     segment = jnp.clip(jnp.searchsorted(cu[1:], rows, side="right"), 0, cu.shape[0] - 2)
-    inside = (rows >= cu[0]) & (rows < cu[-1])
+    inside = _rows_in_sequences(cu, shape[0])
     merged = inside if seqused is None else inside & (rows - cu[segment] < seqused[segment])
     return merged[:, None], inside[:, None]
 
