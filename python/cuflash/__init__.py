@@ -10,12 +10,15 @@ and under jax.grad (when the build found jax; else eagerly, by DLPack).
 """
 
 from . import _C, block_sparse, flex, kvcache, masks, mods, scores
+from ._tensors import note_loaded_modules
 from .flex import flex_attention
 from .kvcache import flash_attn_with_kvcache
 from .interface import (flash_attn_backward, flash_attn_combine, flash_attn_forward, flash_attn_func,
                         flash_attn_varlen_func)
 
 __version__ = _C.version()
+
+note_loaded_modules()
 
 __all__ = [
     "flash_attn_func",

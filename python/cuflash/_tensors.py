@@ -21,6 +21,29 @@ TRACED: Device = ("traced", 0)
 
 _NUMPY_NAMES = {"float16", "float32", "float64", "int32", "int64", "uint16", "bool"}
 
+# The framework modules once seen in sys.modules. torch.compile traces the adapters' lookups:
+# a lookup in sys.modules makes dynamo wrap the whole (large, changing) dict, which fails when
+# another thread imports meanwhile ("dictionary changed size during iteration"); this small dict
+# is what it reads once the module has been seen.
+_LOADED: dict = {}
+
+
+def loaded_module(name: str) -> Any:
+    """The module `name` if it has been imported, else None (never imports it)."""
+    module = _LOADED.get(name)
+    if module is None:
+        module = sys.modules.get(name)
+        if module is not None:
+            _LOADED[name] = module
+    return module
+
+
+def note_loaded_modules() -> None:
+    """Record the frameworks imported so far (called when cuflash is imported and when its torch
+    ops are registered, before any trace)."""
+    for name in ("torch", "cupy", "jax"):
+        loaded_module(name)
+
 
 def _dtype_name(dtype: Any) -> str:
     """'float16' for torch.float16, numpy.float16, cupy/jax dtypes, strings and ml_dtypes."""
@@ -162,10 +185,10 @@ class TorchFramework(Framework):
 
     @property
     def torch(self):
-        return sys.modules["torch"]
+        return loaded_module("torch")
 
     def matches(self, x):
-        torch = sys.modules.get("torch")
+        torch = loaded_module("torch")
         return torch is not None and isinstance(x, torch.Tensor)
 
     def device(self, x):
@@ -250,10 +273,10 @@ class CupyFramework(Framework):
 
     @property
     def cupy(self):
-        return sys.modules["cupy"]
+        return loaded_module("cupy")
 
     def matches(self, x):
-        cupy = sys.modules.get("cupy")
+        cupy = loaded_module("cupy")
         return cupy is not None and isinstance(x, cupy.ndarray)
 
     def device(self, x):
@@ -314,10 +337,10 @@ class JaxFramework(Framework):
 
     @property
     def jax(self):
-        return sys.modules["jax"]
+        return loaded_module("jax")
 
     def matches(self, x):
-        jax = sys.modules.get("jax")
+        jax = loaded_module("jax")
         return jax is not None and isinstance(x, jax.Array)
 
     def _is_jax(self, x):
@@ -408,6 +431,8 @@ _FRAMEWORKS = (NumpyFramework(), TorchFramework(), CupyFramework(), JaxFramework
 
 def framework_of(x: Any) -> Optional[Framework]:
     """The adapter for `x`, or None when `x` is no array cuflash knows."""
+    if x is None or isinstance(x, (bool, int, float, complex, str, bytes, tuple, list, dict)):
+        return None  # answered without looking a framework up (a torch.compile trace reads this)
     for framework in _FRAMEWORKS:
         if framework.matches(x):
             return framework

@@ -13,9 +13,12 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ._tensors import note_loaded_modules
 from ._variants import MaskMod, ScoreMod, from_kind
 
 from . import interface as _interface
+
+note_loaded_modules()
 
 
 def _mod(cls, kind, scalars, aux, program, structure):

@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-import sys
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
@@ -26,7 +25,7 @@ import numpy as np
 from . import _C, _jit
 from . import mods as _mods
 from . import masks, scores
-from ._tensors import TRACED, Framework, _dtype_name, framework_of
+from ._tensors import TRACED, Framework, _dtype_name, framework_of, loaded_module
 from ._variants import BuiltinVariant, MaskMod, ScoreMod
 from .block_sparse import BLOCK_M, BLOCK_N
 
@@ -476,7 +475,7 @@ def _resolve_callable(mod: Any, argument: str, cls: type, aux_tensors: Optional[
         aux.append(framework.contiguous(tensor))
     # JAX under jax.jit: the arrays' device is not known while tracing; the backend's decides
     # whether the kernels for the callable are compiled (a CPU computation ignores them).
-    on_gpu = call.device[0] == "cuda" or (call.device == TRACED and sys.modules["jax"].default_backend() == "gpu")
+    on_gpu = call.device[0] == "cuda" or (call.device == TRACED and loaded_module("jax").default_backend() == "gpu")
     builtin = (_builtin_mask(traced, aux, argument, call, on_gpu) if role == "mask" else
                _builtin_score(traced, aux, argument, call, on_gpu) if not traced.grad_written else None)
     if builtin is not None:
@@ -1174,7 +1173,7 @@ USE_TORCH_CUSTOM_OPS = True
 
 
 def _torch_custom_ops():
-    torch = sys.modules["torch"]
+    torch = loaded_module("torch")
     if not USE_TORCH_CUSTOM_OPS or not hasattr(torch.library, "custom_op"):
         return None
     from . import _torch_ops
@@ -1186,7 +1185,7 @@ def _refuse_mod_tensor_grads(call: _Call) -> None:
     """Under torch grad mode, a tensor that a score_mod / mask_mod reads and that requires grad is
     refused: the backward computes the gradients of q, k, v and learnable_sink only, and that
     tensor's would silently stay None (a learnable bias table that never trains)."""
-    if not sys.modules["torch"].is_grad_enabled():
+    if not loaded_module("torch").is_grad_enabled():
         return
     for argument, (_, _, aux) in (("score_mod", call.score_mod), ("mask_mod", call.mask_mod)):
         for i, tensor in enumerate(aux):

@@ -16,13 +16,12 @@ jax.Array.at[...].set, which is functional).
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Optional, Tuple
 
 import numpy as np
 
 from . import interface as _interface
-from ._tensors import framework_of
+from ._tensors import framework_of, loaded_module
 
 __all__ = ["flash_attn_with_kvcache"]
 
@@ -218,7 +217,7 @@ def _append(framework: Any, k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tens
         k_cache.index_put_(index, k)
         v_cache.index_put_(index, v)
         return
-    xp = np if framework.name == "numpy" else sys.modules["cupy"]
+    xp = np if framework.name == "numpy" else loaded_module("cupy")
     if framework.name == "numpy":
         for cache, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
             if not cache.flags.writeable:
