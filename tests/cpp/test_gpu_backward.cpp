@@ -3,7 +3,8 @@
 // every element is checked for NaN and compared with the accuracy rule in gpu_test_util.hpp
 // (at most twice the error of the same backward done naively in the input dtype).
 // Deterministic mode runs twice and must agree bit for bit. Cases with dlse give the backward a
-// gradient reaching lse as well (the caller's loss uses return_lse).
+// gradient reaching lse as well (the caller's loss uses return_lse). Paged cases hand the same
+// keys to the kernels through a shuffled page table and read dk / dv back from the pages.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <optional>
 #include <random>
 #include <string>
@@ -46,6 +48,9 @@ struct BwdCase {
   bool deterministic = false;
   bool dlse = false;  // a random gradient of lse as well
   bool zero_scale = false;  // softmax_scale 0: uniform weights over the visible keys, dq = dk = 0
+  // Paged k / v on the GPU (seqlen_k a multiple of it): each sequence's keys in pages of this many
+  // rows, reached through a shuffled page table (PagePool below). The reference runs dense.
+  int page_size = 0;
   unsigned seed = 1;
 };
 
@@ -217,6 +222,81 @@ Grads naive_low_precision(const Problem& pb) {
   return g;
 }
 
+// The pages of a paged case: key j of sequence b lives in pool row
+// table[b][j / page] * page + j % page. Pages wholly past a sequence's used keys get entries
+// outside the pool (the backward must not follow them), rows past the used keys hold NaN (it
+// must not read them), and two spare pages that no entry reads must come back with zero dk / dv.
+struct PagePool {
+  int page = 0, per_sequence = 0, pages = 0;
+  std::vector<int> table;  // (batch, per_sequence)
+  const Problem* pb = nullptr;
+
+  explicit PagePool(const Problem& problem) : pb(&problem) {
+    const BwdCase& c = problem.c;
+    page = c.page_size, per_sequence = c.seqlen_k / c.page_size, pages = c.batch * per_sequence + 2;
+    std::vector<int> order(pages);
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), std::mt19937(c.seed + 17));
+    table.resize(std::size_t(c.batch) * per_sequence);
+    for (int b = 0; b < c.batch; ++b) {
+      for (int p = 0; p < per_sequence; ++p) {
+        const int entry = b * per_sequence + p;
+        table[entry] = p * page < problem.used_k[b] ? order[entry] : pages + (1 << 20);
+      }
+    }
+  }
+
+  // Pool row of key j of sequence b, or -1 where the entry is no page.
+  std::int64_t row(int b, int j) const {
+    const int p = table[std::size_t(b) * per_sequence + j / page];
+    return p < pages ? std::int64_t(p) * page + j % page : -1;
+  }
+  // The pool holding dense key rows `dense` ((rows_k, width)); NaN where no used key lives.
+  std::vector<float> scatter(const std::vector<float>& dense, int width) const {
+    std::vector<float> pool(std::size_t(pages) * page * width, std::numeric_limits<float>::quiet_NaN());
+    for (int b = 0; b < pb->batch; ++b) {
+      for (int j = 0; j < pb->used_k[b]; ++j) {
+        std::copy_n(dense.begin() + std::size_t(pb->start_k[b] + j) * width, width,
+                    pool.begin() + std::size_t(row(b, j)) * width);
+      }
+    }
+    return pool;
+  }
+  // Dense gradient rows read back from the pool's bits (0 where the entry is no page).
+  std::vector<double> gather(const std::vector<std::uint16_t>& bits, int width, DType dtype) const {
+    std::vector<double> dense(std::size_t(pb->rows_k) * width, 0.0);
+    for (int b = 0; b < pb->batch; ++b) {
+      for (int j = 0; j < pb->seqlen_k; ++j) {
+        const std::int64_t r = row(b, j);
+        if (r < 0) continue;
+        for (int i = 0; i < width; ++i) {
+          dense[std::size_t(pb->start_k[b] + j) * width + i] = gpu_testing::from_bits(bits[std::size_t(r) * width + i], dtype);
+        }
+      }
+    }
+    return dense;
+  }
+  // Pages no entry reads: their gradient rows must be written as zeros.
+  void expect_spare_pages_zero(const std::vector<std::uint16_t>& bits, int width, const char* name) const {
+    std::vector<bool> read(pages, false);
+    for (int p : table) {
+      if (p < pages) read[p] = true;
+    }
+    for (int p = 0; p < pages; ++p) {
+      if (read[p]) continue;
+      for (std::size_t i = std::size_t(p) * page * width; i < std::size_t(p + 1) * page * width; ++i) {
+        if (bits[i] != 0) {
+          ADD_FAILURE() << name << " of spare page " << p << " is not zero at element " << i;
+          return;
+        }
+      }
+    }
+  }
+  TensorView view(void* data, DType dtype, int dim) const {
+    return TensorView(data, dtype, {pages, page, pb->heads_kv, dim}, kCuda);
+  }
+};
+
 struct GpuRun {
   Grads grads;
   std::vector<std::uint16_t> dq_bits, dk_bits, dv_bits;  // raw outputs, padding included
@@ -232,16 +312,24 @@ GpuRun run_gpu(const Problem& pb) {
   auto poisoned = [&](int rows, int heads, int dim) {
     return gpu_testing::poisoned_16bit(std::size_t(rows) * heads * (dim + pad));
   };
+  std::optional<PagePool> pool;
+  if (c.page_size > 0) pool.emplace(pb);
+  const int key_rows = pool ? pool->pages * pool->page : pb.rows_k;
+  auto key_copy = [&](const std::vector<float>& values, int dim) {
+    return pool ? gpu_testing::to_device_16bit(pool->scatter(values, c.heads_kv * dim), c.dtype)
+                : device_copy(values, pb.rows_k, c.heads_kv, dim);
+  };
   DeviceBuffer q = device_copy(pb.q, pb.rows_q, c.heads, c.head_dim);
-  DeviceBuffer k = device_copy(pb.k, pb.rows_k, c.heads_kv, c.head_dim);
-  DeviceBuffer v = device_copy(pb.v, pb.rows_k, c.heads_kv, c.head_dim_v);
+  DeviceBuffer k = key_copy(pb.k, c.head_dim);
+  DeviceBuffer v = key_copy(pb.v, c.head_dim_v);
   DeviceBuffer out = device_copy(pb.out, pb.rows_q, c.heads, c.head_dim_v);
   DeviceBuffer dout = device_copy(pb.dout, pb.rows_q, c.heads, c.head_dim_v);
   DeviceBuffer lse = DeviceBuffer::from(pb.lse);
   DeviceBuffer dlse = c.dlse ? DeviceBuffer::from(pb.dlse) : DeviceBuffer{};
   DeviceBuffer dq = poisoned(pb.rows_q, c.heads, c.head_dim);
-  DeviceBuffer dk = poisoned(pb.rows_k, c.heads_kv, c.head_dim);
-  DeviceBuffer dv = poisoned(pb.rows_k, c.heads_kv, c.head_dim_v);
+  DeviceBuffer dk = poisoned(key_rows, c.heads_kv, c.head_dim);
+  DeviceBuffer dv = poisoned(key_rows, c.heads_kv, c.head_dim_v);
+  DeviceBuffer page_table = pool ? DeviceBuffer::from(pool->table) : DeviceBuffer{};
   const gpu_testing::DeviceSequences sequences(pb);
   DeviceBuffer sink, d_sink;
   if (c.sink) {
@@ -251,21 +339,24 @@ GpuRun run_gpu(const Problem& pb) {
 
   BackwardArgs args;
   args.q = pb.query_view(q.data(), c.dtype, c.head_dim, kCuda, pad);
-  args.k = pb.key_view(k.data(), c.dtype, c.head_dim, kCuda, pad);
-  args.v = pb.key_view(v.data(), c.dtype, c.head_dim_v, kCuda, pad);
+  args.k = pool ? pool->view(k.data(), c.dtype, c.head_dim) : pb.key_view(k.data(), c.dtype, c.head_dim, kCuda, pad);
+  args.v = pool ? pool->view(v.data(), c.dtype, c.head_dim_v)
+                : pb.key_view(v.data(), c.dtype, c.head_dim_v, kCuda, pad);
   args.out = pb.query_view(out.data(), c.dtype, c.head_dim_v, kCuda, pad);
   args.dout = pb.query_view(dout.data(), c.dtype, c.head_dim_v, kCuda, pad);
   args.lse = pb.lse_view(lse.data(), kCuda);
   if (c.dlse) args.dlse = pb.lse_view(dlse.data(), kCuda);
   args.dq = pb.query_view(dq.data(), c.dtype, c.head_dim, kCuda, pad);
-  args.dk = pb.key_view(dk.data(), c.dtype, c.head_dim, kCuda, pad);
-  args.dv = pb.key_view(dv.data(), c.dtype, c.head_dim_v, kCuda, pad);
+  args.dk = pool ? pool->view(dk.data(), c.dtype, c.head_dim) : pb.key_view(dk.data(), c.dtype, c.head_dim, kCuda, pad);
+  args.dv = pool ? pool->view(dv.data(), c.dtype, c.head_dim_v)
+                 : pb.key_view(dv.data(), c.dtype, c.head_dim_v, kCuda, pad);
   if (c.sink) {
     args.learnable_sink = TensorView(sink.data(), *c.sink, {c.heads}, kCuda);
     args.d_sink = TensorView(d_sink.data(), DType::kFloat32, {c.heads}, kCuda);
   }
   args.deterministic = c.deterministic;
   pb.set_sequences(args.seq, kCuda, sequences.pointers());
+  if (pool) args.seq.page_table = TensorView(page_table.data(), DType::kInt32, {c.batch, pool->per_sequence}, kCuda);
   set_options(args.opts, c);
   backward(args);
   gpu_testing::check_cuda(cudaDeviceSynchronize(), "backward kernels");
@@ -282,8 +373,15 @@ GpuRun run_gpu(const Problem& pb) {
     return values;
   };
   run.grads.dq = unpad(run.dq_bits, c.head_dim);
-  run.grads.dk = unpad(run.dk_bits, c.head_dim);
-  run.grads.dv = unpad(run.dv_bits, c.head_dim_v);
+  if (pool) {
+    run.grads.dk = pool->gather(run.dk_bits, c.heads_kv * c.head_dim, c.dtype);
+    run.grads.dv = pool->gather(run.dv_bits, c.heads_kv * c.head_dim_v, c.dtype);
+    pool->expect_spare_pages_zero(run.dk_bits, c.heads_kv * c.head_dim, "dk");
+    pool->expect_spare_pages_zero(run.dv_bits, c.heads_kv * c.head_dim_v, "dv");
+  } else {
+    run.grads.dk = unpad(run.dk_bits, c.head_dim);
+    run.grads.dv = unpad(run.dv_bits, c.head_dim_v);
+  }
   if (c.sink) {
     run.d_sink = d_sink.to_host<float>();
     run.grads.d_sink.assign(run.d_sink.begin(), run.d_sink.end());
@@ -494,6 +592,26 @@ std::vector<BwdCase> backward_cases() {
       c = {};
       c.label = "dense_seqused_past_deterministic", c.batch = 3, c.seqlen_q = 150, c.seqlen_k = 230,
       c.heads = 2, c.heads_kv = 2, c.seqused = true, c.seqused_past = 129, c.deterministic = true;
+      add(c);
+      // Paged k / v (gathered into dense rows, the dense backward, dk / dv summed back per page):
+      // whole-block and odd page sizes, keys ending mid-page, a sequence without keys (seqused
+      // draws), a window with a gradient of lse, softcap with a sink, deterministic twice.
+      c = {};
+      c.label = "paged_causal_gqa_seqused", c.batch = 3, c.seqlen_q = 90, c.seqlen_k = 6 * 64, c.heads = 4,
+      c.heads_kv = 2, c.causal = true, c.seqused = true, c.page_size = 64;
+      add(c, true);
+      c = {};
+      c.label = "paged_softcap_sink_deterministic", c.batch = 2, c.seqlen_q = 70, c.seqlen_k = 20 * 16, c.heads = 4,
+      c.heads_kv = 1, c.seqused = true, c.softcap = 20.f, c.sink = DType::kFloat32, c.deterministic = true,
+      c.page_size = 16;
+      add(c, true);
+      c = {};
+      c.label = "paged_local_dlse", c.batch = 2, c.seqlen_q = 150, c.seqlen_k = 3 * 128, c.heads = 2, c.heads_kv = 2,
+      c.window_left = 100, c.window_right = 0, c.dlse = true, c.page_size = 128;
+      add(c);
+      c = {};
+      c.label = "paged_page3_decode_gqa4", c.batch = 4, c.seqlen_q = 3, c.seqlen_k = 50 * 3, c.heads = 8,
+      c.heads_kv = 2, c.causal = true, c.seqused = true, c.page_size = 3;
       add(c);
     }
   }
