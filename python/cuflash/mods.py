@@ -24,7 +24,9 @@ What a callable may use:
 * arithmetic ``+ - * / // % **`` (a small whole exponent), unary ``-``, ``abs``; comparisons
   ``< <= > >= == !=``; ``& | ~`` on booleans (comparisons); Python int / float / bool constants;
 * the functions of this module: `where`, `exp`, `exp2`, `log`, `sqrt`, `tanh`, `sigmoid`,
-  `minimum`, `maximum`, `clamp` (also NumPy's and torch's functions of the same names);
+  `minimum`, `maximum`, `clamp` (also NumPy's, torch's and ``jax.numpy``'s functions of the same
+  names, and ``jax.nn.sigmoid``: JAX's reached through the module ``jax`` / ``jax.numpy`` or by
+  name from the function's closure or module globals);
 * tensors read by indexing with integer expressions, ``table[h]``, ``doc[b, q_idx]``,
   ``bias[b, h, kv_idx]`` (1 to 3 dimensions, every dimension indexed): tensors the function
   closes over (or reads as module globals), or the call's ``aux_tensors``, which arrive as extra
@@ -512,6 +514,83 @@ _TORCH_FUNCTIONS.update({
 })
 
 
+def _clip(x: Any, min: Any = None, max: Any = None, *, a_min: Any = None, a_max: Any = None) -> Any:  # noqa: A002
+    # jax.numpy.clip's names, old (a_min / a_max) and new (min / max).
+    return clamp(x, a_min if min is None else min, a_max if max is None else max)
+
+
+# jax.numpy functions on traced values. JAX has no dispatch protocol for foreign types (its
+# functions convert their arguments to arrays), so a traced callable sees the modules jax /
+# jax.numpy / jax.nn and the functions it names from them through stand-ins (_jax_stand_in)
+# that send traced arguments here and everything else to JAX.
+_JAX_NUMPY_FUNCTIONS = dict(_NUMPY_UFUNCS)
+_JAX_NUMPY_FUNCTIONS.update({"where": where, "clip": _clip, "abs": _abs, "mod": _NUMPY_UFUNCS["remainder"]})
+_JAX_NN_FUNCTIONS = {"sigmoid": sigmoid}
+
+
+def _jax_dispatch(symbolic: Optional[Callable], real: Callable, qualified_name: str = "") -> Callable:
+    def dispatch(*args: Any, **kwargs: Any) -> Any:
+        if _is_traced(*args, *kwargs.values()):
+            if symbolic is None:
+                message = f"{qualified_name} is not supported on traced values"
+                graph = _graph_of(*args, *kwargs.values())
+                if graph is not None:
+                    graph.fail(message)
+                raise TraceError(message)
+            return symbolic(*args, **kwargs)
+        return real(*args, **kwargs)
+
+    dispatch.__name__ = getattr(real, "__name__", "function")
+    dispatch.__wrapped__ = real
+    return dispatch
+
+
+class _JaxModuleStandIn:
+    """jax / jax.numpy / jax.nn as a traced callable sees them: the functions in `functions` take
+    traced values, attributes of `nested` are stand-ins too, everything else is the module's."""
+
+    def __init__(self, module: Any, functions: Dict[str, Callable], nested: Dict[str, Any]):
+        self._module, self._functions, self._nested = module, functions, nested
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self._nested:
+            return self._nested[name]
+        value = getattr(self._module, name)
+        if callable(value) and not isinstance(value, type):
+            # Functions without a traced form fail by name when given traced values.
+            return _jax_dispatch(self._functions.get(name), value, f"{self._module.__name__}.{name}")
+        return value
+
+    def __repr__(self) -> str:
+        return f"<{self._module.__name__} while a callable is traced>"
+
+
+def _jax_stand_in(value: Any) -> Any:
+    """The stand-in for `value` where it is jax, jax.numpy, jax.nn or one of the functions of the
+    last two that traced values need; else None (JAX not loaded, or another value)."""
+    from ._tensors import loaded_module
+
+    jax = loaded_module("jax")
+    if jax is None or isinstance(value, (numbers.Number, str, bytes, type(None))):
+        return None
+    jnp, nn = getattr(jax, "numpy", None), getattr(jax, "nn", None)
+    jnp_stand_in = _JaxModuleStandIn(jnp, _JAX_NUMPY_FUNCTIONS, {})
+    nn_stand_in = _JaxModuleStandIn(nn, _JAX_NN_FUNCTIONS, {})
+    if value is jax:
+        return _JaxModuleStandIn(jax, {}, {"numpy": jnp_stand_in, "nn": nn_stand_in})
+    if value is jnp:
+        return jnp_stand_in
+    if value is nn:
+        return nn_stand_in
+    if not callable(value):
+        return None
+    name = getattr(value, "__name__", None)
+    for module, functions in ((jnp, _JAX_NUMPY_FUNCTIONS), (nn, _JAX_NN_FUNCTIONS)):
+        if isinstance(name, str) and name in functions and getattr(module, name, None) is value:
+            return _jax_dispatch(functions[name], value)
+    return None
+
+
 def _torch_getitem(tensor, index):
     graph = _graph_of(*(index if isinstance(index, tuple) else (index,)))
     message = ("a traced value cannot index a tensor that was not recorded: close over the tensor in the "
@@ -627,6 +706,9 @@ def _with_proxies(fn: Callable, make_proxy: Callable[[Any, str], Any],
     copies[id(fn)] = fn  # a function that reaches itself keeps its original while being copied
 
     def substitute(value: Any, name: str, same_module_only: bool) -> Any:
+        stand_in = _jax_stand_in(value)
+        if stand_in is not None:
+            return stand_in
         if _is_tensor(value):
             return make_proxy(value, name)
         if isinstance(value, types.FunctionType) and (not same_module_only or value.__module__ == fn.__module__):

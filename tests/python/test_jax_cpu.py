@@ -291,3 +291,46 @@ def test_concrete_scalar_arrays_as_floats(rng):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
     with pytest.raises(TypeError, match="^softmax_scale: expected a Python float, got a traced JAX value"):
         jax.jit(lambda q, s: cuflash.flash_attn_func(q, q, q, softmax_scale=s)[0])(q, jnp.float32(0.1))
+
+
+from jax.numpy import tanh as jax_tanh  # noqa: E402  (a jax.numpy function named by a module global)
+
+
+def test_score_mod_with_jax_numpy_functions(rng, path):
+    # jax.numpy / jax.nn functions on the traced values record the same program as cuflash.mods'
+    # (reached through jax, jax.numpy, a closure and a module global), and the call gives the
+    # same bits; calls on concrete values inside the callable stay JAX's.
+    jnp = jax.numpy
+    tables = np.asarray(jnp.arange(4, dtype=jnp.float32) * 0.25)
+    m = cuflash.mods
+
+    def with_jax(score, b, h, q_idx, kv_idx):
+        bias = jnp.where(kv_idx > q_idx, -1.5, 0.5) * float(jnp.sqrt(4.0))
+        capped = 3.0 * jax_tanh(score / 3.0)
+        s = jnp.maximum(capped + bias, jax.numpy.clip(score, -2.0, 2.0)) - jnp.abs(kv_idx - q_idx) * 0.01
+        return s + jax.nn.sigmoid(score) * tables[h]
+
+    def with_mods(score, b, h, q_idx, kv_idx):
+        bias = m.where(kv_idx > q_idx, -1.5, 0.5) * 2.0
+        capped = 3.0 * m.tanh(score / 3.0)
+        s = m.maximum(capped + bias, m.clamp(score, -2.0, 2.0)) - abs(kv_idx - q_idx) * 0.01
+        return s + m.sigmoid(score) * tables[h]
+
+    def masked(b, h, q_idx, kv_idx):
+        return jnp.logical_or(jnp.less_equal(kv_idx, q_idx), jnp.equal(h, 0))
+
+    a, b = m.trace_score_mod(with_jax), m.trace_score_mod(with_mods)
+    assert (a.code, a.types, a.constants, a.grad) == (b.code, b.types, b.constants, b.grad)
+    q, k, v = (on_cpu(randn(rng, (1, 24, 4, 32), "bfloat16"))[0] for _ in range(3))
+    got = cuflash.flash_attn_forward(q, k, v, score_mod=with_jax, mask_mod=masked)
+    expected = cuflash.flash_attn_forward(q, k, v, score_mod=with_mods,
+                                          mask_mod=lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) | (h == 0))
+    for x, y in zip(got, expected):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_score_mod_with_an_unsupported_jax_function_is_named(rng):
+    jnp = jax.numpy
+    q = on_cpu(randn(rng, (1, 8, 2, 32), "bfloat16"))[0]
+    with pytest.raises(TypeError, match=r"score_mod: jax\.numpy\.sin is not supported on traced values"):
+        cuflash.flash_attn_varlen_func(q, q, q, score_mod=lambda score, b, h, q_idx, kv_idx: jnp.sin(score))
