@@ -429,10 +429,25 @@ def _check_platform(call) -> None:
         raise ValueError(f"q: expected a JAX array on the CPU or a CUDA GPU, got platform {platform}")
 
 
+def _traced_by_eager_shard_map(*values: Any) -> bool:
+    """Whether a value is traced by shard_map outside jax.jit. shard_map's eager mode has no rule
+    for a custom_vjp with symbolic zeros, so a call there is staged through jax.jit (under which
+    shard_map sees only the staged computation)."""
+    return any(any(c.__name__ == "ShardMapTracer" for c in type(v).__mro__) for v in values if v is not None)
+
+
+@functools.lru_cache(maxsize=None)
+def _staged_attention_fn():
+    return _jax().jit(_attention_fn(), static_argnums=0)
+
+
 def attention(call) -> Tuple[Any, Any]:
     """(out, lse) of a checked call whose tensors are JAX arrays (traced or not)."""
     _check_platform(call)
-    return _attention_fn()(_static(call), call.q, call.k, call.v, call.learnable_sink, _extras(call), _aux(call))
+    operands = (call.q, call.k, call.v, call.learnable_sink, _extras(call), _aux(call))
+    leaves = _jax().tree_util.tree_leaves(operands)
+    function = _staged_attention_fn() if _traced_by_eager_shard_map(*leaves) else _attention_fn()
+    return function(_static(call), *operands)
 
 
 def backward(call, out, dout, lse, dlse=None) -> Tuple[Any, Any, Any, Optional[Any]]:

@@ -12,6 +12,7 @@ jax = pytest.importorskip("jax", reason="jax is not installed")
 import cuflash  # noqa: E402
 import attention_reference as ref  # noqa: E402
 from conftest import assert_close, assert_lse_close, randn  # noqa: E402
+from jax.numpy import tanh as jax_tanh  # noqa: E402  (a jax.numpy function named by a module global)
 
 CPU = jax.devices("cpu")[0]
 
@@ -238,6 +239,10 @@ loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) ** 2)
 whole = lambda q, k, v: cuflash.flash_attn_func(q, k, v, causal=True)[0]
 for a, b in zip(jax.jit(jax.grad(loss(local), argnums=(0, 1, 2)))(q, k, v), jax.grad(loss(whole), argnums=(0, 1, 2))(q, k, v)):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+# shard_map outside jax.jit (its eager mode): the call is staged through jit there.
+np.testing.assert_array_equal(np.asarray(local(q, k, v), np.float32), np.asarray(whole(q, k, v), np.float32))
+for a, b in zip(jax.grad(loss(local), argnums=(0, 1, 2))(q, k, v), jax.grad(loss(whole), argnums=(0, 1, 2))(q, k, v)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 # A sink replicated over the shards: its gradient is the sum of the shards' (psum in the backward).
 sink = jnp.asarray(rng.standard_normal(8).astype(np.float32))
 with_sink = lambda q, k, v, s: cuflash.flash_attn_func(q, k, v, causal=True, learnable_sink=s)[0]
@@ -245,8 +250,8 @@ sharded_sink = shard_map(with_sink, mesh=mesh, in_specs=(dense,) * 3 + (P("model
 batch_only = shard_map(with_sink, mesh=mesh, in_specs=(P("data"),) * 3 + (P(),), out_specs=P("data"))
 loss4 = lambda f: lambda q, k, v, s: jnp.sum(f(q, k, v, s).astype(jnp.float32) ** 2)
 expected = jax.grad(loss4(with_sink), argnums=(0, 1, 2, 3))(q, k, v, sink)
-for f in (sharded_sink, batch_only):
-    for a, b in zip(jax.jit(jax.grad(loss4(f), argnums=(0, 1, 2, 3)))(q, k, v, sink), expected):
+for f in (sharded_sink, batch_only, jax.jit(sharded_sink)):
+    for a, b in zip(jax.grad(loss4(f), argnums=(0, 1, 2, 3))(q, k, v, sink), expected):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         np.testing.assert_allclose(a, b, rtol=0, atol=2e-2 * max(1.0, np.abs(b).max()))
 print("vmap and eager agree")
@@ -260,7 +265,8 @@ def test_sharded_arrays_under_jit():
     # kernels read batch or head indices elsewhere (a sink's gradient, ALiBi's slopes, pages'
     # gradients, MQA's single kv head) gather what they must. Several CPU devices exist only
     # when XLA is told before jax starts, so this runs in a fresh interpreter. shard_map with
-    # jax.grad too (the custom calls' results carry the operands' manual axes).
+    # jax.grad too, inside jax.jit and outside it (the custom calls' results carry the operands'
+    # manual axes).
     import os
     import pathlib
     import subprocess
@@ -292,8 +298,6 @@ def test_concrete_scalar_arrays_as_floats(rng):
     with pytest.raises(TypeError, match="^softmax_scale: expected a Python float, got a traced JAX value"):
         jax.jit(lambda q, s: cuflash.flash_attn_func(q, q, q, softmax_scale=s)[0])(q, jnp.float32(0.1))
 
-
-from jax.numpy import tanh as jax_tanh  # noqa: E402  (a jax.numpy function named by a module global)
 
 
 def test_score_mod_with_jax_numpy_functions(rng, path):
