@@ -103,12 +103,13 @@ fi
 if has_step test; then
   start=$(date +%s)
   # A producer/consumer disagreement in a kernel hangs rather than fails: bound the run so the
-  # rest of the call (and its logs) still comes back.
-  timeout "${TEST_TIMEOUT:-420}" "$TESTS" --gtest_filter="$GTEST_FILTER" --gtest_brief=1 \
+  # rest of the call (and its logs) still comes back. Line-buffered and not brief, so that a run
+  # the limit stops leaves every result so far and the test it stopped in.
+  timeout "${TEST_TIMEOUT:-420}" stdbuf -oL -eL "$TESTS" --gtest_filter="$GTEST_FILTER" \
     --gtest_output="xml:$OUT/tests.xml" >"$OUT/tests.log" 2>&1
   rc=$?
-  [[ $rc -eq 124 ]] && note "tests: timed out after ${TEST_TIMEOUT:-420} s (hang?); last test started: $(grep -E '^\[ RUN' "$OUT/tests.log" | tail -1)"
-  note "tests ($GTEST_FILTER): rc=$rc in $(( $(date +%s) - start )) s; $(grep -E '^\[  PASSED  \]|^\[  FAILED  \]|^\[  SKIPPED \]' "$OUT/tests.log" | tr '\n' ' ')"
+  [[ $rc -eq 124 ]] && note "tests: timed out after ${TEST_TIMEOUT:-420} s (hang?); last test started: $(grep -E '^\[ RUN' "$OUT/tests.log" | tail -1 | cut -c1-200); $(grep -c '^\[       OK \]' "$OUT/tests.log") passed so far"
+  note "tests ($GTEST_FILTER): rc=$rc in $(( $(date +%s) - start )) s; $(grep -E '^\[  (PASSED|FAILED|SKIPPED) +\] [0-9]+ tests?' "$OUT/tests.log" | tr '\n' ' ')"
   grep -E "^\[  FAILED  \]|Failure|error" "$OUT/tests.log" | head -30 | tee -a "$SUMMARY"
   [[ $rc -ne 0 ]] && status=1
   # The tests again under extra VAR=value settings (a launch-time switch such as
@@ -122,10 +123,10 @@ if has_step test; then
     log="$OUT/tests_${pass,,}.log"
     start=$(date +%s)
     # shellcheck disable=SC2086
-    env $settings timeout "${TEST_TIMEOUT:-420}" "$TESTS" --gtest_filter="$filter" --gtest_brief=1 >"$log" 2>&1
+    env $settings timeout "${TEST_TIMEOUT:-420}" stdbuf -oL -eL "$TESTS" --gtest_filter="$filter" >"$log" 2>&1
     rc=$?
-    [[ $rc -eq 124 ]] && note "tests ($settings): timed out (hang?); last test started: $(grep -E '^\[ RUN' "$log" | tail -1)"
-    note "tests ($settings, $filter): rc=$rc in $(( $(date +%s) - start )) s; $(grep -E '^\[  PASSED  \]|^\[  FAILED  \]' "$log" | tr '\n' ' ')"
+    [[ $rc -eq 124 ]] && note "tests ($settings): timed out (hang?); last test started: $(grep -E '^\[ RUN' "$log" | tail -1 | cut -c1-200)"
+    note "tests ($settings, $filter): rc=$rc in $(( $(date +%s) - start )) s; $(grep -E '^\[  (PASSED|FAILED) +\] [0-9]+ tests?' "$log" | tr '\n' ' ')"
     grep -E "^\[  FAILED  \]" "$log" | head -30 | tee -a "$SUMMARY"
     [[ $rc -ne 0 ]] && status=1
   done
