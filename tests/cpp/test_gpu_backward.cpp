@@ -520,6 +520,11 @@ std::vector<BwdCase> backward_cases() {
       c.label = "strided_gqa3", c.batch = 2, c.seqlen_q = 150, c.seqlen_k = 211, c.heads = 6, c.heads_kv = 2,
       c.strided = true;
       add(c);
+      c = {};  // packed sequences in wider rows (inputs and gradients), deterministic
+      c.label = "varlen_strided_local_deterministic", c.batch = 3, c.seqlen_q = 330, c.seqlen_k = 300, c.heads = 4,
+      c.heads_kv = 2, c.varlen = true, c.seqused = true, c.window_left = 70, c.window_right = 30, c.strided = true,
+      c.deterministic = true;
+      add(c);
       c = {};
       c.label = "gqa8", c.batch = 1, c.seqlen_q = 128, c.seqlen_k = 384, c.heads = 8, c.heads_kv = 1;
       add(c);

@@ -24,7 +24,6 @@ namespace {
 
 using gpu_testing::DeviceBuffer;
 using gpu_testing::expect_output_close;
-using gpu_testing::from_device_16bit;
 using gpu_testing::kCpu, gpu_testing::kCuda, gpu_testing::kNegInf;
 
 struct FwdCase {
@@ -207,7 +206,7 @@ Result run_gpu(const Problem& pb) {
   DeviceBuffer v = to_device_16bit_padded(pb.v, std::size_t(pb.rows_k) * c.heads_kv,
                                           c.head_dim_v, pad, c.dtype);
   DeviceBuffer out =
-      gpu_testing::poisoned_16bit(std::size_t(pb.rows_q) * c.heads * c.head_dim_v);
+      gpu_testing::poisoned_16bit(std::size_t(pb.rows_q) * c.heads * (c.head_dim_v + pad));
   DeviceBuffer lse = gpu_testing::poisoned_fp32(pb.lse_size());
   const gpu_testing::DeviceSequences sequences(pb);
   DeviceBuffer sink;
@@ -217,7 +216,7 @@ Result run_gpu(const Problem& pb) {
   args.q = pb.query_view(q.data(), c.dtype, c.head_dim, kCuda, pad);
   args.k = pb.key_view(k.data(), c.dtype, c.head_dim, kCuda, pad);
   args.v = pb.key_view(v.data(), c.dtype, c.head_dim_v, kCuda, pad);
-  args.out = pb.query_view(out.data(), c.dtype, c.head_dim_v, kCuda);
+  args.out = pb.query_view(out.data(), c.dtype, c.head_dim_v, kCuda, pad);
   if (c.with_lse) args.lse = pb.lse_view(lse.data(), kCuda);
   if (c.sink) args.learnable_sink = TensorView(sink.data(), *c.sink, {c.heads}, kCuda);
   pb.set_sequences(args.seq, kCuda, sequences.pointers());
@@ -232,7 +231,16 @@ Result run_gpu(const Problem& pb) {
   gpu_testing::check_cuda(cudaDeviceSynchronize(), "forward kernel");
 
   Result result;
-  result.out = from_device_16bit(out, c.dtype);
+  // out in wider rows too: its values, and the padding between head vectors left as it was.
+  const std::vector<std::uint16_t> out_bits = out.to_host<std::uint16_t>();
+  for (std::size_t i = 0; i < out_bits.size(); ++i) {
+    if (int(i % (c.head_dim_v + pad)) < c.head_dim_v) {
+      result.out.push_back(gpu_testing::from_bits(out_bits[i], c.dtype));
+    } else if (out_bits[i] != gpu_testing::kPoison16) {
+      ADD_FAILURE() << "out's padding written at " << i;
+      break;
+    }
+  }
   if (c.with_lse) {
     for (float x : lse.to_host<float>()) result.lse.push_back(x);
   }
@@ -409,6 +417,15 @@ std::vector<FwdCase> forward_cases() {
       c = {};
       c.label = "packed_gqa2_causal_strided", c.batch = 2, c.seqlen_q = 300, c.seqlen_k = 260,
       c.heads = 4, c.heads_kv = 2, c.causal = true, c.strided = true, c.pack_gqa = true;
+      add(c);
+      c = {};  // packed sequences in wider rows (q, k, v and out), with seqused
+      c.label = "varlen_strided_seqused_causal_gqa", c.batch = 4, c.seqlen_q = 280, c.seqlen_k = 310,
+      c.heads = 4, c.heads_kv = 2, c.causal = true, c.varlen = true, c.seqused = true, c.strided = true;
+      add(c);
+      c = {};
+      c.label = "varlen_strided_split3_local", c.batch = 3, c.seqlen_q = 70, c.seqlen_k = 900, c.heads = 4,
+      c.heads_kv = 1, c.varlen = true, c.window_left = 300, c.window_right = 20, c.strided = true,
+      c.num_splits = 3;
       add(c);
       c = {};
       c.label = "packed_gqa5_varlen_seqused", c.batch = 3, c.seqlen_q = 40, c.seqlen_k = 150,
