@@ -430,10 +430,21 @@ def _check_platform(call) -> None:
 
 
 def _traced_by_eager_shard_map(*values: Any) -> bool:
-    """Whether a value is traced by shard_map outside jax.jit. shard_map's eager mode has no rule
-    for a custom_vjp with symbolic zeros, so a call there is staged through jax.jit (under which
+    """Whether a value is traced by shard_map outside jax.jit, directly or under tracers of
+    transformations inside it (vmap's, jvp's). shard_map's eager mode has no rule for a
+    custom_vjp with symbolic zeros, so a call there is staged through jax.jit (under which
     shard_map sees only the staged computation)."""
-    return any(any(c.__name__ == "ShardMapTracer" for c in type(v).__mro__) for v in values if v is not None)
+    tracer = getattr(_jax().core, "Tracer", ())
+
+    def traced(value: Any, depth: int) -> bool:
+        if any(c.__name__ == "ShardMapTracer" for c in type(value).__mro__):
+            return True
+        if depth >= 16 or not isinstance(value, tracer):
+            return False
+        return any(traced(getattr(value, name), depth + 1) for name in ("val", "primal", "tangent")
+                   if getattr(value, name, None) is not None)
+
+    return any(traced(v, 0) for v in values if v is not None)
 
 
 @functools.lru_cache(maxsize=None)

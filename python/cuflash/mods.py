@@ -25,8 +25,9 @@ What a callable may use:
   ``< <= > >= == !=``; ``& | ~`` on booleans (comparisons); Python int / float / bool constants;
 * the functions of this module: `where`, `exp`, `exp2`, `log`, `sqrt`, `tanh`, `sigmoid`,
   `minimum`, `maximum`, `clamp` (also NumPy's, torch's and ``jax.numpy``'s functions of the same
-  names, and ``jax.nn.sigmoid``: JAX's reached through the module ``jax`` / ``jax.numpy`` or by
-  name from the function's closure or module globals);
+  names, their ``power`` / ``pow`` and ``square``, and ``jax.nn.sigmoid``: JAX's reached through
+  the module ``jax`` / ``jax.numpy`` or by name from the function's closure or module globals);
+  concrete 0-d arrays of any framework as constants;
 * tensors read by indexing with integer expressions, ``table[h]``, ``doc[b, q_idx]``,
   ``bias[b, h, kv_idx]`` (1 to 3 dimensions, every dimension indexed): tensors the function
   closes over (or reads as module globals), or the call's ``aux_tensors``, which arrive as extra
@@ -157,6 +158,13 @@ class _Graph:
             return x
         if isinstance(x, np.ndarray) and x.ndim == 0:
             x = x.item()
+        elif getattr(x, "ndim", None) == 0 and hasattr(x, "item"):
+            # A concrete 0-d array of another framework (jnp.float32(0.5), torch.tensor(2.0)).
+            try:
+                x = x.item()
+            except Exception:  # noqa: BLE001 (a traced JAX value has no item())
+                self.fail(f"a {type(x).__name__} without a concrete value cannot be a constant of a traced "
+                          f"expression")
         return self.constant(x)
 
     # Conversions between the three types.
@@ -497,11 +505,13 @@ _NUMPY_UFUNCS = {
     "not_equal": lambda a, b: _compare(NE, a, b), "logical_and": lambda a, b: _logical(AND, a, b),
     "logical_or": lambda a, b: _logical(OR, a, b), "bitwise_and": lambda a, b: _logical(AND, a, b),
     "bitwise_or": lambda a, b: _logical(OR, a, b), "logical_not": lambda a: ~a, "invert": lambda a: ~a,
+    "power": lambda a, b: a ** b, "square": lambda a: a * a,
 }
 
 _TORCH_FUNCTIONS = dict(_NUMPY_UFUNCS)
 _TORCH_FUNCTIONS.update({
     "where": where, "clamp": clamp, "clip": clamp, "sigmoid": sigmoid, "abs": _abs, "neg": lambda a: -a,
+    "pow": lambda a, b: a ** b,
     "add": lambda a, b, alpha=1: _arith(ADD, a, b if alpha == 1 else b * alpha),
     "sub": lambda a, b, alpha=1: _arith(SUB, a, b if alpha == 1 else b * alpha),
     "mul": lambda a, b: _arith(MUL, a, b), "div": lambda a, b: _arith(DIV, a, b),

@@ -110,6 +110,18 @@ def test_score_mod_numpy_functions(rng):
     run(rng, ref.Options(score_mod=score_mod), q, k, v, score_mod=score_mod)
 
 
+def test_power_and_square_record_products():
+    # np.power / np.square (and concrete 0-d arrays as constants) trace to the products ** gives.
+    def spelled(score, b, h, q_idx, kv_idx):
+        return np.square(score) * np.float32(0.5) + np.power(score, 3) - np.power(2.0, score)
+
+    def plain(score, b, h, q_idx, kv_idx):
+        return score * score * 0.5 + score ** 3 - 2.0 ** score
+
+    a, b = mods.trace_score_mod(spelled), mods.trace_score_mod(plain)
+    assert (a.code, a.types, a.constants, a.grad) == (b.code, b.types, b.constants, b.grad)
+
+
 def test_score_mod_masking_with_minus_inf(rng):
     q, k, v = qkv(rng)
 

@@ -243,6 +243,12 @@ for a, b in zip(jax.jit(jax.grad(loss(local), argnums=(0, 1, 2)))(q, k, v), jax.
 np.testing.assert_array_equal(np.asarray(local(q, k, v), np.float32), np.asarray(whole(q, k, v), np.float32))
 for a, b in zip(jax.grad(loss(local), argnums=(0, 1, 2))(q, k, v), jax.grad(loss(whole), argnums=(0, 1, 2))(q, k, v)):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+# vmap of an eager shard_map, and vmap inside one.
+stacked = np.asarray(jnp.stack([whole(q5[i], k5[i], k5[i]) for i in range(2)]), np.float32)
+np.testing.assert_array_equal(np.asarray(jax.vmap(local)(q5, k5, k5), np.float32), stacked)
+spec5 = P(None, "data", None, "model", None)
+inner_vmap = shard_map(jax.vmap(whole), mesh=mesh, in_specs=(spec5,) * 3, out_specs=spec5)
+np.testing.assert_array_equal(np.asarray(inner_vmap(q5, k5, k5), np.float32), stacked)
 # A sink replicated over the shards: its gradient is the sum of the shards' (psum in the backward).
 sink = jnp.asarray(rng.standard_normal(8).astype(np.float32))
 with_sink = lambda q, k, v, s: cuflash.flash_attn_func(q, k, v, causal=True, learnable_sink=s)[0]
@@ -312,12 +318,14 @@ def test_score_mod_with_jax_numpy_functions(rng, path):
         bias = jnp.where(kv_idx > q_idx, -1.5, 0.5) * float(jnp.sqrt(4.0))
         capped = 3.0 * jax_tanh(score / 3.0)
         s = jnp.maximum(capped + bias, jax.numpy.clip(score, -2.0, 2.0)) - jnp.abs(kv_idx - q_idx) * 0.01
+        s = s + jnp.square(score) * jnp.float32(0.125) - jnp.power(score, 3) * 0.01
         return s + jax.nn.sigmoid(score) * tables[h]
 
     def with_mods(score, b, h, q_idx, kv_idx):
         bias = m.where(kv_idx > q_idx, -1.5, 0.5) * 2.0
         capped = 3.0 * m.tanh(score / 3.0)
         s = m.maximum(capped + bias, m.clamp(score, -2.0, 2.0)) - abs(kv_idx - q_idx) * 0.01
+        s = s + score * score * 0.125 - score ** 3 * 0.01
         return s + m.sigmoid(score) * tables[h]
 
     def masked(b, h, q_idx, kv_idx):
