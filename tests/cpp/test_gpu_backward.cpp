@@ -49,8 +49,12 @@ struct BwdCase {
   bool dlse = false;  // a random gradient of lse as well
   bool zero_scale = false;  // softmax_scale 0: uniform weights over the visible keys, dq = dk = 0
   // Paged k / v on the GPU (seqlen_k a multiple of it): each sequence's keys in pages of this many
-  // rows, reached through a shuffled page table (PagePool below). The reference runs dense.
+  // rows, reached through a shuffled page table (PagePool below). The reference runs dense. With
+  // seqused, the last sequence has no keys (unless seqused_past keeps it whole).
   int page_size = 0;
+  // Paged: sequence 1 starts with sequence 0's first page (the same keys, a shared prefix); that
+  // page's dk / dv are the sum of both sequences' gradients.
+  bool shared_pages = false;
   unsigned seed = 1;
 };
 
@@ -79,11 +83,30 @@ struct Problem : gpu_testing::RowLayout {
     if (c.nan_tail && c.seqused_past > 0) {
       for (int b = 1; b < batch; b += 2) used_q[b] = used_k[b] = given_q[b] = given_k[b] = 0;
     }
+    const int last = batch - 1;
+    if (c.page_size > 0 && c.seqused && last > 0 && !(c.seqused_past > 0 && last % 2 == 0) &&
+        !(c.shared_pages && last == 1)) {
+      used_k[last] = given_k[last] = 0;
+    }
+    if (c.shared_pages) {  // both sequences read the shared page: at least a key each
+      for (int b : {0, 1}) {
+        const bool past = given_k[b] != used_k[b];
+        used_k[b] = std::max(used_k[b], b == 0 ? c.page_size : 1);
+        if (!past) given_k[b] = used_k[b];
+      }
+    }
     std::normal_distribution<float> normal(0.f, 1.f);
     using gpu_testing::fill_normal;
     fill_normal(q, std::size_t(rows_q) * c.heads * c.head_dim, c.dtype, normal, rng);
     fill_normal(k, std::size_t(rows_k) * c.heads_kv * c.head_dim, c.dtype, normal, rng);
     fill_normal(v, std::size_t(rows_k) * c.heads_kv * c.head_dim_v, c.dtype, normal, rng);
+    if (c.shared_pages) {  // sequence 1's first page holds sequence 0's first page's keys
+      for (auto [x, dim] : {std::pair{&k, c.head_dim}, std::pair{&v, c.head_dim_v}}) {
+        const std::size_t width = std::size_t(c.heads_kv) * dim;
+        std::copy_n(x->begin() + std::size_t(start_k[0]) * width, std::size_t(c.page_size) * width,
+                    x->begin() + std::size_t(start_k[1]) * width);
+      }
+    }
     fill_normal(dout, std::size_t(rows_q) * c.heads * c.head_dim_v, c.dtype, normal, rng);
     if (c.sink) {
       sink.resize(c.heads);
@@ -225,7 +248,9 @@ Grads naive_low_precision(const Problem& pb) {
 // The pages of a paged case: key j of sequence b lives in pool row
 // table[b][j / page] * page + j % page. Pages wholly past a sequence's used keys get entries
 // outside the pool (the backward must not follow them), rows past the used keys hold NaN (it
-// must not read them), and two spare pages that no entry reads must come back with zero dk / dv.
+// must not read them), and the spare pages that no entry reads (two, three with a shared page)
+// must come back with zero dk / dv. Gradients are compared in the pool's rows: the reference's
+// dense rows summed into the rows that hold them.
 struct PagePool {
   int page = 0, per_sequence = 0, pages = 0;
   std::vector<int> table;  // (batch, per_sequence)
@@ -244,6 +269,7 @@ struct PagePool {
         table[entry] = p * page < problem.used_k[b] ? order[entry] : pages + (1 << 20);
       }
     }
+    if (c.shared_pages) table[std::size_t(per_sequence)] = table[0];
   }
 
   // Pool row of key j of sequence b, or -1 where the entry is no page.
@@ -262,19 +288,20 @@ struct PagePool {
     }
     return pool;
   }
-  // Dense gradient rows read back from the pool's bits (0 where the entry is no page).
-  std::vector<double> gather(const std::vector<std::uint16_t>& bits, int width, DType dtype) const {
-    std::vector<double> dense(std::size_t(pb->rows_k) * width, 0.0);
+  // Dense gradient rows ((rows_k, width)) summed into the pool rows that hold them (0 in rows
+  // no entry reaches).
+  std::vector<double> summed_into_pool(const std::vector<double>& dense, int width) const {
+    std::vector<double> pool(std::size_t(pages) * page * width, 0.0);
     for (int b = 0; b < pb->batch; ++b) {
       for (int j = 0; j < pb->seqlen_k; ++j) {
         const std::int64_t r = row(b, j);
         if (r < 0) continue;
         for (int i = 0; i < width; ++i) {
-          dense[std::size_t(pb->start_k[b] + j) * width + i] = gpu_testing::from_bits(bits[std::size_t(r) * width + i], dtype);
+          pool[std::size_t(r) * width + i] += dense[std::size_t(pb->start_k[b] + j) * width + i];
         }
       }
     }
-    return dense;
+    return pool;
   }
   // Pages no entry reads: their gradient rows must be written as zeros.
   void expect_spare_pages_zero(const std::vector<std::uint16_t>& bits, int width, const char* name) const {
@@ -373,14 +400,11 @@ GpuRun run_gpu(const Problem& pb) {
     return values;
   };
   run.grads.dq = unpad(run.dq_bits, c.head_dim);
+  run.grads.dk = unpad(run.dk_bits, c.head_dim);  // paged: the pool's rows
+  run.grads.dv = unpad(run.dv_bits, c.head_dim_v);
   if (pool) {
-    run.grads.dk = pool->gather(run.dk_bits, c.heads_kv * c.head_dim, c.dtype);
-    run.grads.dv = pool->gather(run.dv_bits, c.heads_kv * c.head_dim_v, c.dtype);
     pool->expect_spare_pages_zero(run.dk_bits, c.heads_kv * c.head_dim, "dk");
     pool->expect_spare_pages_zero(run.dv_bits, c.heads_kv * c.head_dim_v, "dv");
-  } else {
-    run.grads.dk = unpad(run.dk_bits, c.head_dim);
-    run.grads.dv = unpad(run.dv_bits, c.head_dim_v);
   }
   if (c.sink) {
     run.d_sink = d_sink.to_host<float>();
@@ -404,8 +428,15 @@ TEST_P(GpuBackward, MatchesReference) {
   const Problem pb(c);
   const std::optional<GpuRun> gpu = gpu_testing::run_if_built([&] { return run_gpu(pb); });
   if (!gpu) return;
-  const Grads ref = run_reference(pb);
-  const Grads naive = naive_low_precision(pb);
+  Grads ref = run_reference(pb);
+  Grads naive = naive_low_precision(pb);
+  if (c.page_size > 0) {  // compared in the pool's rows
+    const PagePool pool(pb);
+    for (Grads* g : {&ref, &naive}) {
+      g->dk = pool.summed_into_pool(g->dk, c.heads_kv * c.head_dim);
+      g->dv = pool.summed_into_pool(g->dv, c.heads_kv * c.head_dim_v);
+    }
+  }
   expect_grad_close("dq", gpu->grads.dq, naive.dq, ref.dq);
   expect_grad_close("dk", gpu->grads.dk, naive.dk, ref.dk);
   expect_grad_close("dv", gpu->grads.dv, naive.dv, ref.dv);
@@ -599,24 +630,25 @@ std::vector<BwdCase> backward_cases() {
       c.heads = 2, c.heads_kv = 2, c.seqused = true, c.seqused_past = 129, c.deterministic = true;
       add(c);
       // Paged k / v (gathered into dense rows, the dense backward, dk / dv summed back per page):
-      // whole-block and odd page sizes, keys ending mid-page, a sequence without keys (seqused
-      // draws), a window with a gradient of lse, softcap with a sink, deterministic twice.
+      // whole-block and odd page sizes, keys ending mid-page, a sequence without keys, a page two
+      // sequences share, seqused past the pages, a window with a gradient of lse, softcap with a
+      // sink, deterministic twice.
       c = {};
       c.label = "paged_causal_gqa_seqused", c.batch = 3, c.seqlen_q = 90, c.seqlen_k = 6 * 64, c.heads = 4,
       c.heads_kv = 2, c.causal = true, c.seqused = true, c.page_size = 64;
       add(c, true);
       c = {};
-      c.label = "paged_softcap_sink_deterministic", c.batch = 2, c.seqlen_q = 70, c.seqlen_k = 20 * 16, c.heads = 4,
-      c.heads_kv = 1, c.seqused = true, c.softcap = 20.f, c.sink = DType::kFloat32, c.deterministic = true,
-      c.page_size = 16;
+      c.label = "paged_shared_softcap_sink_deterministic", c.batch = 3, c.seqlen_q = 70, c.seqlen_k = 20 * 16,
+      c.heads = 4, c.heads_kv = 1, c.seqused = true, c.softcap = 20.f, c.sink = DType::kFloat32,
+      c.deterministic = true, c.page_size = 16, c.shared_pages = true;
       add(c, true);
       c = {};
       c.label = "paged_local_dlse", c.batch = 2, c.seqlen_q = 150, c.seqlen_k = 3 * 128, c.heads = 2, c.heads_kv = 2,
       c.window_left = 100, c.window_right = 0, c.dlse = true, c.page_size = 128;
       add(c);
       c = {};
-      c.label = "paged_page3_decode_gqa4", c.batch = 4, c.seqlen_q = 3, c.seqlen_k = 50 * 3, c.heads = 8,
-      c.heads_kv = 2, c.causal = true, c.seqused = true, c.page_size = 3;
+      c.label = "paged_page3_decode_gqa4_seqused_past", c.batch = 4, c.seqlen_q = 3, c.seqlen_k = 50 * 3, c.heads = 8,
+      c.heads_kv = 2, c.causal = true, c.seqused = true, c.seqused_past = 40, c.page_size = 3;
       add(c);
     }
   }
