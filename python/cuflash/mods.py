@@ -156,16 +156,7 @@ class _Graph:
             if x.graph is not self:
                 self.fail("a traced value from another trace was used")
             return x
-        if isinstance(x, np.ndarray) and x.ndim == 0:
-            x = x.item()
-        elif getattr(x, "ndim", None) == 0 and hasattr(x, "item"):
-            # A concrete 0-d array of another framework (jnp.float32(0.5), torch.tensor(2.0)).
-            try:
-                x = x.item()
-            except Exception:  # noqa: BLE001 (a traced JAX value has no item())
-                self.fail(f"a {type(x).__name__} without a concrete value cannot be a constant of a traced "
-                          f"expression")
-        return self.constant(x)
+        return self.constant(_concrete_scalar(x, self))
 
     # Conversions between the three types.
     def to_float(self, x: "Sym") -> "Sym":
@@ -323,7 +314,10 @@ class Sym:
     __hash__ = None  # == is symbolic
 
     def __pow__(self, exponent: Any) -> "Sym":
-        if isinstance(exponent, numbers.Integral) and not isinstance(exponent, bool) and 1 <= exponent <= 8:
+        exponent = _concrete_scalar(exponent, self.graph)
+        whole = (isinstance(exponent, numbers.Real) and not isinstance(exponent, bool) and
+                 float(exponent).is_integer())
+        if whole and 1 <= exponent <= 8:
             result = self
             for _ in range(int(exponent) - 1):
                 result = result * self
@@ -333,6 +327,7 @@ class Sym:
         self.graph.fail(f"** takes a whole exponent in 1..8 (or 0.5), got {exponent!r}")
 
     def __rpow__(self, base: Any) -> "Sym":
+        base = _concrete_scalar(base, self.graph)
         if isinstance(base, numbers.Real) and float(base) == 2.0:
             return exp2(self)
         if isinstance(base, numbers.Real) and float(base) > 0:
@@ -426,6 +421,37 @@ def _is_traced(*values: Any) -> bool:
     return any(isinstance(v, Sym) for v in values)
 
 
+def _concrete_scalar(x: Any, graph: "_Graph") -> Any:
+    """x, or a concrete 0-d array's value as a Python number (np.float32(0.5), jnp.float32(0.5),
+    torch.tensor(2.0) made in the function). A tensor that requires grad is refused (as a
+    constant it would get no gradient), and so is a tensor the function reads from outside (it
+    is read by indexing)."""
+    if isinstance(x, (Sym, numbers.Number, str, bytes)) or x is None:
+        return x
+    if isinstance(x, _AuxProxy):
+        graph.fail(f"{x._name} {x.shape} is read from outside the function, which cuflash does by indexing "
+                   f"(t[h], t[b, q_idx]); a 0-d one cannot be indexed: pass its value as a Python number")
+    if getattr(x, "ndim", None) != 0 or not hasattr(x, "item"):
+        return x
+    if getattr(x, "requires_grad", False):
+        graph.fail("a 0-d tensor that requires grad cannot be a constant of a traced expression (it would get "
+                   "no gradient: cuflash computes the gradients of q, k, v and learnable_sink only)")
+    try:
+        return x.item()
+    except Exception:  # noqa: BLE001 (a traced JAX value has no concrete item())
+        graph.fail(f"a {type(x).__name__} without a concrete value cannot be a constant of a traced expression")
+
+
+def power(x: Any, exponent: Any) -> Any:
+    """x ** exponent (numpy.power / torch.pow / jax.numpy.power): traced bases take a whole
+    exponent in 1..8 or 0.5, traced exponents a positive base."""
+    if isinstance(x, Sym):
+        return x ** exponent
+    if isinstance(exponent, Sym):
+        return exponent.__rpow__(x)
+    return np.power(x, exponent)
+
+
 def where(condition: Any, x: Any, y: Any) -> Any:
     """x where condition holds, else y (torch.where / numpy.where)."""
     if not _is_traced(condition, x, y):
@@ -505,13 +531,14 @@ _NUMPY_UFUNCS = {
     "not_equal": lambda a, b: _compare(NE, a, b), "logical_and": lambda a, b: _logical(AND, a, b),
     "logical_or": lambda a, b: _logical(OR, a, b), "bitwise_and": lambda a, b: _logical(AND, a, b),
     "bitwise_or": lambda a, b: _logical(OR, a, b), "logical_not": lambda a: ~a, "invert": lambda a: ~a,
-    "power": lambda a, b: a ** b, "square": lambda a: a * a,
+    "power": power, "square": lambda a: a * a,
 }
 
 _TORCH_FUNCTIONS = dict(_NUMPY_UFUNCS)
 _TORCH_FUNCTIONS.update({
     "where": where, "clamp": clamp, "clip": clamp, "sigmoid": sigmoid, "abs": _abs, "neg": lambda a: -a,
-    "pow": lambda a, b: a ** b,
+    "pow": lambda a, b=None, exponent=None: power(a, exponent if b is None else b),
+    "__pow__": power, "__rpow__": lambda a, b: power(b, a),
     "add": lambda a, b, alpha=1: _arith(ADD, a, b if alpha == 1 else b * alpha),
     "sub": lambda a, b, alpha=1: _arith(SUB, a, b if alpha == 1 else b * alpha),
     "mul": lambda a, b: _arith(MUL, a, b), "div": lambda a, b: _arith(DIV, a, b),
@@ -534,7 +561,8 @@ def _clip(x: Any, min: Any = None, max: Any = None, *, a_min: Any = None, a_max:
 # jax.numpy / jax.nn and the functions it names from them through stand-ins (_jax_stand_in)
 # that send traced arguments here and everything else to JAX.
 _JAX_NUMPY_FUNCTIONS = dict(_NUMPY_UFUNCS)
-_JAX_NUMPY_FUNCTIONS.update({"where": where, "clip": _clip, "abs": _abs, "mod": _NUMPY_UFUNCS["remainder"]})
+_JAX_NUMPY_FUNCTIONS.update({"where": where, "clip": _clip, "abs": _abs, "mod": _NUMPY_UFUNCS["remainder"],
+                             "pow": power})
 _JAX_NN_FUNCTIONS = {"sigmoid": sigmoid}
 
 

@@ -233,12 +233,12 @@ Result run_gpu(const Problem& pb) {
   Result result;
   // out in wider rows too: its values, and the padding between head vectors left as it was.
   const std::vector<std::uint16_t> out_bits = out.to_host<std::uint16_t>();
+  std::size_t padding_written = 0;
   for (std::size_t i = 0; i < out_bits.size(); ++i) {
     if (int(i % (c.head_dim_v + pad)) < c.head_dim_v) {
       result.out.push_back(gpu_testing::from_bits(out_bits[i], c.dtype));
-    } else if (out_bits[i] != gpu_testing::kPoison16) {
+    } else if (out_bits[i] != gpu_testing::kPoison16 && padding_written++ == 0) {
       ADD_FAILURE() << "out's padding written at " << i;
-      break;
     }
   }
   if (c.with_lse) {

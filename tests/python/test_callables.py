@@ -120,6 +120,24 @@ def test_power_and_square_record_products():
 
     a, b = mods.trace_score_mod(spelled), mods.trace_score_mod(plain)
     assert (a.code, a.types, a.constants, a.grad) == (b.code, b.types, b.constants, b.grad)
+    # Concrete 0-d bases and exponents in either position (np.power and ** dispatch to each other).
+    spellings = [lambda s, b, h, q, k: np.power(np.float32(2), s), lambda s, b, h, q, k: np.power(np.array(2.0), s),
+                 lambda s, b, h, q, k: np.float32(2) ** s]
+    for f in spellings:
+        t = mods.trace_score_mod(f)
+        u = mods.trace_score_mod(lambda s, b, h, q, k: 2.0 ** s)
+        assert (t.code, t.constants) == (u.code, u.constants)
+    for f in (lambda s, b, h, q, k: np.power(s, 2.0), lambda s, b, h, q, k: s ** np.array(2)):
+        t = mods.trace_score_mod(f)
+        u = mods.trace_score_mod(lambda s, b, h, q, k: s * s)
+        assert (t.code, t.constants) == (u.code, u.constants)
+
+
+def test_zero_dim_tensors_read_from_outside_are_named():
+    # A 0-d array the function closes over is a tensor it reads (by indexing), not a constant.
+    z = np.array(0.5)
+    with pytest.raises(TypeError, match=r"score_mod: z \(\) is read from outside the function"):
+        mods.trace_score_mod(lambda s, b, h, q_idx, kv_idx: s * z)
 
 
 def test_score_mod_masking_with_minus_inf(rng):

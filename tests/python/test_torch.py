@@ -289,6 +289,27 @@ def test_torch_compile(gen, torch_path):
 
 
 @pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace")
+def test_callables_with_torch_pow_and_zero_dim_tensors():
+    # torch.pow / ** with 0-d tensors made in the function trace to the products and exp2 they
+    # spell; a 0-d tensor that requires grad (a learnable temperature) is refused, not frozen.
+    from cuflash import mods
+
+    def same(f, g):
+        a, b = mods.trace_score_mod(f), mods.trace_score_mod(g)
+        assert (a.code, a.constants) == (b.code, b.constants)
+
+    same(lambda s, b, h, q, k: torch.pow(torch.tensor(2.0), s), lambda s, b, h, q, k: 2.0 ** s)
+    same(lambda s, b, h, q, k: torch.tensor(2.0) ** s, lambda s, b, h, q, k: 2.0 ** s)
+    same(lambda s, b, h, q, k: torch.pow(s, exponent=2) * torch.tensor(0.5), lambda s, b, h, q, k: s * s * 0.5)
+
+    class Module:
+        temperature = torch.nn.Parameter(torch.tensor(0.5))
+
+    module = Module()
+    with pytest.raises(TypeError, match="score_mod: a 0-d tensor that requires grad"):
+        mods.trace_score_mod(lambda s, b, h, q, k: s * module.temperature)
+
+
 def test_torch_compile_with_callables(gen, torch_path):
     # Callables go through the custom ops as their programs: a callable traced beforehand
     # (cuflash.mods) compiles into one graph (fullgraph); a plain function is traced by cuflash
