@@ -34,6 +34,7 @@ struct FlexCase {
   std::string label;
   DType dtype = DType::kBFloat16;
   int batch = 1, seqlen_q = 1, seqlen_k = 1, heads = 2, heads_kv = 2, head_dim = 128;
+  int head_dim_v = 0;  // 0: head_dim
   bool causal = false;  // the bottom-right option, on top of any mask_mod
   int window_left = -1, window_right = -1;
   float softcap = 0.f;
@@ -60,10 +61,11 @@ struct FlexCase {
   // the scale out of the exponent (the running max is taken before it there).
   bool negative_scale = false;
   unsigned seed = 1;
+  int dim_v() const { return head_dim_v > 0 ? head_dim_v : head_dim; }
 };
 
 std::string case_name(const FlexCase& c) {
-  return gpu_testing::case_name(c.label, c.dtype, c.head_dim, c.head_dim);
+  return gpu_testing::case_name(c.label, c.dtype, c.head_dim, c.dim_v());
 }
 
 enum class Block : std::uint8_t { kSkip, kMask, kFull };
@@ -90,7 +92,7 @@ struct Problem : gpu_testing::RowLayout {
     using gpu_testing::fill_normal;
     fill_normal(q, std::size_t(rows_q) * c.heads * c.head_dim, c.dtype, normal, rng);
     fill_normal(k, std::size_t(rows_k) * c.heads_kv * c.head_dim, c.dtype, normal, rng);
-    fill_normal(v, std::size_t(rows_k) * c.heads_kv * c.head_dim, c.dtype, normal, rng);
+    fill_normal(v, std::size_t(rows_k) * c.heads_kv * c.dim_v(), c.dtype, normal, rng);
     scale = (c.negative_scale ? -1.f : 1.f) / std::sqrt(float(c.head_dim));
 
     if (c.score_mod == ScoreModKind::kAlibi) {
@@ -206,7 +208,7 @@ struct Result {
 Result naive_low_precision(const Problem& pb) {
   const FlexCase& c = pb.c;
   Result result;
-  result.out.assign(std::size_t(pb.rows_q) * c.heads * c.head_dim, 0.0);
+  result.out.assign(std::size_t(pb.rows_q) * c.heads * c.dim_v(), 0.0);
   result.lse.assign(pb.lse_size(), kNegInf);
   const int group = c.heads / c.heads_kv;
   std::vector<float> qs(c.head_dim), scores;
@@ -237,16 +239,16 @@ Result naive_low_precision(const Problem& pb) {
         float denom = 0.f;
         for (int j = 0; j < sk; ++j) denom += std::exp(scores[j] - row_max);
         result.lse[pb.lse_index(b, h, i)] = row_max + std::log(denom);
-        double* orow = &result.out[(std::size_t(pb.start_q[b] + i) * c.heads + h) * c.head_dim];
-        std::vector<float> acc(c.head_dim, 0.f);
+        double* orow = &result.out[(std::size_t(pb.start_q[b] + i) * c.heads + h) * c.dim_v()];
+        std::vector<float> acc(c.dim_v(), 0.f);
         for (int j = 0; j < sk; ++j) {
           if (scores[j] == kNegInf) continue;
           const float p = gpu_testing::round_to(std::exp(scores[j] - row_max) / denom, c.dtype);
           const float* vrow =
-              &pb.v[(std::size_t(pb.start_k[b] + j) * c.heads_kv + hk) * c.head_dim];
-          for (int d = 0; d < c.head_dim; ++d) acc[d] += p * vrow[d];
+              &pb.v[(std::size_t(pb.start_k[b] + j) * c.heads_kv + hk) * c.dim_v()];
+          for (int d = 0; d < c.dim_v(); ++d) acc[d] += p * vrow[d];
         }
-        for (int d = 0; d < c.head_dim; ++d) orow[d] = gpu_testing::round_to(acc[d], c.dtype);
+        for (int d = 0; d < c.dim_v(); ++d) orow[d] = gpu_testing::round_to(acc[d], c.dtype);
       }
     }
   }
@@ -304,7 +306,7 @@ void set_flex_args(ForwardArgs& args, const Problem& pb, Device device,
 Result run_reference(const Problem& pb) {
   const FlexCase& c = pb.c;
   std::vector<float> q = pb.q, k = pb.k, v = pb.v, table = pb.score_table;
-  std::vector<float> out(std::size_t(pb.rows_q) * c.heads * c.head_dim, std::nanf(""));
+  std::vector<float> out(std::size_t(pb.rows_q) * c.heads * c.dim_v(), std::nanf(""));
   std::vector<float> lse(pb.lse_size(), std::nanf(""));
   gpu_testing::HostSequences sequences(pb);
   std::vector<int> docs = pb.doc_ids, mask_cnt = pb.mask_cnt, mask_idx = pb.mask_idx,
@@ -312,8 +314,8 @@ Result run_reference(const Problem& pb) {
   ForwardArgs args;
   args.q = pb.query_view(q.data(), DType::kFloat32, c.head_dim, kCpu);
   args.k = pb.key_view(k.data(), DType::kFloat32, c.head_dim, kCpu);
-  args.v = pb.key_view(v.data(), DType::kFloat32, c.head_dim, kCpu);
-  args.out = pb.query_view(out.data(), DType::kFloat32, c.head_dim, kCpu);
+  args.v = pb.key_view(v.data(), DType::kFloat32, c.dim_v(), kCpu);
+  args.out = pb.query_view(out.data(), DType::kFloat32, c.dim_v(), kCpu);
   args.lse = pb.lse_view(lse.data(), kCpu);
   set_flex_args(args, pb, kCpu, sequences.pointers(),
                 {table.data(), docs.data(), mask_cnt.data(), mask_idx.data(), full_cnt.data(),
@@ -326,7 +328,7 @@ Result run_gpu(const Problem& pb) {
   const FlexCase& c = pb.c;
   DeviceBuffer q = to_device_16bit(pb.q, c.dtype), k = to_device_16bit(pb.k, c.dtype),
                v = to_device_16bit(pb.v, c.dtype);
-  DeviceBuffer out = gpu_testing::poisoned_16bit(std::size_t(pb.rows_q) * c.heads * c.head_dim);
+  DeviceBuffer out = gpu_testing::poisoned_16bit(std::size_t(pb.rows_q) * c.heads * c.dim_v());
   DeviceBuffer lse = gpu_testing::poisoned_fp32(pb.lse_size());
   const gpu_testing::DeviceSequences sequences(pb);
   DeviceBuffer table = DeviceBuffer::from(pb.score_table);
@@ -339,8 +341,8 @@ Result run_gpu(const Problem& pb) {
   ForwardArgs args;
   args.q = pb.query_view(q.data(), c.dtype, c.head_dim, kCuda);
   args.k = pb.key_view(k.data(), c.dtype, c.head_dim, kCuda);
-  args.v = pb.key_view(v.data(), c.dtype, c.head_dim, kCuda);
-  args.out = pb.query_view(out.data(), c.dtype, c.head_dim, kCuda);
+  args.v = pb.key_view(v.data(), c.dtype, c.dim_v(), kCuda);
+  args.out = pb.query_view(out.data(), c.dtype, c.dim_v(), kCuda);
   args.lse = pb.lse_view(lse.data(), kCuda);
   set_flex_args(args, pb, kCuda, sequences.pointers(),
                 {table.data(), docs.data(), mask_cnt.data(), mask_idx.data(), full_cnt.data(),
@@ -454,6 +456,20 @@ std::vector<FlexCase> flex_cases() {
     c.mask_mod = MaskModKind::kDocument, c.doc_length_max = 120, c.negative_scale = true;
     if (d == 256) add(c);
   }
+  // Head dims (192, 128): V and out narrower than Q and K (its flex kernels had no forward case).
+  c = {};
+  c.label = "alibi_causal_gqa", c.batch = 2, c.seqlen_q = 500, c.seqlen_k = 640, c.heads = 4, c.heads_kv = 2,
+  c.head_dim = 192, c.head_dim_v = 128, c.causal = true, c.score_mod = ScoreModKind::kAlibi;
+  add(c);
+  c = {};
+  c.label = "sparse_varlen_document_softcap", c.batch = 3, c.seqlen_q = 400, c.seqlen_k = 450, c.head_dim = 192,
+  c.head_dim_v = 128, c.varlen = true, c.softcap = 20.f, c.mask_mod = MaskModKind::kDocument,
+  c.doc_length_max = 150, c.sparse_heads = 1;
+  add(c);
+  c = {};
+  c.label = "split3_sliding_window", c.batch = 2, c.seqlen_q = 40, c.seqlen_k = 900, c.head_dim = 192,
+  c.head_dim_v = 128, c.mask_mod = MaskModKind::kSlidingWindow, c.mask_scalars = {300, 0}, c.num_splits = 3;
+  add(c);
   // Equal dense lengths: causal and sliding-window mask_mods run as windows on the plain kernels
   // (fold_window_mask_mod), here with the call's own window on top; the other cases run the flex
   // kernels.
