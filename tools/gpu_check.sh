@@ -8,7 +8,7 @@
 #   STEPS=build,bench_bwd BENCH_BWD_ARGS="--hdims 128" tools/gpu_check.sh
 #
 # Environment: KERNEL_SET (ci|all|custom), HDIMS / DTYPES (for custom), FEATURES (CUFLASH_FEATURES), STEPS (comma list of
-# build,test,test_each,pytest,sanitize,sass,bench,bench_bwd,bench_gqa,bench_flex,profile), GTEST_FILTER (default *Gpu*), TEST_TIMEOUT, TEST_ENV_B / GTEST_FILTER_B and TEST_ENV_C / GTEST_FILTER_C (the tests again under extra settings), SANITIZE_FILTER (memcheck),
+# build,test,test_each,pytest,sanitize,sass,bench,bench_bwd,bench_gqa,bench_flex,profile), GTEST_FILTER (default *Gpu*), TEST_TIMEOUT, TEST_SHARDS (default 4), TEST_ENV_B / GTEST_FILTER_B and TEST_ENV_C / GTEST_FILTER_C (the tests again under extra settings), SANITIZE_FILTER (memcheck),
 # RACECHECK_FILTER, PER_TEST_TIMEOUT (test_each), PYTEST_K (a -k expression), PYTEST_ARGS, JIT_MODULES (0: do not build the GPU tests' callable modules first), PYTEST_TIMEOUT, BENCH_ARGS, BENCH_ENV_B (run the
 # benchmark a second time with these VAR=value settings), BENCH_BWD_ARGS (bench/bench_bwd.py), BENCH_BWD_ARGS_B / BENCH_BWD_ENV_B, _C and _D (more passes with these arguments / VAR=value settings, tagged _b / _c / _d),
 # BENCH_BWD_TIMEOUT (seconds, default 300: a hung backward kernel ends the step, not the call), PROFILE
@@ -104,13 +104,27 @@ if has_step test; then
   start=$(date +%s)
   # A producer/consumer disagreement in a kernel hangs rather than fails: bound the run so the
   # rest of the call (and its logs) still comes back. Line-buffered and not brief, so that a run
-  # the limit stops leaves every result so far and the test it stopped in.
-  timeout "${TEST_TIMEOUT:-420}" stdbuf -oL -eL "$TESTS" --gtest_filter="$GTEST_FILTER" \
-    --gtest_output="xml:$OUT/tests.xml" >"$OUT/tests.log" 2>&1
-  rc=$?
-  [[ $rc -eq 124 ]] && note "tests: timed out after ${TEST_TIMEOUT:-420} s (hang?); last test started: $(grep -E '^\[ RUN' "$OUT/tests.log" | tail -1 | cut -c1-200); $(grep -c '^\[       OK \]' "$OUT/tests.log") passed so far"
-  note "tests ($GTEST_FILTER): rc=$rc in $(( $(date +%s) - start )) s; $(grep -E '^\[  (PASSED|FAILED|SKIPPED) +\] [0-9]+ tests?' "$OUT/tests.log" | tr '\n' ' ')"
-  grep -E "^\[  FAILED  \]|Failure|error" "$OUT/tests.log" | head -30 | tee -a "$SUMMARY"
+  # the limit stops leaves every result so far and the test it stopped in. TEST_SHARDS processes
+  # (gtest sharding) run side by side: the CPU reference and the naive computations of small
+  # cases use few of the machine's cores, the kernels little of the GPU.
+  shards=${TEST_SHARDS:-4}
+  pids=()
+  for ((i = 0; i < shards; i++)); do
+    GTEST_TOTAL_SHARDS=$shards GTEST_SHARD_INDEX=$i timeout "${TEST_TIMEOUT:-420}" stdbuf -oL -eL "$TESTS" \
+      --gtest_filter="$GTEST_FILTER" --gtest_output="xml:$OUT/tests_shard$i.xml" >"$OUT/tests_shard$i.log" 2>&1 &
+    pids+=($!)
+  done
+  rc=0
+  for i in "${!pids[@]}"; do
+    wait "${pids[$i]}"
+    r=$?
+    [[ $r -ne 0 && $rc -ne 124 ]] && rc=$r
+    [[ $r -eq 124 ]] && note "tests shard $i: timed out after ${TEST_TIMEOUT:-420} s (hang?); last test started: $(grep -E '^\[ RUN' "$OUT/tests_shard$i.log" | tail -1 | cut -c1-200)"
+  done
+  cat "$OUT"/tests_shard*.log >"$OUT/tests.log"
+  count() { grep -cE "$1" "$OUT/tests.log"; }
+  note "tests ($GTEST_FILTER, $shards shards): rc=$rc in $(( $(date +%s) - start )) s; $(count '^\[       OK \]') passed, $(count '^\[  SKIPPED \] [A-Za-z].*\([0-9]+ ms\)$') skipped, $(count '^\[  FAILED  \] [A-Za-z].*\([0-9]+ ms\)$') failed"
+  grep -E "^\[  FAILED  \] [A-Za-z].*\([0-9]+ ms\)$|Failure|error" "$OUT/tests.log" | head -30 | tee -a "$SUMMARY"
   [[ $rc -ne 0 ]] && status=1
   # The tests again under extra VAR=value settings (a launch-time switch such as
   # CUFLASH_FWD_SHORT_KERNEL=short): TEST_ENV_B over GTEST_FILTER_B, TEST_ENV_C over GTEST_FILTER_C
