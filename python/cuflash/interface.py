@@ -1602,9 +1602,7 @@ def flash_attn_combine(
         dtype = "float32" if out_dtype is None else _dtype_arg(out_dtype)
         out, lse = _jax.combine(out_partial, lse_partial, dtype, cu_seqlens, seqused)
         return out, lse if return_lse else None
-    # Rows the combine does not merge (past seqused, outside every packed sequence) are not
-    # written: zeros in the outputs allocated here, as in the attention's packed outputs.
-    alloc = framework.zeros if (is_varlen or seqused is not None) else framework.empty
+    alloc = _combine_alloc(framework, out_partial, seqused)
     differentiable = framework.requires_grad(out_partial) or framework.requires_grad(lse_partial)
     if out is None:
         dtype = "float32" if out_dtype is None else _dtype_arg(out_dtype)
@@ -1650,6 +1648,14 @@ def _run_combine(framework: Any, out_partial: Tensor, lse_partial: Tensor, out: 
     return out, lse
 
 
+def _combine_alloc(framework: Any, out_partial: Tensor, seqused: Optional[Tensor]) -> Callable:
+    """The allocator of the combine's outputs. Rows it does not merge (past seqused, outside every
+    packed sequence) are not written: zeros where there can be such rows, as in the attention's
+    packed outputs."""
+    packed = len(out_partial.shape) == 4
+    return framework.zeros if (packed or seqused is not None) else framework.empty
+
+
 def _combined_rows(torch: Any, lse: Tensor, cu_seqlens: Optional[Tensor], seqused: Optional[Tensor]) -> Tensor:
     """Which rows the combine merges, as a bool tensor broadcasting against lse (batch, seqlen,
     heads) or packed (total, heads): the rows of each sequence below its seqused, and for packed
@@ -1680,7 +1686,7 @@ def _combine_function():
         @staticmethod
         def forward(ctx, out_partial, lse_partial, out_dtype, cu_seqlens, seqused):
             framework = framework_of(out_partial)
-            alloc = framework.zeros if (out_partial.dim() == 4 or seqused is not None) else framework.empty
+            alloc = _combine_alloc(framework, out_partial, seqused)
             out = alloc(_shape(out_partial)[1:], out_dtype, like=out_partial)
             lse = alloc(_shape(lse_partial)[1:], "float32", like=out_partial)
             out, lse = _run_combine(framework, out_partial, lse_partial, out, lse, cu_seqlens, seqused)

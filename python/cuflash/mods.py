@@ -48,6 +48,7 @@ NumPy reference by calling it with broadcast index arrays.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import inspect
 import math
@@ -603,6 +604,17 @@ class _JaxModuleStandIn:
         return f"<{self._module.__name__} while a callable is traced>"
 
 
+@functools.lru_cache(maxsize=None)
+def _jax_module_stand_ins(jax: Any) -> Tuple[Tuple[Any, "_JaxModuleStandIn"], ...]:
+    """(module, stand-in) for jax, jax.numpy and jax.nn, made once (so that every reference to a
+    module in a traced callable sees the same stand-in)."""
+    jnp, nn = getattr(jax, "numpy", None), getattr(jax, "nn", None)
+    jnp_stand_in = _JaxModuleStandIn(jnp, _JAX_NUMPY_FUNCTIONS, {})
+    nn_stand_in = _JaxModuleStandIn(nn, _JAX_NN_FUNCTIONS, {})
+    return ((jax, _JaxModuleStandIn(jax, {}, {"numpy": jnp_stand_in, "nn": nn_stand_in})),
+            (jnp, jnp_stand_in), (nn, nn_stand_in))
+
+
 def _jax_stand_in(value: Any) -> Any:
     """The stand-in for `value` where it is jax, jax.numpy, jax.nn or one of the functions of the
     last two that traced values need; else None (JAX not loaded, or another value)."""
@@ -611,19 +623,14 @@ def _jax_stand_in(value: Any) -> Any:
     jax = loaded_module("jax")
     if jax is None or isinstance(value, (numbers.Number, str, bytes, type(None))):
         return None
-    jnp, nn = getattr(jax, "numpy", None), getattr(jax, "nn", None)
-    jnp_stand_in = _JaxModuleStandIn(jnp, _JAX_NUMPY_FUNCTIONS, {})
-    nn_stand_in = _JaxModuleStandIn(nn, _JAX_NN_FUNCTIONS, {})
-    if value is jax:
-        return _JaxModuleStandIn(jax, {}, {"numpy": jnp_stand_in, "nn": nn_stand_in})
-    if value is jnp:
-        return jnp_stand_in
-    if value is nn:
-        return nn_stand_in
+    modules = _jax_module_stand_ins(jax)
+    for module, stand_in in modules:
+        if value is module:
+            return stand_in
     if not callable(value):
         return None
     name = getattr(value, "__name__", None)
-    for module, functions in ((jnp, _JAX_NUMPY_FUNCTIONS), (nn, _JAX_NN_FUNCTIONS)):
+    for (module, stand_in), functions in zip(modules[1:], (_JAX_NUMPY_FUNCTIONS, _JAX_NN_FUNCTIONS)):
         if isinstance(name, str) and name in functions and getattr(module, name, None) is value:
             return _jax_dispatch(functions[name], value)
     return None
