@@ -193,3 +193,30 @@ def test_graph_decode_steps_with_kvcache(rng, paged):
         lengths += 1
     for name, a, e in zip(("k_cache", "v_cache"), (k_cache, v_cache), expected_caches):
         np.testing.assert_array_equal(to_f64(a), e, err_msg=name)
+
+
+def test_torch_compile_reduce_overhead(rng):
+    # torch.compile's "reduce-overhead" mode: inductor around the custom ops, the step run
+    # through CUDA graph trees. Outputs and gradients of new inputs each call, against eager.
+    torch = torch_cuda()
+
+    def step(q, k, v):
+        out, lse = cuflash.flash_attn_func(q, k, v, causal=True, deterministic=True)
+        return (out.float() ** 2).sum() + lse.sum()
+
+    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):  # the first calls record, the later ones replay
+        q = torch.randn(2, 256, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(2, 384, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(2, 384, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        with skip_if_not_built():
+            loss = compiled(q, k, v)
+            loss.backward()
+        got = [loss.detach().clone()] + [t.grad.clone() for t in (q, k, v)]
+        for t in (q, k, v):
+            t.grad = None
+        expected = step(q, k, v)
+        expected.backward()
+        torch.testing.assert_close(got[0], expected.detach())
+        for name, g, t in zip(("dq", "dk", "dv"), got[1:], (q, k, v)):
+            assert torch.equal(g, t.grad), f"{name}: the compiled step differs from the eager one"
