@@ -100,18 +100,20 @@ if has_step test_each; then
   [[ $((fail + hung)) -ne 0 ]] && status=1
 fi
 
-if has_step test; then
+# The GPU tests over a gtest filter, under extra VAR=value settings, in TEST_SHARDS processes (gtest
+# sharding) side by side: the CPU reference and the naive computations of small cases use few of
+# the machine's cores, the kernels little of the GPU. A producer/consumer disagreement in a kernel
+# hangs rather than fails: each shard is bounded so the rest of the call (and its logs) still
+# comes back. Line-buffered and not brief, so that a run the limit stops leaves every result so
+# far and the test it stopped in. Logs <tag>_shard<i>.log, merged into <tag>.log.
+run_tests() {
+  local tag=$1 filter=$2 settings=$3 shards=${TEST_SHARDS:-4} start rc r i
   start=$(date +%s)
-  # A producer/consumer disagreement in a kernel hangs rather than fails: bound the run so the
-  # rest of the call (and its logs) still comes back. Line-buffered and not brief, so that a run
-  # the limit stops leaves every result so far and the test it stopped in. TEST_SHARDS processes
-  # (gtest sharding) run side by side: the CPU reference and the naive computations of small
-  # cases use few of the machine's cores, the kernels little of the GPU.
-  shards=${TEST_SHARDS:-4}
-  pids=()
+  local pids=()
   for ((i = 0; i < shards; i++)); do
-    GTEST_TOTAL_SHARDS=$shards GTEST_SHARD_INDEX=$i timeout "${TEST_TIMEOUT:-420}" stdbuf -oL -eL "$TESTS" \
-      --gtest_filter="$GTEST_FILTER" --gtest_output="xml:$OUT/tests_shard$i.xml" >"$OUT/tests_shard$i.log" 2>&1 &
+    # shellcheck disable=SC2086
+    env $settings GTEST_TOTAL_SHARDS=$shards GTEST_SHARD_INDEX=$i timeout "${TEST_TIMEOUT:-420}" stdbuf -oL -eL \
+      "$TESTS" --gtest_filter="$filter" --gtest_output="xml:$OUT/${tag}_shard$i.xml" >"$OUT/${tag}_shard$i.log" 2>&1 &
     pids+=($!)
   done
   rc=0
@@ -119,30 +121,24 @@ if has_step test; then
     wait "${pids[$i]}"
     r=$?
     [[ $r -ne 0 && $rc -ne 124 ]] && rc=$r
-    [[ $r -eq 124 ]] && note "tests shard $i: timed out after ${TEST_TIMEOUT:-420} s (hang?); last test started: $(grep -E '^\[ RUN' "$OUT/tests_shard$i.log" | tail -1 | cut -c1-200)"
+    [[ $r -eq 124 ]] && note "$tag shard $i: timed out after ${TEST_TIMEOUT:-420} s (hang?); last test started: $(grep -E '^\[ RUN' "$OUT/${tag}_shard$i.log" | tail -1 | cut -c1-200)"
   done
-  cat "$OUT"/tests_shard*.log >"$OUT/tests.log"
-  count() { grep -cE "$1" "$OUT/tests.log"; }
-  note "tests ($GTEST_FILTER, $shards shards): rc=$rc in $(( $(date +%s) - start )) s; $(count '^\[       OK \]') passed, $(count '^\[  SKIPPED \] [A-Za-z].*\([0-9]+ ms\)$') skipped, $(count '^\[  FAILED  \] [A-Za-z].*\([0-9]+ ms\)$') failed"
-  grep -E "^\[  FAILED  \] [A-Za-z].*\([0-9]+ ms\)$|Failure|error" "$OUT/tests.log" | head -30 | tee -a "$SUMMARY"
+  cat "$OUT/${tag}"_shard*.log >"$OUT/$tag.log"
+  count() { grep -cE "$1" "$OUT/$tag.log"; }
+  note "$tag ($filter${settings:+, $settings}, $shards shards): rc=$rc in $(( $(date +%s) - start )) s; $(count '^\[       OK \]') passed, $(count '^\[  SKIPPED \] [A-Za-z].*\([0-9]+ ms\)$') skipped, $(count '^\[  FAILED  \] [A-Za-z].*\([0-9]+ ms\)$') failed"
+  grep -E "^\[  FAILED  \] [A-Za-z].*\([0-9]+ ms\)$|Failure|error" "$OUT/$tag.log" | head -30 | tee -a "$SUMMARY"
   [[ $rc -ne 0 ]] && status=1
+}
+
+if has_step test; then
+  run_tests tests "$GTEST_FILTER" ""
   # The tests again under extra VAR=value settings (a launch-time switch such as
   # CUFLASH_FWD_SHORT_KERNEL=short): TEST_ENV_B over GTEST_FILTER_B, TEST_ENV_C over GTEST_FILTER_C
   # (each defaulting to GTEST_FILTER), logs tests_b.log / tests_c.log.
   for pass in B C; do
     env_var=TEST_ENV_$pass filter_var=GTEST_FILTER_$pass
-    settings=${!env_var:-}
-    [[ -z $settings ]] && continue
-    filter=${!filter_var:-$GTEST_FILTER}
-    log="$OUT/tests_${pass,,}.log"
-    start=$(date +%s)
-    # shellcheck disable=SC2086
-    env $settings timeout "${TEST_TIMEOUT:-420}" stdbuf -oL -eL "$TESTS" --gtest_filter="$filter" >"$log" 2>&1
-    rc=$?
-    [[ $rc -eq 124 ]] && note "tests ($settings): timed out (hang?); last test started: $(grep -E '^\[ RUN' "$log" | tail -1 | cut -c1-200)"
-    note "tests ($settings, $filter): rc=$rc in $(( $(date +%s) - start )) s; $(grep -E '^\[  (PASSED|FAILED) +\] [0-9]+ tests?' "$log" | tr '\n' ' ')"
-    grep -E "^\[  FAILED  \]" "$log" | head -30 | tee -a "$SUMMARY"
-    [[ $rc -ne 0 ]] && status=1
+    [[ -z ${!env_var:-} ]] && continue
+    run_tests "tests_${pass,,}" "${!filter_var:-$GTEST_FILTER}" "${!env_var}"
   done
 fi
 
