@@ -13,7 +13,12 @@ are not sharded either; nor is the batch of packed sequences (cu_seqlens hold th
 or of a backward with a learnable sink or pages (their gradients sum over the batch). Each shard
 then runs the custom call on its own part, with the shapes of that part. With one device, and
 under jax.vmap (which custom_partitioning does not batch), the custom calls run unpartitioned.
-GQA heads are sharded by kv head only where every mesh axis divides the kv heads.
+GQA heads are sharded by kv head where every mesh axis divides the kv heads. Where the axes that
+shard q's heads do not divide the kv heads but leave each shard query heads of one kv head (MQA
+on any axis; GQA with more shards than kv heads, as tensor parallelism past the kv heads has),
+k and v stay whole on every shard, each shard attends with the one kv head its query heads read,
+and in the backward each shard's dK / dV of that head is summed over the head axes (psum, in
+float32 from the shards' rounded parts).
 """
 
 from __future__ import annotations
@@ -59,8 +64,9 @@ def _rule(static: Any, bits: int, forward: bool, group: int, ranks: List[int],
     fresh = (f"x{i}" for i in range(1000))  # never-sharded factors of the index tensors
     batch = "b" if not packed_q else None
     # The query heads: kv heads x group, as a compound factor only where both exceed 1 (Shardy
-    # takes no factor of size 1 in a compound); MQA's heads are the group alone (not sharded);
-    # GQA heads the mesh cannot split by kv head are a factor of their own, not sharded.
+    # takes no factor of size 1 in a compound); MQA's heads are the group alone; GQA heads the
+    # mesh cannot split by kv head are a factor of their own. Those two may be sharded with k / v
+    # whole on every shard (the partition below decides whether the axes allow it).
     heads = "h" if group == 1 else "g" if static.num_heads == group else "(h g)" if heads_split else "hq"
     q = f"tq {heads} d" if packed_q else f"b s {heads} d"
     kv_rows = "p z" if paged else ("tk" if packed_k else "b t")
@@ -85,14 +91,16 @@ def _rule(static: Any, bits: int, forward: bool, group: int, ranks: List[int],
     factors = []  # in order of first appearance, the order Shardy numbers them in
     for text in operands + results:
         factors += [f for f in text.replace("(", " ").replace(")", " ").split() if f not in factors]
-    replicated = {"s", "t", "d", "e", "g", "hq", "tq", "tk", "p", "z"} | {f for f in factors if f.startswith("x")}
+    replicated = {"s", "t", "d", "e", "tq", "tk", "p", "z"} | {f for f in factors if f.startswith("x")}
+    if heads != "g":  # the group inside the compound (h g) is never sharded
+        replicated.add("g")
     if static.num_heads == group or heads == "hq":  # one kv head, or heads the mesh cannot split
         replicated.add("h")
     # The kernels read batch and head indices for mods, their tensors and block lists, which
     # hold the whole batch and all heads.
     if (static.score_mod_kind or static.mask_mod_kind or static.num_score_aux or static.num_mask_aux
             or any(name.endswith(("_cnt", "_idx")) for name in present)):
-        replicated |= {"b", "h"}
+        replicated |= {"b", "h", "g", "hq"}
     # cu_seqlens hold the whole batch; the backward sums over the batch for a sink's gradient and
     # for the pages' (a page may serve sequences of several batch shards).
     if packed_q or packed_k or (not forward and ("learnable_sink" in present or paged)):
@@ -197,27 +205,34 @@ def _partitioned(call_fn: Any, forward: bool) -> Any:
         # A sharding without a partition spec (GSPMD's, inside a partly manual shard_map): whole.
         q_spec = tuple(getattr(arg_shapes[0].sharding, "spec", None) or ()) + (None,) * 4
         q_dims = operand_dims[0]
+        kv_heads = arg_shapes[1].shape[-2]
         axes = {}
-        for factor, q_dim, size in (("b", ("b",), None), ("h", ("h", "g"), arg_shapes[1].shape[-2]),
-                                    ("h", ("h",), arg_shapes[1].shape[-2])):
-            if factor in replicated or q_dim not in q_dims:
+        # "q": query heads sharded while k / v stay whole (MQA's "g", GQA's "hq"), where every
+        # shard's query heads read one kv head: their count divides the group.
+        for factor, q_dim in (("b", ("b",)), ("h", ("h", "g")), ("h", ("h",)), ("q", ("g",)), ("q", ("hq",))):
+            if q_dim not in q_dims or (q_dim[0] if factor == "q" else factor) in replicated:
                 continue
             dim = q_dims.index(q_dim)
             names = q_spec[dim]
             names = () if names is None else (names,) if isinstance(names, str) else tuple(names)
             count = int(np.prod([mesh.shape[n] for n in names])) if names else 1
-            extent = arg_shapes[0].shape[dim] if factor == "b" else size
-            if names and extent % count == 0:
+            extent = arg_shapes[0].shape[dim] if factor in ("b", "q") else kv_heads
+            if names and extent % count == 0 and (factor != "q" or group % (extent // count) == 0):
                 axes[factor] = names
 
         def sharding(dims):
             return NamedSharding(mesh, PartitionSpec(*(
-                axes.get("b") if dim == ("b",) else axes.get("h") if dim in (("h",), ("h", "g")) else None
+                axes.get("b") if dim == ("b",) else axes.get("h") if dim in (("h",), ("h", "g"))
+                else axes.get("q") if dim in (("g",), ("hq",)) else None
                 for dim in dims)))
 
         arg_shardings = tuple(sharding(dims) for dims in operand_dims)
         result_shardings = tuple(sharding(dims) for dims in result_dims)
         packed_q = _layout(static, bits)[0]
+
+        if "q" in axes:
+            return mesh, _one_kv_head_per_shard(call_fn, forward, static, bits, group, packed_q, mesh,
+                                                axes["q"]), result_shardings, arg_shardings
 
         def lower_fn(q, k, v, *operands):
             return call_fn(_local_static(static, q, v, packed_q), bits, group, q, k, v, *operands)
@@ -226,3 +241,34 @@ def _partitioned(call_fn: Any, forward: bool) -> Any:
 
     wrapped.def_partition(partition=partition, sharding_rule=sharding_rule)
     return wrapped
+
+
+def _one_kv_head_per_shard(call_fn: Any, forward: bool, static: Any, bits: int, group: int, packed_q: bool,
+                           mesh: Any, names: Tuple[str, ...]) -> Any:
+    """The per-shard function where q's heads are sharded over `names` and k / v are whole: the
+    shard's query heads (local_heads of them, dividing the group) read kv head
+    shard * local_heads // group, which the shard slices out. Backward: dK / dV of that head go
+    to its place in zeros of every kv head and are summed over the head axes, in float32."""
+    jax = _jax()
+    lax, jnp = jax.lax, jax.numpy
+
+    def lower_fn(q, k, v, *operands):
+        local_heads = q.shape[-2]
+        shard = 0
+        for name in names:  # the shard's place along q's heads, major axis first
+            shard = shard * mesh.shape[name] + lax.axis_index(name)
+        kv_head = shard * local_heads // group
+        k1, v1 = (lax.dynamic_slice_in_dim(x, kv_head, 1, axis=x.ndim - 2) for x in (k, v))
+        results = call_fn(_local_static(static, q, v1, packed_q), bits, local_heads, q, k1, v1, *operands)
+        if forward:
+            return results
+        dq, dk1, dv1, *rest = results
+
+        def summed(whole, part):
+            placed = lax.dynamic_update_slice_in_dim(jnp.zeros(whole.shape, jnp.float32), part.astype(jnp.float32),
+                                                     kv_head, axis=whole.ndim - 2)
+            return lax.psum(placed, names).astype(whole.dtype)
+
+        return (dq, summed(k, dk1), summed(v, dv1), *rest)
+
+    return lower_fn
