@@ -50,10 +50,12 @@ def _layout(static: Any, bits: int) -> Tuple[bool, bool, bool]:
 
 
 def _heads_split(mesh: Any, kv_heads: int, group: int) -> bool:
-    """Whether the query heads may be sharded as kv heads x group: every mesh axis must divide
-    the kv heads, else Shardy would split an axis across the compound factor (sub-axes, which
-    custom_partitioning cannot take)."""
-    return group == 1 or all(size == 1 or kv_heads % size == 0 for size in mesh.shape.values())
+    """Whether the query heads may be sharded as kv heads x group: the mesh's axes together must
+    divide the kv heads, else Shardy may shard h over more devices than it has heads and split an
+    axis across the compound factor (sub-axes, which custom_partitioning cannot take). Otherwise
+    the query heads are a factor of their own, which the partition below shards by whole groups
+    or by one kv head per shard where the axes allow."""
+    return group == 1 or kv_heads % int(np.prod(list(mesh.shape.values()))) == 0
 
 
 def _rule(static: Any, bits: int, forward: bool, group: int, ranks: List[int],
@@ -207,8 +209,9 @@ def _partitioned(call_fn: Any, forward: bool) -> Any:
         q_dims = operand_dims[0]
         kv_heads = arg_shapes[1].shape[-2]
         axes = {}
-        # "q": query heads sharded while k / v stay whole (MQA's "g", GQA's "hq"), where every
-        # shard's query heads read one kv head: their count divides the group.
+        # "q": query heads of their own factor (MQA's "g", GQA's "hq") sharded, where every
+        # shard holds whole groups (the axes divide the kv heads: k / v sharded alike) or query
+        # heads of one kv head (their count divides the group: k / v whole).
         for factor, q_dim in (("b", ("b",)), ("h", ("h", "g")), ("h", ("h",)), ("q", ("g",)), ("q", ("hq",))):
             if q_dim not in q_dims or (q_dim[0] if factor == "q" else factor) in replicated:
                 continue
@@ -217,13 +220,16 @@ def _partitioned(call_fn: Any, forward: bool) -> Any:
             names = () if names is None else (names,) if isinstance(names, str) else tuple(names)
             count = int(np.prod([mesh.shape[n] for n in names])) if names else 1
             extent = arg_shapes[0].shape[dim] if factor in ("b", "q") else kv_heads
-            if names and extent % count == 0 and (factor != "q" or group % (extent // count) == 0):
+            if names and extent % count == 0 and (factor != "q" or kv_heads % count == 0 or
+                                                  group % (extent // count) == 0):
                 axes[factor] = names
+        if "q" in axes and kv_heads % int(np.prod([mesh.shape[n] for n in axes["q"]])) == 0:
+            axes["h"] = axes.pop("q")  # whole groups: the kv heads split with them
 
         def sharding(dims):
             return NamedSharding(mesh, PartitionSpec(*(
                 axes.get("b") if dim == ("b",) else axes.get("h") if dim in (("h",), ("h", "g"))
-                else axes.get("q") if dim in (("g",), ("hq",)) else None
+                else axes.get("h") or axes.get("q") if dim in (("g",), ("hq",)) else None
                 for dim in dims)))
 
         arg_shardings = tuple(sharding(dims) for dims in operand_dims)

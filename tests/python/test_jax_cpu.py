@@ -193,7 +193,7 @@ def check(name, fn, args, specs, argnums, sharded_grads, exact_grads=True, on=me
     got, expected = list(f(*spread)) + list(g(*spread)), list(f(*single)) + list(g(*single))
     for i, (a, b) in enumerate(zip(got, expected)):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-        if exact_grads or i < 3:  # out, lse and dq are exact either way
+        if exact_grads or i not in (3, 4):  # out, lse, dq and a sink's gradient are exact either way
             np.testing.assert_array_equal(a, b, err_msg=f"{name} {i}")
         else:
             np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-2 * max(1.0, np.abs(b).max()), err_msg=f"{name} {i}")
@@ -235,6 +235,14 @@ check("gqa4", lambda q, k, v, s: cuflash.flash_attn_func(q, k, v, causal=True, l
 check("varlen4", lambda q, k, v, a, b: cuflash.flash_attn_varlen_func(q, k, v, a, b, 8, 17, causal=True),
       [arr(20, 8, 32), arr(30, 2, 32), arr(30, 2, 32), cu_q, cu_k], [packed, None, None, None, None], (0, 1, 2), True,
       exact_grads=False, on=line)
+# Heads over both axes of the 2 x 2 mesh (4 shards, 2 kv heads): shards 0, 1 read kv head 0 and
+# shards 2, 3 kv head 1 (the shard's place taken major axis first); then heads over "model" alone
+# with 2 kv heads, whole groups per shard, k / v sharded with them and nothing summed.
+both = P(None, None, ("data", "model"), None)
+check("gqa22", lambda q, k, v: cuflash.flash_attn_func(q, k, v, causal=True), [q, arr(4, 24, 2, 32),
+      arr(4, 24, 2, 32)], [both, None, None], (0, 1, 2), True, exact_grads=False)
+check("groups", lambda q, k, v: cuflash.flash_attn_func(q, k, v), [q, arr(4, 24, 2, 32), arr(4, 24, 2, 32)],
+      [dense] * 3, (0, 1, 2), True)
 q5, k5 = arr(2, 4, 16, 8, 32), arr(2, 4, 24, 4, 32)
 inner = jax.vmap(jax.jit(lambda q, k, v: cuflash.flash_attn_func(q, k, v)[0]))(q5, k5, k5)  # vmap outside jit
 np.testing.assert_array_equal(np.asarray(inner, np.float32),
@@ -283,9 +291,10 @@ print("vmap and eager agree")
 def test_sharded_arrays_under_jit():
     # Arrays sharded over a 2 x 2 mesh of CPU devices (batch over "data", heads over "model"):
     # the custom calls run per shard, with the results of one device, bit for bit. Dense GQA
-    # and packed sequences stay sharded with no all-gather, forward and backward; calls whose
-    # kernels read batch or head indices elsewhere (a sink's gradient, ALiBi's slopes, pages'
-    # gradients, MQA's single kv head) gather what they must. Several CPU devices exist only
+    # and packed sequences stay sharded with no all-gather, forward and backward, also with more
+    # head shards than kv heads (MQA, tensor parallelism past the kv heads: k / v whole, their
+    # gradients summed, within a rounding); calls whose kernels read batch or head indices
+    # elsewhere (a sink's gradient, ALiBi's slopes, pages' gradients) gather what they must. Several CPU devices exist only
     # when XLA is told before jax starts, so this runs in a fresh interpreter. shard_map with
     # jax.grad too, inside jax.jit and outside it (the custom calls' results carry the operands'
     # manual axes).
@@ -310,6 +319,8 @@ def test_sharded_arrays_under_jit():
     assert lines["mqa"] == "['data', None, 'model'] False False"
     assert lines["gqa4"] == "[None, None, 'model'] False False"
     assert lines["varlen4"] == "[None, 'model'] False False"
+    assert lines["gqa22"] == "[None, None, ('data', 'model')] False False"
+    assert lines["groups"] == "['data', None, 'model'] False False"
     assert lines["vmap"] == "and eager agree"
 
 
