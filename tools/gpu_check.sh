@@ -8,8 +8,9 @@
 #   STEPS=build,bench_bwd BENCH_BWD_ARGS="--hdims 128" tools/gpu_check.sh
 #
 # Environment: KERNEL_SET (ci|all|custom), HDIMS / DTYPES (for custom), FEATURES (CUFLASH_FEATURES), STEPS (comma list of
-# build,test,test_each,pytest,sanitize,sass,bench,bench_bwd,bench_gqa,bench_flex,profile), GTEST_FILTER (default *Gpu*), TEST_TIMEOUT, TEST_SHARDS (default 4), TEST_ENV_B / GTEST_FILTER_B and TEST_ENV_C / GTEST_FILTER_C (the tests again under extra settings), SANITIZE_FILTER (memcheck),
-# RACECHECK_FILTER, PER_TEST_TIMEOUT (test_each), PYTEST_K (a -k expression), PYTEST_ARGS, JIT_MODULES (0: do not build the GPU tests' callable modules first), PYTEST_TIMEOUT, BENCH_ARGS, BENCH_ENV_B (run the
+# build,test,test_each,pytest,sanitize,sass,bench,bench_bwd,bench_gqa,bench_flex,kernel_times,profile), GTEST_FILTER (default *Gpu*), TEST_TIMEOUT, TEST_SHARDS (default 4), TEST_ENV_B / GTEST_FILTER_B and TEST_ENV_C / GTEST_FILTER_C (the tests again under extra settings), SANITIZE_FILTER (memcheck),
+# KERNEL_TIMES_ARGS (';'-separated argument sets of bench/kernel_times.py, default: the hdim 128 / 256 backward and
+# the hdim128 forward, cuflash and cuDNN), RACECHECK_FILTER, PER_TEST_TIMEOUT (test_each), PYTEST_K (a -k expression), PYTEST_ARGS, JIT_MODULES (0: do not build the GPU tests' callable modules first), PYTEST_TIMEOUT, BENCH_ARGS, BENCH_ENV_B (run the
 # benchmark a second time with these VAR=value settings), BENCH_BWD_ARGS (bench/bench_bwd.py), BENCH_BWD_ARGS_B / BENCH_BWD_ENV_B, _C and _D (more passes with these arguments / VAR=value settings, tagged _b / _c / _d),
 # BENCH_BWD_TIMEOUT (seconds, default 300: a hung backward kernel ends the step, not the call), PROFILE
 # (ncu targets for the profile step, see there), PROFILE_KERNEL_ARGS, BUILD_DIR, CMAKE_EXTRA, BENCH_FLEX_ARGS, BENCH_FLEX_TIMEOUT, BENCH_GQA_ARGS, BENCH_GQA_TIMEOUT, JOBS.
@@ -244,6 +245,18 @@ run_bench() {
 }
 has_step bench_gqa && run_bench gqa "${BENCH_GQA_TIMEOUT:-180}" "${BENCH_GQA_ARGS:-}"
 has_step bench_flex && run_bench flex "${BENCH_FLEX_TIMEOUT:-300}" "${BENCH_FLEX_ARGS:-}"
+
+if has_step kernel_times; then
+  # Each kernel of one call, cuflash's and cuDNN's, with the gaps between them (bench/kernel_times.py).
+  make_pkg
+  start=$(date +%s)
+  IFS=';' read -ra sets <<<"${KERNEL_TIMES_ARGS:---hdim 256 --backward;--hdim 256 --backward --impl cudnn;--hdim 128 --backward;--hdim 128 --backward --impl cudnn;--hdim 128;--hdim 128 --impl cudnn}"
+  for args in "${sets[@]}"; do
+    # shellcheck disable=SC2086
+    PYTHONPATH="$pkg" timeout 60 python3 "$ROOT/bench/kernel_times.py" $args --calls 2 2>&1 | grep -v -e '_warn_once' -e 'Warning'
+  done >"$OUT/kernel_times.txt"
+  note "kernel_times: ${#sets[@]} calls in $(( $(date +%s) - start )) s (kernel_times.txt)"
+fi
 
 if has_step profile; then
   # Nsight Compute on single launches: PROFILE is a list of kind:hdim:seqlen:causal[:det] (kind
