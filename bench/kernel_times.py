@@ -24,6 +24,8 @@ def main():
     parser.add_argument("--impl", default="cuflash", choices=("cuflash", "cudnn"))
     parser.add_argument("--deterministic", action="store_true", help="cuflash's deterministic backward")
     args = parser.parse_args()
+    if args.deterministic and args.impl != "cuflash":
+        parser.error("--deterministic is cuflash's option (--impl cuflash)")
 
     import torch
     from torch.profiler import ProfilerActivity, profile

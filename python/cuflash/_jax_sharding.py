@@ -220,11 +220,13 @@ def _partitioned(call_fn: Any, forward: bool) -> Any:
             names = () if names is None else (names,) if isinstance(names, str) else tuple(names)
             count = int(np.prod([mesh.shape[n] for n in names])) if names else 1
             extent = arg_shapes[0].shape[dim] if factor in ("b", "q") else kv_heads
-            if names and extent % count == 0 and (factor != "q" or kv_heads % count == 0 or
-                                                  group % (extent // count) == 0):
-                axes[factor] = names
-        if "q" in axes and kv_heads % int(np.prod([mesh.shape[n] for n in axes["q"]])) == 0:
-            axes["h"] = axes.pop("q")  # whole groups: the kv heads split with them
+            if not names or extent % count != 0:
+                continue
+            if factor == "q" and kv_heads % count == 0:
+                factor = "h"  # whole groups: the kv heads split with them
+            elif factor == "q" and group % (extent // count) != 0:
+                continue  # a shard's query heads would straddle kv heads: whole heads
+            axes[factor] = names
 
         def sharding(dims):
             return NamedSharding(mesh, PartitionSpec(*(
