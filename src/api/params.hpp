@@ -224,6 +224,10 @@ struct BwdParams {
   float* dk_accum = nullptr;
   float* dv_accum = nullptr;
   int* dq_semaphore = nullptr;
+  // Per (batch, head): the main kernel's CTAs whose dQ sums have landed, so that the dQ
+  // conversion can start on a head while the main kernel still runs others (null: it waits for
+  // the whole main kernel). Zeroed by the preprocess.
+  int* dq_done = nullptr;
   // Device workspace of backward_workspace_bytes(params) bytes, handed in by dispatch;
   // run_backward carves the buffers above from it.
   void* workspace = nullptr;
@@ -250,6 +254,8 @@ struct BwdParams {
   // Deterministic runs: ints from one row block's dQ semaphore to the next (32: a 128-byte line
   // each, the default; 1: adjacent). From CUFLASH_BWD_DQ_SEMAPHORES.
   int dq_semaphore_stride = 32;
+  // When dQ is converted from its fp32 sums, a BwdDqConvert value. From CUFLASH_BWD_DQ_CONVERT.
+  int dq_convert = 0;
   // Rows per step and keys per column block of the backward tile that dispatch laid the
   // workspace out for (the tile depends on whether the kernel has a per-element score
   // derivative, and for the flex kernels on block lists); the launcher refuses to run a kernel
@@ -304,6 +310,12 @@ enum class BwdDetWalk : int { kAuto = 0, kWaves = 1, kAscending = 2 };
 // different row blocks of a head do not share a line (4-5% faster at hdim128 causal than kPacked,
 // bench/NOTES.md); kPacked: one int per row block, adjacent.
 enum class BwdDqSemaphores : int { kLines = 0, kPacked = 1 };
+// When the sm90 backward converts dQ from its fp32 sums to the output dtype
+// (BwdParams::dq_convert). kOverlap (the default): the conversion kernel is launched as the main
+// kernel's programmatic dependent and converts a head once every main-kernel CTA of that head has
+// added its dQ (BwdParams::dq_done), on the SMs the main kernel's last wave leaves idle; kAfter:
+// once the whole main kernel has finished.
+enum class BwdDqConvert : int { kOverlap = 0, kAfter = 1 };
 struct BwdLaunchChoice {
   BwdLaunchOrder order = BwdLaunchOrder::kAuto;
   int head_group = 0;  // kHeads: heads launched together; 0: all of a batch's
@@ -311,7 +323,7 @@ struct BwdLaunchChoice {
 
 // The layout version: bumped with every change to the members of FwdParams, BwdParams or
 // ModParams, since a member added into tail padding leaves the sizes below as they were.
-constexpr std::uint64_t kParamsLayoutVersion = 21;
+constexpr std::uint64_t kParamsLayoutVersion = 22;
 
 // Whether a call needs the flex kernels (variants::FlexVariant): a score_mod, a mask_mod or block
 // lists. FwdParams and BwdParams alike.

@@ -657,6 +657,18 @@ int dq_semaphore_stride(BwdDqSemaphores choice) {
   return choice == BwdDqSemaphores::kLines ? 128 / int(sizeof(int)) : 1;
 }
 
+BwdDqConvert parse_bwd_dq_convert(const char* value) {
+  return parse_setting<BwdDqConvert>("CUFLASH_BWD_DQ_CONVERT", value,
+                                     {{"overlap", BwdDqConvert::kOverlap}, {"after", BwdDqConvert::kAfter}});
+}
+
+BwdDqConvert bwd_dq_convert() {
+  // CUFLASH_BWD_DQ_CONVERT: when the backward converts dQ, so that both can be timed in one
+  // binary. Read once per process.
+  static const BwdDqConvert choice = parse_bwd_dq_convert(std::getenv("CUFLASH_BWD_DQ_CONVERT"));
+  return choice;
+}
+
 BwdDqPath bwd_dq_path() {
   // CUFLASH_BWD_DQ: how the sliced hdim256 backward adds dQ to global memory, so that the paths
   // can be timed in one binary. Read once per process.

@@ -87,8 +87,9 @@ std::string kernel_name(const BwdParams& p) {
 
 // Byte offsets of the buffers that run_backward carves from the workspace (workspace_layout.hpp).
 struct WorkspaceLayout {
-  std::size_t lse_log2 = 0, dpsum = 0, dq_accum = 0, dk_accum = 0, dv_accum = 0, semaphore = 0, row_class = 0,
+  std::size_t lse_log2 = 0, dpsum = 0, dq_accum = 0, dq_done = 0, dk_accum = 0, dv_accum = 0, semaphore = 0, row_class = 0,
               row_bounds = 0, row_class_by_row = 0;
+  std::size_t dq_done_bytes = 0;
   std::size_t total = 0;
 };
 
@@ -161,6 +162,9 @@ WorkspaceLayout workspace_layout(const BwdParams& p) {
   layout.lse_log2 = buffers.take(sizeof(float) * p.num_heads * q_rows);
   layout.dpsum = buffers.take(sizeof(float) * p.num_heads * q_rows);
   layout.dq_accum = buffers.take(sizeof(float) * p.num_heads * q_rows * dims.head_dim);
+  // Counters of the overlapped dQ conversion, one per (batch, head) with rows.
+  layout.dq_done_bytes = q_rows > 0 ? sizeof(int) * std::size_t(p.batch) * p.num_heads : 0;
+  layout.dq_done = buffers.take(layout.dq_done_bytes);
   if (gqa) {
     layout.dk_accum = buffers.take(sizeof(float) * p.num_heads_kv * k_rows * dims.head_dim);
     layout.dv_accum = buffers.take(sizeof(float) * p.num_heads_kv * k_rows * dims.head_dim_v);
@@ -286,6 +290,9 @@ void run_backward(BwdParams& params, StreamHandle stream) {
   params.lse_log2 = reinterpret_cast<float*>(base + layout.lse_log2);
   params.dpsum = reinterpret_cast<float*>(base + layout.dpsum);
   params.dq_accum = reinterpret_cast<float*>(base + layout.dq_accum);
+  params.dq_done = layout.dq_done_bytes > 0 && BwdDqConvert(params.dq_convert) == BwdDqConvert::kOverlap
+                       ? reinterpret_cast<int*>(base + layout.dq_done)
+                       : nullptr;
   bool const gqa = params.num_heads != params.num_heads_kv;
   params.dk_accum = gqa ? reinterpret_cast<float*>(base + layout.dk_accum) : nullptr;
   params.dv_accum = gqa ? reinterpret_cast<float*>(base + layout.dv_accum) : nullptr;

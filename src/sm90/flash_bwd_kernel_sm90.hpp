@@ -28,6 +28,7 @@ struct FlashBwdKernelSm90 {
     alignas(16) typename Mainloop::PipelinedO::SharedStorage pipeline_do;
     alignas(16) cutlass::arch::ClusterTransactionBarrier barrier_kv;
     typename Mainloop::DqSlotStorage dq_slots;
+    int dq_writers_left;  // dq_done: the CTA's dQ writers still adding
   };
   static constexpr int kSharedStorageSize = sizeof(SharedStorage);
   static_assert(kSharedStorageSize <= 227 * 1024, "shared memory of the backward tile exceeds 227 KB");
@@ -50,8 +51,40 @@ struct FlashBwdKernelSm90 {
     return {Mainloop::column_block(p, int(x), int(nx)), int(y), int(z)};
   }
 
+  // The CTA's writers of dQ sums: the dQ warp (dQ through shared memory), one warp per MMA
+  // warpgroup (the ring of bulk copies) or every MMA thread (atomics).
+  CUTE_DEVICE static int dq_writers(typename Mainloop::Params const& p) {
+    if constexpr (Mainloop::kDqViaSmem) { return 1; }
+    if (Mainloop::kHasDqBulk && p.dq_bulk) { return NumMmaWG; }
+    return Mainloop::NumMmaThreads;
+  }
+
+  // A writer whose dQ sums are visible at gpu scope (a full bulk wait, or its atomics) counts
+  // itself out; the last of the CTA releases the CTA to the head's counter, cumulatively over
+  // the others' sums (each fenced before its count).
+  CUTE_DEVICE static void dq_writer_done(typename Mainloop::Params const& p, int& writers_left, int head, int batch) {
+    __threadfence();
+    if (atomicSub(&writers_left, 1) == 1) {
+      __threadfence();
+      semaphore_increment(p.dq_done + int64_t(batch) * p.num_heads + head);
+    }
+  }
+
+  // A dQ warp's bulk reduce-adds have landed: waited for in full, not only read, by every lane
+  // (only the lane that issued them has any; the others pass at once), then counted by one.
+  CUTE_DEVICE static void dq_copies_landed(typename Mainloop::Params const& p, int& writers_left, int head, int batch) {
+    if (p.dq_done == nullptr) { return; }
+    asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+    __syncwarp();
+    if (cute::elect_one_sync()) { dq_writer_done(p, writers_left, head, batch); }
+    __syncwarp();
+  }
+
   CUTE_DEVICE void operator()(Params const& params, char* smem_buf) {
     using namespace cute;
+    // The dQ postprocess, launched as this kernel's programmatic dependent, may start once every
+    // CTA has started: it waits for its heads' counters (BwdParams::dq_done), not for this grid.
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
     using PipelineQ = typename Mainloop::PipelineQ;
     using PipelinedO = typename Mainloop::PipelinedO;
     SharedStorage& ss = *reinterpret_cast<SharedStorage*>(smem_buf);
@@ -70,6 +103,7 @@ struct FlashBwdKernelSm90 {
       Mainloop::prefetch_tma_descriptors(params.mainloop);
       ss.barrier_kv.init(1);
       ss.dq_slots.init();
+      ss.dq_writers_left = dq_writers(params.mainloop);
       cutlass::arch::fence_barrier_init();
     }
 
@@ -92,7 +126,12 @@ struct FlashBwdKernelSm90 {
     BwdSeqlen const seq = BwdSeqlen::make<Mainloop::kBlockM, Mainloop::kBlockN>(params.mainloop, batch);
     // Grids are sized for the longest sequence; this block has no key rows of this batch (or,
     // in the last head group, no head).
-    if (n_block * Mainloop::kBlockN >= seq.capacity_k || head >= params.mainloop.num_heads) { return; }
+    if (n_block * Mainloop::kBlockN >= seq.capacity_k || head >= params.mainloop.num_heads) {
+      if (params.mainloop.dq_done != nullptr && threadIdx.x == 0 && head < params.mainloop.num_heads) {
+        semaphore_increment(params.mainloop.dq_done + int64_t(batch) * params.mainloop.num_heads + head);
+      }
+      return;
+    }
 
     // The sliced hdim 256 mainloop (kSliceDQKV) takes every register of the MMA warpgroups, and ptxas
     // then spills the values that are live from here into either role; the window kernels' mainloops
@@ -134,9 +173,11 @@ struct FlashBwdKernelSm90 {
                                               uint32_t(BwdBarrier::kDqEmpty) + wg);
         }
         Mainloop::store_dq(params.mainloop, ss.tensors, c.seq, c.n_block, c.head, c.batch);
+        dq_copies_landed(params.mainloop, ss.dq_writers_left, c.head, c.batch);
       } else if (Mainloop::kHasDqBulk && params.mainloop.dq_bulk && warp_idx_in_wg >= 1 && warp_idx_in_wg <= NumMmaWG) {
         // Warp 1 + wg copies warpgroup wg's dQ (its ring starts empty).
         Mainloop::store_dq_bulk(params.mainloop, ss.dq_slots, c.seq, c.n_block, c.head, c.batch, warp_idx_in_wg - 1);
+        dq_copies_landed(params.mainloop, ss.dq_writers_left, c.head, c.batch);
       } else if (warp_idx_in_wg == 1 && params.mainloop.dq_order_warp) {
         Mainloop::order_dq(params.mainloop, c.seq, c.n_block, c.head, c.batch);
       }
@@ -154,6 +195,9 @@ struct FlashBwdKernelSm90 {
         clear(tdVrdV);
       }
       Coords const ce = coords();
+      if (params.mainloop.dq_done != nullptr && !Mainloop::kDqViaSmem && !(Mainloop::kHasDqBulk && params.mainloop.dq_bulk)) {
+        dq_writer_done(params.mainloop, ss.dq_writers_left, ce.head, ce.batch);  // its atomics
+      }
       Epilogue::store(params.epilogue, ss.tensors, tdKrdK, tdVrdV, any_rows, ce.thread_idx, ce.seq, ce.n_block, ce.head,
                       ce.batch);
       trace::mark_bwd(ce.thread_idx, trace::kEnd);

@@ -76,7 +76,7 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
                                               cudaGetErrorString(err));
     }
   };
-  zero(params.dq_accum, sizeof(float) * size_t(num_heads) * q_rows_padded * kHeadDim);
+  // dq_accum (and the dQ counters) are cleared by the preprocess.
   if (gqa) {
     zero(params.dk_accum, sizeof(float) * size_t(num_heads_kv) * k_rows_padded * kHeadDim);
     zero(params.dv_accum, sizeof(float) * size_t(num_heads_kv) * k_rows_padded * kHeadDimV);
@@ -105,13 +105,17 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   pre.dlse_head_stride = params.dlse_head_stride;
   pre.lse_log2 = params.lse_log2;
   pre.dpsum = params.dpsum;
+  pre.dq_accum = params.dq_accum;
+  // The counters only count where the main kernel runs (it has column blocks).
+  int* const dq_done = num_n_blocks > 0 ? params.dq_done : nullptr;
+  pre.dq_done = dq_done;
   pre.q_rows_padded = q_rows_padded;
   pre.seqlen_q = params.seqlen_q;
   pre.head_dim_v = params.head_dim_v;
   pre.cu_seqlens_q = params.cu_seqlens_q;
   pre.seqused_q = params.seqused_q;
   if (num_m_blocks > 0) {
-    flash_bwd_preprocess_sm90<Element, kBlockM><<<dim3(num_m_blocks, num_heads, batch), 256, 0, stream>>>(pre);
+    flash_bwd_preprocess_sm90<Element, kBlockM, kHeadDim, kHeadDimV><<<dim3(num_m_blocks, num_heads, batch), 256, 0, stream>>>(pre);
     check_launch("the backward preprocess kernel");
   }
 
@@ -158,6 +162,7 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   ml.dpsum = params.dpsum;
   ml.dq_accum = params.dq_accum;
   ml.dq_semaphore = params.dq_semaphore;
+  ml.dq_done = dq_done;
   ml.dq_semaphore_stride = params.dq_semaphore_stride;
   ml.q_rows_padded = q_rows_padded;
   ml.num_m_blocks = num_m_blocks;
@@ -290,22 +295,39 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // Postprocess: dQ, and dK / dV for GQA.
   PostprocessParams post_q{params.dq_accum, params.dq, params.dq_batch_stride, params.dq_row_stride, params.dq_head_stride,
                            q_rows_padded, params.seqlen_q, params.head_dim, params.softmax_scale,
-                           params.cu_seqlens_q};
+                           params.cu_seqlens_q, dq_done, num_n_blocks};
   if (num_m_blocks > 0) {
-    flash_bwd_postprocess_sm90<Element, typename Mainloop::TiledMmadQ, Mainloop::dQ_swapAB, kBlockM, kHeadDim>
-        <<<dim3(num_m_blocks, num_heads, batch), Mainloop::NumMmaThreads, 0, stream>>>(post_q);
+    auto postprocess_q = flash_bwd_postprocess_sm90<Element, typename Mainloop::TiledMmadQ, Mainloop::dQ_swapAB, kBlockM, kHeadDim>;
+    // With the counters the dQ conversion is the main kernel's programmatic dependent: it starts
+    // in the main kernel's last wave and converts each head once that head's sums have landed
+    // (BwdDqConvert::kOverlap).
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(num_m_blocks, num_heads, batch);
+    config.blockDim = dim3(Mainloop::NumMmaThreads);
+    config.dynamicSmemBytes = 0;
+    config.stream = stream;
+    cudaLaunchAttribute overlap[1];
+    overlap[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    overlap[0].val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = overlap;
+    config.numAttrs = dq_done != nullptr ? 1 : 0;
+    cudaError_t const launched = cudaLaunchKernelEx(&config, postprocess_q, post_q);
+    if (launched != cudaSuccess) {
+      throw Error(Error::Kind::kCuda, "", std::string("cuflash backward: launching the dQ postprocess kernel failed: ") +
+                                              cudaGetErrorString(launched));
+    }
     check_launch("the dQ postprocess kernel");
   }
   if (gqa && num_n_blocks > 0) {
     PostprocessParams post_k{params.dk_accum, params.dk, params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride,
                              k_rows_padded, params.seqlen_k, params.head_dim, params.softmax_scale,
-                             params.cu_seqlens_k};
+                             params.cu_seqlens_k, nullptr, 0};
     flash_bwd_postprocess_sm90<Element, typename Mainloop::TiledMmadK, Mainloop::dKV_swapAB, kBlockN, kHeadDim>
         <<<dim3(num_n_blocks, num_heads_kv, batch), Mainloop::NumMmaThreads, 0, stream>>>(post_k);
     check_launch("the dK postprocess kernel");
     PostprocessParams post_v{params.dv_accum, params.dv, params.dv_batch_stride, params.dv_row_stride, params.dv_head_stride,
                              k_rows_padded, params.seqlen_k, params.head_dim_v, 1.f,
-                             params.cu_seqlens_k};
+                             params.cu_seqlens_k, nullptr, 0};
     flash_bwd_postprocess_sm90<Element, typename Mainloop::TiledMmadV, Mainloop::dKV_swapAB, kBlockN, kHeadDimV>
         <<<dim3(num_n_blocks, num_heads_kv, batch), Mainloop::NumMmaThreads, 0, stream>>>(post_v);
     check_launch("the dV postprocess kernel");

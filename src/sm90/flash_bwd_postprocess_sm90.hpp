@@ -2,6 +2,10 @@
 // kv head) to fp16/bf16 with scaling. Each CTA reads one fragment-order chunk exactly as the
 // main kernel's MMA threads wrote it (see mainloop_bwd_sm90.hpp), places the values by the
 // same MMA partitioning into a row-major smem tile, then writes rows with 16-byte stores.
+// With counters (BwdParams::dq_done, dQ only) it runs as the main kernel's programmatic dependent:
+// its CTAs start on the SMs the main kernel's last wave leaves idle, and each waits until every
+// main-kernel CTA of its (batch, head) has added its dQ, instead of waiting for the whole main
+// kernel.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -19,7 +23,34 @@ struct PostprocessParams {
   int cols;    // actual head dim
   float scale;
   int const* cu_seqlens;
+  // (B, H) counters of the main kernel's CTAs whose sums have landed, or null (the sums are
+  // complete at launch); a head's sums are complete at `done_expected`.
+  int const* done;
+  int done_expected;
 };
+
+// The CTA last in launch order waits for the whole main kernel, so that this kernel does not
+// complete before it: work ordered after this kernel in the stream then sees dK / dV as well.
+CUTE_DEVICE void join_main_kernel(PostprocessParams const& p) {
+  if (p.done != nullptr && blockIdx.x == gridDim.x - 1 && blockIdx.y == gridDim.y - 1 && blockIdx.z == gridDim.z - 1) {
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  }
+}
+
+// Overlapped with the main kernel (PostprocessParams::done): wait for this (batch, head)'s sums.
+CUTE_DEVICE void await_sums(PostprocessParams const& p, int head, int batch) {
+  if (p.done == nullptr) return;
+  if (threadIdx.x == 0) {
+    int const* counter = p.done + int64_t(batch) * gridDim.y + head;
+    int landed;
+    while (true) {
+      asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(landed) : "l"(counter) : "memory");
+      if (landed >= p.done_expected) break;
+      __nanosleep(512);
+    }
+  }
+  __syncthreads();
+}
 
 // Grid (ceil(seqlen / kRows), heads, B), size(TiledMma) threads. `Swapped`: the accumulator
 // holds the (cols, rows) transpose.
@@ -40,7 +71,9 @@ __global__ void __launch_bounds__(decltype(size(TiledMma{}))::value)
                                    : batch * ((p.seqlen + kRows - 1) / kRows * kRows);
   // Every row the batch owns is written: rows past seqused hold zero sums.
   int const capacity = varlen ? p.cu_seqlens[batch + 1] - offset : p.seqlen;
+  join_main_kernel(p);
   if (block * kRows >= capacity) { return; }
+  await_sums(p, head, batch);
 
   using AccShape = std::conditional_t<!Swapped, Shape<Int<kRows>, Int<kCols>>, Shape<Int<kCols>, Int<kRows>>>;
   int const thread_idx = threadIdx.x;
@@ -53,7 +86,7 @@ __global__ void __launch_bounds__(decltype(size(TiledMma{}))::value)
   float4 const* src = reinterpret_cast<float4 const*>(chunk) + thread_idx % cutlass::NumThreadsPerWarpGroup;
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < kValues / 4; ++i) {
-    float4 const v = src[i * cutlass::NumThreadsPerWarpGroup];
+    float4 const v = __ldcg(src + i * cutlass::NumThreadsPerWarpGroup);  // L2: the sums were added there
     float const vals[4] = {v.x, v.y, v.z, v.w};
     CUTLASS_PRAGMA_UNROLL
     for (int j = 0; j < 4; ++j) {

@@ -452,6 +452,8 @@ struct MainloopBwdSm90 {
     // dQ through shared memory and bulk reduce-adds (sliced kernels), also keeping the
     // deterministic order (store_dq_bulk).
     bool dq_bulk;
+    // (B, H) counters of the CTAs whose dQ sums have landed (BwdParams::dq_done), or null.
+    int* dq_done;
     int const* cu_seqlens_q;
     int const* cu_seqlens_k;
     int const* seqused_q;

@@ -728,6 +728,12 @@ TEST(ParamsBackward, DqPathChoice) {
       {"on", "off", "pairs", "Bulk", "smem"});
 }
 
+TEST(ParamsBackward, DqConvertChoice) {
+  expect_setting_choices<decltype(&parse_bwd_dq_convert), BwdDqConvert>(
+      parse_bwd_dq_convert, "CUFLASH_BWD_DQ_CONVERT",
+      {{"overlap", BwdDqConvert::kOverlap}, {"after", BwdDqConvert::kAfter}}, {"on", "0", "Overlap", "auto"});
+}
+
 TEST(ParamsBackward, DetWalkChoice) {
   expect_setting_choices<decltype(&parse_bwd_det_walk), BwdDetWalk>(
       parse_bwd_det_walk, "CUFLASH_BWD_DET_WALK",
