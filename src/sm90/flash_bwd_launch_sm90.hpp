@@ -76,7 +76,7 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
                                               cudaGetErrorString(err));
     }
   };
-  // dq_accum (and the dQ counters) are cleared by the preprocess.
+  zero(params.dq_accum, sizeof(float) * size_t(num_heads) * q_rows_padded * kHeadDim);
   if (gqa) {
     zero(params.dk_accum, sizeof(float) * size_t(num_heads_kv) * k_rows_padded * kHeadDim);
     zero(params.dv_accum, sizeof(float) * size_t(num_heads_kv) * k_rows_padded * kHeadDimV);
@@ -105,9 +105,9 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   pre.dlse_head_stride = params.dlse_head_stride;
   pre.lse_log2 = params.lse_log2;
   pre.dpsum = params.dpsum;
-  pre.dq_accum = params.dq_accum;
-  // The counters only count where the main kernel runs (it has column blocks).
-  int* const dq_done = num_n_blocks > 0 ? params.dq_done : nullptr;
+  // The counters only where both the main kernel (column blocks) and the conversion (row
+  // blocks) run.
+  int* const dq_done = num_n_blocks > 0 && num_m_blocks > 0 ? params.dq_done : nullptr;
   pre.dq_done = dq_done;
   pre.q_rows_padded = q_rows_padded;
   pre.seqlen_q = params.seqlen_q;
@@ -115,7 +115,7 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   pre.cu_seqlens_q = params.cu_seqlens_q;
   pre.seqused_q = params.seqused_q;
   if (num_m_blocks > 0) {
-    flash_bwd_preprocess_sm90<Element, kBlockM, kHeadDim, kHeadDimV><<<dim3(num_m_blocks, num_heads, batch), 256, 0, stream>>>(pre);
+    flash_bwd_preprocess_sm90<Element, kBlockM><<<dim3(num_m_blocks, num_heads, batch), 256, 0, stream>>>(pre);
     check_launch("the backward preprocess kernel");
   }
 

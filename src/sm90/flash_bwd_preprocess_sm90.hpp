@@ -4,8 +4,11 @@
 // dPsum = 0, so that the main kernel computes P = 0 for them without any row masking.
 // dlse, the gradient reaching lse (d lse_i / d s_ij = P_ij), enters only here:
 // dS = P * (dP - rowsum(dO * O)) + P * dlse = P * (dP - dPsum), and d_sink likewise.
-// It also clears the block's rows of the dQ sums and the head's dQ counter (BwdParams::dq_done),
-// which a separate memset took 42 us of a 1.7 ms hdim256 backward for (bench/NOTES.md).
+// It also zeroes the head's dQ counter (BwdParams::dq_done); dq_accum is cleared by a memset
+// before it. Measured on the H100 (hdim256 / 128, 2k, 16k tokens; bench/NOTES.md, "Run of
+// 2026-12-05 (twentieth)"): clearing dq_accum here as well took 133 / 146 us against the memset's
+// 42 plus this kernel's 58 / 76, and spreading a row over 8 / 16 / 32 lanes with several rows'
+// loads in flight per thread (75-92 registers) took 95 / 82 us without the clear.
 // A second small kernel reduces the learnable-sink gradient.
 #pragma once
 
@@ -27,7 +30,6 @@ struct PreprocessParams {
   int64_t dlse_batch_stride, dlse_head_stride;
   float* lse_log2;  // (H, q_rows_padded)
   float* dpsum;     // (H, q_rows_padded)
-  float* dq_accum;  // (H, q_rows_padded, kHeadDim): cleared here
   int* dq_done;     // (B, H), or null: zeroed here
   int q_rows_padded;
   int seqlen_q;  // dense length, or max length when packed
@@ -49,87 +51,56 @@ struct DSinkParams {
   int const* seqused_q;
 };
 
-// A batch's rows: where they start in the packed rows and in the padded workspace rows, how many
-// the batch holds (capacity) and how many count (seqlen, capped by seqused).
 template <int kBlockM>
 CUTE_DEVICE void preprocess_rows(int const* cu_seqlens_q, int const* seqused_q, int seqlen_q_dense, int batch,
-                                 int& offset, int& offset_padded, int& seqlen, int& capacity) {
+                                 int& offset, int& offset_padded, int& seqlen) {
   bool const varlen = cu_seqlens_q != nullptr;
   offset = varlen ? cu_seqlens_q[batch] : 0;
   offset_padded = varlen ? (offset + batch * kBlockM) / kBlockM * kBlockM
                          : batch * ((seqlen_q_dense + kBlockM - 1) / kBlockM * kBlockM);
-  capacity = varlen ? cu_seqlens_q[batch + 1] - offset : seqlen_q_dense;
+  int const capacity = varlen ? cu_seqlens_q[batch + 1] - offset : seqlen_q_dense;
   seqlen = seqused_q ? min(seqused_q[batch], capacity) : capacity;  // capped as in BwdSeqlen
 }
 
-// Grid (ceil(seqlen_q / kBlockM), H, B), 256 threads. A row's 8-element chunks go to kLanes
-// adjacent lanes (a power of two, so that the row sum reduces within them): 8 at hdim 64, 16 at
-// 96 / 128, 32 above, and the CTA covers 256 / kLanes rows per pass. Each thread issues the loads
-// of all its passes before any sum, so that they are in flight together. With one row per warp
-// and one load pair in flight, hdim128 had left half the lanes idle and took 76 us where hdim256
-// took 58 us for the same bytes (bench/NOTES.md).
-template <class Element, int kBlockM, int kHeadDim, int kHeadDimV>
+// Grid (ceil(seqlen_q / kBlockM), H, B), one warp per row at a time, 8 elements per lane.
+// Head dims up to 256: one 8-element chunk per lane.
+template <class Element, int kBlockM>
 __global__ void __launch_bounds__(256) flash_bwd_preprocess_sm90(PreprocessParams const p) {
-  constexpr int kThreads = 256;
-  constexpr int kChunks = kHeadDimV / 8;
-  constexpr int kLanes = kChunks <= 8 ? 8 : (kChunks <= 16 ? 16 : 32);
-  static_assert(kChunks <= 32, "head dims up to 256");
-  constexpr int kRowsPerPass = kThreads / kLanes;
-  constexpr int kPasses = (kBlockM + kRowsPerPass - 1) / kRowsPerPass;
   int const m_block = blockIdx.x;
   int const head = blockIdx.y;
   int const batch = blockIdx.z;
   if (p.dq_done != nullptr && m_block == 0 && threadIdx.x == 0) {
     p.dq_done[int64_t(batch) * gridDim.y + head] = 0;
   }
-  int offset, offset_padded, seqlen, capacity;
-  preprocess_rows<kBlockM>(p.cu_seqlens_q, p.seqused_q, p.seqlen_q, batch, offset, offset_padded, seqlen, capacity);
-  int64_t const stats = int64_t(head) * p.q_rows_padded + offset_padded;
-  // dQ's sums start at zero in every block below the capacity: the postprocess converts all of
-  // them (rows past seqused stay zero), the main kernel adds to those below seqused.
-  if (m_block * kBlockM < capacity) {
-    float4* dq = reinterpret_cast<float4*>(p.dq_accum + (stats + int64_t(m_block) * kBlockM) * kHeadDim);
-    constexpr int kVecs = kBlockM * kHeadDim / 4;
-    static_assert(kVecs % kThreads == 0);
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kVecs / kThreads; ++i) { dq[i * kThreads + threadIdx.x] = make_float4(0.f, 0.f, 0.f, 0.f); }
-  }
+  int offset, offset_padded, seqlen;
+  preprocess_rows<kBlockM>(p.cu_seqlens_q, p.seqused_q, p.seqlen_q, batch, offset, offset_padded, seqlen);
   if (m_block * kBlockM >= ((seqlen + kBlockM - 1) / kBlockM) * kBlockM) { return; }
   bool const varlen = p.cu_seqlens_q != nullptr;
-  int const lane_in_row = threadIdx.x % kLanes;
-  int const row_in_pass = threadIdx.x / kLanes;
-  int const col = lane_in_row * 8;
+  int const warp = threadIdx.x / 32;
+  int const lane = threadIdx.x % 32;
+  int const col = lane * 8;
   Element const* out = static_cast<Element const*>(p.out) + (varlen ? 0 : batch * p.o_batch_stride) + head * p.o_head_stride;
   Element const* dout = static_cast<Element const*>(p.dout) + (varlen ? 0 : batch * p.do_batch_stride) + head * p.do_head_stride;
   float const* lse = p.lse + (varlen ? 0 : batch * p.lse_batch_stride) + head * p.lse_head_stride + offset;
   float const* dlse = p.dlse == nullptr
                           ? nullptr
                           : p.dlse + (varlen ? 0 : batch * p.dlse_batch_stride) + head * p.dlse_head_stride + offset;
-  uint4 o_raw[kPasses], do_raw[kPasses];
-  CUTLASS_PRAGMA_UNROLL
-  for (int i = 0; i < kPasses; ++i) {
-    int const r = i * kRowsPerPass + row_in_pass;
+  int64_t const stats = int64_t(head) * p.q_rows_padded + offset_padded;
+  for (int r = warp; r < kBlockM; r += 8) {
     int const row = m_block * kBlockM + r;
-    o_raw[i] = make_uint4(0u, 0u, 0u, 0u);
-    do_raw[i] = make_uint4(0u, 0u, 0u, 0u);
-    if (r < kBlockM && row < seqlen && col < p.head_dim_v) {
-      int64_t const grow = offset + row;
-      o_raw[i] = *reinterpret_cast<uint4 const*>(out + grow * p.o_row_stride + col);
-      do_raw[i] = *reinterpret_cast<uint4 const*>(dout + grow * p.do_row_stride + col);
-    }
-  }
-  CUTLASS_PRAGMA_UNROLL
-  for (int i = 0; i < kPasses; ++i) {
-    int const r = i * kRowsPerPass + row_in_pass;
-    int const row = m_block * kBlockM + r;
-    Element const* o8 = reinterpret_cast<Element const*>(&o_raw[i]);
-    Element const* do8 = reinterpret_cast<Element const*>(&do_raw[i]);
     float sum = 0.f;
+    if (row < seqlen && col < p.head_dim_v) {
+      int64_t const grow = offset + row;
+      uint4 const o_raw = *reinterpret_cast<uint4 const*>(out + grow * p.o_row_stride + col);
+      uint4 const do_raw = *reinterpret_cast<uint4 const*>(dout + grow * p.do_row_stride + col);
+      Element const* o8 = reinterpret_cast<Element const*>(&o_raw);
+      Element const* do8 = reinterpret_cast<Element const*>(&do_raw);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < 8; ++i) { sum += float(o8[i]) * float(do8[i]); }
+    }
     CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < 8; ++j) { sum += float(o8[j]) * float(do8[j]); }
-    CUTLASS_PRAGMA_UNROLL
-    for (int s = kLanes / 2; s > 0; s /= 2) { sum += __shfl_xor_sync(0xffffffff, sum, s); }
-    if (lane_in_row == 0 && r < kBlockM) {
+    for (int s = 16; s > 0; s /= 2) { sum += __shfl_xor_sync(0xffffffff, sum, s); }
+    if (lane == 0) {
       float lse_log2 = INFINITY;
       if (row < seqlen) {
         float const l = lse[row];
@@ -160,8 +131,8 @@ __global__ void __launch_bounds__(256) flash_bwd_dsink_sm90(DSinkParams const p)
   float const sink_log2 = sink * float(M_LOG2E);
   float sum = 0.f;
   for (int b = 0; b < p.batch; ++b) {
-    int offset, offset_padded, seqlen, capacity;
-    preprocess_rows<kBlockM>(p.cu_seqlens_q, p.seqused_q, p.seqlen_q, b, offset, offset_padded, seqlen, capacity);
+    int offset, offset_padded, seqlen;
+    preprocess_rows<kBlockM>(p.cu_seqlens_q, p.seqused_q, p.seqlen_q, b, offset, offset_padded, seqlen);
     int64_t const stats = int64_t(head) * p.q_rows_padded + offset_padded;
     for (int row = threadIdx.x; row < seqlen; row += blockDim.x) {
       float const lse_log2 = p.lse_log2[stats + row];
