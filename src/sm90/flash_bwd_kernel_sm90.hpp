@@ -59,6 +59,11 @@ struct FlashBwdKernelSm90 {
     return Mainloop::NumMmaThreads;
   }
 
+  // The (batch, head) counter of BwdParams::dq_done.
+  CUTE_DEVICE static int* dq_counter(typename Mainloop::Params const& p, int head, int batch) {
+    return p.dq_done + int64_t(batch) * p.num_heads + head;
+  }
+
   // A writer whose dQ sums are visible at gpu scope (a full bulk wait, or its atomics) counts
   // itself out; the last of the CTA releases the CTA to the head's counter, cumulatively over
   // the others' sums (each fenced before its count).
@@ -66,7 +71,7 @@ struct FlashBwdKernelSm90 {
     __threadfence();
     if (atomicSub(&writers_left, 1) == 1) {
       __threadfence();
-      semaphore_increment(p.dq_done + int64_t(batch) * p.num_heads + head);
+      semaphore_increment(dq_counter(p, head, batch));
     }
   }
 
@@ -128,7 +133,7 @@ struct FlashBwdKernelSm90 {
     // in the last head group, no head).
     if (n_block * Mainloop::kBlockN >= seq.capacity_k || head >= params.mainloop.num_heads) {
       if (params.mainloop.dq_done != nullptr && threadIdx.x == 0 && head < params.mainloop.num_heads) {
-        semaphore_increment(params.mainloop.dq_done + int64_t(batch) * params.mainloop.num_heads + head);
+        semaphore_increment(dq_counter(params.mainloop, head, batch));  // no dQ to add
       }
       return;
     }

@@ -316,7 +316,6 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
       throw Error(Error::Kind::kCuda, "", std::string("cuflash backward: launching the dQ postprocess kernel failed: ") +
                                               cudaGetErrorString(launched));
     }
-    check_launch("the dQ postprocess kernel");
   }
   if (gqa && num_n_blocks > 0) {
     PostprocessParams post_k{params.dk_accum, params.dk, params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride,
