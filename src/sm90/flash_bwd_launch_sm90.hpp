@@ -115,7 +115,7 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   pre.cu_seqlens_q = params.cu_seqlens_q;
   pre.seqused_q = params.seqused_q;
   if (num_m_blocks > 0) {
-    flash_bwd_preprocess_sm90<Element, kBlockM><<<dim3(num_m_blocks, num_heads, batch), 256, 0, stream>>>(pre);
+    flash_bwd_preprocess_sm90<Element, kBlockM, Mainloop::kHeadDimV><<<dim3(num_m_blocks, num_heads, batch), 256, 0, stream>>>(pre);
     check_launch("the backward preprocess kernel");
   }
 

@@ -5,10 +5,12 @@
 // dlse, the gradient reaching lse (d lse_i / d s_ij = P_ij), enters only here:
 // dS = P * (dP - rowsum(dO * O)) + P * dlse = P * (dP - dPsum), and d_sink likewise.
 // It also zeroes the head's dQ counter (BwdParams::dq_done); dq_accum is cleared by a memset
-// before it. Measured on the H100 (hdim256 / 128, 2k, 16k tokens; bench/NOTES.md, "Run of
-// 2026-12-05 (twentieth)"): clearing dq_accum here as well took 133 / 146 us against the memset's
-// 42 plus this kernel's 58 / 76, and spreading a row over 8 / 16 / 32 lanes with several rows'
-// loads in flight per thread (75-92 registers) took 95 / 82 us without the clear.
+// before it. Measured on the H100 (bench/NOTES.md, "Run of 2026-12-05 (twentieth)" and the run
+// after it): clearing dq_accum here as well took 133 / 146 us at hdim256 / 128 against the
+// memset's 42 plus this kernel's 58 / 76; spreading a row over more lanes with several rows' loads
+// in flight per thread (75-92 registers) took 95 / 82 us; rows over as many lanes as the head dim
+// fills, one load pair per lane (below), made the whole backward 1-2% faster at hdim128 and 2-7%
+// at hdim64 (2k / 4k).
 // A second small kernel reduces the learnable-sink gradient.
 #pragma once
 
@@ -62,10 +64,17 @@ CUTE_DEVICE void preprocess_rows(int const* cu_seqlens_q, int const* seqused_q, 
   seqlen = seqused_q ? min(seqused_q[batch], capacity) : capacity;  // capped as in BwdSeqlen
 }
 
-// Grid (ceil(seqlen_q / kBlockM), H, B), one warp per row at a time, 8 elements per lane.
-// Head dims up to 256: one 8-element chunk per lane.
-template <class Element, int kBlockM>
+// Grid (ceil(seqlen_q / kBlockM), H, B). A row is read by kLanesPerRow lanes of 8 elements
+// each (head dims up to 256), so a warp covers 32 / kLanesPerRow rows at a time: every lane holds
+// one load pair per step at every head dim, where one row per warp left half (hdim128) or three
+// quarters (hdim64) of the lanes idle. One load pair per lane keeps the registers at 31-40
+// (ptxas, CUDA 13.0), the occupancy that carries this kernel's memory parallelism; more rows'
+// loads in flight per lane measured slower (above).
+template <class Element, int kBlockM, int kHeadDimV>
 __global__ void __launch_bounds__(256) flash_bwd_preprocess_sm90(PreprocessParams const p) {
+  constexpr int kLanesPerRow = kHeadDimV > 128 ? 32 : kHeadDimV > 64 ? 16 : 8;
+  constexpr int kRowsPerWarp = 32 / kLanesPerRow;
+  constexpr int kRowsPerStep = 8 * kRowsPerWarp;  // 8 warps
   int const m_block = blockIdx.x;
   int const head = blockIdx.y;
   int const batch = blockIdx.z;
@@ -78,7 +87,7 @@ __global__ void __launch_bounds__(256) flash_bwd_preprocess_sm90(PreprocessParam
   bool const varlen = p.cu_seqlens_q != nullptr;
   int const warp = threadIdx.x / 32;
   int const lane = threadIdx.x % 32;
-  int const col = lane * 8;
+  int const col = (lane % kLanesPerRow) * 8;
   Element const* out = static_cast<Element const*>(p.out) + (varlen ? 0 : batch * p.o_batch_stride) + head * p.o_head_stride;
   Element const* dout = static_cast<Element const*>(p.dout) + (varlen ? 0 : batch * p.do_batch_stride) + head * p.do_head_stride;
   float const* lse = p.lse + (varlen ? 0 : batch * p.lse_batch_stride) + head * p.lse_head_stride + offset;
@@ -86,10 +95,13 @@ __global__ void __launch_bounds__(256) flash_bwd_preprocess_sm90(PreprocessParam
                           ? nullptr
                           : p.dlse + (varlen ? 0 : batch * p.dlse_batch_stride) + head * p.dlse_head_stride + offset;
   int64_t const stats = int64_t(head) * p.q_rows_padded + offset_padded;
-  for (int r = warp; r < kBlockM; r += 8) {
+  // The bound is the warp's first row, the same for all its lanes, so that the shuffles below
+  // always run on the full warp.
+  for (int r_warp = warp * kRowsPerWarp; r_warp < kBlockM; r_warp += kRowsPerStep) {
+    int const r = r_warp + lane / kLanesPerRow;
     int const row = m_block * kBlockM + r;
     float sum = 0.f;
-    if (row < seqlen && col < p.head_dim_v) {
+    if (r < kBlockM && row < seqlen && col < p.head_dim_v) {
       int64_t const grow = offset + row;
       uint4 const o_raw = *reinterpret_cast<uint4 const*>(out + grow * p.o_row_stride + col);
       uint4 const do_raw = *reinterpret_cast<uint4 const*>(dout + grow * p.do_row_stride + col);
@@ -99,8 +111,8 @@ __global__ void __launch_bounds__(256) flash_bwd_preprocess_sm90(PreprocessParam
       for (int i = 0; i < 8; ++i) { sum += float(o8[i]) * float(do8[i]); }
     }
     CUTLASS_PRAGMA_UNROLL
-    for (int s = 16; s > 0; s /= 2) { sum += __shfl_xor_sync(0xffffffff, sum, s); }
-    if (lane == 0) {
+    for (int s = kLanesPerRow / 2; s > 0; s /= 2) { sum += __shfl_xor_sync(0xffffffff, sum, s); }
+    if (lane % kLanesPerRow == 0 && r < kBlockM) {
       float lse_log2 = INFINITY;
       if (row < seqlen) {
         float const l = lse[row];
