@@ -1,0 +1,87 @@
+"""The backward's process-wide launch settings on the GPU, against each other.
+
+CUFLASH_BWD_DQ_CONVERT and CUFLASH_BWD_ORDER are read once per process, so each setting runs in
+a child process of its own on the same inputs (seeded on the device) and the parent compares the
+gradients: bit for bit where the backward is deterministic, within a bf16 rounding of each other
+otherwise. The shape takes several waves of CTAs (4 x 8 heads x 16-32 column blocks at hdim128),
+so that the dQ conversion overlapped with the main kernel starts on heads while others still run.
+Skipped without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from test_gpu import torch_cuda
+
+# argv: output path, causal (0 / 1), deterministic (0 / 1). Exit 3: the kernel is not in this build.
+CHILD = r"""
+import sys
+
+import numpy as np
+import torch
+
+import cuflash
+
+path, causal, deterministic = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1"
+gen = torch.Generator(device="cuda").manual_seed(7)
+batch, seqlen, heads, dim = 4, 2048, 8, 128
+q, k, v, dout = (torch.randn(batch, seqlen, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+                 for _ in range(4))
+for t in (q, k, v):
+    t.requires_grad_(True)
+try:
+    out, _ = cuflash.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    torch.cuda.synchronize()
+except Exception as error:  # noqa: BLE001 - a build without the kernel is a skip, the rest fails
+    if isinstance(error, NotImplementedError) or "is not in this build" in str(error):
+        print(error)
+        sys.exit(3)
+    raise
+np.savez(path, **{name: g.float().cpu().numpy() for name, g in zip(("dq", "dk", "dv"), grads)})
+"""
+
+
+def gradients(tmp_path, settings: dict[str, str], causal: bool, deterministic: bool) -> dict[str, np.ndarray]:
+    """dq, dk, dv of the child's call under `settings` (environment variables)."""
+    tag = "_".join(f"{key}={value}" for key, value in sorted(settings.items())).replace(":", "-")
+    path = tmp_path / f"grads_{tag}_{int(causal)}{int(deterministic)}.npz"
+    env = dict(os.environ, **settings)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    result = subprocess.run([sys.executable, "-c", CHILD, str(path), str(int(causal)), str(int(deterministic))],
+                            env=env, capture_output=True, text=True, timeout=600)
+    if result.returncode == 3:
+        pytest.skip(f"not in this build: {result.stdout.strip()}")
+    assert result.returncode == 0, f"child under {settings} failed:\n{result.stdout}\n{result.stderr}"
+    with np.load(path) as saved:
+        return {name: saved[name] for name in ("dq", "dk", "dv")}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dq_conversion_overlapped_or_after_gives_the_same_bits(tmp_path, causal):
+    """Deterministic: the conversion overlapped with the main kernel (the default) and after it
+    read the same sums, so dq (and dk, dv) agree bit for bit."""
+    torch_cuda()
+    overlap = gradients(tmp_path, {"CUFLASH_BWD_DQ_CONVERT": "overlap"}, causal, deterministic=True)
+    after = gradients(tmp_path, {"CUFLASH_BWD_DQ_CONVERT": "after"}, causal, deterministic=True)
+    for name in ("dq", "dk", "dv"):
+        assert np.array_equal(overlap[name], after[name]), name
+
+
+def test_heads_order_with_idle_heads_and_overlapped_conversion(tmp_path):
+    """Causal, heads launched inner in groups of 3 of the 8 heads, so the last group has an idle
+    head slot (which must count into no head's dQ counter), with the overlapped conversion: the
+    gradients match the column order's within a bf16 rounding (the sums' order differs)."""
+    torch_cuda()
+    heads = gradients(tmp_path, {"CUFLASH_BWD_ORDER": "heads:3"}, causal=True, deterministic=False)
+    columns = gradients(tmp_path, {"CUFLASH_BWD_ORDER": "columns"}, causal=True, deterministic=False)
+    for name in ("dq", "dk", "dv"):
+        scale = float(np.abs(columns[name]).max())
+        assert np.all(np.isfinite(heads[name])), name
+        np.testing.assert_allclose(heads[name], columns[name], rtol=2e-2, atol=1e-2 * scale, err_msg=name)
