@@ -73,6 +73,7 @@ CUTE_DEVICE void preprocess_rows(int const* cu_seqlens_q, int const* seqused_q, 
 template <class Element, int kBlockM, int kHeadDimV>
 __global__ void __launch_bounds__(256) flash_bwd_preprocess_sm90(PreprocessParams const p) {
   constexpr int kLanesPerRow = kHeadDimV > 128 ? 32 : kHeadDimV > 64 ? 16 : 8;
+  static_assert(kHeadDimV <= kLanesPerRow * 8, "a row's 8-element chunks must fit its lanes");
   constexpr int kRowsPerWarp = 32 / kLanesPerRow;
   constexpr int kRowsPerStep = 8 * kRowsPerWarp;  // 8 warps
   int const m_block = blockIdx.x;

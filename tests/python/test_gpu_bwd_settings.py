@@ -3,7 +3,7 @@
 CUFLASH_BWD_DQ_CONVERT and CUFLASH_BWD_ORDER are read once per process, so each setting runs in
 a child process of its own on the same inputs (seeded on the device) and the parent compares the
 gradients: bit for bit where the backward is deterministic, within a bf16 rounding of each other
-otherwise. The shape takes several waves of CTAs (4 x 8 heads x 16-32 column blocks at hdim128),
+otherwise. The shape takes several waves of CTAs (4 x 8 heads x 16 column blocks at hdim128),
 so that the dQ conversion overlapped with the main kernel starts on heads while others still run.
 Skipped without a GPU.
 """
@@ -55,7 +55,7 @@ def gradients(tmp_path, settings: dict[str, str], causal: bool, deterministic: b
     env = dict(os.environ, **settings)
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     result = subprocess.run([sys.executable, "-c", CHILD, str(path), str(int(causal)), str(int(deterministic))],
-                            env=env, capture_output=True, text=True, timeout=600)
+                            env=env, capture_output=True, text=True, timeout=120)
     if result.returncode == 3:
         pytest.skip(f"not in this build: {result.stdout.strip()}")
     assert result.returncode == 0, f"child under {settings} failed:\n{result.stdout}\n{result.stderr}"
@@ -76,12 +76,17 @@ def test_dq_conversion_overlapped_or_after_gives_the_same_bits(tmp_path, causal)
 
 def test_heads_order_with_idle_heads_and_overlapped_conversion(tmp_path):
     """Causal, heads launched inner in groups of 3 of the 8 heads, so the last group has an idle
-    head slot (which must count into no head's dQ counter), with the overlapped conversion: the
-    gradients match the column order's within a bf16 rounding (the sums' order differs)."""
+    head slot (which must count into no head's dQ counter), with the overlapped conversion: dq
+    matches the column order's within a bf16 rounding (its fp32 sums add in another order), dk and
+    dv bit for bit (each is one CTA's, whatever the launch order). A miscounted slot would convert
+    a head early, which is a race: a pass is evidence, not proof."""
     torch_cuda()
-    heads = gradients(tmp_path, {"CUFLASH_BWD_ORDER": "heads:3"}, causal=True, deterministic=False)
-    columns = gradients(tmp_path, {"CUFLASH_BWD_ORDER": "columns"}, causal=True, deterministic=False)
-    for name in ("dq", "dk", "dv"):
-        scale = float(np.abs(columns[name]).max())
-        assert np.all(np.isfinite(heads[name])), name
-        np.testing.assert_allclose(heads[name], columns[name], rtol=2e-2, atol=1e-2 * scale, err_msg=name)
+    heads = gradients(tmp_path, {"CUFLASH_BWD_ORDER": "heads:3", "CUFLASH_BWD_DQ_CONVERT": "overlap"}, causal=True,
+                      deterministic=False)
+    columns = gradients(tmp_path, {"CUFLASH_BWD_ORDER": "columns", "CUFLASH_BWD_DQ_CONVERT": "overlap"}, causal=True,
+                        deterministic=False)
+    scale = float(np.abs(columns["dq"]).max())
+    assert np.all(np.isfinite(heads["dq"]))
+    np.testing.assert_allclose(heads["dq"], columns["dq"], rtol=1e-2, atol=1e-3 * scale)
+    for name in ("dk", "dv"):
+        assert np.array_equal(heads[name], columns[name]), name
