@@ -67,7 +67,7 @@ CUTE_DEVICE void preprocess_rows(int const* cu_seqlens_q, int const* seqused_q, 
 // Grid (ceil(seqlen_q / kBlockM), H, B). A row is read by kLanesPerRow lanes of 8 elements
 // each (head dims up to 256), so a warp covers 32 / kLanesPerRow rows at a time: every lane holds
 // one load pair per step at every head dim, where one row per warp left half (hdim128) or three
-// quarters (hdim64) of the lanes idle. One load pair per lane keeps the registers at 31-40
+// quarters (hdim64) of the lanes idle. One load pair per lane keeps the registers at 32-34
 // (ptxas, CUDA 13.0), the occupancy that carries this kernel's memory parallelism; more rows'
 // loads in flight per lane measured slower (above).
 template <class Element, int kBlockM, int kHeadDimV>
@@ -76,6 +76,8 @@ __global__ void __launch_bounds__(256) flash_bwd_preprocess_sm90(PreprocessParam
   static_assert(kHeadDimV <= kLanesPerRow * 8, "a row's 8-element chunks must fit its lanes");
   constexpr int kRowsPerWarp = 32 / kLanesPerRow;
   constexpr int kRowsPerStep = 8 * kRowsPerWarp;  // 8 warps
+  // So that a warp whose first row is in the block has all its rows there.
+  static_assert(kBlockM % kRowsPerWarp == 0, "the block's rows must fill whole warps");
   int const m_block = blockIdx.x;
   int const head = blockIdx.y;
   int const batch = blockIdx.z;
@@ -102,7 +104,7 @@ __global__ void __launch_bounds__(256) flash_bwd_preprocess_sm90(PreprocessParam
     int const r = r_warp + lane / kLanesPerRow;
     int const row = m_block * kBlockM + r;
     float sum = 0.f;
-    if (r < kBlockM && row < seqlen && col < p.head_dim_v) {
+    if (row < seqlen && col < p.head_dim_v) {
       int64_t const grow = offset + row;
       uint4 const o_raw = *reinterpret_cast<uint4 const*>(out + grow * p.o_row_stride + col);
       uint4 const do_raw = *reinterpret_cast<uint4 const*>(dout + grow * p.do_row_stride + col);
@@ -113,7 +115,7 @@ __global__ void __launch_bounds__(256) flash_bwd_preprocess_sm90(PreprocessParam
     }
     CUTLASS_PRAGMA_UNROLL
     for (int s = kLanesPerRow / 2; s > 0; s /= 2) { sum += __shfl_xor_sync(0xffffffff, sum, s); }
-    if (lane % kLanesPerRow == 0 && r < kBlockM) {
+    if (lane % kLanesPerRow == 0) {
       float lse_log2 = INFINITY;
       if (row < seqlen) {
         float const l = lse[row];
