@@ -17,6 +17,13 @@ one shared-memory buffer show the MMA warpgroups' wait for it in "ds -> dq_buffe
     PYTHONPATH=<package> python3 bench/trace_bwd.py --hdim 256 --seqlen 2048 [--deterministic]
         [--lists causal|window|document]
 
+The grid view that follows (print_grid) takes every traced CTA together: how many ran at once
+over the kernel's span, and where their summed time went (before the first step, steps whose
+tile the window cuts, whole steps, after the last step). It covers the whole grid when the build
+keeps enough CTAs: -DCUFLASH_TRACE_MAX_CTAS=2048 -DCUFLASH_TRACE_MAX_EVENTS=640 holds a 16k-token
+hdim256 backward at 2k (1,664 CTAs) and at 4k causal; at 4k non-causal a CTA's 64 steps overflow
+640 events and it is left out.
+
 --lists: the flex backward on a mask's block lists (cuflash.block_sparse.create_block_mask of the
 built-in mask_mod: causal, a sliding window of 1024 keys, or 4 to 8 documents per sequence), as
 bench_flex.py's cuflash_sparse column; --causal is then ignored.
@@ -30,6 +37,9 @@ import bench_common as common  # noqa: E402
 import trace_common  # noqa: E402
 
 STEP, STEP_END = trace_common.EVENTS.index("step"), trace_common.EVENTS.index("step_end")
+# A step whose tile the window's edge cuts (causal / local kernels), marked in place of "step".
+STEP_CUT = trace_common.EVENTS.index("step_cut")
+STEP_MARKS = (STEP, STEP_CUT)
 TURN_WAIT, TURN = trace_common.EVENTS.index("turn_wait"), trace_common.EVENTS.index("turn")
 # Steps of a walk grouped for the turn waits: [lo, hi).
 STEP_BUCKETS = [(0, 1), (1, 2), (2, 4), (4, 8), (8, 16), (16, 1 << 30)]
@@ -85,8 +95,8 @@ def analyse(lines, clock_ghz):
     # the first Q) and after the last (the dK / dV epilogue).
     steps, before, after = [], [], []
     for key, stream in streams.items():
-        marks = [(e, c) for e, c in stream if e in (STEP, STEP_END)]
-        starts = [c for e, c in marks if e == STEP]
+        marks = [(e, c) for e, c in stream if e in (*STEP_MARKS, STEP_END)]
+        starts = [c for e, c in marks if e in STEP_MARKS]
         steps += [us(b - a) for a, b in zip(starts, starts[1:])]
         if starts:
             before.append(us(starts[0]))
@@ -100,7 +110,65 @@ def analyse(lines, clock_ghz):
         print(f"  start to first step: mean {sum(before) / len(before):.2f} us; last step's end to the "
               f"warpgroup's end (epilogue): mean {sum(after) / max(len(after), 1):.2f} us")
     print_turn_waits(streams, us)
+    print_grid(streams, bounds, us)
     return 0
+
+
+def print_grid(streams, bounds, us, bins=20):
+    """The traced CTAs as a whole (MMA warpgroup 0 of each; all of the grid when the build keeps
+    enough CTAs, -DCUFLASH_TRACE_MAX_CTAS): how full the SMs were kept from the first start to
+    the last end (the CTAs running at once, per twentieth of that span, against the most seen
+    together), and where the CTAs' summed time went: before the first step, steps whose tile
+    the window cuts, whole steps (each the first of its walk apart), after the last step."""
+    keys = [key for key in streams if key[0] == 0 and key[2] == 0 and streams[key][-1][0] == trace_common.END]
+    if not keys:
+        return
+    spans = sorted(bounds[key] for key in keys)
+    t0, t1 = spans[0][0], max(end for _, end in spans)
+    edges = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])
+    running, most = 0, 0
+    for _, delta in edges:
+        running += delta
+        most = max(most, running)
+    busy = sum(end - start for start, end in spans)
+    print(f"grid: {len(keys)} CTAs over {(t1 - t0) / 1e3:.1f} us; at most {most} at once; "
+          f"mean running {busy / (t1 - t0):.1f} ({busy / (t1 - t0) / most:.3f} of the most)")
+    width = (t1 - t0) / bins
+    filled = []
+    for b in range(bins):
+        lo, hi = t0 + b * width, t0 + (b + 1) * width
+        filled.append(sum(max(0, min(end, hi) - max(start, lo)) for start, end in spans) / width)
+    print("  CTAs running per twentieth of the span:", " ".join(f"{x:.0f}" for x in filled))
+    # The CTAs' time by part, in CTA-microseconds (clock cycles of warpgroup 0).
+    parts = {"before the first step": [], "cut steps": [], "first whole steps": [], "whole steps": [],
+             "after the last step": []}
+    walks = []
+    for key in keys:
+        stream = streams[key]
+        marks = [(e, c) for e, c in stream if e in (*STEP_MARKS, STEP_END)]
+        starts = [(e, c) for e, c in marks if e in STEP_MARKS]
+        if not starts:
+            parts["before the first step"].append(us(stream[-1][1]))
+            walks.append(0)
+            continue
+        ends = [c for e, c in marks if e == STEP_END]
+        bounds_of_steps = [c for _, c in starts[1:]] + [ends[-1] if ends else stream[-1][1]]
+        parts["before the first step"].append(us(starts[0][1]))
+        first_whole = True
+        for (event, begin), end in zip(starts, bounds_of_steps):
+            if event == STEP_CUT:
+                parts["cut steps"].append(us(end - begin))
+            else:
+                parts["first whole steps" if first_whole else "whole steps"].append(us(end - begin))
+                first_whole = False
+        parts["after the last step"].append(us(stream[-1][1] - bounds_of_steps[-1]))
+        walks.append(len(starts))
+    total = sum(sum(v) for v in parts.values())
+    print(f"  CTA time: {total / 1e3:.2f} CTA-ms over {sum(walks)} steps ({sum(walks) / len(keys):.1f} per CTA)")
+    for name, values in parts.items():
+        if values:
+            print(f"    {name:22s} n={len(values):6d} mean {sum(values) / len(values):7.2f} us  "
+                  f"share {sum(values) / total:.3f}")
 
 
 def print_turn_waits(streams, us):

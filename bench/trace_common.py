@@ -12,7 +12,7 @@ import sys
 EVENTS = ["start", "tile", "first_s", "first_p", "loop_end", "mma_end", "meet_arrived",
           "meet_done", "epilogue", "end",
           "step", "q", "sdp", "ds", "dq0", "dq1", "step_end", "pds", "mma0", "mma1",
-          "turn_wait", "turn", "released", "dq_buffer"]
+          "turn_wait", "turn", "released", "dq_buffer", "step_cut"]
 # The backward's dQ warp records as warpgroup 2 (the MMA warpgroups are 0 and 1).
 DQ_WARP = 2
 END = EVENTS.index("end")

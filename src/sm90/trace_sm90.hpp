@@ -57,10 +57,22 @@ enum Event : int {
   kBwdReleased = 22,  // this column block's adds have landed and the row block is passed on
   // MMA warpgroups of the kernels whose dQ goes through one shared-memory buffer:
   kBwdDqBuffer = 23,  // the warpgroup has the dQ buffer (the previous row block's adds read it)
+  // Backward kernels with a window (causal, local): a step whose tile the window's edge cuts
+  // (some of its scores masked), marked in place of kBwdStep.
+  kBwdStepCut = 24,
 };
 
-constexpr int kMaxEvents = 1024;
-constexpr int kMaxCtas = 264;
+// How many CTAs and events per recording slot are kept. The defaults cover about two waves;
+// -DCUFLASH_TRACE_MAX_CTAS=2048 -DCUFLASH_TRACE_MAX_EVENTS=512 covers a whole 16k-token hdim256
+// backward grid (1,664 CTAs at 2k) for the grid view of bench/trace_bwd.py (38 MB per unit).
+#ifndef CUFLASH_TRACE_MAX_CTAS
+#define CUFLASH_TRACE_MAX_CTAS 264
+#endif
+#ifndef CUFLASH_TRACE_MAX_EVENTS
+#define CUFLASH_TRACE_MAX_EVENTS 1024
+#endif
+constexpr int kMaxEvents = CUFLASH_TRACE_MAX_EVENTS;
+constexpr int kMaxCtas = CUFLASH_TRACE_MAX_CTAS;
 constexpr int kSlotsPerCta = 3;  // MMA warpgroups 0 and 1, the backward's first dQ warp
 
 #if CUFLASH_TRACE
@@ -123,7 +135,7 @@ CUTLASS_DEVICE void mark(int thread_idx, Event event) {
 #endif
 }
 
-// Backward: the CTAs in launch order (the first kMaxCtas of the grid, about two waves). The
+// Backward: the CTAs in launch order (the first kMaxCtas of the grid). The
 // grid position is read anew at each mark (volatile reads): computed once and kept, it took
 // registers through the step loop and the plain hdim128 kernel spilled.
 CUTLASS_DEVICE int bwd_launch_index() {

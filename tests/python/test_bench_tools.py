@@ -177,6 +177,29 @@ def test_trace_bwd_turn_waits(capsys):
     assert "mean    2.00 us" in line
 
 
+def test_trace_bwd_grid_view(capsys):
+    trace = load("trace_bwd")
+    # Two CTAs at 1 GHz (a cycle a nanosecond): CTA 0 runs 0-10 us with a cut step of 4 us and a
+    # whole one of 2 us between 1 us before and 3 us after; CTA 1 runs 5-15 us with two whole
+    # steps of 3 us between 2 us before and 2 us after.
+    def cta(index, start_us, events):
+        end_ns = start_us * 1000 + events[-1][1] * 1000
+        return [f"bwdtrace 0 {index} 0 {event} {t * 1000} {start_us * 1000} {end_ns}" for event, t in events]
+
+    lines = (cta(0, 0, [(0, 0), (24, 1), (10, 5), (16, 7), (9, 10)])
+             + cta(1, 5, [(0, 0), (10, 2), (10, 5), (16, 8), (9, 10)]) + ["bwdtrace-call-end"])
+    assert trace.analyse(lines, None) == 0
+    out = capsys.readouterr().out
+    # Busy 20 us over a 15 us span, at most 2 at once.
+    assert "grid: 2 CTAs over 15.0 us; at most 2 at once; mean running 1.3 (0.667 of the most)" in out
+    assert "CTA time: 0.02 CTA-ms over 4 steps (2.0 per CTA)" in out
+    assert "cut steps              n=     1 mean    4.00 us  share 0.200" in out
+    assert "first whole steps      n=     2 mean    2.50 us  share 0.250" in out
+    assert "whole steps            n=     1 mean    3.00 us  share 0.150" in out
+    assert "before the first step  n=     2 mean    1.50 us  share 0.150" in out
+    assert "after the last step    n=     2 mean    2.50 us  share 0.250" in out
+
+
 def test_trace_bwd_without_trace_lines(capsys):
     trace = load("trace_bwd")
     assert trace.analyse(["fwdtrace 0 0 0 0 0 0 0", "bwdtrace-call-end"], None) == 1
