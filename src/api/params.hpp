@@ -228,6 +228,10 @@ struct BwdParams {
   // conversion can start on a head while the main kernel still runs others (null: it waits for
   // the whole main kernel). Zeroed by the preprocess.
   int* dq_done = nullptr;
+  // Per (row block of the workspace rows, MMA warpgroup): which column block writes the block's
+  // dQ sums first (BwdDqClear::kFirstStore), so that dq_accum needs no clear. Zeroed by the
+  // preprocess.
+  int* dq_tickets = nullptr;
   // Device workspace of backward_workspace_bytes(params) bytes, handed in by dispatch;
   // run_backward carves the buffers above from it.
   void* workspace = nullptr;
@@ -256,6 +260,8 @@ struct BwdParams {
   int dq_semaphore_stride = 32;
   // When dQ is converted from its fp32 sums, a BwdDqConvert value. From CUFLASH_BWD_DQ_CONVERT.
   int dq_convert = 0;
+  // How dq_accum starts from zero, a BwdDqClear value. From CUFLASH_BWD_DQ_CLEAR.
+  int dq_clear = 0;
   // Rows per step and keys per column block of the backward tile that dispatch laid the
   // workspace out for (the tile depends on whether the kernel has a per-element score
   // derivative, and for the flex kernels on block lists); the launcher refuses to run a kernel
@@ -316,6 +322,14 @@ enum class BwdDqSemaphores : int { kLines = 0, kPacked = 1 };
 // added its dQ (BwdParams::dq_done), on the SMs the main kernel's last wave leaves idle; kAfter:
 // once the whole main kernel has finished.
 enum class BwdDqConvert : int { kOverlap = 0, kAfter = 1 };
+// How the sm90 backward's dq_accum starts from zero (BwdParams::dq_clear). kFirstStore: the
+// kernels whose dQ leaves through shared memory by bulk copies store the first column block's
+// sums of each row block and add the others after them (dq_ticket_take in mainloop_bwd_sm90.hpp),
+// so nothing clears dq_accum; the kernels with dQ by atomics still clear it. kMemset: a memset
+// clears it before the preprocess, and every column block adds. kAuto (the default): first
+// stores where the launcher measured them faster (the sliced hdim256 kernels' bulk dQ, causal
+// or local, not deterministic), the memset elsewhere.
+enum class BwdDqClear : int { kAuto = 0, kFirstStore = 1, kMemset = 2 };
 struct BwdLaunchChoice {
   BwdLaunchOrder order = BwdLaunchOrder::kAuto;
   int head_group = 0;  // kHeads: heads launched together; 0: all of a batch's
@@ -323,7 +337,7 @@ struct BwdLaunchChoice {
 
 // The layout version: bumped with every change to the members of FwdParams, BwdParams or
 // ModParams, since a member added into tail padding leaves the sizes below as they were.
-constexpr std::uint64_t kParamsLayoutVersion = 22;
+constexpr std::uint64_t kParamsLayoutVersion = 23;
 
 // Whether a call needs the flex kernels (variants::FlexVariant): a score_mod, a mask_mod or block
 // lists. FwdParams and BwdParams alike.

@@ -669,6 +669,20 @@ BwdDqConvert bwd_dq_convert() {
   return choice;
 }
 
+BwdDqClear parse_bwd_dq_clear(const char* value) {
+  return parse_setting<BwdDqClear>("CUFLASH_BWD_DQ_CLEAR", value,
+                                   {{"auto", BwdDqClear::kAuto},
+                                    {"first", BwdDqClear::kFirstStore},
+                                    {"memset", BwdDqClear::kMemset}});
+}
+
+BwdDqClear bwd_dq_clear() {
+  // CUFLASH_BWD_DQ_CLEAR: how dq_accum starts from zero, so that both can be timed in one binary.
+  // Read once per process.
+  static const BwdDqClear choice = parse_bwd_dq_clear(std::getenv("CUFLASH_BWD_DQ_CLEAR"));
+  return choice;
+}
+
 BwdDqPath bwd_dq_path() {
   // CUFLASH_BWD_DQ: how the sliced hdim256 backward adds dQ to global memory, so that the paths
   // can be timed in one binary. Read once per process.

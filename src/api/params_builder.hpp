@@ -144,6 +144,12 @@ BwdDqConvert parse_bwd_dq_convert(const char* value);
 // The process's choice, from CUFLASH_BWD_DQ_CONVERT, read once.
 BwdDqConvert bwd_dq_convert();
 
+// How the backward's dq_accum starts from zero (BwdParams::dq_clear): "auto" (or null /
+// empty), "first" or "memset". Throws kInvalidArgument otherwise.
+BwdDqClear parse_bwd_dq_clear(const char* value);
+// The process's choice, from CUFLASH_BWD_DQ_CLEAR, read once.
+BwdDqClear bwd_dq_clear();
+
 // Where the deterministic backward's walks start (BwdParams::det_walk): "auto" (or null /
 // empty), "waves" or "ascending". Throws kInvalidArgument otherwise.
 BwdDetWalk parse_bwd_det_walk(const char* value);

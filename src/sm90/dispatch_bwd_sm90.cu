@@ -87,7 +87,7 @@ std::string kernel_name(const BwdParams& p) {
 
 // Byte offsets of the buffers that run_backward carves from the workspace (workspace_layout.hpp).
 struct WorkspaceLayout {
-  std::size_t lse_log2 = 0, dpsum = 0, dq_accum = 0, dq_done = 0, dk_accum = 0, dv_accum = 0, semaphore = 0, row_class = 0,
+  std::size_t lse_log2 = 0, dpsum = 0, dq_accum = 0, dq_done = 0, dq_tickets = 0, dk_accum = 0, dv_accum = 0, semaphore = 0, row_class = 0,
               row_bounds = 0, row_class_by_row = 0;
   std::size_t dq_done_bytes = 0;
   std::size_t total = 0;
@@ -165,6 +165,9 @@ WorkspaceLayout workspace_layout(const BwdParams& p) {
   // Counters of the overlapped dQ conversion, one per (batch, head) with rows.
   layout.dq_done_bytes = q_rows > 0 ? sizeof(int) * std::size_t(p.batch) * p.num_heads : 0;
   layout.dq_done = buffers.take(layout.dq_done_bytes);
+  // First-writer tickets of dq_accum, one per (head, row block of the workspace rows, MMA
+  // warpgroup): BwdDqClear::kFirstStore.
+  layout.dq_tickets = buffers.take(sizeof(int) * std::size_t(p.num_heads) * (q_rows / tile.block_m) * tile.num_mma_wg);
   if (gqa) {
     layout.dk_accum = buffers.take(sizeof(float) * p.num_heads_kv * k_rows * dims.head_dim);
     layout.dv_accum = buffers.take(sizeof(float) * p.num_heads_kv * k_rows * dims.head_dim_v);
@@ -293,6 +296,9 @@ void run_backward(BwdParams& params, StreamHandle stream) {
   params.dq_done = layout.dq_done_bytes > 0 && BwdDqConvert(params.dq_convert) == BwdDqConvert::kOverlap
                        ? reinterpret_cast<int*>(base + layout.dq_done)
                        : nullptr;
+  params.dq_tickets = BwdDqClear(params.dq_clear) != BwdDqClear::kMemset && layout.dq_done_bytes > 0
+                          ? reinterpret_cast<int*>(base + layout.dq_tickets)
+                          : nullptr;
   bool const gqa = params.num_heads != params.num_heads_kv;
   params.dk_accum = gqa ? reinterpret_cast<float*>(base + layout.dk_accum) : nullptr;
   params.dv_accum = gqa ? reinterpret_cast<float*>(base + layout.dv_accum) : nullptr;

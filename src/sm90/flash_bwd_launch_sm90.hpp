@@ -76,7 +76,27 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
                                               cudaGetErrorString(err));
     }
   };
-  zero(params.dq_accum, sizeof(float) * size_t(num_heads) * q_rows_padded * kHeadDim);
+  // The dQ path of the sliced hdim256 kernels (dq_out_sm90.hpp). Bulk: each warpgroup's dQ
+  // through a ring of shared-memory slots and bulk reduce-adds by a producer warp per warpgroup, which
+  // also keep the deterministic order (kHasDqBulk). Elsewhere dQ goes by atomics.
+  BwdDqPath const dq_path =
+      BwdDqPath(params.dq_path) != BwdDqPath::kAuto ? BwdDqPath(params.dq_path) : kDqPathByDefault;
+  bool const dq_bulk = Mainloop::kHasDqBulk && dq_path == BwdDqPath::kBulk;
+  // dq_accum from the first writers' stores where dQ leaves by bulk copies (BwdDqClear), else
+  // cleared. Measured on the H100 against the memset (bench/NOTES.md, "Run of 2026-12-05
+  // (twenty-second)"), not deterministic: hdim256 causal +5.6% at 2k, +2.5% at 4k, where the
+  // column blocks reach a row block one after another; non-causal -3.5% / -9%, where a head's
+  // column blocks reach each row block together and the later ones wait for the first store;
+  // hdim128 (one dQ warp for both halves) causal +2.3% / -2.0%, non-causal -0.9% / -0.2%. So
+  // auto takes it for the sliced kernels' bulk dQ with a window only. Deterministic runs (rank
+  // 0 stores, nothing waits that did not wait before) are not yet measured.
+  BwdDqClear const dq_clear = BwdDqClear(params.dq_clear);
+  bool const first_store =
+      (Mainloop::kDqViaSmem || dq_bulk) &&
+      (dq_clear == BwdDqClear::kFirstStore ||
+       (dq_clear == BwdDqClear::kAuto && dq_bulk && !params.deterministic && (params.is_causal || params.is_local)));
+  int* const dq_tickets = first_store ? params.dq_tickets : nullptr;
+  if (dq_tickets == nullptr) { zero(params.dq_accum, sizeof(float) * size_t(num_heads) * q_rows_padded * kHeadDim); }
   if (gqa) {
     zero(params.dk_accum, sizeof(float) * size_t(num_heads_kv) * k_rows_padded * kHeadDim);
     zero(params.dv_accum, sizeof(float) * size_t(num_heads_kv) * k_rows_padded * kHeadDimV);
@@ -109,6 +129,8 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // blocks) run.
   int* const dq_done = num_n_blocks > 0 && num_m_blocks > 0 ? params.dq_done : nullptr;
   pre.dq_done = dq_done;
+  pre.dq_tickets = dq_tickets;
+  pre.tickets_per_block = Mainloop::NumMmaWG;
   pre.q_rows_padded = q_rows_padded;
   pre.seqlen_q = params.seqlen_q;
   pre.head_dim_v = params.head_dim_v;
@@ -191,12 +213,8 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
     ml.softcap_val = HasSoftcap ? params.softmax_scale / params.softcap : 0.f;
   }
   ml.deterministic = params.deterministic;
-  // The dQ path of the sliced hdim256 kernels (dq_out_sm90.hpp). Bulk: each warpgroup's dQ
-  // through a ring of shared-memory slots and bulk reduce-adds by a producer warp per warpgroup, which
-  // also keep the deterministic order (kHasDqBulk). Elsewhere dQ goes by atomics.
-  BwdDqPath const dq_path =
-      BwdDqPath(params.dq_path) != BwdDqPath::kAuto ? BwdDqPath(params.dq_path) : kDqPathByDefault;
-  ml.dq_bulk = Mainloop::kHasDqBulk && dq_path == BwdDqPath::kBulk;
+  ml.dq_bulk = dq_bulk;
+  ml.dq_tickets = dq_tickets;
   // Deterministic dQ by atomics: the second producer warp waits for each row block's turn and
   // releases it (order_dq).
   ml.dq_order_warp = params.deterministic && !Mainloop::kDqViaSmem && !ml.dq_bulk;
@@ -295,7 +313,7 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // Postprocess: dQ, and dK / dV for GQA.
   PostprocessParams post_q{params.dq_accum, params.dq, params.dq_batch_stride, params.dq_row_stride, params.dq_head_stride,
                            q_rows_padded, params.seqlen_q, params.head_dim, params.softmax_scale,
-                           params.cu_seqlens_q, dq_done, num_n_blocks};
+                           params.cu_seqlens_q, dq_done, num_n_blocks, dq_tickets};
   if (num_m_blocks > 0) {
     auto postprocess_q = flash_bwd_postprocess_sm90<Element, typename Mainloop::TiledMmadQ, Mainloop::dQ_swapAB, kBlockM, kHeadDim>;
     // With the counters the dQ conversion is the main kernel's programmatic dependent: it starts
@@ -320,13 +338,13 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   if (gqa && num_n_blocks > 0) {
     PostprocessParams post_k{params.dk_accum, params.dk, params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride,
                              k_rows_padded, params.seqlen_k, params.head_dim, params.softmax_scale,
-                             params.cu_seqlens_k, nullptr, 0};
+                             params.cu_seqlens_k, nullptr, 0, nullptr};
     flash_bwd_postprocess_sm90<Element, typename Mainloop::TiledMmadK, Mainloop::dKV_swapAB, kBlockN, kHeadDim>
         <<<dim3(num_n_blocks, num_heads_kv, batch), Mainloop::NumMmaThreads, 0, stream>>>(post_k);
     check_launch("the dK postprocess kernel");
     PostprocessParams post_v{params.dv_accum, params.dv, params.dv_batch_stride, params.dv_row_stride, params.dv_head_stride,
                              k_rows_padded, params.seqlen_k, params.head_dim_v, 1.f,
-                             params.cu_seqlens_k, nullptr, 0};
+                             params.cu_seqlens_k, nullptr, 0, nullptr};
     flash_bwd_postprocess_sm90<Element, typename Mainloop::TiledMmadV, Mainloop::dKV_swapAB, kBlockN, kHeadDimV>
         <<<dim3(num_n_blocks, num_heads_kv, batch), Mainloop::NumMmaThreads, 0, stream>>>(post_v);
     check_launch("the dV postprocess kernel");

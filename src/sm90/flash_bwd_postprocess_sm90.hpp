@@ -27,6 +27,10 @@ struct PostprocessParams {
   // complete at launch); a head's sums are complete at `done_expected`.
   int const* done;
   int done_expected;
+  // First-writer tickets of the sums (BwdParams::dq_tickets), one per warpgroup per row block of
+  // the workspace rows, or null (the sums were cleared before the main kernel): a ticket at 0
+  // marks a half that no column block wrote, read as zeros.
+  int const* tickets;
 };
 
 // The CTA last in launch order waits for the whole main kernel, so that this kernel does not
@@ -84,9 +88,16 @@ __global__ void __launch_bounds__(decltype(size(TiledMma{}))::value)
   float const* chunk = p.accum + (int64_t(head) * p.rows_padded + offset_padded + int64_t(block) * kRows) * kCols +
                        (thread_idx / cutlass::NumThreadsPerWarpGroup) * kWgChunk;
   float4 const* src = reinterpret_cast<float4 const*>(chunk) + thread_idx % cutlass::NumThreadsPerWarpGroup;
+  bool written = true;
+  if (p.tickets != nullptr) {
+    constexpr int kWarpgroups = NumThreads / cutlass::NumThreadsPerWarpGroup;
+    int64_t const row_block = (int64_t(head) * p.rows_padded + offset_padded) / kRows + block;
+    written = __ldcg(p.tickets + row_block * kWarpgroups + thread_idx / cutlass::NumThreadsPerWarpGroup) != 0;
+  }
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < kValues / 4; ++i) {
-    float4 const v = __ldcg(src + i * cutlass::NumThreadsPerWarpGroup);  // L2: the sums were added there
+    // L2: the sums were added there.
+    float4 const v = written ? __ldcg(src + i * cutlass::NumThreadsPerWarpGroup) : make_float4(0.f, 0.f, 0.f, 0.f);
     float const vals[4] = {v.x, v.y, v.z, v.w};
     CUTLASS_PRAGMA_UNROLL
     for (int j = 0; j < 4; ++j) {

@@ -4,8 +4,8 @@
 // dPsum = 0, so that the main kernel computes P = 0 for them without any row masking.
 // dlse, the gradient reaching lse (d lse_i / d s_ij = P_ij), enters only here:
 // dS = P * (dP - rowsum(dO * O)) + P * dlse = P * (dP - dPsum), and d_sink likewise.
-// It also zeroes the head's dQ counter (BwdParams::dq_done); dq_accum is cleared by a memset
-// before it. Measured on the H100 (bench/NOTES.md, "Run of 2026-12-05 (twentieth)" and the run
+// It also zeroes the head's dQ counter (BwdParams::dq_done) and the row block's first-writer
+// tickets (BwdParams::dq_tickets); without tickets dq_accum is cleared by a memset before it. Measured on the H100 (bench/NOTES.md, "Run of 2026-12-05 (twentieth)" and the run
 // after it): clearing dq_accum here as well took 133 / 146 us at hdim256 / 128 against the
 // memset's 42 plus this kernel's 58 / 76; spreading a row over more lanes with several rows' loads
 // in flight per thread (75-92 registers) took 95 / 82 us; rows over as many lanes as the head dim
@@ -33,6 +33,10 @@ struct PreprocessParams {
   float* lse_log2;  // (H, q_rows_padded)
   float* dpsum;     // (H, q_rows_padded)
   int* dq_done;     // (B, H), or null: zeroed here
+  // First-writer tickets of dq_accum (BwdParams::dq_tickets), tickets_per_block per row block of
+  // the workspace rows, or null: zeroed here for every row block a batch owns.
+  int* dq_tickets;
+  int tickets_per_block;
   int q_rows_padded;
   int seqlen_q;  // dense length, or max length when packed
   int head_dim_v;
@@ -86,8 +90,15 @@ __global__ void __launch_bounds__(256) flash_bwd_preprocess_sm90(PreprocessParam
   }
   int offset, offset_padded, seqlen;
   preprocess_rows<kBlockM>(p.cu_seqlens_q, p.seqused_q, p.seqlen_q, batch, offset, offset_padded, seqlen);
-  if (m_block * kBlockM >= ((seqlen + kBlockM - 1) / kBlockM) * kBlockM) { return; }
   bool const varlen = p.cu_seqlens_q != nullptr;
+  // Every row block the batch owns, past seqused too: the postprocess converts those rows (no
+  // column block writes them, so their tickets say zeros).
+  int const capacity = varlen ? p.cu_seqlens_q[batch + 1] - offset : p.seqlen_q;
+  if (p.dq_tickets != nullptr && int(threadIdx.x) < p.tickets_per_block && m_block * kBlockM < capacity) {
+    int64_t const row_block = (int64_t(head) * p.q_rows_padded + offset_padded) / kBlockM + m_block;
+    p.dq_tickets[row_block * p.tickets_per_block + threadIdx.x] = 0;
+  }
+  if (m_block * kBlockM >= ((seqlen + kBlockM - 1) / kBlockM) * kBlockM) { return; }
   int const warp = threadIdx.x / 32;
   int const lane = threadIdx.x % 32;
   int const col = (lane % kLanesPerRow) * 8;

@@ -169,6 +169,16 @@ inline DeviceBuffer poisoned_16bit(std::size_t count) {
   return DeviceBuffer::from(std::vector<std::uint16_t>(count, kPoison16));
 }
 
+// The backward on a workspace of the caller's that starts as 0xff bytes (NaN floats, -1 ints):
+// a workspace row the kernels read without writing or clearing it first shows up as NaN.
+inline void backward_on_poisoned_workspace(const BackwardArgs& args) {
+  const std::size_t bytes = backward_workspace_size(args);
+  DeviceBuffer workspace(bytes);
+  if (bytes > 0) check_cuda(cudaMemset(workspace.data(), 0xff, bytes), "cudaMemset (workspace poison)");
+  backward(args, nullptr, Workspace{workspace.data(), bytes});
+  check_cuda(cudaDeviceSynchronize(), "backward kernels");
+}
+
 // count fp32 outputs (lse, d_sink), every one NaN.
 inline DeviceBuffer poisoned_fp32(std::size_t count) {
   return DeviceBuffer::from(std::vector<float>(count, std::nanf("")));

@@ -2,6 +2,8 @@
 // backward option the sm90 kernels support; dq / dk / dv / d_sink are poisoned before each run,
 // every element is checked for NaN and compared with the accuracy rule in gpu_test_util.hpp
 // (at most twice the error of the same backward done naively in the input dtype).
+// The workspace starts as NaN bytes (backward_on_poisoned_workspace), so a workspace row read
+// before it is written or cleared fails the case too.
 // Deterministic mode runs twice and must agree bit for bit. Cases with dlse give the backward a
 // gradient reaching lse as well (the caller's loss uses return_lse). Paged cases hand the same
 // keys to the kernels through a shuffled page table and read dk / dv back from the pages.
@@ -389,8 +391,7 @@ GpuRun run_gpu(const Problem& pb) {
   pb.set_sequences(args.seq, kCuda, sequences.pointers());
   if (pool) args.seq.page_table = TensorView(page_table.data(), DType::kInt32, {c.batch, pool->per_sequence}, kCuda);
   set_options(args.opts, c);
-  backward(args);
-  gpu_testing::check_cuda(cudaDeviceSynchronize(), "backward kernels");
+  gpu_testing::backward_on_poisoned_workspace(args);
 
   GpuRun run;
   run.dq_bits = dq.to_host<std::uint16_t>();

@@ -734,6 +734,13 @@ TEST(ParamsBackward, DqConvertChoice) {
       {{"overlap", BwdDqConvert::kOverlap}, {"after", BwdDqConvert::kAfter}}, {"on", "0", "Overlap", "auto"});
 }
 
+TEST(ParamsBackward, DqClearChoice) {
+  expect_setting_choices<decltype(&parse_bwd_dq_clear), BwdDqClear>(
+      parse_bwd_dq_clear, "CUFLASH_BWD_DQ_CLEAR",
+      {{"auto", BwdDqClear::kAuto}, {"first", BwdDqClear::kFirstStore}, {"memset", BwdDqClear::kMemset}},
+      {"on", "0", "First", "none", "clear"});
+}
+
 TEST(ParamsBackward, DetWalkChoice) {
   expect_setting_choices<decltype(&parse_bwd_det_walk), BwdDetWalk>(
       parse_bwd_det_walk, "CUFLASH_BWD_DET_WALK",

@@ -1,6 +1,6 @@
 """The backward's process-wide launch settings on the GPU, against each other.
 
-CUFLASH_BWD_DQ_CONVERT and CUFLASH_BWD_ORDER are read once per process, so each setting runs in
+CUFLASH_BWD_DQ_CONVERT, CUFLASH_BWD_DQ_CLEAR and CUFLASH_BWD_ORDER are read once per process, so each setting runs in
 a child process of its own on the same inputs (seeded on the device) and the parent compares the
 gradients: bit for bit where the backward is deterministic, within a bf16 rounding of each other
 otherwise. The shape takes several waves of CTAs (4 x 8 heads x 16 column blocks at hdim128),
@@ -19,7 +19,8 @@ import pytest
 
 from test_gpu import torch_cuda
 
-# argv: output path, causal (0 / 1), deterministic (0 / 1). Exit 3: the kernel is not in this build.
+# argv: output path, causal (0 / 1), deterministic (0 / 1), head dim (heads * dim = 1024). Exit 3:
+# the kernel is not in this build.
 CHILD = r"""
 import sys
 
@@ -28,9 +29,9 @@ import torch
 
 import cuflash
 
-path, causal, deterministic = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1"
+path, causal, deterministic, dim = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1", int(sys.argv[4])
 gen = torch.Generator(device="cuda").manual_seed(7)
-batch, seqlen, heads, dim = 4, 2048, 8, 128
+batch, seqlen, heads = 4, 2048, 1024 // dim
 q, k, v, dout = (torch.randn(batch, seqlen, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
                  for _ in range(4))
 for t in (q, k, v):
@@ -48,13 +49,14 @@ np.savez(path, **{name: g.float().cpu().numpy() for name, g in zip(("dq", "dk", 
 """
 
 
-def gradients(tmp_path, settings: dict[str, str], causal: bool, deterministic: bool) -> dict[str, np.ndarray]:
+def gradients(tmp_path, settings: dict[str, str], causal: bool, deterministic: bool,
+              dim: int = 128) -> dict[str, np.ndarray]:
     """dq, dk, dv of the child's call under `settings` (environment variables)."""
     tag = "_".join(f"{key}={value}" for key, value in sorted(settings.items())).replace(":", "-")
-    path = tmp_path / f"grads_{tag}_{int(causal)}{int(deterministic)}.npz"
+    path = tmp_path / f"grads_{tag}_{int(causal)}{int(deterministic)}_{dim}.npz"
     env = dict(os.environ, **settings)
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    result = subprocess.run([sys.executable, "-c", CHILD, str(path), str(int(causal)), str(int(deterministic))],
+    result = subprocess.run([sys.executable, "-c", CHILD, str(path), str(int(causal)), str(int(deterministic)), str(dim)],
                             env=env, capture_output=True, text=True, timeout=120)
     if result.returncode == 3:
         pytest.skip(f"not in this build: {result.stdout.strip()}")
@@ -90,3 +92,32 @@ def test_heads_order_with_idle_heads_and_overlapped_conversion(tmp_path):
     np.testing.assert_allclose(heads["dq"], columns["dq"], rtol=1e-2, atol=1e-3 * scale)
     for name in ("dk", "dv"):
         assert np.array_equal(heads[name], columns[name]), name
+
+
+@pytest.mark.parametrize("dim", [128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_dq_first_store_or_memset_gives_the_same_values(tmp_path, causal, dim):
+    """Deterministic: dq_accum from the first column block's stores (the default at hdims 128 and
+    256, whose dQ leaves by bulk copies) and from a memset add the same sums in the same order,
+    so the gradients agree value for value (a first store of -0.0 may keep its sign where
+    0.0 + -0.0 gave +0.0, which compares equal)."""
+    torch_cuda()
+    first = gradients(tmp_path, {"CUFLASH_BWD_DQ_CLEAR": "first"}, causal, deterministic=True, dim=dim)
+    memset = gradients(tmp_path, {"CUFLASH_BWD_DQ_CLEAR": "memset"}, causal, deterministic=True, dim=dim)
+    for name in ("dq", "dk", "dv"):
+        assert np.array_equal(first[name], memset[name]), name
+
+
+@pytest.mark.parametrize("dim", [128, 256])
+def test_dq_first_store_without_determinism(tmp_path, dim):
+    """Non-deterministic, non-causal (every column block of a head reaches each row block at
+    about the same time, so the later writers wait for the first one's store): dq within a bf16
+    rounding of the memset's, dk and dv bit for bit."""
+    torch_cuda()
+    first = gradients(tmp_path, {"CUFLASH_BWD_DQ_CLEAR": "first"}, False, deterministic=False, dim=dim)
+    memset = gradients(tmp_path, {"CUFLASH_BWD_DQ_CLEAR": "memset"}, False, deterministic=False, dim=dim)
+    scale = float(np.abs(memset["dq"]).max())
+    assert np.all(np.isfinite(first["dq"]))
+    np.testing.assert_allclose(first["dq"], memset["dq"], rtol=1e-2, atol=1e-3 * scale)
+    for name in ("dk", "dv"):
+        assert np.array_equal(first[name], memset[name]), name
