@@ -160,12 +160,17 @@ CUTE_DEVICE void bulk_store_f32(float const* smem_src, float* gmem_dst, int byte
 // dq_accum without a clear (BwdParams::dq_tickets): per row block and MMA warpgroup half of its
 // chunk, a ticket that the preprocess zeroes. The column block that takes it first stores its
 // half (plain bulk copies) and, once they have landed, sets kDqTicketLanded with release; every
-// later one waits for that bit (acquire) before its bulk reduce-add, so that no add reaches the
-// chunk before the store. The first writer waits for nothing between its ticket and the bit,
-// so a wait always ends. Deterministic runs order the writers by their semaphores already: rank 0
-// stores and sets the bit, the others add. The postprocess reads a ticket left at 0 as a half
-// that no column block wrote (zeros). Saves the memset of dq_accum (134 MB at 16k tokens,
-// hidden 2048: 42 us on the H100).
+// later one waits for that bit (acquire, then a proxy fence: the add is an async-proxy write
+// ordered after the store only through generic-proxy synchronisation) before its bulk
+// reduce-add, so that no add reaches the chunk before the store. Deterministic runs order the
+// writers by their semaphores already: rank 0 stores and sets the bit, the others add. The
+// postprocess reads a ticket left at 0 as a half that no column block wrote (zeros). Saves the
+// memset of dq_accum (134 MB at 16k tokens, hidden 2048: 42 us on the H100).
+// Every wait ends because the walks that wait (not deterministic) ascend: a first writer of row
+// block m needs only its own MMA warpgroups' dQ of m. In the sliced kernels those also meet their
+// sibling warpgroup at the P / dS barrier, whose dQ warp may wait for another column block's
+// first store of an earlier row block; that chain of owners runs down the row blocks and ends.
+// Walks that do not ascend (the deterministic rotation) never wait on tickets.
 constexpr int kDqTicketLanded = 1 << 30;
 CUTE_DEVICE int dq_ticket_take(int* ticket) {
   int old;
@@ -182,6 +187,7 @@ CUTE_DEVICE void dq_ticket_await(int const* ticket) {
     if (value & kDqTicketLanded) break;
     __nanosleep(64);
   }
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -818,7 +824,11 @@ struct MainloopBwdSm90 {
       }
       while (walk.valid()) {
         int const m_block = walk.m_block;
-        if (p.deterministic) { await_rank(p, semaphore, m_block, rank, lane0); }
+        if (p.deterministic) {
+          await_rank(p, semaphore, m_block, rank, lane0);
+          // After a first store, the add (async proxy) must follow it (dq_ticket_await).
+          if (p.dq_tickets != nullptr && lane0) { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
+        }
         // Whether this column block writes the row block first (lane 0's value; dq_ticket_take).
         // One ticket (warpgroup 0's) decides the whole chunk: this one warp stores both halves,
         // and with a ticket per half two column blocks could each take one and wait for the
@@ -935,7 +945,11 @@ struct MainloopBwdSm90 {
       }
       while (walk.valid()) {
         int const m_block = walk.m_block;
-        if (p.deterministic) { await_rank(p, semaphore, m_block, rank, lane0); }
+        if (p.deterministic) {
+          await_rank(p, semaphore, m_block, rank, lane0);
+          // After a first store, the add (async proxy) must follow it (dq_ticket_await).
+          if (p.dq_tickets != nullptr && lane0) { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
+        }
         float* dq_row = dq_accum + int64_t(m_block) * kDqChunk;
         // The first writer of this half stores it, the others add once it has landed (lane 0's
         // values; dq_ticket_take). The ticket is taken and awaited before the pieces are ready.
