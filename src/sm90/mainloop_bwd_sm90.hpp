@@ -854,13 +854,13 @@ struct MainloopBwdSm90 {
             cute::tma_store_arrive();
           }
         }
-        // The first writer's stores landed, then every half's ticket bit (the later writers wait
-        // for warpgroup 0's, the postprocess reads each half's).
-        if (lane0 && first) {
-          asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+        // A first writer sets every half's ticket bit once its stores have landed (the later
+        // writers wait for warpgroup 0's, the postprocess reads each half's): below, after the
+        // smem halves are handed back, so that the MMA warpgroups never wait for the landing.
+        auto land_first = [&] {
           CUTLASS_PRAGMA_UNROLL
           for (int wg = 0; wg < NumMmaWG; ++wg) { dq_ticket_land(dq_ticket(p, seq, head, m_block, wg)); }
-        }
+        };
         if (p.deterministic) {
           // The next row block and its rank loads, issued under this block's adds.
           walk.next();
@@ -870,6 +870,7 @@ struct MainloopBwdSm90 {
             // The full wait makes the adds visible to this thread; the release is cumulative
             // over them (no fence.sc between: it cost a tenth of the deterministic speed).
             asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+            if (first) { land_first(); }
             semaphore_increment(row_semaphore(p, semaphore, m_block));
             trace::mark_bwd_dq_warp(trace::kBwdReleased);
           }
@@ -887,6 +888,11 @@ struct MainloopBwdSm90 {
             cutlass::arch::NamedBarrier::arrive(cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp,
                                                 uint32_t(BwdBarrier::kDqEmpty) + decltype(wg)::value);
           });
+          if (lane0 && first) {
+            asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+            land_first();
+          }
+          __syncwarp();
           walk.next();
         }
       }
