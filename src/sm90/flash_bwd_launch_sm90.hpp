@@ -289,7 +289,23 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   ep.varlen_k = varlen_k;
   ep.deterministic = params.deterministic;
 
-  typename Kernel::Params kernel_params{ml, ep};
+  // Postprocess: dQ, and dK / dV for GQA.
+  PostprocessParams post_q{params.dq_accum, params.dq, params.dq_batch_stride, params.dq_row_stride, params.dq_head_stride,
+                           q_rows_padded, params.seqlen_q, params.head_dim, params.softmax_scale,
+                           params.cu_seqlens_q, dq_done, num_n_blocks, num_heads, dq_tickets};
+  // The dQ conversion as rows of the main kernel's heads-inner grid (BwdDqConvert::kInGrid):
+  // there the longest-first causal order keeps every SM busy to the end, so the overlapped
+  // conversion only finds idle SMs in the last microseconds (55 us of the hdim256 2k causal call
+  // ran after the main kernel on the H100). Each conversion CTA converts about four row blocks
+  // of a head, placed after the next batch's column blocks. Other grids convert as kOverlap.
+  int convert_rows = 0;
+  if (BwdDqConvert(params.dq_convert) == BwdDqConvert::kInGrid && heads_inner && dq_done != nullptr && num_m_blocks > 0) {
+    int const rows = std::min(num_m_blocks, (num_m_blocks + 3) / 4);
+    if (std::int64_t(num_n_blocks) + rows <= 65535 && std::int64_t(num_head_groups) * (batch + 1) <= 65535) {
+      convert_rows = rows;
+    }
+  }
+  typename Kernel::Params kernel_params{ml, ep, post_q, convert_rows, batch};
   auto kernel = flash_bwd_kernel_sm90<Kernel>;
   constexpr int kSmem = Kernel::kSharedStorageSize;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
@@ -300,7 +316,8 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // Column blocks that see no row (including every block when there are no queries) write
   // zero dK / dV, so the main kernel runs whenever there are keys.
   if (num_n_blocks > 0) {
-    dim3 const grid = heads_inner ? dim3(head_group, num_n_blocks, num_head_groups * batch)
+    dim3 const grid = heads_inner ? dim3(head_group, num_n_blocks + convert_rows,
+                                         num_head_groups * (batch + (convert_rows > 0 ? 1 : 0)))
                                   : dim3(num_n_blocks, num_heads, batch);
     kernel<<<grid, Kernel::NumThreads, kSmem, stream>>>(kernel_params);
     check_launch("the backward main kernel");
@@ -311,11 +328,7 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
 #endif
   }
 
-  // Postprocess: dQ, and dK / dV for GQA.
-  PostprocessParams post_q{params.dq_accum, params.dq, params.dq_batch_stride, params.dq_row_stride, params.dq_head_stride,
-                           q_rows_padded, params.seqlen_q, params.head_dim, params.softmax_scale,
-                           params.cu_seqlens_q, dq_done, num_n_blocks, dq_tickets};
-  if (num_m_blocks > 0) {
+  if (num_m_blocks > 0 && convert_rows == 0) {
     auto postprocess_q = flash_bwd_postprocess_sm90<Element, typename Mainloop::TiledMmadQ, Mainloop::dQ_swapAB, kBlockM, kHeadDim>;
     // With the counters the dQ conversion is the main kernel's programmatic dependent: it starts
     // in the main kernel's last wave and converts each head once that head's sums have landed
@@ -339,13 +352,13 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   if (gqa && num_n_blocks > 0) {
     PostprocessParams post_k{params.dk_accum, params.dk, params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride,
                              k_rows_padded, params.seqlen_k, params.head_dim, params.softmax_scale,
-                             params.cu_seqlens_k, nullptr, 0, nullptr};
+                             params.cu_seqlens_k, nullptr, 0, 0, nullptr};
     flash_bwd_postprocess_sm90<Element, typename Mainloop::TiledMmadK, Mainloop::dKV_swapAB, kBlockN, kHeadDim>
         <<<dim3(num_n_blocks, num_heads_kv, batch), Mainloop::NumMmaThreads, 0, stream>>>(post_k);
     check_launch("the dK postprocess kernel");
     PostprocessParams post_v{params.dv_accum, params.dv, params.dv_batch_stride, params.dv_row_stride, params.dv_head_stride,
                              k_rows_padded, params.seqlen_k, params.head_dim_v, 1.f,
-                             params.cu_seqlens_k, nullptr, 0, nullptr};
+                             params.cu_seqlens_k, nullptr, 0, 0, nullptr};
     flash_bwd_postprocess_sm90<Element, typename Mainloop::TiledMmadV, Mainloop::dKV_swapAB, kBlockN, kHeadDimV>
         <<<dim3(num_n_blocks, num_heads_kv, batch), Mainloop::NumMmaThreads, 0, stream>>>(post_v);
     check_launch("the dV postprocess kernel");

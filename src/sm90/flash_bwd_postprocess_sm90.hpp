@@ -27,6 +27,7 @@ struct PostprocessParams {
   // complete at launch); a head's sums are complete at `done_expected`.
   int const* done;
   int done_expected;
+  int num_heads;  // the counters' heads: done[batch * num_heads + head]
   // First-writer tickets of the sums (BwdParams::dq_tickets), one per warpgroup per row block of
   // the workspace rows, or null (the sums were cleared before the main kernel): a ticket at 0
   // marks a half that no column block wrote, read as zeros.
@@ -41,57 +42,59 @@ CUTE_DEVICE void join_main_kernel(PostprocessParams const& p) {
   }
 }
 
-// Overlapped with the main kernel (PostprocessParams::done): wait for this (batch, head)'s sums.
+// Overlapped with the main kernel (PostprocessParams::done): thread 0 waits for this (batch,
+// head)'s sums; the caller synchronizes the other threads with it.
 CUTE_DEVICE void await_sums(PostprocessParams const& p, int head, int batch) {
   if (p.done == nullptr) return;
-  if (threadIdx.x == 0) {
-    int const* counter = p.done + int64_t(batch) * gridDim.y + head;
-    int landed;
-    while (true) {
-      asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(landed) : "l"(counter) : "memory");
-      if (landed >= p.done_expected) break;
-      __nanosleep(512);
-    }
+  int const* counter = p.done + int64_t(batch) * p.num_heads + head;
+  int landed;
+  while (true) {
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(landed) : "l"(counter) : "memory");
+    if (landed >= p.done_expected) break;
+    __nanosleep(512);
   }
-  __syncthreads();
 }
 
-// Grid (ceil(seqlen / kRows), heads, B), size(TiledMma) threads. `Swapped`: the accumulator
-// holds the (cols, rows) transpose.
-template <class Element, class TiledMma, bool Swapped, int kRows, int kCols>
-__global__ void __launch_bounds__(decltype(size(TiledMma{}))::value)
-    flash_bwd_postprocess_sm90(PostprocessParams const p) {
+// The rows of a batch in the sums (PostprocessParams::accum) and in the output.
+template <int kRows>
+struct ConvertRows {
+  int offset;         // first row of the batch in the output (packed) or 0
+  int offset_padded;  // first row of the batch in the sums
+  int capacity;       // rows the batch owns: every one is written (rows past seqused hold zero sums)
+  CUTE_DEVICE static ConvertRows make(PostprocessParams const& p, int batch) {
+    bool const varlen = p.cu_seqlens != nullptr;
+    ConvertRows r;
+    r.offset = varlen ? p.cu_seqlens[batch] : 0;
+    r.offset_padded = varlen ? (r.offset + batch * kRows) / kRows * kRows : batch * ((p.seqlen + kRows - 1) / kRows * kRows);
+    r.capacity = varlen ? p.cu_seqlens[batch + 1] - r.offset : p.seqlen;
+    return r;
+  }
+};
+
+// Converts row block `block` of (batch, head): size(TiledMma) threads (thread_idx among them),
+// `tile` a kRows x (kCols + kPad) smem tile, `sync` a barrier of exactly those threads. Each reads
+// one fragment-order chunk exactly as the main kernel's MMA threads wrote it (see
+// mainloop_bwd_sm90.hpp), places the values by the same MMA partitioning into the row-major
+// tile, then writes rows with 16-byte stores. `Swapped`: the accumulator holds the (cols, rows)
+// transpose.
+template <class Element, class TiledMma, bool Swapped, int kRows, int kCols, int kPad, class Sync>
+CUTE_DEVICE void convert_block(PostprocessParams const& p, ConvertRows<kRows> const& rows_of, int block, int head,
+                               int batch, int thread_idx, Element (*tile)[kCols + kPad], Sync const& sync) {
   using namespace cute;
   constexpr int NumThreads = decltype(size(TiledMma{}))::value;
-  constexpr int kPad = 8;  // breaks smem bank conflicts between rows
-  __shared__ alignas(16) Element tile[kRows][kCols + kPad];
-
-  int const block = blockIdx.x;
-  int const head = blockIdx.y;
-  int const batch = blockIdx.z;
   bool const varlen = p.cu_seqlens != nullptr;
-  int const offset = varlen ? p.cu_seqlens[batch] : 0;
-  int const offset_padded = varlen ? (offset + batch * kRows) / kRows * kRows
-                                   : batch * ((p.seqlen + kRows - 1) / kRows * kRows);
-  // Every row the batch owns is written: rows past seqused hold zero sums.
-  int const capacity = varlen ? p.cu_seqlens[batch + 1] - offset : p.seqlen;
-  join_main_kernel(p);
-  if (block * kRows >= capacity) { return; }
-  await_sums(p, head, batch);
-
   using AccShape = std::conditional_t<!Swapped, Shape<Int<kRows>, Int<kCols>>, Shape<Int<kCols>, Int<kRows>>>;
-  int const thread_idx = threadIdx.x;
   auto thr_mma = TiledMma{}.get_thread_slice(thread_idx);
   Tensor coords = thr_mma.partition_C(make_identity_tensor(AccShape{}));
   constexpr int kValues = decltype(size(coords))::value;
   constexpr int kWgChunk = kValues * cutlass::NumThreadsPerWarpGroup;
-  float const* chunk = p.accum + (int64_t(head) * p.rows_padded + offset_padded + int64_t(block) * kRows) * kCols +
+  float const* chunk = p.accum + (int64_t(head) * p.rows_padded + rows_of.offset_padded + int64_t(block) * kRows) * kCols +
                        (thread_idx / cutlass::NumThreadsPerWarpGroup) * kWgChunk;
   float4 const* src = reinterpret_cast<float4 const*>(chunk) + thread_idx % cutlass::NumThreadsPerWarpGroup;
   bool written = true;
   if (p.tickets != nullptr) {
     constexpr int kWarpgroups = NumThreads / cutlass::NumThreadsPerWarpGroup;
-    int64_t const row_block = (int64_t(head) * p.rows_padded + offset_padded) / kRows + block;
+    int64_t const row_block = (int64_t(head) * p.rows_padded + rows_of.offset_padded) / kRows + block;
     written = __ldcg(p.tickets + row_block * kWarpgroups + thread_idx / cutlass::NumThreadsPerWarpGroup) != 0;
   }
   CUTLASS_PRAGMA_UNROLL
@@ -107,11 +110,11 @@ __global__ void __launch_bounds__(decltype(size(TiledMma{}))::value)
       tile[row][col] = Element(vals[j] * p.scale);
     }
   }
-  __syncthreads();
+  sync();
 
   Element* out = static_cast<Element*>(p.out) + (varlen ? 0 : batch * p.out_batch_stride) +
-                 (int64_t(offset) + int64_t(block) * kRows) * p.out_row_stride + head * p.out_head_stride;
-  int const rows = capacity - block * kRows;
+                 (int64_t(rows_of.offset) + int64_t(block) * kRows) * p.out_row_stride + head * p.out_head_stride;
+  int const rows = rows_of.capacity - block * kRows;
   constexpr int kChunks = kCols / 8;
   for (int idx = thread_idx; idx < kRows * kChunks; idx += NumThreads) {
     int const row = idx / kChunks;
@@ -120,6 +123,24 @@ __global__ void __launch_bounds__(decltype(size(TiledMma{}))::value)
       *reinterpret_cast<uint4*>(out + row * p.out_row_stride + col) = *reinterpret_cast<uint4 const*>(&tile[row][col]);
     }
   }
+}
+
+// Grid (ceil(seqlen / kRows), heads, B), size(TiledMma) threads.
+template <class Element, class TiledMma, bool Swapped, int kRows, int kCols>
+__global__ void __launch_bounds__(decltype(size(TiledMma{}))::value)
+    flash_bwd_postprocess_sm90(PostprocessParams const p) {
+  constexpr int kPad = 8;  // breaks smem bank conflicts between rows
+  __shared__ alignas(16) Element tile[kRows][kCols + kPad];
+  int const block = blockIdx.x;
+  int const head = blockIdx.y;
+  int const batch = blockIdx.z;
+  ConvertRows<kRows> const rows_of = ConvertRows<kRows>::make(p, batch);
+  join_main_kernel(p);
+  if (block * kRows >= rows_of.capacity) { return; }
+  if (threadIdx.x == 0) { await_sums(p, head, batch); }
+  __syncthreads();
+  convert_block<Element, TiledMma, Swapped, kRows, kCols, kPad>(p, rows_of, block, head, batch, int(threadIdx.x), tile,
+                                                                 [] { __syncthreads(); });
 }
 
 }  // namespace cuflash::sm90::bwd

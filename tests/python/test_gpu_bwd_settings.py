@@ -76,14 +76,17 @@ def test_dq_conversion_overlapped_or_after_gives_the_same_bits(tmp_path, causal)
         assert np.array_equal(overlap[name], after[name]), name
 
 
-def test_heads_order_with_idle_heads_and_overlapped_conversion(tmp_path):
+@pytest.mark.parametrize("convert", ["overlap", "grid"])
+def test_heads_order_with_idle_heads_and_overlapped_conversion(tmp_path, convert):
     """Causal, heads launched inner in groups of 3 of the 8 heads, so the last group has an idle
-    head slot (which must count into no head's dQ counter), with the overlapped conversion: dq
-    matches the column order's within a bf16 rounding (its fp32 sums add in another order), dk and
-    dv bit for bit (each is one CTA's, whatever the launch order). A miscounted slot would convert
-    a head early, which is a race: a pass is evidence, not proof."""
+    head slot (which must count into no head's dQ counter), with the overlapped conversion or the
+    conversion in the main kernel's grid (its rows after the next batch's column blocks; the last
+    batch in a layer of its own): dq matches the column order's within a bf16 rounding (its fp32
+    sums add in another order), dk and dv bit for bit (each is one CTA's, whatever the launch
+    order). A miscounted slot would convert a head early, which is a race: a pass is evidence,
+    not proof."""
     torch_cuda()
-    heads = gradients(tmp_path, {"CUFLASH_BWD_ORDER": "heads:3", "CUFLASH_BWD_DQ_CONVERT": "overlap"}, causal=True,
+    heads = gradients(tmp_path, {"CUFLASH_BWD_ORDER": "heads:3", "CUFLASH_BWD_DQ_CONVERT": convert}, causal=True,
                       deterministic=False)
     columns = gradients(tmp_path, {"CUFLASH_BWD_ORDER": "columns", "CUFLASH_BWD_DQ_CONVERT": "overlap"}, causal=True,
                         deterministic=False)
