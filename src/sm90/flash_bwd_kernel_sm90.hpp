@@ -48,7 +48,9 @@ struct FlashBwdKernelSm90 {
   struct BlockCoords {
     int n_block, head, batch;
   };
-  // The CTA's column block, query head and batch from its grid position (see the launcher).
+  // The CTA's column block, query head and batch from its grid position (see the launcher). With
+  // conversion rows (Params::dq_convert_rows) ny counts them too; column_block reads ny only when
+  // deterministic, which never launches heads inner.
   CUTE_DEVICE static BlockCoords block_coords(typename Mainloop::Params const& p, uint32_t x, uint32_t y, uint32_t z,
                                               uint32_t nx, uint32_t ny) {
     if (Mainloop::HasWindow && p.head_group > 0) {

@@ -300,7 +300,7 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // of a head, placed after the next batch's column blocks. Other grids convert as kOverlap.
   int convert_rows = 0;
   if (BwdDqConvert(params.dq_convert) == BwdDqConvert::kInGrid && heads_inner && dq_done != nullptr && num_m_blocks > 0) {
-    int const rows = std::min(num_m_blocks, (num_m_blocks + 3) / 4);
+    int const rows = (num_m_blocks + 3) / 4;
     if (std::int64_t(num_n_blocks) + rows <= 65535 && std::int64_t(num_head_groups) * (batch + 1) <= 65535) {
       convert_rows = rows;
     }
