@@ -84,7 +84,7 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   bool const dq_bulk = Mainloop::kHasDqBulk && dq_path == BwdDqPath::kBulk;
   // dq_accum from the first writers' stores where dQ leaves by bulk copies (BwdDqClear), else
   // cleared. Measured on the H100 against the memset (bench/NOTES.md, "Run of 2026-12-05
-  // (twenty-second)"), not deterministic: hdim256 causal +5.6% at 2k, +2.5% at 4k, where the
+  // (twenty-second)"), not deterministic: hdim256 causal +5.9% at 2k, +1.7% at 4k, where the
   // column blocks reach a row block one after another; non-causal -3.5% / -9%, where a head's
   // column blocks reach each row block together and the later ones wait for the first store;
   // hdim128 (one dQ warp for both halves) causal +2.3% / -2.0%, non-causal -0.9% / -0.2%, with
