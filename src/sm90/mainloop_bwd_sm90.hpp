@@ -692,14 +692,28 @@ struct MainloopBwdSm90 {
     return rank;
   }
 
-  // Deterministic dQ: the semaphores of (head, batch)'s row blocks, row block m at
-  // m * dq_semaphore_stride.
   // Row block m_block's ticket for warpgroup wg's half of the chunk (Params::dq_tickets).
   CUTE_DEVICE static int* dq_ticket(Params const& p, BwdSeqlen const& seq, int head, int m_block, int wg) {
     int64_t const row_block = (int64_t(head) * p.q_rows_padded + seq.offset_q_padded) / kBlockM + m_block;
     return p.dq_tickets + row_block * NumMmaWG + wg;
   }
 
+  // The dQ warp's lane 0, at the top of a row block: whether this column block writes it first
+  // (kDqTicketLanded). Deterministic: rank 0, its turn already awaited (await_rank), and a proxy
+  // fence so that an add follows rank 0's store as it does after dq_ticket_await. Otherwise the
+  // ticket decides, and a later writer waits here for the first one's store to land.
+  CUTE_DEVICE static bool dq_first_writer(Params const& p, int* ticket, int rank) {
+    if (p.deterministic) {
+      asm volatile("fence.proxy.async.global;\n" ::: "memory");
+      return rank == 0;
+    }
+    bool const first = dq_ticket_take(ticket) == 0;
+    if (!first) { dq_ticket_await(ticket); }
+    return first;
+  }
+
+  // Deterministic dQ: the semaphores of (head, batch)'s row blocks, row block m at
+  // m * dq_semaphore_stride.
   CUTE_DEVICE static int* dq_semaphores(Params const& p, int head, int batch) {
     return p.dq_semaphore + (int64_t(batch) * p.num_heads + head) * p.num_m_blocks * p.dq_semaphore_stride;
   }
@@ -824,22 +838,13 @@ struct MainloopBwdSm90 {
       }
       while (walk.valid()) {
         int const m_block = walk.m_block;
-        if (p.deterministic) {
-          await_rank(p, semaphore, m_block, rank, lane0);
-          // After a first store, the add (async proxy) must follow it (dq_ticket_await).
-          if (p.dq_tickets != nullptr && lane0) { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
-        }
-        // Whether this column block writes the row block first (lane 0's value; dq_ticket_take).
-        // One ticket (warpgroup 0's) decides the whole chunk: this one warp stores both halves,
-        // and with a ticket per half two column blocks could each take one and wait for the
-        // other's. Later writers wait for the first one's store here, while the MMA warpgroups
-        // still compute the block's dQ.
-        bool first = false;
-        if (p.dq_tickets != nullptr && lane0) {
-          int* const ticket = dq_ticket(p, seq, head, m_block, 0);
-          first = p.deterministic ? rank == 0 : dq_ticket_take(ticket) == 0;
-          if (!first && !p.deterministic) { dq_ticket_await(ticket); }
-        }
+        if (p.deterministic) { await_rank(p, semaphore, m_block, rank, lane0); }
+        // Whether this column block writes the row block first (lane 0's value). One ticket
+        // (warpgroup 0's) decides the whole chunk: this one warp stores both halves, and with a
+        // ticket per half two column blocks could each take one and wait for the other's. Later
+        // writers wait for the first one's store here, while the MMA warpgroups still compute the
+        // block's dQ.
+        bool const first = p.dq_tickets != nullptr && lane0 && dq_first_writer(p, dq_ticket(p, seq, head, m_block, 0), rank);
         CUTLASS_PRAGMA_UNROLL
         for (int wg = 0; wg < NumMmaWG; ++wg) {
           cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp,
@@ -951,23 +956,13 @@ struct MainloopBwdSm90 {
       }
       while (walk.valid()) {
         int const m_block = walk.m_block;
-        if (p.deterministic) {
-          await_rank(p, semaphore, m_block, rank, lane0);
-          // After a first store, the add (async proxy) must follow it (dq_ticket_await).
-          if (p.dq_tickets != nullptr && lane0) { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
-        }
+        if (p.deterministic) { await_rank(p, semaphore, m_block, rank, lane0); }
         float* dq_row = dq_accum + int64_t(m_block) * kDqChunk;
-        // The first writer of this half stores it, the others add once it has landed (lane 0's
-        // values; dq_ticket_take). The ticket is taken and awaited before the pieces are ready.
+        // The first writer of this half stores it, the others add once it has landed
+        // (dq_first_writer, before the pieces are ready).
         int* const ticket = p.dq_tickets != nullptr ? dq_ticket(p, seq, head, m_block, wg) : nullptr;
         bool first = false;
-        if (ticket != nullptr) {
-          if (lane0) {
-            first = p.deterministic ? rank == 0 : dq_ticket_take(ticket) == 0;
-            if (!first && !p.deterministic) { dq_ticket_await(ticket); }
-          }
-          first = __any_sync(0xffffffff, first);
-        }
+        if (ticket != nullptr) { first = __any_sync(0xffffffff, lane0 && dq_first_writer(p, ticket, rank)); }
         CUTLASS_PRAGMA_NO_UNROLL
         for (int j = 0; j < kDqPieces; ++j, ++piece) {
           int const s = DqSlotStorage::slot_of(piece);
@@ -1005,7 +1000,7 @@ struct MainloopBwdSm90 {
           if (lane0) {
             // Visible to this thread once fully waited; the release below is cumulative.
             asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-            if (pending) { ring.empty[wg][DqSlotStorage::slot_of(piece + kDqSlots - 1)].arrive(); }
+            ring.empty[wg][DqSlotStorage::slot_of(piece + kDqSlots - 1)].arrive();
             if (first) { dq_ticket_land(ticket); }
           }
           pending = false;
