@@ -89,8 +89,9 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // column blocks reach each row block together and the later ones wait for the first store;
   // hdim128 (one dQ warp for both halves) causal +2.3% / -2.0%, non-causal -0.9% / -0.2%, with
   // the first store's landing awaited before the smem halves went back (since moved after them,
-  // not yet measured). So auto takes it for the sliced kernels' bulk dQ with a window only. Deterministic runs (rank
-  // 0 stores, nothing waits that did not wait before) are not yet measured.
+  // not yet measured). So auto takes it for the sliced kernels' bulk dQ with a window only.
+  // Deterministic runs (rank 0 stores, nothing waits that did not wait before) are not yet
+  // measured.
   BwdDqClear const dq_clear = BwdDqClear(params.dq_clear);
   bool const first_store =
       (Mainloop::kDqViaSmem || dq_bulk) &&
