@@ -320,18 +320,17 @@ enum class BwdDqSemaphores : int { kLines = 0, kPacked = 1 };
 // (BwdParams::dq_convert). kOverlap (the default): the conversion kernel is launched as the main
 // kernel's programmatic dependent and converts a head once every main-kernel CTA of that head has
 // added its dQ (BwdParams::dq_done), on the SMs the main kernel's last wave leaves idle; kAfter:
-// once the whole main kernel has finished; kInGrid: CTAs of the main kernel's own grid convert
-// each batch after the next batch's column blocks (heads-inner grids, where the longest-first
-// order leaves no idle SMs for the overlapped kernel until the end; other grids convert as
-// kOverlap).
-enum class BwdDqConvert : int { kOverlap = 0, kAfter = 1, kInGrid = 2 };
+// once the whole main kernel has finished.
+enum class BwdDqConvert : int { kOverlap = 0, kAfter = 1 };
 // How the sm90 backward's dq_accum starts from zero (BwdParams::dq_clear). kFirstStore: the
 // kernels whose dQ leaves through shared memory by bulk copies store the first column block's
 // sums of each row block and add the others after them (dq_ticket_take in mainloop_bwd_sm90.hpp),
 // so nothing clears dq_accum; the kernels with dQ by atomics still clear it. kMemset: a memset
-// clears it before the preprocess, and every column block adds. kAuto (the default): first
-// stores where the launcher measured them faster (the sliced hdim256 kernels' bulk dQ, causal
-// or local, not deterministic), the memset elsewhere.
+// clears it before the preprocess, and every column block adds. Without a window, first stores
+// also rotate the column blocks' walks (not deterministic; the deterministic rotation is
+// CUFLASH_BWD_DET_WALK's). kAuto (the default): first stores where the launcher measured them
+// faster (the sliced hdim256 kernels' bulk dQ, causal or local, not deterministic), the memset
+// elsewhere.
 enum class BwdDqClear : int { kAuto = 0, kFirstStore = 1, kMemset = 2 };
 struct BwdLaunchChoice {
   BwdLaunchOrder order = BwdLaunchOrder::kAuto;

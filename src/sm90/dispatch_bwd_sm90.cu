@@ -293,7 +293,7 @@ void run_backward(BwdParams& params, StreamHandle stream) {
   params.lse_log2 = reinterpret_cast<float*>(base + layout.lse_log2);
   params.dpsum = reinterpret_cast<float*>(base + layout.dpsum);
   params.dq_accum = reinterpret_cast<float*>(base + layout.dq_accum);
-  params.dq_done = layout.dq_done_bytes > 0 && BwdDqConvert(params.dq_convert) != BwdDqConvert::kAfter
+  params.dq_done = layout.dq_done_bytes > 0 && BwdDqConvert(params.dq_convert) == BwdDqConvert::kOverlap
                        ? reinterpret_cast<int*>(base + layout.dq_done)
                        : nullptr;
   params.dq_tickets = BwdDqClear(params.dq_clear) != BwdDqClear::kMemset && layout.dq_done_bytes > 0

@@ -8,7 +8,6 @@
 #include <cutlass/arch/reg_reconfig.h>
 
 #include "sm90/epilogue_bwd_sm90.hpp"
-#include "sm90/flash_bwd_postprocess_sm90.hpp"
 #include "sm90/mainloop_bwd_sm90.hpp"
 
 namespace cuflash::sm90::bwd {
@@ -37,20 +36,12 @@ struct FlashBwdKernelSm90 {
   struct Params {
     typename Mainloop::Params mainloop;
     typename Epilogue::Params epilogue;
-    // The dQ conversion in this grid (BwdDqConvert::kInGrid; heads-inner grids only): the grid is
-    // (head group, column blocks + dq_convert_rows, head groups x (batch + 1)), and the CTAs of
-    // rows y >= column blocks of batch layer b convert batch b - 1 (convert_dq). 0: no such rows.
-    PostprocessParams dq_convert;
-    int dq_convert_rows;
-    int batch;  // batches with column blocks: the last layer of the grid converts only
   };
 
   struct BlockCoords {
     int n_block, head, batch;
   };
-  // The CTA's column block, query head and batch from its grid position (see the launcher). With
-  // conversion rows (Params::dq_convert_rows) ny counts them too; column_block reads ny only when
-  // deterministic, which never launches heads inner.
+  // The CTA's column block, query head and batch from its grid position (see the launcher).
   CUTE_DEVICE static BlockCoords block_coords(typename Mainloop::Params const& p, uint32_t x, uint32_t y, uint32_t z,
                                               uint32_t nx, uint32_t ny) {
     if (Mainloop::HasWindow && p.head_group > 0) {
@@ -94,56 +85,11 @@ struct FlashBwdKernelSm90 {
     __syncwarp();
   }
 
-  // A conversion CTA (Params::dq_convert_rows): share `share` of the row blocks of (batch, head),
-  // every dq_convert_rows-th one from it, once every column block of the head has added its
-  // sums (the dq_done counter; the conversion rows of a layer come after the next batch's column
-  // blocks in launch order, so the head is normally done when they start). The MMA warpgroups'
-  // threads run the postprocess's conversion (the TiledMma it reads by), the tile in this CTA's
-  // dynamic shared memory; the producer warpgroup leaves. A CTA that converts never runs the
-  // mainloop, so the kPdS barrier is free for it.
-  CUTE_DEVICE static void convert_dq(Params const& params, char* smem_buf, int batch, int head, int share) {
-    using TiledMma = typename Mainloop::TiledMmadQ;
-    using Element = typename Mainloop::Element;
-    constexpr int kRows = Mainloop::kBlockM, kCols = Mainloop::kHeadDim, kPad = 8;
-    static_assert(decltype(cute::size(TiledMma{}))::value == Mainloop::NumMmaThreads, "the MMA threads convert");
-    static_assert(sizeof(Element) * kRows * (kCols + kPad) <= kSharedStorageSize, "the tile fits the kernel's smem");
-    if (head >= params.mainloop.num_heads || int(threadIdx.x) < cutlass::NumThreadsPerWarpGroup) { return; }
-    int const thread_idx = int(threadIdx.x) - cutlass::NumThreadsPerWarpGroup;
-    PostprocessParams const& p = params.dq_convert;
-    ConvertRows<kRows> const rows_of = ConvertRows<kRows>::make(p, batch);
-    int const blocks = cute::min((rows_of.capacity + kRows - 1) / kRows, (p.seqlen + kRows - 1) / kRows);
-    if (share >= blocks) { return; }
-    auto sync = [] { cutlass::arch::NamedBarrier::sync(Mainloop::NumMmaThreads, uint32_t(BwdBarrier::kPdS)); };
-    if (thread_idx == 0) { await_sums(p, head, batch); }
-    sync();
-    auto* tile = reinterpret_cast<Element(*)[kCols + kPad]>(smem_buf);
-    for (int block = share; block < blocks; block += params.dq_convert_rows) {
-      convert_block<Element, TiledMma, Mainloop::dQ_swapAB, kRows, kCols, kPad>(p, rows_of, block, head, batch,
-                                                                                thread_idx, tile, sync);
-      sync();  // the tile's rows are read before the next block overwrites them
-    }
-  }
-
   CUTE_DEVICE void operator()(Params const& params, char* smem_buf) {
     using namespace cute;
     // The dQ postprocess, launched as this kernel's programmatic dependent, may start once every
     // CTA has started: it waits for its heads' counters (BwdParams::dq_done), not for this grid.
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-    if constexpr (Mainloop::HasWindow) {
-      // The conversion rows and the last layer (heads-inner grids: only kernels with a window).
-      if (params.dq_convert_rows > 0) {
-        int const layer = int(blockIdx.z) / params.mainloop.num_head_groups;
-        if (int(blockIdx.y) >= int(gridDim.y) - params.dq_convert_rows) {
-          if (layer > 0) {
-            int const group = int(blockIdx.z) % params.mainloop.num_head_groups;
-            convert_dq(params, smem_buf, layer - 1, group * params.mainloop.head_group + int(blockIdx.x),
-                       int(blockIdx.y) - (int(gridDim.y) - params.dq_convert_rows));
-          }
-          return;
-        }
-        if (layer >= params.batch) { return; }
-      }
-    }
     using PipelineQ = typename Mainloop::PipelineQ;
     using PipelinedO = typename Mainloop::PipelinedO;
     SharedStorage& ss = *reinterpret_cast<SharedStorage*>(smem_buf);

@@ -89,14 +89,20 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // column blocks reach each row block together and the later ones wait for the first store;
   // hdim128 (one dQ warp for both halves) causal +2.3% / -2.0%, non-causal -0.9% / -0.2%, with
   // the first store's landing awaited before the smem halves went back (since moved after them,
-  // not yet measured). So auto takes it for the sliced kernels' bulk dQ with a window only.
-  // Deterministic runs (rank 0 stores, nothing waits that did not wait before) are not yet
-  // measured.
+  // not yet measured). So auto takes it for the sliced kernels' bulk dQ with a window. Without a
+  // window, first stores rotate the walks (dq_rotate_window below), so that a head's column
+  // blocks reach each row block one after another, and the writers after the first find its store
+  // landed (prediction: the memset's 42 us, +2.5% non-causal at 2k); not yet measured, so auto
+  // leaves it to `first`. Deterministic runs (rank 0 stores, nothing waits that did not wait
+  // before) are not yet measured.
+  bool const rotation_fits = !HasWindow && !Mainloop::kIsFlex && params.num_sm > 0 &&
+                             std::int64_t(num_n_blocks) * num_heads * batch < (std::int64_t(1) << 31);
   BwdDqClear const dq_clear = BwdDqClear(params.dq_clear);
   bool const first_store =
       (Mainloop::kDqViaSmem || dq_bulk) &&
       (dq_clear == BwdDqClear::kFirstStore ||
-       (dq_clear == BwdDqClear::kAuto && dq_bulk && !params.deterministic && (params.is_causal || params.is_local)));
+       (dq_clear == BwdDqClear::kAuto && !params.deterministic &&
+        dq_bulk && (params.is_causal || params.is_local)));
   int* const dq_tickets = first_store ? params.dq_tickets : nullptr;
   if (dq_tickets == nullptr) { zero(params.dq_accum, sizeof(float) * size_t(num_heads) * q_rows_padded * kHeadDim); }
   if (gqa) {
@@ -220,7 +226,7 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // Deterministic dQ by atomics: the second producer warp waits for each row block's turn and
   // releases it (order_dq).
   ml.dq_order_warp = params.deterministic && !Mainloop::kDqViaSmem && !ml.dq_bulk;
-  // Rotated walks (deterministic, no window): a head's column blocks launched in one window of
+  // Rotated walks (deterministic or first stores, no window): a head's column blocks launched in one window of
   // num_sm consecutive CTAs start their walks spread over the row blocks and add after the
   // blocks of the windows before (rotation_group), so a wave of CTAs never waits on the next.
   // auto rotates where a head's column blocks fit on the GPU at once and walks ascending
@@ -229,11 +235,13 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // 2026-12-02 (fifth)"): hdim256 2k-8k 0.87-0.88 rotated against 0.76-0.87 with one rotation
   // per head or ascending, 16k 0.90 ascending against 0.82 rotated; hdim128 within 1% at 2k-8k,
   // +2% at 16k. Dispatch sets num_sm; without it the walks are ascending, which never waits on a
-  // later launch. CUFLASH_BWD_DET_WALK=waves / ascending overrides auto.
+  // later launch. CUFLASH_BWD_DET_WALK=waves / ascending overrides auto. Not deterministic, the
+  // walks rotate wherever dq_accum starts from first stores (above), in the same windows; nothing
+  // waits on a later launch there (a writer waits only for a first writer's store, see
+  // kDqTicketLanded), so any window is safe.
   BwdDetWalk const det_walk = BwdDetWalk(params.det_walk);
-  bool const rotation_applies = params.deterministic && !HasWindow && !Mainloop::kIsFlex && params.num_sm > 0 &&
-                                std::int64_t(num_n_blocks) * num_heads * batch < (std::int64_t(1) << 31);
-  bool const rotation_wanted = det_walk == BwdDetWalk::kWaves ||
+  bool const rotation_applies = (params.deterministic || dq_tickets != nullptr) && rotation_fits;
+  bool const rotation_wanted = !params.deterministic || det_walk == BwdDetWalk::kWaves ||
                                (det_walk == BwdDetWalk::kAuto && num_n_blocks <= params.num_sm);
   ml.dq_rotate_window = rotation_applies && rotation_wanted ? params.num_sm : 0;
   // Heads inner (BwdLaunchOrder::kHeads): column blocks of unequal work launched longest first
@@ -294,19 +302,7 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   PostprocessParams post_q{params.dq_accum, params.dq, params.dq_batch_stride, params.dq_row_stride, params.dq_head_stride,
                            q_rows_padded, params.seqlen_q, params.head_dim, params.softmax_scale,
                            params.cu_seqlens_q, dq_done, num_n_blocks, num_heads, dq_tickets};
-  // The dQ conversion as rows of the main kernel's heads-inner grid (BwdDqConvert::kInGrid):
-  // there the longest-first causal order keeps every SM busy to the end, so the overlapped
-  // conversion only finds idle SMs in the last microseconds (55 us of the hdim256 2k causal call
-  // ran after the main kernel on the H100). Each conversion CTA converts about four row blocks
-  // of a head, placed after the next batch's column blocks. Other grids convert as kOverlap.
-  int convert_rows = 0;
-  if (BwdDqConvert(params.dq_convert) == BwdDqConvert::kInGrid && heads_inner && dq_done != nullptr && num_m_blocks > 0) {
-    int const rows = (num_m_blocks + 3) / 4;
-    if (std::int64_t(num_n_blocks) + rows <= 65535 && std::int64_t(num_head_groups) * (batch + 1) <= 65535) {
-      convert_rows = rows;
-    }
-  }
-  typename Kernel::Params kernel_params{ml, ep, post_q, convert_rows, batch};
+  typename Kernel::Params kernel_params{ml, ep};
   auto kernel = flash_bwd_kernel_sm90<Kernel>;
   constexpr int kSmem = Kernel::kSharedStorageSize;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
@@ -317,8 +313,7 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // Column blocks that see no row (including every block when there are no queries) write
   // zero dK / dV, so the main kernel runs whenever there are keys.
   if (num_n_blocks > 0) {
-    dim3 const grid = heads_inner ? dim3(head_group, num_n_blocks + convert_rows,
-                                         num_head_groups * (batch + (convert_rows > 0 ? 1 : 0)))
+    dim3 const grid = heads_inner ? dim3(head_group, num_n_blocks, num_head_groups * batch)
                                   : dim3(num_n_blocks, num_heads, batch);
     kernel<<<grid, Kernel::NumThreads, kSmem, stream>>>(kernel_params);
     check_launch("the backward main kernel");
@@ -329,7 +324,7 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
 #endif
   }
 
-  if (num_m_blocks > 0 && convert_rows == 0) {
+  if (num_m_blocks > 0) {
     auto postprocess_q = flash_bwd_postprocess_sm90<Element, typename Mainloop::TiledMmadQ, Mainloop::dQ_swapAB, kBlockM, kHeadDim>;
     // With the counters the dQ conversion is the main kernel's programmatic dependent: it starts
     // in the main kernel's last wave and converts each head once that head's sums have landed

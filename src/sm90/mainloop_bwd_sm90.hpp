@@ -166,11 +166,18 @@ CUTE_DEVICE void bulk_store_f32(float const* smem_src, float* gmem_dst, int byte
 // writers by their semaphores already: rank 0 stores and sets the bit, the others add. The
 // postprocess reads a ticket left at 0 as a half that no column block wrote (zeros). Saves the
 // memset of dq_accum (134 MB at 16k tokens, hidden 2048: 42 us on the H100).
-// Every wait ends because the walks that wait (not deterministic) ascend: a first writer of row
-// block m needs only its own MMA warpgroups' dQ of m. In the sliced kernels those also meet their
-// sibling warpgroup at the P / dS barrier, whose dQ warp may wait for another column block's
-// first store of an earlier row block; that chain of owners runs down the row blocks and ends.
-// Walks that do not ascend (the deterministic rotation) never wait on tickets.
+// Every wait ends because the walks that take tickets ascend: a first writer of row block m needs
+// only its own MMA warpgroups' dQ of m. In the sliced kernels those also meet their sibling
+// warpgroup at the P / dS barrier, whose dQ warp may wait for another column block's first store
+// of an earlier row block; that chain of owners runs down the row blocks and ends. Walks that do
+// not ascend (Params::dq_rotate_window: without a window, the column blocks of a head start spread
+// over the row blocks so that they reach each one apart) take the ticket late, once the first
+// piece of their dQ for the row block is in shared memory: from there a first writer's stores of
+// that row block need nothing from outside its CTA (its MMA warpgroups have passed the step's
+// P / dS barrier, and its dQ warps free their own slots), so they land whatever order the walks
+// take, and a later writer waits only for a writer that has started. Before that they peek at the
+// ticket: a row block already landed is added to without taking it. (The deterministic rotation
+// orders its writers by ranks and never takes tickets.)
 constexpr int kDqTicketLanded = 1 << 30;
 CUTE_DEVICE int dq_ticket_take(int* ticket) {
   int old;
@@ -188,6 +195,16 @@ CUTE_DEVICE void dq_ticket_await(int const* ticket) {
     __nanosleep(64);
   }
   asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+
+// Whether a first writer's store of the ticket's row block has landed (acquire, then the proxy
+// fence as in dq_ticket_await), without taking the ticket.
+CUTE_DEVICE bool dq_ticket_landed(int const* ticket) {
+  int value;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(value) : "l"(ticket) : "memory");
+  if (!(value & kDqTicketLanded)) { return false; }
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+  return true;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -482,8 +499,9 @@ struct MainloopBwdSm90 {
     // Deterministic dQ by atomics (no dQ smem): the second producer warp waits for each row
     // block's turn and releases it (order_dq), off the MMA warpgroups' path.
     bool dq_order_warp;
-    // Deterministic without a window: the column blocks of a rotation group start their walks
-    // spread over the row blocks (rotation_group, dq_rank). 0: not rotated (ascending walks);
+    // Without a window, deterministic or with first stores (dq_tickets): the column blocks of a
+    // rotation group start their walks spread over the row blocks (rotation_group, dq_rank), so
+    // that they reach each row block one after another. 0: not rotated (ascending walks);
     // w > 0: a group is a head's column blocks within one window of w consecutively launched
     // CTAs (w at most the CTAs resident at once, since a block waits on others of its group
     // launched after it), so that a head split over two waves of CTAs rotates within each wave
@@ -538,7 +556,7 @@ struct MainloopBwdSm90 {
     cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
   }
 
-  // The rotation group of column block n_block (deterministic, no window): column blocks [lo,
+  // The rotation group of column block n_block (Params::dq_rotate_window, no window): column blocks [lo,
   // lo + size) of its head, whose walks start at row blocks (n - lo) * M / size over the M row
   // blocks; size 0 where the walks are not rotated. Column blocks of earlier groups add first.
   struct RotationGroup {
@@ -553,7 +571,7 @@ struct MainloopBwdSm90 {
       int const num_m = cute::min((seq.seqlen_q + kBlockM - 1) / kBlockM, p.num_m_blocks);
       int const num_n = (seq.seqlen_k + kBlockN - 1) / kBlockN;
       if (n_block >= num_n) { return g; }
-      // Deterministic launches are (column block, head, batch) grids: the CTA's launch index
+      // Launches without a window are (column block, head, batch) grids: the CTA's launch index
       // (the launcher rotates only grids of fewer than 2^31 CTAs).
       int const window = p.dq_rotate_window;
       int const base = (batch * int(gridDim.y) + head) * int(gridDim.x);
@@ -698,10 +716,10 @@ struct MainloopBwdSm90 {
     return p.dq_tickets + row_block * NumMmaWG + wg;
   }
 
-  // The dQ warp's lane 0, at the top of a row block: whether this column block writes it first
-  // (kDqTicketLanded). Deterministic: rank 0, its turn already awaited (await_rank), and a proxy
-  // fence so that an add follows rank 0's store as it does after dq_ticket_await. Otherwise the
-  // ticket decides, and a later writer waits here for the first one's store to land.
+  // The dQ warp's lane 0: whether this column block writes the row block first (kDqTicketLanded).
+  // Deterministic: rank 0, its turn already awaited (await_rank), and a proxy fence so that an
+  // add follows rank 0's store as it does after dq_ticket_await. Otherwise the ticket decides,
+  // and a later writer waits here for the first one's store to land.
   CUTE_DEVICE static bool dq_first_writer(Params const& p, int* ticket, int rank) {
     if (p.deterministic) {
       asm volatile("fence.proxy.async.global;\n" ::: "memory");
@@ -841,15 +859,28 @@ struct MainloopBwdSm90 {
         if (p.deterministic) { await_rank(p, semaphore, m_block, rank, lane0); }
         // Whether this column block writes the row block first (lane 0's value). One ticket
         // (warpgroup 0's) decides the whole chunk: this one warp stores both halves, and with a
-        // ticket per half two column blocks could each take one and wait for the other's. Later
-        // writers wait for the first one's store here, while the MMA warpgroups still compute the
-        // block's dQ.
-        bool const first = p.dq_tickets != nullptr && lane0 && dq_first_writer(p, dq_ticket(p, seq, head, m_block, 0), rank);
+        // ticket per half two column blocks could each take one and wait for the other's.
+        // Ascending walks take it here, so that a later writer waits for the first one's store
+        // while the MMA warpgroups still compute the block's dQ; rotated walks (late) peek here
+        // and take it once the first half is in shared memory (see kDqTicketLanded).
+        int* const ticket = p.dq_tickets != nullptr ? dq_ticket(p, seq, head, m_block, 0) : nullptr;
+        bool const late = ticket != nullptr && !p.deterministic && rotation.size > 0;
+        bool first = false;
+        bool decided = ticket == nullptr;
+        if (lane0 && ticket != nullptr) {
+          if (!late) {
+            first = dq_first_writer(p, ticket, rank);
+            decided = true;
+          } else {
+            decided = dq_ticket_landed(ticket);
+          }
+        }
         CUTLASS_PRAGMA_UNROLL
         for (int wg = 0; wg < NumMmaWG; ++wg) {
           cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp,
                                             uint32_t(BwdBarrier::kDqFull) + wg);
           if (lane0) {
+            if (wg == 0 && !decided) { first = dq_first_writer(p, ticket, rank); }
             float* dst = dq_accum + int64_t(m_block) * kDqChunk + wg * kWgChunk;
             if (first) {
               bulk_store_f32(smem.dq.data() + wg * kWgChunk, dst, kWgChunk * int(sizeof(float)));
@@ -959,14 +990,28 @@ struct MainloopBwdSm90 {
         if (p.deterministic) { await_rank(p, semaphore, m_block, rank, lane0); }
         float* dq_row = dq_accum + int64_t(m_block) * kDqChunk;
         // The first writer of this half stores it, the others add once it has landed
-        // (dq_first_writer, before the pieces are ready).
+        // (dq_first_writer): ascending walks take the ticket here, before the pieces are ready;
+        // rotated ones (late) peek here and take it once the first piece is (kDqTicketLanded).
         int* const ticket = p.dq_tickets != nullptr ? dq_ticket(p, seq, head, m_block, wg) : nullptr;
+        bool const late = ticket != nullptr && !p.deterministic && rotation.size > 0;
         bool first = false;
-        if (ticket != nullptr) { first = __any_sync(0xffffffff, lane0 && dq_first_writer(p, ticket, rank)); }
+        bool decided = ticket == nullptr;
+        if (ticket != nullptr) {
+          if (!late) {
+            first = __any_sync(0xffffffff, lane0 && dq_first_writer(p, ticket, rank));
+            decided = true;
+          } else {
+            decided = __any_sync(0xffffffff, lane0 && dq_ticket_landed(ticket));
+          }
+        }
         CUTLASS_PRAGMA_NO_UNROLL
         for (int j = 0; j < kDqPieces; ++j, ++piece) {
           int const s = DqSlotStorage::slot_of(piece);
           ring.full[wg][s].wait(DqSlotStorage::parity_of(piece));
+          if (!decided) {
+            first = __any_sync(0xffffffff, lane0 && dq_first_writer(p, ticket, rank));
+            decided = true;
+          }
           if (lane0) {
             if (first) {
               bulk_store_f32(ring.slot[wg][s].buffer, dq_row + j * kDqSlotFloats, kDqSlotFloats * int(sizeof(float)));

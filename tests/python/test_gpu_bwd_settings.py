@@ -19,8 +19,8 @@ import pytest
 
 from test_gpu import torch_cuda
 
-# argv: output path, causal (0 / 1), deterministic (0 / 1), head dim (heads * dim = 1024). Exit 3:
-# the kernel is not in this build.
+# argv: output path, causal (0 / 1), deterministic (0 / 1), head dim (heads * dim = 1024), query and
+# key lengths. Exit 3: the kernel is not in this build.
 CHILD = r"""
 import sys
 
@@ -30,10 +30,11 @@ import torch
 import cuflash
 
 path, causal, deterministic, dim = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1", int(sys.argv[4])
+seqlen_q, seqlen_k = int(sys.argv[5]), int(sys.argv[6])
 gen = torch.Generator(device="cuda").manual_seed(7)
-batch, seqlen, heads = 4, 2048, 1024 // dim
-q, k, v, dout = (torch.randn(batch, seqlen, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
-                 for _ in range(4))
+batch, heads = 4, 1024 // dim
+q, dout, k, v = (torch.randn(batch, seqlen, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+                 for seqlen in (seqlen_q, seqlen_q, seqlen_k, seqlen_k))
 for t in (q, k, v):
     t.requires_grad_(True)
 try:
@@ -50,14 +51,14 @@ np.savez(path, **{name: g.float().cpu().numpy() for name, g in zip(("dq", "dk", 
 
 
 def gradients(tmp_path, settings: dict[str, str], causal: bool, deterministic: bool,
-              dim: int = 128) -> dict[str, np.ndarray]:
+              dim: int = 128, seqlen_q: int = 2048, seqlen_k: int = 2048) -> dict[str, np.ndarray]:
     """dq, dk, dv of the child's call under `settings` (environment variables)."""
     tag = "_".join(f"{key}={value}" for key, value in sorted(settings.items())).replace(":", "-")
-    path = tmp_path / f"grads_{tag}_{int(causal)}{int(deterministic)}_{dim}.npz"
+    path = tmp_path / f"grads_{tag}_{int(causal)}{int(deterministic)}_{dim}_{seqlen_q}_{seqlen_k}.npz"
     env = dict(os.environ, **settings)
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    result = subprocess.run([sys.executable, "-c", CHILD, str(path), str(int(causal)), str(int(deterministic)), str(dim)],
-                            env=env, capture_output=True, text=True, timeout=120)
+    argv = [str(path), str(int(causal)), str(int(deterministic)), str(dim), str(seqlen_q), str(seqlen_k)]
+    result = subprocess.run([sys.executable, "-c", CHILD, *argv], env=env, capture_output=True, text=True, timeout=120)
     if result.returncode == 3:
         pytest.skip(f"not in this build: {result.stdout.strip()}")
     assert result.returncode == 0, f"child under {settings} failed:\n{result.stdout}\n{result.stderr}"
@@ -76,17 +77,14 @@ def test_dq_conversion_overlapped_or_after_gives_the_same_bits(tmp_path, causal)
         assert np.array_equal(overlap[name], after[name]), name
 
 
-@pytest.mark.parametrize("convert", ["overlap", "grid"])
-def test_heads_order_with_idle_heads_and_overlapped_conversion(tmp_path, convert):
+def test_heads_order_with_idle_heads_and_overlapped_conversion(tmp_path):
     """Causal, heads launched inner in groups of 3 of the 8 heads, so the last group has an idle
-    head slot (which must count into no head's dQ counter), with the overlapped conversion or the
-    conversion in the main kernel's grid (its rows after the next batch's column blocks; the last
-    batch in a layer of its own): dq matches the column order's within a bf16 rounding (its fp32
-    sums add in another order), dk and dv bit for bit (each is one CTA's, whatever the launch
-    order). A miscounted slot would convert a head early, which is a race: a pass is evidence,
-    not proof."""
+    head slot (which must count into no head's dQ counter), with the overlapped conversion: dq
+    matches the column order's within a bf16 rounding (its fp32 sums add in another order), dk and
+    dv bit for bit (each is one CTA's, whatever the launch order). A miscounted slot would convert
+    a head early, which is a race: a pass is evidence, not proof."""
     torch_cuda()
-    heads = gradients(tmp_path, {"CUFLASH_BWD_ORDER": "heads:3", "CUFLASH_BWD_DQ_CONVERT": convert}, causal=True,
+    heads = gradients(tmp_path, {"CUFLASH_BWD_ORDER": "heads:3", "CUFLASH_BWD_DQ_CONVERT": "overlap"}, causal=True,
                       deterministic=False)
     columns = gradients(tmp_path, {"CUFLASH_BWD_ORDER": "columns", "CUFLASH_BWD_DQ_CONVERT": "overlap"}, causal=True,
                         deterministic=False)
@@ -111,16 +109,23 @@ def test_dq_first_store_or_memset_gives_the_same_values(tmp_path, causal, dim):
         assert np.array_equal(first[name], memset[name]), name
 
 
+@pytest.mark.parametrize("lengths", [(2048, 2048), (192, 4096), (4096, 192)])
 @pytest.mark.parametrize("dim", [128, 256])
-def test_dq_first_store_without_determinism(tmp_path, dim):
-    """Non-deterministic, non-causal (every column block of a head reaches each row block at
-    about the same time, so the later writers wait for the first one's store): dq within a bf16
-    rounding of the memset's, dk and dv bit for bit."""
+def test_dq_first_store_without_determinism(tmp_path, dim, lengths):
+    """Non-deterministic, non-causal: with first stores the column blocks of a head walk the row
+    blocks rotated (the first to take a row block's ticket, once its first dQ piece is ready,
+    stores; the others add once that has landed), with the memset ascending, so every gradient
+    sums in another order: each within a bf16 rounding of the memset's. The heads of 2k x 2k
+    straddle the launch windows that the rotation groups follow; 192 query rows against 4k keys
+    make groups too large to rotate (ascending walks, tickets taken early); 4k rows against 192
+    keys a group of two or three column blocks."""
     torch_cuda()
-    first = gradients(tmp_path, {"CUFLASH_BWD_DQ_CLEAR": "first"}, False, deterministic=False, dim=dim)
-    memset = gradients(tmp_path, {"CUFLASH_BWD_DQ_CLEAR": "memset"}, False, deterministic=False, dim=dim)
-    scale = float(np.abs(memset["dq"]).max())
-    assert np.all(np.isfinite(first["dq"]))
-    np.testing.assert_allclose(first["dq"], memset["dq"], rtol=1e-2, atol=1e-3 * scale)
-    for name in ("dk", "dv"):
-        assert np.array_equal(first[name], memset[name]), name
+    seqlen_q, seqlen_k = lengths
+    first = gradients(tmp_path, {"CUFLASH_BWD_DQ_CLEAR": "first"}, False, deterministic=False, dim=dim,
+                      seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+    memset = gradients(tmp_path, {"CUFLASH_BWD_DQ_CLEAR": "memset"}, False, deterministic=False, dim=dim,
+                       seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+    for name in ("dq", "dk", "dv"):
+        scale = float(np.abs(memset[name]).max())
+        assert np.all(np.isfinite(first[name])), name
+        np.testing.assert_allclose(first[name], memset[name], rtol=1e-2, atol=1e-3 * scale, err_msg=name)
