@@ -875,6 +875,7 @@ struct MainloopBwdSm90 {
             decided = dq_ticket_landed(ticket);
           }
         }
+        __syncwarp();
         CUTLASS_PRAGMA_UNROLL
         for (int wg = 0; wg < NumMmaWG; ++wg) {
           cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp,
@@ -889,6 +890,7 @@ struct MainloopBwdSm90 {
             }
             cute::tma_store_arrive();
           }
+          __syncwarp();  // lane 0 may have waited for a first store: the warp meets before the next barrier
         }
         // A first writer sets every half's ticket bit once its stores have landed (the later
         // writers wait for warpgroup 0's, the postprocess reads each half's): below, after the
