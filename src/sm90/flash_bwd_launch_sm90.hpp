@@ -92,9 +92,13 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // not yet measured). So auto takes it for the sliced kernels' bulk dQ with a window. Without a
   // window, first stores rotate the walks (dq_rotate_window below), so that a head's column
   // blocks reach each row block one after another, and the writers after the first find its store
-  // landed (prediction: the memset's 42 us, +2.5% non-causal at 2k); not yet measured, so auto
-  // leaves it to `first`. Deterministic runs (rank 0 stores, nothing waits that did not wait
-  // before) are not yet measured.
+  // landed. Measured on the H200 against the memset, passes alternating (bench/NOTES.md, "Run of
+  // 2026-12-05 (twenty-third)"), non-causal 2k / 4k: hdim64 +1.3% / +0.9%, hdim96 +1.6% / +1.3%,
+  // hdim128 +2.2% / +0.4%, hdim256 +1.9% / +0.6%. So auto takes it where the walks rotate over
+  // whole heads (a head's column blocks fit on the GPU at once and are no more than its row
+  // blocks; longer heads rotate within windows, whose L2 cost is not measured without
+  // determinism). Deterministic runs (rank 0 stores, nothing waits that did not wait before) are
+  // not yet measured.
   bool const rotation_fits = !HasWindow && !Mainloop::kIsFlex && params.num_sm > 0 &&
                              std::int64_t(num_n_blocks) * num_heads * batch < (std::int64_t(1) << 31);
   BwdDqClear const dq_clear = BwdDqClear(params.dq_clear);
@@ -102,7 +106,8 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
       (Mainloop::kDqViaSmem || dq_bulk) &&
       (dq_clear == BwdDqClear::kFirstStore ||
        (dq_clear == BwdDqClear::kAuto && !params.deterministic &&
-        dq_bulk && (params.is_causal || params.is_local)));
+        ((dq_bulk && (params.is_causal || params.is_local)) ||
+         (rotation_fits && num_n_blocks <= params.num_sm && num_n_blocks <= num_m_blocks))));
   int* const dq_tickets = first_store ? params.dq_tickets : nullptr;
   if (dq_tickets == nullptr) { zero(params.dq_accum, sizeof(float) * size_t(num_heads) * q_rows_padded * kHeadDim); }
   if (gqa) {
