@@ -60,12 +60,12 @@ struct DSinkParams {
 
 template <int kBlockM>
 CUTE_DEVICE void preprocess_rows(int const* cu_seqlens_q, int const* seqused_q, int seqlen_q_dense, int batch,
-                                 int& offset, int& offset_padded, int& seqlen) {
+                                 int& offset, int& offset_padded, int& seqlen, int& capacity) {
   bool const varlen = cu_seqlens_q != nullptr;
   offset = varlen ? cu_seqlens_q[batch] : 0;
   offset_padded = varlen ? (offset + batch * kBlockM) / kBlockM * kBlockM
                          : batch * ((seqlen_q_dense + kBlockM - 1) / kBlockM * kBlockM);
-  int const capacity = varlen ? cu_seqlens_q[batch + 1] - offset : seqlen_q_dense;
+  capacity = varlen ? cu_seqlens_q[batch + 1] - offset : seqlen_q_dense;  // rows the batch owns
   seqlen = seqused_q ? min(seqused_q[batch], capacity) : capacity;  // capped as in BwdSeqlen
 }
 
@@ -89,12 +89,11 @@ __global__ void __launch_bounds__(256) flash_bwd_preprocess_sm90(PreprocessParam
   if (p.dq_done != nullptr && m_block == 0 && threadIdx.x == 0) {
     p.dq_done[int64_t(batch) * gridDim.y + head] = 0;
   }
-  int offset, offset_padded, seqlen;
-  preprocess_rows<kBlockM>(p.cu_seqlens_q, p.seqused_q, p.seqlen_q, batch, offset, offset_padded, seqlen);
+  int offset, offset_padded, seqlen, capacity;
+  preprocess_rows<kBlockM>(p.cu_seqlens_q, p.seqused_q, p.seqlen_q, batch, offset, offset_padded, seqlen, capacity);
   bool const varlen = p.cu_seqlens_q != nullptr;
   // Every row block the batch owns, past seqused too: the postprocess converts those rows (no
   // column block writes them, so their tickets say zeros).
-  int const capacity = varlen ? p.cu_seqlens_q[batch + 1] - offset : p.seqlen_q;
   if (p.dq_tickets != nullptr && int(threadIdx.x) < p.tickets_per_block && m_block * kBlockM < capacity) {
     int64_t const row_block = (int64_t(head) * p.q_rows_padded + offset_padded) / kBlockM + m_block;
     p.dq_tickets[row_block * p.tickets_per_block + threadIdx.x] = 0;
@@ -158,8 +157,8 @@ __global__ void __launch_bounds__(256) flash_bwd_dsink_sm90(DSinkParams const p)
   float const sink_log2 = sink * float(M_LOG2E);
   float sum = 0.f;
   for (int b = 0; b < p.batch; ++b) {
-    int offset, offset_padded, seqlen;
-    preprocess_rows<kBlockM>(p.cu_seqlens_q, p.seqused_q, p.seqlen_q, b, offset, offset_padded, seqlen);
+    int offset, offset_padded, seqlen, capacity;
+    preprocess_rows<kBlockM>(p.cu_seqlens_q, p.seqused_q, p.seqlen_q, b, offset, offset_padded, seqlen, capacity);
     int64_t const stats = int64_t(head) * p.q_rows_padded + offset_padded;
     for (int row = threadIdx.x; row < seqlen; row += blockDim.x) {
       float const lse_log2 = p.lse_log2[stats + row];

@@ -730,6 +730,20 @@ struct MainloopBwdSm90 {
     return first;
   }
 
+  // The dQ warp's lane 0 at the top of a row block: an ascending walk (or a deterministic run)
+  // decides here (dq_first_writer); a rotated one (`late`) only peeks, and is decided if a first
+  // writer's store has already landed (it adds). Returns whether it is decided; `first` then
+  // says whether this column block writes first. An undecided walk calls dq_first_writer once
+  // its first dQ piece is in shared memory (kDqTicketLanded).
+  CUTE_DEVICE static bool dq_first_writer_at_top(Params const& p, int* ticket, int rank, bool late, bool& first) {
+    if (!late) {
+      first = dq_first_writer(p, ticket, rank);
+      return true;
+    }
+    first = false;
+    return dq_ticket_landed(ticket);
+  }
+
   // Deterministic dQ: the semaphores of (head, batch)'s row blocks, row block m at
   // m * dq_semaphore_stride.
   CUTE_DEVICE static int* dq_semaphores(Params const& p, int head, int batch) {
@@ -867,14 +881,7 @@ struct MainloopBwdSm90 {
         bool const late = ticket != nullptr && !p.deterministic && rotation.size > 0;
         bool first = false;
         bool decided = ticket == nullptr;
-        if (lane0 && ticket != nullptr) {
-          if (!late) {
-            first = dq_first_writer(p, ticket, rank);
-            decided = true;
-          } else {
-            decided = dq_ticket_landed(ticket);
-          }
-        }
+        if (lane0 && ticket != nullptr) { decided = dq_first_writer_at_top(p, ticket, rank, late, first); }
         __syncwarp();
         CUTLASS_PRAGMA_UNROLL
         for (int wg = 0; wg < NumMmaWG; ++wg) {
@@ -999,12 +1006,9 @@ struct MainloopBwdSm90 {
         bool first = false;
         bool decided = ticket == nullptr;
         if (ticket != nullptr) {
-          if (!late) {
-            first = __any_sync(0xffffffff, lane0 && dq_first_writer(p, ticket, rank));
-            decided = true;
-          } else {
-            decided = __any_sync(0xffffffff, lane0 && dq_ticket_landed(ticket));
-          }
+          bool const lane_decided = lane0 && dq_first_writer_at_top(p, ticket, rank, late, first);
+          decided = __any_sync(0xffffffff, lane_decided);
+          first = __any_sync(0xffffffff, first);
         }
         CUTLASS_PRAGMA_NO_UNROLL
         for (int j = 0; j < kDqPieces; ++j, ++piece) {
