@@ -94,13 +94,15 @@ CUTE_DEVICE void convert_block(PostprocessParams const& p, ConvertRows<kRows> co
   bool written = true;
   if (p.tickets != nullptr) {
     constexpr int kWarpgroups = NumThreads / cutlass::NumThreadsPerWarpGroup;
-    int64_t const row_block = (int64_t(head) * p.rows_padded + rows_of.offset_padded) / kRows + block;
+    int64_t const row_block = workspace_row_block(head, p.rows_padded, rows_of.offset_padded, kRows, block);
     written = __ldcg(p.tickets + row_block * kWarpgroups + thread_idx / cutlass::NumThreadsPerWarpGroup) != 0;
   }
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < kValues / 4; ++i) {
-    // L2: the sums were added there.
-    float4 const v = written ? __ldcg(src + i * cutlass::NumThreadsPerWarpGroup) : make_float4(0.f, 0.f, 0.f, 0.f);
+    // L2: the sums were added there. Loaded whatever the ticket says (an unwritten chunk holds
+    // stale workspace, read and dropped), so that these loads do not wait for the ticket's.
+    float4 v = __ldcg(src + i * cutlass::NumThreadsPerWarpGroup);
+    if (!written) { v = make_float4(0.f, 0.f, 0.f, 0.f); }
     float const vals[4] = {v.x, v.y, v.z, v.w};
     CUTLASS_PRAGMA_UNROLL
     for (int j = 0; j < 4; ++j) {

@@ -20,6 +20,8 @@
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
 
+#include "sm90/tile_size_bwd_sm90.hpp"
+
 namespace cuflash::sm90::bwd {
 
 struct PreprocessParams {
@@ -72,11 +74,11 @@ CUTE_DEVICE void preprocess_rows(int const* cu_seqlens_q, int const* seqused_q, 
 // Grid (ceil(seqlen_q / kBlockM), H, B). A row is read by kLanesPerRow lanes of 8 elements
 // each (head dims up to 256), so a warp covers 32 / kLanesPerRow rows at a time: every lane holds
 // one load pair per step at every head dim, where one row per warp left half (hdim128) or three
-// quarters (hdim64) of the lanes idle. One load pair per lane keeps the registers at 32-34
-// (ptxas, CUDA 13.0), the occupancy that carries this kernel's memory parallelism; more rows'
-// loads in flight per lane measured slower (above).
+// quarters (hdim64) of the lanes idle. One load pair per lane fits 32 registers (ptxas, CUDA
+// 13.0; the launch bounds ask for 8 CTAs per SM, a full SM of warps), the occupancy that carries
+// this kernel's memory parallelism; more rows' loads in flight per lane measured slower (above).
 template <class Element, int kBlockM, int kHeadDimV>
-__global__ void __launch_bounds__(256) flash_bwd_preprocess_sm90(PreprocessParams const p) {
+__global__ void __launch_bounds__(256, 8) flash_bwd_preprocess_sm90(PreprocessParams const p) {
   constexpr int kLanesPerRow = kHeadDimV > 128 ? 32 : kHeadDimV > 64 ? 16 : 8;
   static_assert(kHeadDimV <= kLanesPerRow * 8, "a row's 8-element chunks must fit its lanes");
   constexpr int kRowsPerWarp = 32 / kLanesPerRow;
@@ -95,7 +97,7 @@ __global__ void __launch_bounds__(256) flash_bwd_preprocess_sm90(PreprocessParam
   // Every row block the batch owns, past seqused too: the postprocess converts those rows (no
   // column block writes them, so their tickets say zeros).
   if (p.dq_tickets != nullptr && int(threadIdx.x) < p.tickets_per_block && m_block * kBlockM < capacity) {
-    int64_t const row_block = (int64_t(head) * p.q_rows_padded + offset_padded) / kBlockM + m_block;
+    int64_t const row_block = workspace_row_block(head, p.q_rows_padded, offset_padded, kBlockM, m_block);
     p.dq_tickets[row_block * p.tickets_per_block + threadIdx.x] = 0;
   }
   if (m_block * kBlockM >= ((seqlen + kBlockM - 1) / kBlockM) * kBlockM) { return; }
@@ -114,6 +116,13 @@ __global__ void __launch_bounds__(256) flash_bwd_preprocess_sm90(PreprocessParam
   for (int r_warp = warp * kRowsPerWarp; r_warp < kBlockM; r_warp += kRowsPerStep) {
     int const r = r_warp + lane / kLanesPerRow;
     int const row = m_block * kBlockM + r;
+    // The row's lse and dlse are loaded beside O and dO, so that a step waits for one round
+    // trip to memory; loaded after the row sum's shuffles they made it two (three with dlse).
+    float row_lse = -INFINITY, row_dlse = 0.f;
+    if (row < seqlen) {
+      row_lse = lse[row];
+      if (dlse != nullptr) { row_dlse = dlse[row]; }
+    }
     float sum = 0.f;
     if (row < seqlen && col < p.head_dim_v) {
       int64_t const grow = offset + row;
@@ -128,12 +137,9 @@ __global__ void __launch_bounds__(256) flash_bwd_preprocess_sm90(PreprocessParam
     for (int s = kLanesPerRow / 2; s > 0; s /= 2) { sum += __shfl_xor_sync(0xffffffff, sum, s); }
     if (lane % kLanesPerRow == 0) {
       float lse_log2 = INFINITY;
-      if (row < seqlen) {
-        float const l = lse[row];
-        if (l != -INFINITY) {
-          lse_log2 = l * float(M_LOG2E);
-          if (dlse != nullptr) { sum -= dlse[row]; }
-        }
+      if (row_lse != -INFINITY) {  // also rows past seqlen
+        lse_log2 = row_lse * float(M_LOG2E);
+        sum -= row_dlse;
       }
       p.lse_log2[stats + row] = lse_log2;
       p.dpsum[stats + row] = row < seqlen ? sum : 0.f;

@@ -712,7 +712,7 @@ struct MainloopBwdSm90 {
 
   // Row block m_block's ticket for warpgroup wg's half of the chunk (Params::dq_tickets).
   CUTE_DEVICE static int* dq_ticket(Params const& p, BwdSeqlen const& seq, int head, int m_block, int wg) {
-    int64_t const row_block = (int64_t(head) * p.q_rows_padded + seq.offset_q_padded) / kBlockM + m_block;
+    int64_t const row_block = workspace_row_block(head, p.q_rows_padded, seq.offset_q_padded, kBlockM, m_block);
     return p.dq_tickets + row_block * NumMmaWG + wg;
   }
 

@@ -75,4 +75,11 @@ constexpr long long padded_rows(long long total_rows, int batch, int max_seqlen,
                 : static_cast<long long>(batch) * ((max_seqlen + block - 1) / block * block);
 }
 
+// The workspace row block of a batch's row block m_block: the index of its dq_accum chunk and of
+// its first-writer tickets in a head's padded rows, where the batch's rows start at offset_padded
+// (a multiple of `block`). The preprocess, the main kernel and the postprocess all index by it.
+constexpr long long workspace_row_block(int head, int rows_padded, int offset_padded, int block, int m_block) {
+  return (static_cast<long long>(head) * rows_padded + offset_padded) / block + m_block;
+}
+
 }  // namespace cuflash::sm90::bwd
