@@ -8,8 +8,10 @@
 #   REGEX='^flash_fwd_hdim128_bf16_(flex_(split_)?)?sm90$' TEST_VARIANT=new GTEST_FILTER='*ForwardFlex*' \
 #   BENCH=flex BENCH_ARGS="--hdims 128 --seqlens 2048,8192" PASSES=2 tools/gpu_ab.sh
 #
-# VARIANTS: space-separated NAME or NAME:FLAGS (FLAGS: one -D... for CMAKE_CUDA_FLAGS and
-# CMAKE_CXX_FLAGS, no spaces).
+# VARIANTS: space-separated NAME, NAME:FLAGS (FLAGS: one -D... for CMAKE_CUDA_FLAGS and
+# CMAKE_CXX_FLAGS, no spaces) or NAME@DIR (a copy of the tree with the files under DIR, a folder
+# of the working tree laid out as the repository, put over it: e.g. the committed version of a
+# changed source file as the base of an A/B, without a switch in the code).
 # KERNEL_SET (default custom), HDIMS, DTYPES (default bf16), FEATURES, REGEX (CUFLASH_KERNEL_REGEX):
 # the kernel selection of every variant. TEST_VARIANT / GTEST_FILTER / TEST_TIMEOUT: the GPU tests
 # (none without TEST_VARIANT). BENCH: a bench/bench_NAME.py step of gpu_check (fwd, bwd, flex, gqa;
@@ -31,30 +33,46 @@ PASSES=${PASSES:-2}
 STAGGER=${STAGGER:-40}
 
 log() { echo "$*" >>"$ALL"; }
-run() {  # run LOGFILE VAR=value... : tools/gpu_check.sh under those settings
-  local logfile=$1
-  shift
+run() {  # run TREE LOGFILE VAR=value... : TREE/tools/gpu_check.sh under those settings
+  local tree=$1 logfile=$2
+  shift 2
   if [[ ${DRY_RUN:-0} == 1 ]]; then
-    echo "env $* bash $ROOT/tools/gpu_check.sh > $logfile" | tee -a "$ALL"
+    echo "env $* bash $tree/tools/gpu_check.sh > $logfile" | tee -a "$ALL"
     return 0
   fi
-  env "$@" bash "$ROOT/tools/gpu_check.sh" >"$logfile" 2>&1
+  env "$@" bash "$tree/tools/gpu_check.sh" >"$logfile" 2>&1
 }
-name_of() { echo "${1%%:*}"; }
+name_of() { local name=${1%%:*}; echo "${name%%@*}"; }
 flags_of() { [[ $1 == *:* ]] && echo "${1#*:}"; }
+overlay_of() { [[ $1 == *@* ]] && { local dir=${1#*@}; echo "${dir%%:*}"; }; }
+tree_named() { local i; for i in "${!names[@]}"; do [[ ${names[$i]} == "$1" ]] && echo "${trees[$i]}"; done; }
+tree_of() { [[ $1 == *@* ]] && echo "/tmp/ab_tree_$(name_of "$1")" || echo "$ROOT"; }
 
+log "gpu_ab $(date -u +%FT%TZ) variants: $VARIANTS; kernel_set=$KERNEL_SET hdims=${HDIMS:-} dtypes=$DTYPES features=${FEATURES:-} regex=${REGEX:-}"
 names=()
+trees=()
 for variant in $VARIANTS; do
   name=$(name_of "$variant")
   [[ $name =~ ^[A-Za-z0-9_]+$ ]] || { echo "VARIANTS: '$name' is not a plain name" >&2; exit 2; }
+  overlay=$(overlay_of "$variant")
+  if [[ -n $overlay ]]; then
+    [[ -d $ROOT/$overlay ]] || { echo "VARIANTS: '$overlay' is not a folder of the tree" >&2; exit 2; }
+    tree=$(tree_of "$variant")
+    if [[ ${DRY_RUN:-0} != 1 ]]; then
+      rm -rf "$tree" && mkdir -p "$tree" &&
+        (cd "$ROOT" && tar cf - --exclude='./build*' --exclude=./gpu_check_out .) | (cd "$tree" && tar xf -) &&
+        cp -r "$ROOT/$overlay/." "$tree/" || { echo "VARIANTS: could not lay out $tree" >&2; exit 2; }
+    fi
+    log "variant $name: the tree with $(cd "$ROOT/$overlay" && find . -type f | sort | tr '\n' ' ')over it"
+  fi
   names+=("$name")
+  trees+=("$(tree_of "$variant")")
 done
 if [[ -n ${TEST_VARIANT:-} && " ${names[*]} " != *" $TEST_VARIANT "* ]]; then
   echo "TEST_VARIANT: '$TEST_VARIANT' is not among VARIANTS ($VARIANTS)" >&2
   exit 2
 fi
 
-log "gpu_ab $(date -u +%FT%TZ) variants: $VARIANTS; kernel_set=$KERNEL_SET hdims=${HDIMS:-} dtypes=$DTYPES features=${FEATURES:-} regex=${REGEX:-}"
 first=1
 for variant in $VARIANTS; do
   name=$(name_of "$variant")
@@ -65,7 +83,7 @@ for variant in $VARIANTS; do
   [[ $name != "${TEST_VARIANT:-}" ]] && extra="$extra -DCUFLASH_BUILD_TESTS=OFF"
   [[ $first == 1 ]] || { [[ ${DRY_RUN:-0} == 1 ]] || sleep "$STAGGER"; }
   first=0
-  run "/tmp/ab_build_$name.log" OUT="/tmp/ab_out_$name" BUILD_DIR="/tmp/ab_build_$name" STEPS=build \
+  run "$(tree_of "$variant")" "/tmp/ab_build_$name.log" OUT="/tmp/ab_out_$name" BUILD_DIR="/tmp/ab_build_$name" STEPS=build \
     CMAKE_EXTRA="$extra" &
 done
 wait
@@ -75,7 +93,7 @@ for name in "${names[@]}"; do
 done
 
 if [[ -n ${TEST_VARIANT:-} ]]; then
-  run /tmp/ab_tests.log OUT=/tmp/ab_tests BUILD_DIR="/tmp/ab_build_$TEST_VARIANT" STEPS=test \
+  run "$(tree_named "$TEST_VARIANT")" /tmp/ab_tests.log OUT=/tmp/ab_tests BUILD_DIR="/tmp/ab_build_$TEST_VARIANT" STEPS=test \
     GTEST_FILTER="${GTEST_FILTER:-*Gpu*}" TEST_TIMEOUT="${TEST_TIMEOUT:-240}"
   log "== tests on $TEST_VARIANT"
   grep "^tests" /tmp/ab_tests/summary.txt >>"$ALL" 2>/dev/null
@@ -93,7 +111,7 @@ if [[ -n ${BENCH:-} ]]; then
   for pass in $(seq "$PASSES"); do
     for name in "${names[@]}"; do
       log "##### $name (pass $pass) $BENCH ${BENCH_ARGS:-}"
-      run "/tmp/ab_bench_$name.log" OUT="/tmp/ab_bench_$name" BUILD_DIR="/tmp/ab_build_$name" STEPS="$step" \
+      run "$(tree_named "$name")" "/tmp/ab_bench_$name.log" OUT="/tmp/ab_bench_$name" BUILD_DIR="/tmp/ab_build_$name" STEPS="$step" \
         "${settings[@]}"
       grep -v "^$" "/tmp/ab_bench_$name/$logname" 2>/dev/null | tail -60 >>"$ALL"
     done
