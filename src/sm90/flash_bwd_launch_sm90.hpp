@@ -97,17 +97,20 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // hdim128 +2.2% / +0.4%, hdim256 +1.9% / +0.6%. So auto takes it where the walks rotate over
   // whole heads (a head's column blocks fit on the GPU at once and are no more than its row
   // blocks; longer heads rotate within windows, whose L2 cost is not measured without
-  // determinism). Deterministic runs (rank 0 stores, nothing waits that did not wait before) are
-  // not yet measured.
+  // determinism). Deterministic runs (rank 0 stores, nothing waits that did not wait before),
+  // measured on the H100 against the memset (bench/NOTES.md, "Run of 2026-12-06
+  // (twenty-fourth)"): hdim256 causal +5.5% / +1.8% at 2k / 4k, non-causal +1.5% / 0%; hdim128
+  // (one dQ warp) causal within 1%, non-causal -1% / -3.6%. So auto takes it for deterministic
+  // runs of the sliced kernels' bulk dQ, window or not, and keeps the memset at hdim128.
   bool const rotation_fits = !HasWindow && !Mainloop::kIsFlex && params.num_sm > 0 &&
                              std::int64_t(num_n_blocks) * num_heads * batch < (std::int64_t(1) << 31);
   BwdDqClear const dq_clear = BwdDqClear(params.dq_clear);
   bool const first_store =
       (Mainloop::kDqViaSmem || dq_bulk) &&
       (dq_clear == BwdDqClear::kFirstStore ||
-       (dq_clear == BwdDqClear::kAuto && !params.deterministic &&
-        ((dq_bulk && (params.is_causal || params.is_local)) ||
-         (rotation_fits && num_n_blocks <= params.num_sm && num_n_blocks <= num_m_blocks))));
+       (dq_clear == BwdDqClear::kAuto &&
+        ((dq_bulk && (params.is_causal || params.is_local || params.deterministic)) ||
+         (!params.deterministic && rotation_fits && num_n_blocks <= params.num_sm && num_n_blocks <= num_m_blocks))));
   int* const dq_tickets = first_store ? params.dq_tickets : nullptr;
   if (dq_tickets == nullptr) { zero(params.dq_accum, sizeof(float) * size_t(num_heads) * q_rows_padded * kHeadDim); }
   if (gqa) {
