@@ -857,6 +857,24 @@ struct MainloopBwdSm90 {
   CUTE_DEVICE static void store_dq(Params const& p, TensorStorage& smem, BwdSeqlen const& seq, int n_block, int head,
                                    int batch) {
     if constexpr (kDqViaSmem) {
+      // The ticket code only in the loop that uses it. Without tickets (dq_accum cleared by the
+      // memset) the deterministic dQ warp's path from its turn to its release is then the code it
+      // was before the first stores (the same SASS, about 55 instructions, no taken branch):
+      // compiled in and skipped at run time, the ticket code doubled that path and broke it
+      // into jumps. The deterministic hdim128 backward, whose step this warp's cycle sets, has
+      // measured 8-10% slower since the first stores came in; this is the one change its path
+      // saw (bench/NOTES.md, "Run of 2026-12-06 (twenty-fourth)").
+      if (p.dq_tickets != nullptr) {
+        store_dq_loop<true>(p, smem, seq, n_block, head, batch);
+      } else {
+        store_dq_loop<false>(p, smem, seq, n_block, head, batch);
+      }
+    }
+  }
+  template <bool kTickets>
+  CUTE_DEVICE static void store_dq_loop(Params const& p, TensorStorage& smem, BwdSeqlen const& seq, int n_block,
+                                        int head, int batch) {
+    if constexpr (kDqViaSmem) {
       auto walk = make_walk(p, seq, n_block, head, batch);
       RotationGroup const rotation = rotation_group(p, seq, n_block, head, batch);
       constexpr int kWgChunk = kDqChunk / NumMmaWG;
@@ -877,19 +895,25 @@ struct MainloopBwdSm90 {
         // Ascending walks take it here, so that a later writer waits for the first one's store
         // while the MMA warpgroups still compute the block's dQ; rotated walks (late) peek here
         // and take it once the first half is in shared memory (see kDqTicketLanded).
-        int* const ticket = p.dq_tickets != nullptr ? dq_ticket(p, seq, head, m_block, 0) : nullptr;
-        bool const late = ticket != nullptr && !p.deterministic && rotation.size > 0;
+        int* ticket = nullptr;
         bool first = false;
-        bool decided = ticket == nullptr;
-        if (lane0 && ticket != nullptr) { decided = dq_first_writer_at_top(p, ticket, rank, late, first); }
-        __syncwarp();
+        bool decided = true;
+        if constexpr (kTickets) {
+          ticket = dq_ticket(p, seq, head, m_block, 0);
+          bool const late = !p.deterministic && rotation.size > 0;
+          decided = false;
+          if (lane0) { decided = dq_first_writer_at_top(p, ticket, rank, late, first); }
+          __syncwarp();
+        }
         CUTLASS_PRAGMA_UNROLL
         for (int wg = 0; wg < NumMmaWG; ++wg) {
           cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp,
                                             uint32_t(BwdBarrier::kDqFull) + wg);
           if (lane0) {
-            if (wg == 0 && !decided) { first = dq_first_writer(p, ticket, rank); }
             float* dst = dq_accum + int64_t(m_block) * kDqChunk + wg * kWgChunk;
+            if constexpr (kTickets) {
+              if (wg == 0 && !decided) { first = dq_first_writer(p, ticket, rank); }
+            }
             if (first) {
               bulk_store_f32(smem.dq.data() + wg * kWgChunk, dst, kWgChunk * int(sizeof(float)));
             } else {
@@ -897,7 +921,8 @@ struct MainloopBwdSm90 {
             }
             cute::tma_store_arrive();
           }
-          __syncwarp();  // lane 0 may have waited for a first store: the warp meets before the next barrier
+          // Lane 0 may have waited for a first store: the warp meets before the next barrier.
+          if constexpr (kTickets) { __syncwarp(); }
         }
         // A first writer sets every half's ticket bit once its stores have landed (the later
         // writers wait for warpgroup 0's, the postprocess reads each half's): below, after the
@@ -933,11 +958,13 @@ struct MainloopBwdSm90 {
             cutlass::arch::NamedBarrier::arrive(cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp,
                                                 uint32_t(BwdBarrier::kDqEmpty) + decltype(wg)::value);
           });
-          if (lane0 && first) {
-            asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-            land_first();
+          if constexpr (kTickets) {
+            if (lane0 && first) {
+              asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+              land_first();
+            }
+            __syncwarp();
           }
-          __syncwarp();
           walk.next();
         }
       }
