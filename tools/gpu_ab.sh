@@ -44,22 +44,31 @@ run() {  # run TREE LOGFILE VAR=value... : TREE/tools/gpu_check.sh under those s
 }
 name_of() { local name=${1%%:*}; echo "${name%%@*}"; }
 flags_of() { [[ $1 == *:* ]] && echo "${1#*:}"; }
-overlay_of() { [[ $1 == *@* ]] && { local dir=${1#*@}; echo "${dir%%:*}"; }; }
+# The overlay folder is read before any ':', so that an '@' inside FLAGS is not taken for one.
+overlay_of() { local head=${1%%:*}; [[ $head == *@* ]] && echo "${head#*@}"; }
 tree_named() { local i; for i in "${!names[@]}"; do [[ ${names[$i]} == "$1" ]] && echo "${trees[$i]}"; done; }
-tree_of() { [[ $1 == *@* ]] && echo "/tmp/ab_tree_$(name_of "$1")" || echo "$ROOT"; }
+tree_of() { [[ -n $(overlay_of "$1") ]] && echo "/tmp/ab_tree_$(name_of "$1")" || echo "$ROOT"; }
+# Overlay variants build from their own tree in their own folder, made anew each call: a tree
+# copied by tar keeps the old files' times, so a file dropped from the overlay could come back
+# older than the objects built from it, and a folder configured from another source tree is
+# refused by CMake.
+build_of() { [[ -n $(overlay_of "$1") ]] && echo "/tmp/ab_build_$(name_of "$1")_overlay" || echo "/tmp/ab_build_$(name_of "$1")"; }
+build_named() { local i; for i in "${!names[@]}"; do [[ ${names[$i]} == "$1" ]] && echo "${builds[$i]}"; done; }
 
 log "gpu_ab $(date -u +%FT%TZ) variants: $VARIANTS; kernel_set=$KERNEL_SET hdims=${HDIMS:-} dtypes=$DTYPES features=${FEATURES:-} regex=${REGEX:-}"
 names=()
 trees=()
+builds=()
 for variant in $VARIANTS; do
   name=$(name_of "$variant")
   [[ $name =~ ^[A-Za-z0-9_]+$ ]] || { echo "VARIANTS: '$name' is not a plain name" >&2; exit 2; }
   overlay=$(overlay_of "$variant")
+  [[ ${variant%%:*} == *@ ]] && { echo "VARIANTS: '$variant' names no folder after '@'" >&2; exit 2; }
   if [[ -n $overlay ]]; then
     [[ -d $ROOT/$overlay ]] || { echo "VARIANTS: '$overlay' is not a folder of the tree" >&2; exit 2; }
     tree=$(tree_of "$variant")
     if [[ ${DRY_RUN:-0} != 1 ]]; then
-      rm -rf "$tree" && mkdir -p "$tree" &&
+      rm -rf "$tree" "$(build_of "$variant")" && mkdir -p "$tree" &&
         (cd "$ROOT" && tar cf - --exclude='./build*' --exclude=./gpu_check_out .) | (cd "$tree" && tar xf -) &&
         cp -r "$ROOT/$overlay/." "$tree/" || { echo "VARIANTS: could not lay out $tree" >&2; exit 2; }
     fi
@@ -67,6 +76,7 @@ for variant in $VARIANTS; do
   fi
   names+=("$name")
   trees+=("$(tree_of "$variant")")
+  builds+=("$(build_of "$variant")")
 done
 if [[ -n ${TEST_VARIANT:-} && " ${names[*]} " != *" $TEST_VARIANT "* ]]; then
   echo "TEST_VARIANT: '$TEST_VARIANT' is not among VARIANTS ($VARIANTS)" >&2
@@ -83,7 +93,7 @@ for variant in $VARIANTS; do
   [[ $name != "${TEST_VARIANT:-}" ]] && extra="$extra -DCUFLASH_BUILD_TESTS=OFF"
   [[ $first == 1 ]] || { [[ ${DRY_RUN:-0} == 1 ]] || sleep "$STAGGER"; }
   first=0
-  run "$(tree_of "$variant")" "/tmp/ab_build_$name.log" OUT="/tmp/ab_out_$name" BUILD_DIR="/tmp/ab_build_$name" STEPS=build \
+  run "$(tree_of "$variant")" "/tmp/ab_build_$name.log" OUT="/tmp/ab_out_$name" BUILD_DIR="$(build_of "$variant")" STEPS=build \
     CMAKE_EXTRA="$extra" &
 done
 wait
@@ -93,7 +103,7 @@ for name in "${names[@]}"; do
 done
 
 if [[ -n ${TEST_VARIANT:-} ]]; then
-  run "$(tree_named "$TEST_VARIANT")" /tmp/ab_tests.log OUT=/tmp/ab_tests BUILD_DIR="/tmp/ab_build_$TEST_VARIANT" STEPS=test \
+  run "$(tree_named "$TEST_VARIANT")" /tmp/ab_tests.log OUT=/tmp/ab_tests BUILD_DIR="$(build_named "$TEST_VARIANT")" STEPS=test \
     GTEST_FILTER="${GTEST_FILTER:-*Gpu*}" TEST_TIMEOUT="${TEST_TIMEOUT:-240}"
   log "== tests on $TEST_VARIANT"
   grep "^tests" /tmp/ab_tests/summary.txt >>"$ALL" 2>/dev/null
@@ -111,7 +121,7 @@ if [[ -n ${BENCH:-} ]]; then
   for pass in $(seq "$PASSES"); do
     for name in "${names[@]}"; do
       log "##### $name (pass $pass) $BENCH ${BENCH_ARGS:-}"
-      run "$(tree_named "$name")" "/tmp/ab_bench_$name.log" OUT="/tmp/ab_bench_$name" BUILD_DIR="/tmp/ab_build_$name" STEPS="$step" \
+      run "$(tree_named "$name")" "/tmp/ab_bench_$name.log" OUT="/tmp/ab_bench_$name" BUILD_DIR="$(build_named "$name")" STEPS="$step" \
         "${settings[@]}"
       grep -v "^$" "/tmp/ab_bench_$name/$logname" 2>/dev/null | tail -60 >>"$ALL"
     done

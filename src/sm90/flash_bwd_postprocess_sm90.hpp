@@ -101,6 +101,7 @@ CUTE_DEVICE void convert_block(PostprocessParams const& p, ConvertRows<kRows> co
   for (int i = 0; i < kValues / 4; ++i) {
     // L2: the sums were added there. Loaded whatever the ticket says (an unwritten chunk holds
     // stale workspace, read and dropped), so that these loads do not wait for the ticket's.
+    // compute-sanitizer's initcheck reports those reads; memcheck and racecheck do not.
     float4 v = __ldcg(src + i * cutlass::NumThreadsPerWarpGroup);
     if (!written) { v = make_float4(0.f, 0.f, 0.f, 0.f); }
     float const vals[4] = {v.x, v.y, v.z, v.w};
