@@ -1007,6 +1007,18 @@ struct MainloopBwdSm90 {
   CUTE_DEVICE static void store_dq_bulk(Params const& p, DqSlotStorage& ring, BwdSeqlen const& seq, int n_block,
                                         int head, int batch, int wg) {
     if constexpr (kHasDqBulk) {
+      // The ticket code only in the loop that uses it, as in store_dq.
+      if (p.dq_tickets != nullptr) {
+        store_dq_bulk_loop<true>(p, ring, seq, n_block, head, batch, wg);
+      } else {
+        store_dq_bulk_loop<false>(p, ring, seq, n_block, head, batch, wg);
+      }
+    }
+  }
+  template <bool kTickets>
+  CUTE_DEVICE static void store_dq_bulk_loop(Params const& p, DqSlotStorage& ring, BwdSeqlen const& seq, int n_block,
+                                             int head, int batch, int wg) {
+    if constexpr (kHasDqBulk) {
       static_assert(NumMmaWG == 2, "kDqLanded takes the id of a third warpgroup's kDqEmpty");
       auto walk = make_walk(p, seq, n_block, head, batch);
       float* dq_accum = p.dq_accum + (int64_t(head) * p.q_rows_padded + seq.offset_q_padded) * kHeadDim +
@@ -1028,11 +1040,12 @@ struct MainloopBwdSm90 {
         // The first writer of this half stores it, the others add once it has landed
         // (dq_first_writer): ascending walks take the ticket here, before the pieces are ready;
         // rotated ones (late) peek here and take it once the first piece is (kDqTicketLanded).
-        int* const ticket = p.dq_tickets != nullptr ? dq_ticket(p, seq, head, m_block, wg) : nullptr;
-        bool const late = ticket != nullptr && !p.deterministic && rotation.size > 0;
+        int* ticket = nullptr;
         bool first = false;
-        bool decided = ticket == nullptr;
-        if (ticket != nullptr) {
+        bool decided = true;
+        if constexpr (kTickets) {
+          ticket = dq_ticket(p, seq, head, m_block, wg);
+          bool const late = !p.deterministic && rotation.size > 0;
           bool const lane_decided = lane0 && dq_first_writer_at_top(p, ticket, rank, late, first);
           decided = __any_sync(0xffffffff, lane_decided);
           first = __any_sync(0xffffffff, first);
@@ -1041,9 +1054,11 @@ struct MainloopBwdSm90 {
         for (int j = 0; j < kDqPieces; ++j, ++piece) {
           int const s = DqSlotStorage::slot_of(piece);
           ring.full[wg][s].wait(DqSlotStorage::parity_of(piece));
-          if (!decided) {
-            first = __any_sync(0xffffffff, lane0 && dq_first_writer(p, ticket, rank));
-            decided = true;
+          if constexpr (kTickets) {
+            if (!decided) {
+              first = __any_sync(0xffffffff, lane0 && dq_first_writer(p, ticket, rank));
+              decided = true;
+            }
           }
           if (lane0) {
             if (first) {
@@ -1060,15 +1075,17 @@ struct MainloopBwdSm90 {
           pending = true;
           __syncwarp();
         }
-        if (first && !p.deterministic) {
-          // The stores landed (the last slot freed), then the ticket's bit.
-          if (lane0) {
-            asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-            ring.empty[wg][DqSlotStorage::slot_of(piece + kDqSlots - 1)].arrive();
-            dq_ticket_land(ticket);
+        if constexpr (kTickets) {
+          if (first && !p.deterministic) {
+            // The stores landed (the last slot freed), then the ticket's bit.
+            if (lane0) {
+              asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+              ring.empty[wg][DqSlotStorage::slot_of(piece + kDqSlots - 1)].arrive();
+              dq_ticket_land(ticket);
+            }
+            pending = false;
+            __syncwarp();
           }
-          pending = false;
-          __syncwarp();
         }
         walk.next();
         if (p.deterministic) {
@@ -1079,7 +1096,9 @@ struct MainloopBwdSm90 {
             // Visible to this thread once fully waited; the release below is cumulative.
             asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
             ring.empty[wg][DqSlotStorage::slot_of(piece + kDqSlots - 1)].arrive();
-            if (first) { dq_ticket_land(ticket); }
+            if constexpr (kTickets) {
+              if (first) { dq_ticket_land(ticket); }
+            }
           }
           pending = false;
           __syncwarp();
