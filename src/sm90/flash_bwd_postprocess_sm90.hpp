@@ -88,13 +88,12 @@ CUTE_DEVICE void convert_block(PostprocessParams const& p, ConvertRows<kRows> co
   Tensor coords = thr_mma.partition_C(make_identity_tensor(AccShape{}));
   constexpr int kValues = decltype(size(coords))::value;
   constexpr int kWgChunk = kValues * cutlass::NumThreadsPerWarpGroup;
-  float const* chunk = p.accum + (int64_t(head) * p.rows_padded + rows_of.offset_padded + int64_t(block) * kRows) * kCols +
-                       (thread_idx / cutlass::NumThreadsPerWarpGroup) * kWgChunk;
+  int64_t const row_block = workspace_row_block(head, p.rows_padded, rows_of.offset_padded, kRows, block);
+  float const* chunk = p.accum + row_block * (kRows * kCols) + (thread_idx / cutlass::NumThreadsPerWarpGroup) * kWgChunk;
   float4 const* src = reinterpret_cast<float4 const*>(chunk) + thread_idx % cutlass::NumThreadsPerWarpGroup;
   bool written = true;
   if (p.tickets != nullptr) {
     constexpr int kWarpgroups = NumThreads / cutlass::NumThreadsPerWarpGroup;
-    int64_t const row_block = workspace_row_block(head, p.rows_padded, rows_of.offset_padded, kRows, block);
     written = __ldcg(p.tickets + row_block * kWarpgroups + thread_idx / cutlass::NumThreadsPerWarpGroup) != 0;
   }
   CUTLASS_PRAGMA_UNROLL

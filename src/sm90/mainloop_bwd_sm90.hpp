@@ -11,6 +11,8 @@
 // which the postprocess kernel reads back with the same MMA partitioning.
 #pragma once
 
+#include <type_traits>
+
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/cutlass.h>
@@ -744,6 +746,23 @@ struct MainloopBwdSm90 {
     return dq_ticket_landed(ticket);
   }
 
+  // Runs a dQ warp's loop compiled with the first-store ticket code (std::true_type: dq_accum
+  // starts from first stores, Params::dq_tickets) or without it (std::false_type: the memset),
+  // chosen once per CTA. Compiled in and skipped at run time, the ticket code doubled the
+  // deterministic dQ warp's path from its turn to its release (about 55 straight-line
+  // instructions to about 110 with 6-7 taken jumps), and that warp's cycle sets the deterministic
+  // step: the deterministic hdim128 backward measured 8-10% slower once the tickets came in
+  // (bench/NOTES.md, "Run of 2026-12-06 (twenty-fourth)"). Without them the loop is again the
+  // code it was before.
+  template <class Loop>
+  CUTE_DEVICE static void with_ticket_code(Params const& p, Loop&& loop) {
+    if (p.dq_tickets != nullptr) {
+      loop(std::true_type{});
+    } else {
+      loop(std::false_type{});
+    }
+  }
+
   // Deterministic dQ: the semaphores of (head, batch)'s row blocks, row block m at
   // m * dq_semaphore_stride.
   CUTE_DEVICE static int* dq_semaphores(Params const& p, int head, int batch) {
@@ -857,18 +876,9 @@ struct MainloopBwdSm90 {
   CUTE_DEVICE static void store_dq(Params const& p, TensorStorage& smem, BwdSeqlen const& seq, int n_block, int head,
                                    int batch) {
     if constexpr (kDqViaSmem) {
-      // The ticket code only in the loop that uses it. Without tickets (dq_accum cleared by the
-      // memset) the deterministic dQ warp's path from its turn to its release is then the code it
-      // was before the first stores (the same SASS, about 55 instructions, no taken branch):
-      // compiled in and skipped at run time, the ticket code doubled that path and broke it
-      // into jumps. The deterministic hdim128 backward, whose step this warp's cycle sets, has
-      // measured 8-10% slower since the first stores came in; this is the one change its path
-      // saw (bench/NOTES.md, "Run of 2026-12-06 (twenty-fourth)").
-      if (p.dq_tickets != nullptr) {
-        store_dq_loop<true>(p, smem, seq, n_block, head, batch);
-      } else {
-        store_dq_loop<false>(p, smem, seq, n_block, head, batch);
-      }
+      with_ticket_code(p, [&](auto tickets) {
+        store_dq_loop<decltype(tickets)::value>(p, smem, seq, n_block, head, batch);
+      });
     }
   }
   template <bool kTickets>
@@ -1007,12 +1017,9 @@ struct MainloopBwdSm90 {
   CUTE_DEVICE static void store_dq_bulk(Params const& p, DqSlotStorage& ring, BwdSeqlen const& seq, int n_block,
                                         int head, int batch, int wg) {
     if constexpr (kHasDqBulk) {
-      // The ticket code only in the loop that uses it, as in store_dq.
-      if (p.dq_tickets != nullptr) {
-        store_dq_bulk_loop<true>(p, ring, seq, n_block, head, batch, wg);
-      } else {
-        store_dq_bulk_loop<false>(p, ring, seq, n_block, head, batch, wg);
-      }
+      with_ticket_code(p, [&](auto tickets) {
+        store_dq_bulk_loop<decltype(tickets)::value>(p, ring, seq, n_block, head, batch, wg);
+      });
     }
   }
   template <bool kTickets>
