@@ -719,12 +719,14 @@ struct MainloopBwdSm90 {
   }
 
   // The dQ warp's lane 0: whether this column block writes the row block first (kDqTicketLanded).
-  // Deterministic: rank 0, its turn already awaited (await_rank), and a proxy fence so that an
-  // add follows rank 0's store as it does after dq_ticket_await. Otherwise the ticket decides,
-  // and a later writer waits here for the first one's store to land.
+  // Deterministic: rank 0, its turn already awaited (await_rank). Rank 1 adds right after rank
+  // 0's store, ordered with it only through the semaphore (generic proxy): the proxy fence of
+  // dq_ticket_await. Later ranks add after adds, as the deterministic runs over a memset always
+  // have. Otherwise the ticket decides, and a later writer waits here for the first one's store
+  // to land.
   CUTE_DEVICE static bool dq_first_writer(Params const& p, int* ticket, int rank) {
     if (p.deterministic) {
-      asm volatile("fence.proxy.async.global;\n" ::: "memory");
+      if (rank == 1) { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
       return rank == 0;
     }
     bool const first = dq_ticket_take(ticket) == 0;
