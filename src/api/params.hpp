@@ -329,9 +329,9 @@ enum class BwdDqConvert : int { kOverlap = 0, kAfter = 1 };
 // clears it before the preprocess, and every column block adds. Without a window, first stores
 // also rotate the column blocks' walks (not deterministic; the deterministic rotation is
 // CUFLASH_BWD_DET_WALK's). kAuto (the default): first stores where the launcher measured them
-// faster (the sliced hdim256 kernels' bulk dQ with causal or local or when deterministic, and,
-// not deterministic, without a window where the walks rotate over whole heads), the memset
-// elsewhere.
+// faster (the sliced hdim256 kernels' bulk dQ with causal or local, deterministic or not, and,
+// not deterministic, without a window where the walks rotate over whole heads; the sliced
+// kernels only up to 32 row blocks), the memset elsewhere.
 enum class BwdDqClear : int { kAuto = 0, kFirstStore = 1, kMemset = 2 };
 struct BwdLaunchChoice {
   BwdLaunchOrder order = BwdLaunchOrder::kAuto;

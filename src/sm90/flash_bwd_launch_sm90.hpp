@@ -83,33 +83,29 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
       BwdDqPath(params.dq_path) != BwdDqPath::kAuto ? BwdDqPath(params.dq_path) : kDqPathByDefault;
   bool const dq_bulk = Mainloop::kHasDqBulk && dq_path == BwdDqPath::kBulk;
   // dq_accum from the first writers' stores where dQ leaves by bulk copies (BwdDqClear), else
-  // cleared. Measured on the H100 against the memset (bench/NOTES.md, "Run of 2026-12-05
-  // (twenty-second)"), not deterministic: hdim256 causal +5.9% at 2k, +1.7% at 4k, where the
-  // column blocks reach a row block one after another; non-causal -3.5% / -9%, where a head's
-  // column blocks reach each row block together and the later ones wait for the first store;
-  // hdim128 (one dQ warp for both halves) causal +2.3% / -2.0%, non-causal -0.9% / -0.2%, with
-  // the first store's landing awaited before the smem halves went back (since moved after them,
-  // not yet measured). So auto takes it for the sliced kernels' bulk dQ with a window. Without a
-  // window, first stores rotate the walks (dq_rotate_window below), so that a head's column
-  // blocks reach each row block one after another, and the writers after the first find its store
-  // landed. Measured on the H200 against the memset, passes alternating (bench/NOTES.md, "Run of
-  // 2026-12-05 (twenty-third)"), non-causal 2k / 4k: hdim64 +1.3% / +0.9%, hdim96 +1.6% / +1.3%,
-  // hdim128 +2.2% / +0.4%, hdim256 +1.9% / +0.6%. So auto takes it where the walks rotate over
-  // whole heads (a head's column blocks fit on the GPU at once and are no more than its row
-  // blocks; longer heads rotate within windows, whose L2 cost is not measured without
-  // determinism). Deterministic runs (rank 0 stores, nothing waits that did not wait before),
-  // measured on the H100 against the memset (bench/NOTES.md, "Run of 2026-12-06
-  // (twenty-fourth)"): hdim256 causal +5.5% / +1.8% at 2k / 4k, non-causal +1.5% / 0%; hdim128
-  // (one dQ warp) causal within 1%, non-causal -1% / -3.6%. So auto takes it for deterministic
-  // runs of the sliced kernels' bulk dQ, window or not, and keeps the memset at hdim128.
+  // cleared. The first stores save the memset (a fixed cost per token) and cost tickets and waits
+  // (which grow with a head's work); later writers wait for a first store wherever a head's column
+  // blocks reach a row block together. Auto, from A/B runs against the memset (bench/NOTES.md,
+  // runs of 2026-12-05 twenty-second / twenty-third and 2026-12-06 twenty-fourth / twenty-fifth):
+  // - the sliced kernels' bulk dQ (hdim256) with a window, causal included: first stores, +3-6% at
+  //   2k where the column blocks reach a row block one after another (deterministic too);
+  // - without a window and not deterministic: first stores where the walks rotate over whole heads
+  //   (dq_rotate_window below: a head's column blocks fit on the GPU at once and are no more than
+  //   its row blocks), so that the writers after the first find its store landed; +0.4-2.2% at
+  //   2k / 4k for hdims 64-256 on the H200. Unrotated, non-causal lost 3.5-9%;
+  // - deterministic non-causal and hdim128's deterministic runs keep the memset (-1 to -3.6%);
+  // - the sliced kernels past 32 row blocks (2k rows at hdim256) keep the memset: there first
+  //   stores measured 0.5-5% slower in every case (4k / 8k / 16k, causal or not, deterministic or
+  //   not; H100, passes alternating).
+  constexpr int kDqBulkFirstStoreMaxRowBlocks = 32;
   bool const rotation_fits = !HasWindow && !Mainloop::kIsFlex && params.num_sm > 0 &&
                              std::int64_t(num_n_blocks) * num_heads * batch < (std::int64_t(1) << 31);
   BwdDqClear const dq_clear = BwdDqClear(params.dq_clear);
   bool const first_store =
       (Mainloop::kDqViaSmem || dq_bulk) &&
       (dq_clear == BwdDqClear::kFirstStore ||
-       (dq_clear == BwdDqClear::kAuto &&
-        ((dq_bulk && (params.is_causal || params.is_local || params.deterministic)) ||
+       (dq_clear == BwdDqClear::kAuto && (!dq_bulk || num_m_blocks <= kDqBulkFirstStoreMaxRowBlocks) &&
+        ((dq_bulk && (params.is_causal || params.is_local)) ||
          (!params.deterministic && rotation_fits && num_n_blocks <= params.num_sm && num_n_blocks <= num_m_blocks))));
   int* const dq_tickets = first_store ? params.dq_tickets : nullptr;
   if (dq_tickets == nullptr) { zero(params.dq_accum, sizeof(float) * size_t(num_heads) * q_rows_padded * kHeadDim); }
