@@ -87,16 +87,18 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // (which grow with a head's work); later writers wait for a first store wherever a head's column
   // blocks reach a row block together. Auto, from A/B runs against the memset (bench/NOTES.md,
   // runs of 2026-12-05 twenty-second / twenty-third and 2026-12-06 twenty-fourth / twenty-fifth):
-  // - the sliced kernels' bulk dQ (hdim256) with a window, causal included: first stores, +3-6% at
-  //   2k where the column blocks reach a row block one after another (deterministic too);
+  // - the sliced kernels' bulk dQ (hdim256) with a window, causal included: first stores, +3% at
+  //   2k on the H100 (+5.9% before later changes) where the column blocks reach a row block one
+  //   after another, deterministic too (+2.4-3%);
   // - without a window and not deterministic: first stores where the walks rotate over whole heads
   //   (dq_rotate_window below: a head's column blocks fit on the GPU at once and are no more than
   //   its row blocks), so that the writers after the first find its store landed; +0.4-2.2% at
   //   2k / 4k for hdims 64-256 on the H200. Unrotated, non-causal lost 3.5-9%;
-  // - deterministic non-causal and hdim128's deterministic runs keep the memset (-1 to -3.6%);
-  // - the sliced kernels past 32 row blocks (2k rows at hdim256) keep the memset: there first
-  //   stores measured 0.5-5% slower in every case (4k / 8k / 16k, causal or not, deterministic or
-  //   not; H100, passes alternating).
+  // - deterministic runs without a window, and every deterministic run of the other head dims,
+  //   keep the memset (first stores -1 to -3.6%);
+  // - the sliced kernels past 32 row blocks (2k rows at hdim256; by seqlen_q, the longest
+  //   sequence with varlen) keep the memset: there first stores measured 0.5-5% slower in every
+  //   case (4k / 8k / 16k, causal or not, deterministic or not; H100, passes alternating).
   constexpr int kDqBulkFirstStoreMaxRowBlocks = 32;
   bool const rotation_fits = !HasWindow && !Mainloop::kIsFlex && params.num_sm > 0 &&
                              std::int64_t(num_n_blocks) * num_heads * batch < (std::int64_t(1) << 31);

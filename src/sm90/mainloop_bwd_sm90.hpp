@@ -719,14 +719,16 @@ struct MainloopBwdSm90 {
   }
 
   // The dQ warp's lane 0: whether this column block writes the row block first (kDqTicketLanded).
-  // Deterministic: rank 0, its turn already awaited (await_rank). Rank 1 adds right after rank
-  // 0's store, ordered with it only through the semaphore (generic proxy): the proxy fence of
-  // dq_ticket_await. Later ranks add after adds, as the deterministic runs over a memset always
-  // have. Otherwise the ticket decides, and a later writer waits here for the first one's store
-  // to land.
+  // Deterministic: rank 0, its turn already awaited (await_rank). Every later rank's add is
+  // ordered after rank 0's store only through the semaphores (generic proxy: rank 0's release
+  // after its full wait, carried on by each rank's acquire and release), and only a proxy fence
+  // in the adding thread orders its own async-proxy add after what it acquired, as in
+  // dq_ticket_await: so every rank but 0 fences. (An add reaching the chunk before the store would
+  // lose sums silently; adds out of order over a memset would only change the rounding.)
+  // Otherwise the ticket decides, and a later writer waits here for the first one's store to land.
   CUTE_DEVICE static bool dq_first_writer(Params const& p, int* ticket, int rank) {
     if (p.deterministic) {
-      if (rank == 1) { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
+      if (rank != 0) { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
       return rank == 0;
     }
     bool const first = dq_ticket_take(ticket) == 0;
