@@ -201,7 +201,9 @@ if has_step bench; then
   start=$(date +%s)
   # shellcheck disable=SC2086
   PYTHONUNBUFFERED=1 PYTHONPATH="$pkg" python3 "$ROOT/bench/bench_fwd.py" --out "$OUT" $BENCH_ARGS 2>&1 | tee "$OUT/bench.log"
-  note "bench: rc=${PIPESTATUS[0]} in $(( $(date +%s) - start )) s"
+  rc=${PIPESTATUS[0]}
+  note "bench: rc=$rc in $(( $(date +%s) - start )) s"
+  [[ $rc -ne 0 ]] && status=1
   if [[ -n ${BENCH_ENV_B:-} ]]; then
     # A second pass under extra environment (an A/B of a launch-time switch), tagged _b.
     # shellcheck disable=SC2086
@@ -220,6 +222,7 @@ if has_step bench_bwd; then
   [[ $rc -eq 124 ]] && note "bench_bwd: timed out after $BENCH_BWD_TIMEOUT s (what it measured is in bwd_sm90.json)"
   skipped=$(grep -c '"skipped": "' "$OUT/bwd_sm90.json" 2>/dev/null || true)
   note "bench_bwd: rc=$rc in $(( $(date +%s) - start )) s; skipped records: ${skipped:-no bwd_sm90.json}"
+  [[ $rc -ne 0 ]] && status=1
   # More passes with other arguments (e.g. --softcap 30) and/or under extra environment (an A/B
   # of a launch-time switch): BENCH_BWD_ARGS_B / BENCH_BWD_ENV_B tagged _b, the same with C and D.
   for pass in B C D; do
@@ -230,7 +233,9 @@ if has_step bench_bwd; then
     # shellcheck disable=SC2086
     env ${!env_var:-} PYTHONUNBUFFERED=1 PYTHONPATH="$pkg" timeout "$BENCH_BWD_TIMEOUT" python3 \
       "$ROOT/bench/bench_bwd.py" --out "$OUT" --tag "$tag" $args 2>&1 | tee "$OUT/bench_bwd$tag.log"
-    note "bench_bwd ($pass: ${!env_var:-} $args): rc=${PIPESTATUS[0]}"
+    rc=${PIPESTATUS[0]}
+    note "bench_bwd ($pass: ${!env_var:-} $args): rc=$rc"
+    [[ $rc -ne 0 ]] && status=1
   done
 fi
 
@@ -241,7 +246,9 @@ run_bench() {
   # shellcheck disable=SC2086
   PYTHONUNBUFFERED=1 PYTHONPATH="$pkg" timeout "$2" python3 "$ROOT/bench/bench_$1.py" --out "$OUT" $3 2>&1 |
     tee "$OUT/bench_$1.log"
-  note "bench_$1: rc=${PIPESTATUS[0]} in $(( $(date +%s) - start )) s"
+  local rc=${PIPESTATUS[0]}
+  note "bench_$1: rc=$rc in $(( $(date +%s) - start )) s"
+  [[ $rc -ne 0 ]] && status=1
 }
 has_step bench_gqa && run_bench gqa "${BENCH_GQA_TIMEOUT:-180}" "${BENCH_GQA_ARGS:-}"
 has_step bench_flex && run_bench flex "${BENCH_FLEX_TIMEOUT:-300}" "${BENCH_FLEX_ARGS:-}"

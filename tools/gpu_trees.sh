@@ -91,7 +91,7 @@ for pass in $(seq 1 "$PASSES"); do
     # shellcheck disable=SC2086
     env $settings OUT=$dir STEPS=bench_bwd BUILD_DIR=/tmp/b_$name BENCH_BWD_ARGS="$BENCH_BWD_ARGS" \
       bash "$(tree_of "$name")/tools/gpu_check.sh" >"$dir/run.log" 2>&1
-    # gpu_check's status does not cover the benchmark: its own rc is in the summary.
+    # The benchmark's own rc, from the summary (an older tree's gpu_check does not count it in its status).
     rc=$(sed -n 's/^bench_bwd: rc=\([0-9]*\).*/\1/p' "$dir/summary.txt" 2>/dev/null | head -1)
     [[ ${rc:-1} == 0 ]] || failed=1
     log "## $entry pass $pass (bench_bwd rc=${rc:-none})"
