@@ -99,7 +99,8 @@ def test_heads_order_with_idle_heads_and_overlapped_conversion(tmp_path):
 @pytest.mark.parametrize("causal", [False, True])
 def test_dq_first_store_or_memset_gives_the_same_values(tmp_path, causal, dim):
     """Deterministic: dq_accum from the first column block's stores (hdims 128 and 256, whose dQ
-    leaves by bulk copies; the default at 256) and from a memset add the same sums in the same order,
+    leaves by bulk copies; the default at 256 with causal or local masks up to 2k rows) and from a
+    memset add the same sums in the same order,
     so the gradients agree value for value (a first store of -0.0 may keep its sign where
     0.0 + -0.0 gave +0.0, which compares equal)."""
     torch_cuda()
