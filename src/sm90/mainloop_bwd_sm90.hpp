@@ -788,10 +788,12 @@ struct MainloopBwdSm90 {
   }
 
   // Deterministic dQ: waits (the elected lane, the whole warp calling) until row block m_block's
-  // `rank` earlier contributors have added.
-  CUTE_DEVICE static void await_rank(Params const& p, int* semaphore, int m_block, int rank, bool lane0) {
+  // `rank` earlier contributors have added. `seen`: the semaphore's value as peek_turn read it
+  // (-1: not read).
+  CUTE_DEVICE static void await_rank(Params const& p, int* semaphore, int m_block, int rank, bool lane0,
+                                     int seen = -1) {
     trace::mark_bwd_dq_warp(trace::kBwdTurnWait);
-    if (lane0) { semaphore_poll_eq(row_semaphore(p, semaphore, m_block), rank); }
+    if (lane0) { semaphore_poll_eq(row_semaphore(p, semaphore, m_block), rank, seen); }
     trace::mark_bwd_dq_warp(trace::kBwdTurn);
     __syncwarp();
   }
@@ -800,6 +802,12 @@ struct MainloopBwdSm90 {
     await_rank(p, semaphore, m_block,
                turn_rank(p, seq, g, n_block, m_block, head, batch, lane0, rank_loads(p, seq, n_block, m_block, head, batch)),
                lane0);
+  }
+  // Deterministic dQ: the next row block's semaphore read (by the elected lane) before this row
+  // block's adds are waited on and released, so that its round trip runs under theirs; where the
+  // turn has already come, await_rank then only acquires it. -1 where there is no next row block.
+  CUTE_DEVICE static int peek_turn(Params const& p, int* semaphore, bool next_valid, int next_m_block, bool lane0) {
+    return lane0 && next_valid ? semaphore_peek(row_semaphore(p, semaphore, next_m_block)) : -1;
   }
 
   // Deterministic launch order: the kernel maps blockIdx.x to the column block with this (the
@@ -1040,13 +1048,14 @@ struct MainloopBwdSm90 {
       int piece = 0;         // pieces issued
       bool pending = false;  // the last issued piece's slot is not yet freed
       int rank = 0;          // deterministic: this column block's rank for the walk's row block
+      int seen = -1;         // deterministic: its semaphore as peek_turn read it
       if (p.deterministic && walk.valid()) {
         rank = turn_rank(p, seq, rotation, n_block, walk.m_block, head, batch, lane0,
                          rank_loads(p, seq, n_block, walk.m_block, head, batch));
       }
       while (walk.valid()) {
         int const m_block = walk.m_block;
-        if (p.deterministic) { await_rank(p, semaphore, m_block, rank, lane0); }
+        if (p.deterministic) { await_rank(p, semaphore, m_block, rank, lane0, seen); }
         float* dq_row = dq_accum + int64_t(m_block) * kDqChunk;
         // The first writer of this half stores it, the others add once it has landed
         // (dq_first_writer): ascending walks take the ticket here, before the pieces are ready;
@@ -1102,11 +1111,14 @@ struct MainloopBwdSm90 {
         if (p.deterministic) {
           // The next row block's rank loads, issued under this block's adds.
           RankLoads const ahead = walk.valid() ? rank_loads(p, seq, n_block, walk.m_block, head, batch) : RankLoads{};
+          seen = peek_turn(p, semaphore, walk.valid(), walk.m_block, lane0);
           // The next column block may only add once this block's sums have landed.
           if (lane0) {
+            // The last slot is handed back once its copy has read it, before the sums land.
+            asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+            ring.empty[wg][DqSlotStorage::slot_of(piece + kDqSlots - 1)].arrive();
             // Visible to this thread once fully waited; the release below is cumulative.
             asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-            ring.empty[wg][DqSlotStorage::slot_of(piece + kDqSlots - 1)].arrive();
             if constexpr (kTickets) {
               if (first) { dq_ticket_land(ticket); }
             }

@@ -95,16 +95,22 @@ CUTLASS_DEVICE void zero_smem_rows(ElementAddress const& element, int row_begin,
   }
 }
 
+// One unordered read of a semaphore (issued early, so that its round trip runs under other work).
+CUTLASS_DEVICE int semaphore_peek(int const* ptr) {
+  int current;
+  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];\n" : "=r"(current) : "l"(ptr) : "memory");
+  return current;
+}
+
 // Spin until *ptr == value by one thread, polling without ordering and then acquiring once (an
 // acquire load per poll would also discard the L1 lines of the CTA's other warps each time).
 // A backoff between polls (nanosleep, 200 ns) measured no change: what costs is the semaphores
 // sharing a line, not how often it is polled (bench/NOTES.md).
-CUTLASS_DEVICE void semaphore_poll_eq(int const* ptr, int value) {
-  int current;
-  while (true) {
-    asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];\n" : "=r"(current) : "l"(ptr) : "memory");
-    if (current == value) break;
-  }
+// `seen`: a value read earlier by semaphore_peek (the counters only grow, so a value that
+// already matches still grants the turn once acquired), or -1 for none.
+CUTLASS_DEVICE void semaphore_poll_eq(int const* ptr, int value, int seen = -1) {
+  int current = seen;
+  while (current != value) { current = semaphore_peek(ptr); }
   asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
 }
 
