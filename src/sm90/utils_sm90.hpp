@@ -95,10 +95,17 @@ CUTLASS_DEVICE void zero_smem_rows(ElementAddress const& element, int row_begin,
   }
 }
 
-// One unordered read of a semaphore (issued early, so that its round trip runs under other work).
+// One unordered read of a semaphore.
 CUTLASS_DEVICE int semaphore_peek(int const* ptr) {
   int current;
   asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];\n" : "=r"(current) : "l"(ptr) : "memory");
+  return current;
+}
+// One read with acquire ordering, issued early so that its round trip runs under other work: a
+// value that already grants the turn needs no fence after it (semaphore_poll_eq's `seen`).
+CUTLASS_DEVICE int semaphore_peek_acquire(int const* ptr) {
+  int current;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(current) : "l"(ptr) : "memory");
   return current;
 }
 
@@ -106,11 +113,12 @@ CUTLASS_DEVICE int semaphore_peek(int const* ptr) {
 // acquire load per poll would also discard the L1 lines of the CTA's other warps each time).
 // A backoff between polls (nanosleep, 200 ns) measured no change: what costs is the semaphores
 // sharing a line, not how often it is polled (bench/NOTES.md).
-// `seen`: a value read earlier by semaphore_peek (the counters only grow, so a value that
-// already matches still grants the turn once acquired), or -1 for none.
+// `seen`: a value read earlier by semaphore_peek_acquire (the counters only grow, so a value that
+// matches has granted the turn and is acquired already), or -1 for none.
 CUTLASS_DEVICE void semaphore_poll_eq(int const* ptr, int value, int seen = -1) {
-  int current = seen;
-  while (current != value) { current = semaphore_peek(ptr); }
+  if (seen == value) { return; }
+  int current;
+  do { current = semaphore_peek(ptr); } while (current != value);
   asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
 }
 
