@@ -719,18 +719,11 @@ struct MainloopBwdSm90 {
   }
 
   // The dQ warp's lane 0: whether this column block writes the row block first (kDqTicketLanded).
-  // Deterministic: rank 0, its turn already awaited (await_rank). Every later rank's add is
-  // ordered after rank 0's store only through the semaphores (generic proxy: rank 0's release
-  // after its full wait, carried on by each rank's acquire and release), and only a proxy fence
-  // in the adding thread orders its own async-proxy add after what it acquired, as in
-  // dq_ticket_await: so every rank but 0 fences. (An add reaching the chunk before the store would
-  // lose sums silently; adds out of order over a memset would only change the rounding.)
-  // Otherwise the ticket decides, and a later writer waits here for the first one's store to land.
+  // Deterministic: rank 0, its turn already awaited (await_add_turn, whose proxy fence orders a
+  // later rank's adds after rank 0's store). Otherwise the ticket decides, and a later writer
+  // waits here for the first one's store to land.
   CUTE_DEVICE static bool dq_first_writer(Params const& p, int* ticket, int rank) {
-    if (p.deterministic) {
-      if (rank != 0) { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
-      return rank == 0;
-    }
+    if (p.deterministic) { return rank == 0; }
     bool const first = dq_ticket_take(ticket) == 0;
     if (!first) { dq_ticket_await(ticket); }
     return first;
@@ -802,6 +795,18 @@ struct MainloopBwdSm90 {
     await_rank(p, semaphore, m_block,
                turn_rank(p, seq, g, n_block, m_block, head, batch, lane0, rank_loads(p, seq, n_block, m_block, head, batch)),
                lane0);
+  }
+  // Deterministic dQ by bulk adds (store_dq, store_dq_bulk): await_rank, then at every rank but 0
+  // a proxy fence. The earlier ranks' sums are ordered before this turn only through the
+  // semaphore (generic proxy: each rank's release after its full wait, acquired here), and only a
+  // proxy fence in the adding thread orders its own async-proxy adds (or rank 0's store) after
+  // what it acquired, as in dq_ticket_await. Without it an add could, by the memory model, read
+  // the chunk before an earlier rank's sum: a lost sum after a first store, and over a memset a
+  // change in the order of the sums, which would break the bitwise repeatability.
+  CUTE_DEVICE static void await_add_turn(Params const& p, int* semaphore, int m_block, int rank, bool lane0,
+                                         int seen = -1) {
+    await_rank(p, semaphore, m_block, rank, lane0, seen);
+    if (lane0 && rank != 0) { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
   }
   // Deterministic dQ: the next row block's semaphore read with acquire (by the elected lane)
   // before this row block's adds are waited on and released, so that its round trip runs under
@@ -911,7 +916,7 @@ struct MainloopBwdSm90 {
       }
       while (walk.valid()) {
         int const m_block = walk.m_block;
-        if (p.deterministic) { await_rank(p, semaphore, m_block, rank, lane0); }
+        if (p.deterministic) { await_add_turn(p, semaphore, m_block, rank, lane0); }
         // Whether this column block writes the row block first (lane 0's value). One ticket
         // (warpgroup 0's) decides the whole chunk: this one warp stores both halves, and with a
         // ticket per half two column blocks could each take one and wait for the other's.
@@ -1056,7 +1061,7 @@ struct MainloopBwdSm90 {
       }
       while (walk.valid()) {
         int const m_block = walk.m_block;
-        if (p.deterministic) { await_rank(p, semaphore, m_block, rank, lane0, seen); }
+        if (p.deterministic) { await_add_turn(p, semaphore, m_block, rank, lane0, seen); }
         float* dq_row = dq_accum + int64_t(m_block) * kDqChunk;
         // The first writer of this half stores it, the others add once it has landed
         // (dq_first_writer): ascending walks take the ticket here, before the pieces are ready;
