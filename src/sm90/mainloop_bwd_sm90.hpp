@@ -810,8 +810,9 @@ struct MainloopBwdSm90 {
   }
   // Deterministic dQ: the next row block's semaphore read with acquire (by the elected lane)
   // before this row block's adds are waited on and released, so that its round trip runs under
-  // theirs; where the turn has already come, await_rank then neither polls nor fences (a fence
-  // there would also wait for this block's release to land). -1 where there is no next row block.
+  // theirs; where the turn has already come, await_rank then neither polls nor takes the acquire
+  // fence (that fence would also wait for this block's release to land; await_add_turn's proxy
+  // fence stays). -1 where there is no next row block.
   CUTE_DEVICE static int peek_turn(Params const& p, int* semaphore, bool next_valid, int next_m_block, bool lane0) {
     return lane0 && next_valid ? semaphore_peek_acquire(row_semaphore(p, semaphore, next_m_block)) : -1;
   }
