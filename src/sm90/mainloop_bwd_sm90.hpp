@@ -791,10 +791,10 @@ struct MainloopBwdSm90 {
     __syncwarp();
   }
   CUTE_DEVICE static void await_turn(Params const& p, BwdSeqlen const& seq, RotationGroup const& g, int* semaphore,
-                                     int n_block, int m_block, int head, int batch, bool lane0) {
+                                     int n_block, int m_block, int head, int batch, bool lane0, int seen = -1) {
     await_rank(p, semaphore, m_block,
                turn_rank(p, seq, g, n_block, m_block, head, batch, lane0, rank_loads(p, seq, n_block, m_block, head, batch)),
-               lane0);
+               lane0, seen);
   }
   // Deterministic dQ by bulk adds (store_dq, store_dq_bulk): await_rank, then at every rank but 0
   // a proxy fence. The earlier ranks' sums are ordered before this turn only through the
@@ -911,13 +911,14 @@ struct MainloopBwdSm90 {
       int* semaphore = dq_semaphores(p, head, batch);
       bool const lane0 = cute::elect_one_sync();
       int rank = 0;  // deterministic: this column block's rank for the walk's row block
+      int seen = -1;  // deterministic: its semaphore as peek_turn read it
       if (p.deterministic && walk.valid()) {
         rank = turn_rank(p, seq, rotation, n_block, walk.m_block, head, batch, lane0,
                          rank_loads(p, seq, n_block, walk.m_block, head, batch));
       }
       while (walk.valid()) {
         int const m_block = walk.m_block;
-        if (p.deterministic) { await_add_turn(p, semaphore, m_block, rank, lane0); }
+        if (p.deterministic) { await_add_turn(p, semaphore, m_block, rank, lane0, seen); }
         // Whether this column block writes the row block first (lane 0's value). One ticket
         // (warpgroup 0's) decides the whole chunk: this one warp stores both halves, and with a
         // ticket per half two column blocks could each take one and wait for the other's.
@@ -964,6 +965,7 @@ struct MainloopBwdSm90 {
           // The next row block and its rank loads, issued under this block's adds.
           walk.next();
           RankLoads const ahead = walk.valid() ? rank_loads(p, seq, n_block, walk.m_block, head, batch) : RankLoads{};
+          seen = peek_turn(p, semaphore, walk.valid(), walk.m_block, lane0);
           // The next column block may only add once this block's sums have landed.
           if (lane0) {
             // The full wait makes the adds visible to this thread; the release is cumulative
@@ -1013,10 +1015,14 @@ struct MainloopBwdSm90 {
       RotationGroup const rotation = rotation_group(p, seq, n_block, head, batch);
       int* semaphore = dq_semaphores(p, head, batch);
       bool const lane0 = cute::elect_one_sync();
-      for (; walk.valid(); walk.next()) {
+      int seen = -1;  // the row block's semaphore as peek_turn read it
+      while (walk.valid()) {
         int const m_block = walk.m_block;
-        await_turn(p, seq, rotation, semaphore, n_block, m_block, head, batch, lane0);
+        await_turn(p, seq, rotation, semaphore, n_block, m_block, head, batch, lane0, seen);
         cutlass::arch::NamedBarrier::arrive(NumMmaThreads + cutlass::NumThreadsPerWarp, uint32_t(BwdBarrier::kDqReady));
+        // The next row block's turn, read while the MMA warpgroups add this one's.
+        walk.next();
+        seen = peek_turn(p, semaphore, walk.valid(), walk.m_block, lane0);
         cutlass::arch::NamedBarrier::sync(NumMmaThreads + cutlass::NumThreadsPerWarp, uint32_t(BwdBarrier::kDqDone));
         if (lane0) { semaphore_increment(row_semaphore(p, semaphore, m_block)); }
         trace::mark_bwd_dq_warp(trace::kBwdReleased);
