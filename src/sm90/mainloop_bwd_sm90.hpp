@@ -782,16 +782,17 @@ struct MainloopBwdSm90 {
 
   // Deterministic dQ: waits (the elected lane, the whole warp calling) until row block m_block's
   // `rank` earlier contributors have added. `seen`: the semaphore's value as peek_turn read it
-  // (-1: not read).
+  // (kSemaphoreNotRead: not read).
   CUTE_DEVICE static void await_rank(Params const& p, int* semaphore, int m_block, int rank, bool lane0,
-                                     int seen = -1) {
+                                     int seen = kSemaphoreNotRead) {
     trace::mark_bwd_dq_warp(trace::kBwdTurnWait);
     if (lane0) { semaphore_poll_eq(row_semaphore(p, semaphore, m_block), rank, seen); }
     trace::mark_bwd_dq_warp(trace::kBwdTurn);
     __syncwarp();
   }
   CUTE_DEVICE static void await_turn(Params const& p, BwdSeqlen const& seq, RotationGroup const& g, int* semaphore,
-                                     int n_block, int m_block, int head, int batch, bool lane0, int seen = -1) {
+                                     int n_block, int m_block, int head, int batch, bool lane0,
+                                     int seen = kSemaphoreNotRead) {
     await_rank(p, semaphore, m_block,
                turn_rank(p, seq, g, n_block, m_block, head, batch, lane0, rank_loads(p, seq, n_block, m_block, head, batch)),
                lane0, seen);
@@ -804,7 +805,7 @@ struct MainloopBwdSm90 {
   // the chunk before an earlier rank's sum: a lost sum after a first store, and over a memset a
   // change in the order of the sums, which would break the bitwise repeatability.
   CUTE_DEVICE static void await_add_turn(Params const& p, int* semaphore, int m_block, int rank, bool lane0,
-                                         int seen = -1) {
+                                         int seen = kSemaphoreNotRead) {
     await_rank(p, semaphore, m_block, rank, lane0, seen);
     if (lane0 && rank != 0) { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
   }
@@ -812,9 +813,10 @@ struct MainloopBwdSm90 {
   // before this row block's adds are waited on and released, so that its round trip runs under
   // theirs; where the turn has already come, await_rank then neither polls nor takes the acquire
   // fence (that fence would also wait for this block's release to land; await_add_turn's proxy
-  // fence stays). -1 where there is no next row block.
+  // fence stays). kSemaphoreNotRead where there is no next row block.
   CUTE_DEVICE static int peek_turn(Params const& p, int* semaphore, bool next_valid, int next_m_block, bool lane0) {
-    return lane0 && next_valid ? semaphore_peek_acquire(row_semaphore(p, semaphore, next_m_block)) : -1;
+    return lane0 && next_valid ? semaphore_peek_acquire(row_semaphore(p, semaphore, next_m_block))
+                                 : kSemaphoreNotRead;
   }
 
   // Deterministic launch order: the kernel maps blockIdx.x to the column block with this (the
@@ -911,7 +913,7 @@ struct MainloopBwdSm90 {
       int* semaphore = dq_semaphores(p, head, batch);
       bool const lane0 = cute::elect_one_sync();
       int rank = 0;  // deterministic: this column block's rank for the walk's row block
-      int seen = -1;  // deterministic: its semaphore as peek_turn read it
+      int seen = kSemaphoreNotRead;  // deterministic: its semaphore as peek_turn read it
       if (p.deterministic && walk.valid()) {
         rank = turn_rank(p, seq, rotation, n_block, walk.m_block, head, batch, lane0,
                          rank_loads(p, seq, n_block, walk.m_block, head, batch));
@@ -1015,7 +1017,7 @@ struct MainloopBwdSm90 {
       RotationGroup const rotation = rotation_group(p, seq, n_block, head, batch);
       int* semaphore = dq_semaphores(p, head, batch);
       bool const lane0 = cute::elect_one_sync();
-      int seen = -1;  // the row block's semaphore as peek_turn read it
+      int seen = kSemaphoreNotRead;  // the row block's semaphore as peek_turn read it
       while (walk.valid()) {
         int const m_block = walk.m_block;
         await_turn(p, seq, rotation, semaphore, n_block, m_block, head, batch, lane0, seen);
@@ -1061,7 +1063,7 @@ struct MainloopBwdSm90 {
       int piece = 0;         // pieces issued
       bool pending = false;  // the last issued piece's slot is not yet freed
       int rank = 0;          // deterministic: this column block's rank for the walk's row block
-      int seen = -1;         // deterministic: its semaphore as peek_turn read it
+      int seen = kSemaphoreNotRead;  // deterministic: its semaphore as peek_turn read it
       if (p.deterministic && walk.valid()) {
         rank = turn_rank(p, seq, rotation, n_block, walk.m_block, head, batch, lane0,
                          rank_loads(p, seq, n_block, walk.m_block, head, batch));

@@ -101,6 +101,9 @@ CUTLASS_DEVICE int semaphore_peek(int const* ptr) {
   asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];\n" : "=r"(current) : "l"(ptr) : "memory");
   return current;
 }
+// A semaphore value not read ahead (semaphore_poll_eq's `seen`): the counters are never negative.
+constexpr int kSemaphoreNotRead = -1;
+
 // One read with acquire ordering, issued early so that its round trip runs under other work: a
 // value that already grants the turn needs no poll and no fence after it (semaphore_poll_eq's
 // `seen`). Like any acquire load it discards the SM's L1 lines (CCTL.IVALL), so it is for once
@@ -115,10 +118,10 @@ CUTLASS_DEVICE int semaphore_peek_acquire(int const* ptr) {
 // once (an acquire load per poll would also discard the L1 lines of the CTA's other warps each
 // time). A backoff between polls (nanosleep, 200 ns) measured no change: what costs is the
 // semaphores sharing a line, not how often it is polled (bench/NOTES.md).
-// `seen`: a value read earlier by semaphore_peek_acquire, or -1 for none. A match returns at
-// once: it was acquired, and it still grants the turn, since the counter moves past `value` only
-// once the caller itself has taken its turn.
-CUTLASS_DEVICE void semaphore_poll_eq(int const* ptr, int value, int seen = -1) {
+// `seen`: a value read earlier by semaphore_peek_acquire, or kSemaphoreNotRead. A match returns
+// at once: it was acquired, and it still grants the turn, since the counter moves past `value`
+// only once the caller itself has taken its turn.
+CUTLASS_DEVICE void semaphore_poll_eq(int const* ptr, int value, int seen = kSemaphoreNotRead) {
   if (seen == value) { return; }
   int current;
   do { current = semaphore_peek(ptr); } while (current != value);

@@ -1,5 +1,6 @@
-"""torch tensors on the CPU: outputs allocated by torch, autograd through torch.autograd.Function
-(gradients of q, k, v and learnable_sink against the NumPy float64 reference)."""
+"""torch tensors on the CPU (and on the GPU where a test says so): outputs allocated by torch,
+autograd through torch.autograd.Function (gradients of q, k, v and learnable_sink against the
+NumPy float64 reference)."""
 
 from __future__ import annotations
 
@@ -480,8 +481,13 @@ def combine_reference(out_partial, lse_partial, merged):
     return torch.where(kept[..., None], out, 0), torch.where(kept, lse, torch.where(merged, float("-inf"), 0))
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("layout", ["dense", "dense_seqused", "packed"])
-def test_combine_gradients(gen, layout):
+def test_combine_gradients(gen, layout, device):
+    """The combine's gradients (the framework's backward over the combine's out and lse) against
+    float64 torch autograd; on "cuda" the forward is the sm90 combine kernel."""
+    if device == "cuda" and not (torch.cuda.is_available() and cuflash.built_with_cuda):
+        pytest.skip("no CUDA device, or cuflash built without CUDA")
     splits, heads, dim = 3, 2, 16
     if layout == "packed":
         cu = torch.tensor([2, 9, 9, 20], dtype=torch.int32)  # rows 0-1 and 20-22 in no sequence
@@ -495,13 +501,15 @@ def test_combine_gradients(gen, layout):
         shape, kwargs = (2, 7), dict(seqused=used) if layout == "dense_seqused" else {}
         merged = torch.arange(7)[None, :] < (used[:, None] if kwargs else 7)
         merged = merged[..., None].expand(2, 7, heads)
-    out_partial = torch.randn((splits, *shape, heads, dim), generator=gen, requires_grad=True)
-    lse_partial = (3 * torch.randn((splits, *shape, heads), generator=gen)).detach()
+    kwargs = {name: t.to(device) for name, t in kwargs.items()}
+    merged = merged.to(device)
+    out_partial = torch.randn((splits, *shape, heads, dim), generator=gen).to(device).requires_grad_()
+    lse_partial = (3 * torch.randn((splits, *shape, heads), generator=gen)).to(device)
     lse_partial[1, ..., 0] = float("-inf")  # an empty split in some rows
     lse_partial[:, 0] = float("-inf")  # rows with no split at all: out 0, lse -inf
     lse_partial.requires_grad_()
-    dout = torch.randn((*shape, heads, dim), generator=gen)
-    dlse = torch.randn((*shape, heads), generator=gen)
+    dout = torch.randn((*shape, heads, dim), generator=gen).to(device)
+    dlse = torch.randn((*shape, heads), generator=gen).to(device)
     out, lse = cuflash.flash_attn_combine(out_partial, lse_partial, **kwargs)
     assert out.requires_grad and lse.requires_grad
     got = torch.autograd.grad((out * dout).sum() + (torch.where(merged & torch.isfinite(lse), lse, 0) * dlse).sum(),
@@ -516,7 +524,8 @@ def test_combine_gradients(gen, layout):
         torch.testing.assert_close(g, e.float(), atol=1e-4, rtol=1e-4, msg=name)
     # A preallocated out cannot carry the graph: refused by name.
     with pytest.raises(RuntimeError, match="^out: out_partial or lse_partial requires grad"):
-        cuflash.flash_attn_combine(out_partial, lse_partial, out=torch.empty((*shape, heads, dim)), **kwargs)
+        cuflash.flash_attn_combine(out_partial, lse_partial, out=torch.empty((*shape, heads, dim), device=device),
+                                   **kwargs)
 
 
 def test_ring_attention_gradients(gen):
