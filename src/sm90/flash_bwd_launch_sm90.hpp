@@ -13,6 +13,7 @@
 
 #include "api/params.hpp"
 #include "cuflash/error.hpp"
+#include "sm90/dq_accum_start_sm90.hpp"
 #include "sm90/epilogue_bwd_sm90.hpp"
 #include "sm90/flash_bwd_kernel_sm90.hpp"
 #include "sm90/flash_bwd_postprocess_sm90.hpp"
@@ -82,34 +83,23 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   BwdDqPath const dq_path =
       BwdDqPath(params.dq_path) != BwdDqPath::kAuto ? BwdDqPath(params.dq_path) : kDqPathByDefault;
   bool const dq_bulk = Mainloop::kHasDqBulk && dq_path == BwdDqPath::kBulk;
-  // dq_accum from the first writers' stores where dQ leaves by bulk copies (BwdDqClear), else
-  // cleared. The first stores save the memset (a fixed cost per token) and cost tickets and waits
-  // (which grow with a head's work); later writers wait for a first store wherever a head's column
-  // blocks reach a row block together. Auto, from A/B runs against the memset (bench/NOTES.md,
-  // runs of 2026-12-05 twenty-second / twenty-third and 2026-12-06 twenty-fourth / twenty-fifth):
-  // - the sliced kernels' bulk dQ (hdim256) with a window, causal included: first stores, +3% at
-  //   2k on the H100 (+5.9% before later changes) where the column blocks reach a row block one
-  //   after another, deterministic too (+2.4-3%);
-  // - without a window and not deterministic: first stores where the walks rotate over whole heads
-  //   (dq_rotate_window below: a head's column blocks fit on the GPU at once and are no more than
-  //   its row blocks), so that the writers after the first find its store landed; +0.4-2.2% at
-  //   2k / 4k for hdims 64-256 on the H200. Unrotated, non-causal lost 3.5-9%;
-  // - deterministic runs without a window, and every deterministic run of the other head dims,
-  //   keep the memset (first stores -1 to -3.6%);
-  // - the sliced kernels past 32 row blocks (2k rows at hdim256; by seqlen_q, the longest
-  //   sequence with varlen) keep the memset: there first stores measured 0.5-5% slower in every
-  //   case (4k / 8k / 16k, causal or not, deterministic or not; H100, passes alternating).
-  constexpr int kDqBulkFirstStoreMaxRowBlocks = 32;
-  bool const rotation_fits = !HasWindow && !Mainloop::kIsFlex && params.num_sm > 0 &&
-                             std::int64_t(num_n_blocks) * num_heads * batch < (std::int64_t(1) << 31);
-  BwdDqClear const dq_clear = BwdDqClear(params.dq_clear);
-  bool const first_store =
-      (Mainloop::kDqViaSmem || dq_bulk) &&
-      (dq_clear == BwdDqClear::kFirstStore ||
-       (dq_clear == BwdDqClear::kAuto && (!dq_bulk || num_m_blocks <= kDqBulkFirstStoreMaxRowBlocks) &&
-        ((dq_bulk && (params.is_causal || params.is_local)) ||
-         (!params.deterministic && rotation_fits && num_n_blocks <= params.num_sm && num_n_blocks <= num_m_blocks))));
-  int* const dq_tickets = first_store ? params.dq_tickets : nullptr;
+  // dq_accum from the first writers' stores or cleared, and where the dQ walks start: the
+  // measured rules of dq_accum_start_sm90.hpp.
+  DqAccumCall dq_call;
+  dq_call.dq_via_smem = Mainloop::kDqViaSmem;
+  dq_call.dq_bulk = dq_bulk;
+  dq_call.kernel_window = HasWindow;
+  dq_call.flex = Mainloop::kIsFlex;
+  dq_call.causal_or_local = params.is_causal || params.is_local;
+  dq_call.deterministic = params.deterministic;
+  dq_call.num_sm = params.num_sm;
+  dq_call.batch = batch;
+  dq_call.num_heads = num_heads;
+  dq_call.num_m_blocks = num_m_blocks;
+  dq_call.num_n_blocks = num_n_blocks;
+  dq_call.clear = BwdDqClear(params.dq_clear);
+  dq_call.det_walk = BwdDetWalk(params.det_walk);
+  int* const dq_tickets = dq_first_stores(dq_call) ? params.dq_tickets : nullptr;
   if (dq_tickets == nullptr) { zero(params.dq_accum, sizeof(float) * size_t(num_heads) * q_rows_padded * kHeadDim); }
   if (gqa) {
     zero(params.dk_accum, sizeof(float) * size_t(num_heads_kv) * k_rows_padded * kHeadDim);
@@ -232,24 +222,8 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // Deterministic dQ by atomics: the second producer warp waits for each row block's turn and
   // releases it (order_dq).
   ml.dq_order_warp = params.deterministic && !Mainloop::kDqViaSmem && !ml.dq_bulk;
-  // Rotated walks (deterministic or first stores, no window): a head's column blocks launched in one window of
-  // num_sm consecutive CTAs start their walks spread over the row blocks and add after the
-  // blocks of the windows before (rotation_group), so a wave of CTAs never waits on the next.
-  // auto rotates where a head's column blocks fit on the GPU at once and walks ascending
-  // otherwise, where rotated starts spread a wave's Q / dO reads over more rows than L2 holds.
-  // Measured on the H200, non-causal, deterministic / non-deterministic (bench/NOTES.md, "Run of
-  // 2026-12-02 (fifth)"): hdim256 2k-8k 0.87-0.88 rotated against 0.76-0.87 with one rotation
-  // per head or ascending, 16k 0.90 ascending against 0.82 rotated; hdim128 within 1% at 2k-8k,
-  // +2% at 16k. Dispatch sets num_sm; without it the walks are ascending, which never waits on a
-  // later launch. CUFLASH_BWD_DET_WALK=waves / ascending overrides auto. Not deterministic, the
-  // walks rotate wherever dq_accum starts from first stores (above), in the same windows; nothing
-  // waits on a later launch there (a writer waits only for a first writer's store, see
-  // kDqTicketLanded), so any window is safe.
-  BwdDetWalk const det_walk = BwdDetWalk(params.det_walk);
-  bool const rotation_applies = (params.deterministic || dq_tickets != nullptr) && rotation_fits;
-  bool const rotation_wanted = !params.deterministic || det_walk == BwdDetWalk::kWaves ||
-                               (det_walk == BwdDetWalk::kAuto && num_n_blocks <= params.num_sm);
-  ml.dq_rotate_window = rotation_applies && rotation_wanted ? params.num_sm : 0;
+  // Rotated walks (deterministic or first stores, no window; dq_rotate_window).
+  ml.dq_rotate_window = dq_rotate_window(dq_call, dq_tickets != nullptr);
   // Heads inner (BwdLaunchOrder::kHeads): column blocks of unequal work launched longest first
   // across the heads of a batch. Measured on the H200 (bench/NOTES.md, "Backward launch order"):
   // hdim128 causal +2-3.5%; hdim256 causal with dQ by atomics +3.5% at 2k but -9% at 8k, where

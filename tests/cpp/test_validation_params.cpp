@@ -16,6 +16,7 @@
 #if CUFLASH_HAS_CUDA
 #include "api/kernels.hpp"
 #endif
+#include "sm90/dq_accum_start_sm90.hpp"
 #include "sm90/stream_k_tail.hpp"
 #include "sm90/tile_size_sm90.hpp"
 #include "api/validate.hpp"
@@ -1333,6 +1334,78 @@ TEST(ParamsForward, NegativeScaleRefusedByThePlainKernels) {
   EXPECT_NE(refusal(), "softmax_scale");
 }
 #endif
+
+TEST(ParamsBackward, DqAccumStartRules) {
+  using sm90::bwd::DqAccumCall;
+  using sm90::bwd::dq_first_stores;
+  using sm90::bwd::dq_rotate_window;
+  // The benchmark's shapes on a 132-SM card: 16k tokens, 16 heads.
+  auto call = [](int hdim, int seqlen, bool causal, bool deterministic) {
+    DqAccumCall c;
+    c.dq_bulk = hdim == 256;  // the sliced kernels' bulk dQ (the default path)
+    c.dq_via_smem = hdim == 128;
+    c.kernel_window = causal;
+    c.causal_or_local = causal;
+    c.deterministic = deterministic;
+    c.num_sm = 132;
+    c.batch = 16384 / seqlen;
+    c.num_heads = 16;
+    c.num_m_blocks = seqlen / (hdim == 256 ? 64 : 80);
+    c.num_n_blocks = seqlen / (hdim == 256 ? 80 : 128);
+    return c;
+  };
+  // hdim256 with a window: first stores up to 32 row blocks (2k rows), deterministic too.
+  EXPECT_TRUE(dq_first_stores(call(256, 2048, true, false)));
+  EXPECT_TRUE(dq_first_stores(call(256, 2048, true, true)));
+  EXPECT_FALSE(dq_first_stores(call(256, 4096, true, false)));
+  // hdim256 without a window: first stores where the walks rotate, not deterministic, 2k only.
+  EXPECT_TRUE(dq_first_stores(call(256, 2048, false, false)));
+  EXPECT_FALSE(dq_first_stores(call(256, 2048, false, true)));
+  EXPECT_FALSE(dq_first_stores(call(256, 8192, false, false)));
+  // hdim128 (dQ through shared memory): first stores only rotated and not deterministic; no
+  // row-block cap there.
+  EXPECT_TRUE(dq_first_stores(call(128, 2048, false, false)));
+  EXPECT_TRUE(dq_first_stores(call(128, 8192, false, false)));
+  EXPECT_FALSE(dq_first_stores(call(128, 2048, true, false)));
+  EXPECT_FALSE(dq_first_stores(call(128, 2048, false, true)));
+  // More column blocks than SMs: no rotation over whole heads, so the memset.
+  EXPECT_FALSE(dq_first_stores(call(128, 32768, false, false)));
+  // dQ by atomics from registers (neither path): always the memset, whatever is forced.
+  DqAccumCall atomics = call(256, 2048, true, false);
+  atomics.dq_bulk = false;
+  atomics.clear = BwdDqClear::kFirstStore;
+  EXPECT_FALSE(dq_first_stores(atomics));
+  // Forced either way where dQ leaves by bulk copies.
+  DqAccumCall forced = call(256, 8192, false, true);
+  forced.clear = BwdDqClear::kFirstStore;
+  EXPECT_TRUE(dq_first_stores(forced));
+  forced = call(256, 2048, true, false);
+  forced.clear = BwdDqClear::kMemset;
+  EXPECT_FALSE(dq_first_stores(forced));
+  // No SM count: no rotation, so no first stores without a window, and ascending walks.
+  DqAccumCall no_sm = call(128, 2048, false, false);
+  no_sm.num_sm = 0;
+  EXPECT_FALSE(dq_first_stores(no_sm));
+  EXPECT_EQ(dq_rotate_window(no_sm, false), 0);
+
+  // Rotation windows: first stores or deterministic, no window; deterministic runs rotate while a
+  // head's column blocks fit on the card (auto) and ascend past that.
+  EXPECT_EQ(dq_rotate_window(call(128, 2048, false, false), true), 132);
+  EXPECT_EQ(dq_rotate_window(call(128, 2048, false, false), false), 0);
+  EXPECT_EQ(dq_rotate_window(call(128, 2048, false, true), false), 132);
+  EXPECT_EQ(dq_rotate_window(call(128, 2048, true, true), true), 0);  // a window walks ascending
+  DqAccumCall long_det = call(256, 16384, false, true);  // 204 column blocks per head
+  EXPECT_EQ(dq_rotate_window(long_det, false), 0);
+  long_det.det_walk = BwdDetWalk::kWaves;
+  EXPECT_EQ(dq_rotate_window(long_det, false), 132);
+  DqAccumCall ascending = call(128, 2048, false, true);
+  ascending.det_walk = BwdDetWalk::kAscending;
+  EXPECT_EQ(dq_rotate_window(ascending, false), 0);
+  // Flex kernels never rotate.
+  DqAccumCall flex = call(128, 2048, false, true);
+  flex.flex = true;
+  EXPECT_EQ(dq_rotate_window(flex, false), 0);
+}
 
 }  // namespace
 }  // namespace cuflash::detail

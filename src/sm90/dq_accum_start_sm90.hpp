@@ -1,0 +1,86 @@
+// How the sm90 backward's fp32 dq_accum starts, and where the column blocks' dQ walks start: the
+// rules the launch applies (flash_bwd_launch_sm90.hpp), measured A/B against each other
+// (bench/NOTES.md). Host code without CUDA, so that the CPU tests pin every rule.
+#pragma once
+
+#include <cstdint>
+
+#include "api/params.hpp"
+
+namespace cuflash::sm90::bwd {
+
+// What the rules read of a call and of the kernel that runs it.
+struct DqAccumCall {
+  bool dq_via_smem = false;      // the kernel's whole dQ tile leaves through shared memory (kDqViaSmem)
+  bool dq_bulk = false;          // the sliced hdim256 kernels' bulk dQ, in use for this call
+  bool kernel_window = false;    // the kernel is compiled with a window (causal / local / flex mods)
+  bool flex = false;             // a score_mod / mask_mod / block-list kernel
+  bool causal_or_local = false;  // the call's mask
+  bool deterministic = false;
+  int num_sm = 0;  // 0: unknown (the walks then ascend, which never waits on a later launch)
+  int batch = 0;
+  int num_heads = 0;
+  int num_m_blocks = 0;  // by seqlen_q (the longest sequence with varlen)
+  int num_n_blocks = 0;
+  BwdDqClear clear = BwdDqClear::kAuto;
+  BwdDetWalk det_walk = BwdDetWalk::kAuto;
+};
+
+// Rotated walks are possible: no window (a window's column blocks reach their row blocks one
+// after another anyway), and a CTA index that fits the 31-bit rotation arithmetic.
+inline bool dq_rotation_fits(DqAccumCall const& c) {
+  return !c.kernel_window && !c.flex && c.num_sm > 0 &&
+         std::int64_t(c.num_n_blocks) * c.num_heads * c.batch < (std::int64_t(1) << 31);
+}
+
+// The sliced kernels past this many row blocks keep the memset (below).
+constexpr int kDqBulkFirstStoreMaxRowBlocks = 32;
+
+// dq_accum from the first writers' stores (true) or cleared by a memset (false). Only where dQ
+// leaves by bulk copies, through shared memory. The first stores save the memset (a fixed cost per
+// token) and cost tickets and waits (which grow with a head's work); later writers wait for a
+// first store wherever a head's column blocks reach a row block together. Auto, from A/B runs
+// against the memset (bench/NOTES.md, runs of 2026-12-05 twenty-second / twenty-third and
+// 2026-12-06 twenty-fourth / twenty-fifth):
+// - the sliced kernels' bulk dQ (hdim256) with a window, causal included: first stores, +3% at
+//   2k on the H100 (+5.9% before later changes) where the column blocks reach a row block one
+//   after another, deterministic too (+2.4-3%);
+// - without a window and not deterministic: first stores where the walks rotate over whole heads
+//   (a head's column blocks fit on the GPU at once and are no more than its row blocks), so that
+//   the writers after the first find its store landed; +0.4-2.2% at 2k / 4k for hdims 64-256 on
+//   the H200. Unrotated, non-causal lost 3.5-9%;
+// - deterministic runs without a window, and every deterministic run of the other head dims,
+//   keep the memset (first stores -1 to -3.6%);
+// - the sliced kernels past 32 row blocks (2k rows at hdim256) keep the memset: there first
+//   stores measured 0.5-5% slower in every case (4k / 8k / 16k, causal or not, deterministic or
+//   not; H100, passes alternating).
+inline bool dq_first_stores(DqAccumCall const& c) {
+  if (!c.dq_via_smem && !c.dq_bulk) { return false; }
+  if (c.clear != BwdDqClear::kAuto) { return c.clear == BwdDqClear::kFirstStore; }
+  if (c.dq_bulk && c.num_m_blocks > kDqBulkFirstStoreMaxRowBlocks) { return false; }
+  if (c.dq_bulk && c.causal_or_local) { return true; }
+  return !c.deterministic && dq_rotation_fits(c) && c.num_n_blocks <= c.num_sm &&
+         c.num_n_blocks <= c.num_m_blocks;
+}
+
+// The rotation window of the walks (MainloopBwdSm90::Params::dq_rotate_window; 0: ascending).
+// Deterministic or first stores, no window: a head's column blocks launched in one window of
+// num_sm consecutive CTAs start their walks spread over the row blocks and add after the blocks
+// of the windows before (rotation_group), so a wave of CTAs never waits on the next. Auto rotates
+// where a head's column blocks fit on the GPU at once and walks ascending otherwise, where rotated
+// starts spread a wave's Q / dO reads over more rows than L2 holds. Measured on the H200,
+// non-causal, deterministic / non-deterministic (bench/NOTES.md, "Run of 2026-12-02 (fifth)"):
+// hdim256 2k-8k 0.87-0.88 rotated against 0.76-0.87 with one rotation per head or ascending, 16k
+// 0.90 ascending against 0.82 rotated; hdim128 within 1% at 2k-8k, +2% at 16k.
+// CUFLASH_BWD_DET_WALK=waves / ascending overrides auto. Not deterministic, the walks rotate
+// wherever dq_accum starts from first stores, in the same windows; nothing waits on a later
+// launch there (a writer waits only for a first writer's store, see kDqTicketLanded), so any
+// window is safe.
+inline int dq_rotate_window(DqAccumCall const& c, bool first_stores) {
+  bool const applies = (c.deterministic || first_stores) && dq_rotation_fits(c);
+  bool const wanted = !c.deterministic || c.det_walk == BwdDetWalk::kWaves ||
+                      (c.det_walk == BwdDetWalk::kAuto && c.num_n_blocks <= c.num_sm);
+  return applies && wanted ? c.num_sm : 0;
+}
+
+}  // namespace cuflash::sm90::bwd
