@@ -17,6 +17,7 @@ struct DqAccumCall {
   bool flex = false;             // a score_mod / mask_mod / block-list kernel
   bool causal_or_local = false;  // the call's mask
   bool deterministic = false;
+  int head_dim = 0;  // the kernel's (compile-time) head dim
   int num_sm = 0;  // 0: unknown (the walks then ascend, which never waits on a later launch)
   int batch = 0;
   int num_heads = 0;
@@ -49,8 +50,14 @@ constexpr int kDqBulkFirstStoreMaxRowBlocks = 32;
 //   (a head's column blocks fit on the GPU at once and are no more than its row blocks), so that
 //   the writers after the first find its store landed; +0.4-2.2% at 2k / 4k for hdims 64-256 on
 //   the H200. Unrotated, non-causal lost 3.5-9%;
-// - deterministic runs without a window, and every deterministic run of the other head dims,
-//   keep the memset (first stores -1 to -3.6%);
+// - deterministic runs at head dim 128 (one dQ warp per CTA, store_dq_loop): first stores, with
+//   a window or without, +2.2% non-causal and +6.5% causal at 2k, 0 / +3.1% at 8k (H100, passes
+//   alternating, after the acquired turn peek of 2026-12-06; before it they lost 1-3.6%). Rank 0
+//   stores what it would have added to zeros, so the bits are those of the memset. Not the flex
+//   kernels (their ranks come from the block lists; not measured);
+// - deterministic runs at the other head dims keep the memset (hdim64: first
+//   stores -3% / -6% non-causal, -2.7% / -5.6% causal at 2k / 8k on the same call; hdims 96 / 192
+//   not measured; the sliced hdim256 kernels as below);
 // - the sliced kernels past 32 row blocks (2k rows at hdim256) keep the memset: there first
 //   stores measured 0.5-5% slower in every case (4k / 8k / 16k, causal or not, deterministic or
 //   not; H100, passes alternating).
@@ -59,6 +66,7 @@ inline bool dq_first_stores(DqAccumCall const& c) {
   if (c.clear != BwdDqClear::kAuto) { return c.clear == BwdDqClear::kFirstStore; }
   if (c.dq_bulk && c.num_m_blocks > kDqBulkFirstStoreMaxRowBlocks) { return false; }
   if (c.dq_bulk && c.causal_or_local) { return true; }
+  if (c.deterministic && c.dq_via_smem && c.head_dim == 128 && !c.flex) { return true; }
   return !c.deterministic && dq_rotation_fits(c) && c.num_n_blocks <= c.num_sm &&
          c.num_n_blocks <= c.num_m_blocks;
 }

@@ -92,6 +92,7 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   dq_call.flex = Mainloop::kIsFlex;
   dq_call.causal_or_local = params.is_causal || params.is_local;
   dq_call.deterministic = params.deterministic;
+  dq_call.head_dim = kHeadDim;
   dq_call.num_sm = params.num_sm;
   dq_call.batch = batch;
   dq_call.num_heads = num_heads;

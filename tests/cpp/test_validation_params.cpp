@@ -1347,6 +1347,7 @@ TEST(ParamsBackward, DqAccumStartRules) {
     c.kernel_window = causal;
     c.causal_or_local = causal;
     c.deterministic = deterministic;
+    c.head_dim = hdim;
     c.num_sm = 132;
     c.batch = 16384 / seqlen;
     c.num_heads = 16;
@@ -1362,12 +1363,20 @@ TEST(ParamsBackward, DqAccumStartRules) {
   EXPECT_TRUE(dq_first_stores(call(256, 2048, false, false)));
   EXPECT_FALSE(dq_first_stores(call(256, 2048, false, true)));
   EXPECT_FALSE(dq_first_stores(call(256, 8192, false, false)));
-  // hdim128 (dQ through shared memory): first stores only rotated and not deterministic; no
-  // row-block cap there.
+  // hdim128 (dQ through shared memory): first stores where the walks rotate (no row-block cap
+  // there), and in every deterministic run.
   EXPECT_TRUE(dq_first_stores(call(128, 2048, false, false)));
   EXPECT_TRUE(dq_first_stores(call(128, 8192, false, false)));
   EXPECT_FALSE(dq_first_stores(call(128, 2048, true, false)));
-  EXPECT_FALSE(dq_first_stores(call(128, 2048, false, true)));
+  EXPECT_TRUE(dq_first_stores(call(128, 2048, false, true)));
+  EXPECT_TRUE(dq_first_stores(call(128, 8192, true, true)));
+  // The other head dims' deterministic runs keep the memset (hdim64 measured slower).
+  DqAccumCall hdim64_det = call(128, 2048, false, true);
+  hdim64_det.head_dim = 64;
+  EXPECT_FALSE(dq_first_stores(hdim64_det));
+  DqAccumCall flex_det = call(128, 2048, true, true);
+  flex_det.flex = true;
+  EXPECT_FALSE(dq_first_stores(flex_det));
   // More column blocks than SMs: no rotation over whole heads, so the memset.
   EXPECT_FALSE(dq_first_stores(call(128, 32768, false, false)));
   // dQ by atomics from registers (neither path): always the memset, whatever is forced.

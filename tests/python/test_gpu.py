@@ -696,6 +696,52 @@ def test_jax_jit_forward_grad(rng, causal):
         assert_close(np.asarray(grad).astype(np.float64), e, "bfloat16", scale=max(1.0, np.abs(e).max()), what=name)
 
 
+def test_jax_combine_eager_jit_and_grad(rng):
+    # flash_attn_combine on JAX GPU arrays: eager (the combine kernel), under jax.jit (jax.numpy),
+    # and jax.grad through it, against the NumPy path and a direct logsumexp / softmax form.
+    jax, gpu = jax_gpu_device()
+    jnp = jax.numpy
+    used = np.array([4, 7], np.int32)
+    merged = (np.arange(7)[None, :] < used[:, None])[..., None]
+    out_partial = rng.standard_normal((3, 2, 7, 2, 64)).astype(np.float32)
+    lse_partial = (3 * rng.standard_normal((3, 2, 7, 2))).astype(np.float32)
+    lse_partial[1, ..., 0] = -np.inf  # an empty split in some rows
+    lse_partial[:, 0, 0] = -np.inf  # a row with no split at all
+    expected_out, expected_lse = cuflash.flash_attn_combine(out_partial, lse_partial, seqused=used)
+    jo, jl, ju = (jax.device_put(x, gpu) for x in (out_partial, lse_partial, used))
+    with skip_if_not_built():
+        out, lse = cuflash.flash_attn_combine(jo, jl, seqused=ju)
+        jax.block_until_ready((out, lse))
+    assert list(out.devices())[0] == gpu
+    np.testing.assert_allclose(np.asarray(out), expected_out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse), expected_lse, rtol=1e-5, atol=1e-6)
+    out, lse = jax.jit(lambda o, l: cuflash.flash_attn_combine(o, l, seqused=ju))(jo, jl)
+    np.testing.assert_allclose(np.asarray(out), expected_out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse), expected_lse, rtol=1e-5, atol=1e-6)
+
+    weights = jax.device_put(rng.standard_normal(expected_out.shape).astype(np.float32), gpu)
+    keep_rows = jax.device_put(merged, gpu)
+
+    def loss(combine):
+        def f(o, l):
+            out, lse = combine(o, l)
+            return jnp.sum(out * weights) + jnp.sum(jnp.where(jnp.isfinite(lse) & keep_rows, lse, 0.0))
+        return f
+
+    def direct(o, l):
+        empty = ~jnp.isfinite(l).any(0)
+        l = jnp.where(empty, 0.0, l)
+        out = jnp.sum(jax.nn.softmax(l, axis=0)[..., None] * o, axis=0)
+        keep = keep_rows & ~empty
+        return jnp.where(keep[..., None], out, 0.0), jnp.where(keep, jax.nn.logsumexp(l, axis=0), 0.0)
+
+    got = jax.jit(jax.grad(loss(lambda o, l: cuflash.flash_attn_combine(o, l, seqused=ju)), argnums=(0, 1)))(jo, jl)
+    expected = jax.jit(jax.grad(loss(direct), argnums=(0, 1)))(jo, jl)
+    for g, e in zip(got, expected):
+        assert list(g.devices())[0] == gpu and np.all(np.isfinite(np.asarray(g)))
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-4, atol=1e-5)
+
+
 def test_jax_jit_callable_score_mod(rng):
     # A score_mod callable under jax.jit and jax.grad on the GPU backend: the kernels compiled at
     # run time for it (the structure gpu_callables builds ahead), launched by the CUDA FFI
