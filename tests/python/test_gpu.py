@@ -13,6 +13,7 @@ import pytest
 
 import cuflash
 import attention_reference as ref
+from combine_reference import jax_combine_direct, jax_combine_loss
 from conftest import assert_close, assert_lse_close
 
 # The configuration of the "ci" kernel set: bf16, head_dim 128.
@@ -700,7 +701,6 @@ def test_jax_combine_eager_jit_and_grad(rng):
     # flash_attn_combine on JAX GPU arrays: eager (the combine kernel), under jax.jit (jax.numpy),
     # and jax.grad through it, against the NumPy path and a direct logsumexp / softmax form.
     jax, gpu = jax_gpu_device()
-    jnp = jax.numpy
     used = np.array([4, 7], np.int32)
     merged = (np.arange(7)[None, :] < used[:, None])[..., None]
     out_partial = rng.standard_normal((3, 2, 7, 2, 64)).astype(np.float32)
@@ -722,21 +722,10 @@ def test_jax_combine_eager_jit_and_grad(rng):
     weights = jax.device_put(rng.standard_normal(expected_out.shape).astype(np.float32), gpu)
     keep_rows = jax.device_put(merged, gpu)
 
-    def loss(combine):
-        def f(o, l):
-            out, lse = combine(o, l)
-            return jnp.sum(out * weights) + jnp.sum(jnp.where(jnp.isfinite(lse) & keep_rows, lse, 0.0))
-        return f
-
-    def direct(o, l):
-        empty = ~jnp.isfinite(l).any(0)
-        l = jnp.where(empty, 0.0, l)
-        out = jnp.sum(jax.nn.softmax(l, axis=0)[..., None] * o, axis=0)
-        keep = keep_rows & ~empty
-        return jnp.where(keep[..., None], out, 0.0), jnp.where(keep, jax.nn.logsumexp(l, axis=0), 0.0)
-
-    got = jax.jit(jax.grad(loss(lambda o, l: cuflash.flash_attn_combine(o, l, seqused=ju)), argnums=(0, 1)))(jo, jl)
-    expected = jax.jit(jax.grad(loss(direct), argnums=(0, 1)))(jo, jl)
+    combine = lambda o, l: cuflash.flash_attn_combine(o, l, seqused=ju)  # noqa: E731
+    got = jax.jit(jax.grad(jax_combine_loss(jax, combine, weights, keep_rows), argnums=(0, 1)))(jo, jl)
+    direct = jax_combine_direct(jax, keep_rows)
+    expected = jax.jit(jax.grad(jax_combine_loss(jax, direct, weights, keep_rows), argnums=(0, 1)))(jo, jl)
     for g, e in zip(got, expected):
         assert list(g.devices())[0] == gpu and np.all(np.isfinite(np.asarray(g)))
         np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-4, atol=1e-5)

@@ -11,6 +11,7 @@ jax = pytest.importorskip("jax", reason="jax is not installed")
 
 import cuflash  # noqa: E402
 import attention_reference as ref  # noqa: E402
+from combine_reference import jax_combine_direct, jax_combine_loss  # noqa: E402
 from conftest import assert_close, assert_lse_close, randn  # noqa: E402
 from jax.numpy import tanh as jax_tanh  # noqa: E402  (a jax.numpy function named by a module global)
 
@@ -137,23 +138,12 @@ def test_combine_in_jit_and_grad(rng, layout):
 
     weights = rng.standard_normal(out.shape).astype(np.float32)
 
-    def loss(combine):
-        def f(o, l):
-            out, lse = combine(o, l)
-            return jnp.sum(out * weights) + jnp.sum(jnp.where(jnp.isfinite(lse) & merged, lse, 0.0))
-        return f
-
-    def direct(o, l):
-        empty = ~jnp.isfinite(l).any(0)
-        l = jnp.where(empty, 0.0, l)
-        out = jnp.sum(jax.nn.softmax(l, axis=0)[..., None] * jnp.where(jnp.isfinite(o), o, 0.0), axis=0)
-        keep = merged & ~empty
-        return jnp.where(keep[..., None], out, 0.0), jnp.where(keep, jax.nn.logsumexp(l, axis=0), 0.0)
-
     index = {n: jnp.asarray(t) for n, t in kwargs.items()}
-    got = jax.jit(jax.grad(loss(lambda o, l: cuflash.flash_attn_combine(o, l, **index)), argnums=(0, 1)))(
+    combine = lambda o, l: cuflash.flash_attn_combine(o, l, **index)  # noqa: E731
+    got = jax.jit(jax.grad(jax_combine_loss(jax, combine, weights, merged), argnums=(0, 1)))(
         out_partial, lse_partial)
-    expected = jax.grad(loss(direct), argnums=(0, 1))(out_partial, lse_partial)
+    expected = jax.grad(jax_combine_loss(jax, jax_combine_direct(jax, merged), weights, merged),
+                        argnums=(0, 1))(out_partial, lse_partial)
     for g, e in zip(got, expected):
         assert np.all(np.isfinite(np.asarray(g)))
         np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-4, atol=1e-5)
