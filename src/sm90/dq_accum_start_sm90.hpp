@@ -53,8 +53,10 @@ constexpr int kDqBulkFirstStoreMaxRowBlocks = 32;
 // - deterministic runs at head dim 128 (one dQ warp per CTA, store_dq_loop): first stores, with
 //   a window or without, +2.2% non-causal and +6.5% causal at 2k, 0 / +3.1% at 8k (H100, passes
 //   alternating, after the acquired turn peek of 2026-12-06; before it they lost 1-3.6%). Rank 0
-//   stores what it would have added to zeros, so the bits are those of the memset. Not the flex
-//   kernels (their ranks come from the block lists; not measured);
+//   stores what it would have added to zeros, so the sums and their order are the memset's (only
+//   a row block with one contributor can keep a -0 or a subnormal that the bulk add would flush;
+//   the bits repeat run to run either way). Timed dense, bf16; not the flex kernels (their ranks
+//   come from the block lists; not measured);
 // - deterministic runs at the other head dims keep the memset (hdim64: first
 //   stores -3% / -6% non-causal, -2.7% / -5.6% causal at 2k / 8k on the same call; hdims 96 / 192
 //   not measured; the sliced hdim256 kernels as below);

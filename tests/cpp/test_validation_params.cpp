@@ -1351,8 +1351,11 @@ TEST(ParamsBackward, DqAccumStartRules) {
     c.num_sm = 132;
     c.batch = 16384 / seqlen;
     c.num_heads = 16;
-    c.num_m_blocks = seqlen / (hdim == 256 ? 64 : 80);
-    c.num_n_blocks = seqlen / (hdim == 256 ? 80 : 128);
+    // bwd_tile: hdim256 64 x 80; hdim128 80 x 128 without a window, 64 x 128 with one.
+    int const block_m = hdim == 256 ? 64 : (causal ? 64 : 80);
+    int const block_n = hdim == 256 ? 80 : 128;
+    c.num_m_blocks = (seqlen + block_m - 1) / block_m;
+    c.num_n_blocks = (seqlen + block_n - 1) / block_n;
     return c;
   };
   // hdim256 with a window: first stores up to 32 row blocks (2k rows), deterministic too.
@@ -1379,6 +1382,10 @@ TEST(ParamsBackward, DqAccumStartRules) {
   EXPECT_FALSE(dq_first_stores(flex_det));
   // More column blocks than SMs: no rotation over whole heads, so the memset.
   EXPECT_FALSE(dq_first_stores(call(128, 32768, false, false)));
+  // More column blocks than row blocks (few queries, many keys): the memset.
+  DqAccumCall wide_keys = call(128, 2048, false, false);
+  wide_keys.num_m_blocks = 4;
+  EXPECT_FALSE(dq_first_stores(wide_keys));
   // dQ by atomics from registers (neither path): always the memset, whatever is forced.
   DqAccumCall atomics = call(256, 2048, true, false);
   atomics.dq_bulk = false;
@@ -1391,11 +1398,20 @@ TEST(ParamsBackward, DqAccumStartRules) {
   forced = call(256, 2048, true, false);
   forced.clear = BwdDqClear::kMemset;
   EXPECT_FALSE(dq_first_stores(forced));
-  // No SM count: no rotation, so no first stores without a window, and ascending walks.
-  DqAccumCall no_sm = call(128, 2048, false, false);
+  // No SM count: no rotation, so no first stores without a window (but hdim128's deterministic
+  // ones, which need no rotation), and ascending walks.
+  DqAccumCall no_sm = call(256, 2048, false, false);
   no_sm.num_sm = 0;
   EXPECT_FALSE(dq_first_stores(no_sm));
-  EXPECT_EQ(dq_rotate_window(no_sm, false), 0);
+  EXPECT_EQ(dq_rotate_window(no_sm, true), 0);
+  DqAccumCall no_sm_det = call(128, 2048, false, true);
+  no_sm_det.num_sm = 0;
+  EXPECT_TRUE(dq_first_stores(no_sm_det));
+  EXPECT_EQ(dq_rotate_window(no_sm_det, true), 0);
+  // A CTA count past the 31-bit rotation arithmetic: no rotation.
+  DqAccumCall huge = call(256, 2048, false, false);
+  huge.batch = 1 << 26;
+  EXPECT_FALSE(dq_first_stores(huge));
 
   // Rotation windows: first stores or deterministic, no window; deterministic runs rotate while a
   // head's column blocks fit on the card (auto) and ascend past that.
@@ -1403,7 +1419,7 @@ TEST(ParamsBackward, DqAccumStartRules) {
   EXPECT_EQ(dq_rotate_window(call(128, 2048, false, false), false), 0);
   EXPECT_EQ(dq_rotate_window(call(128, 2048, false, true), false), 132);
   EXPECT_EQ(dq_rotate_window(call(128, 2048, true, true), true), 0);  // a window walks ascending
-  DqAccumCall long_det = call(256, 16384, false, true);  // 204 column blocks per head
+  DqAccumCall long_det = call(256, 16384, false, true);  // 205 column blocks per head
   EXPECT_EQ(dq_rotate_window(long_det, false), 0);
   long_det.det_walk = BwdDetWalk::kWaves;
   EXPECT_EQ(dq_rotate_window(long_det, false), 132);
