@@ -13,7 +13,7 @@
 # the hdim128 forward, cuflash and cuDNN), RACECHECK_FILTER, PER_TEST_TIMEOUT (test_each), PYTEST_K (a -k expression), PYTEST_ARGS, JIT_MODULES (0: do not build the GPU tests' callable modules first), PYTEST_TIMEOUT, BENCH_ARGS, BENCH_ENV_B (run the
 # benchmark a second time with these VAR=value settings), BENCH_BWD_ARGS (bench/bench_bwd.py), BENCH_BWD_ARGS_B / BENCH_BWD_ENV_B, _C and _D (more passes with these arguments / VAR=value settings, tagged _b / _c / _d),
 # BENCH_BWD_TIMEOUT (seconds, default 300: a hung backward kernel ends the step, not the call), PROFILE
-# (ncu targets for the profile step, see there), PROFILE_KERNEL_ARGS, BUILD_DIR, CMAKE_EXTRA, BENCH_FLEX_ARGS, BENCH_FLEX_TIMEOUT, BENCH_GQA_ARGS, BENCH_GQA_TIMEOUT, JOBS.
+# (ncu targets for the profile step, see there), PROFILE_KERNEL_ARGS, BUILD_DIR, CMAKE_EXTRA, BENCH_FLEX_ARGS, BENCH_FLEX_ENV_B (a second flex pass under these VAR=value settings, tagged _b), BENCH_FLEX_TIMEOUT, BENCH_GQA_ARGS, BENCH_GQA_TIMEOUT, JOBS.
 # Carry `.cutlass` (CUTLASS headers) and, where the machine has no GoogleTest, `.deps` (a
 # googletest source tree at .deps/googletest); tools/prepare_device_carry.sh makes both here.
 set -uo pipefail
@@ -48,7 +48,7 @@ make_pkg() { rm -rf "$pkg" && mkdir -p "$pkg" && cp -r "$ROOT/python/cuflash" "$
 note "gpu_check $(date -u +%FT%TZ) kernel_set=$KERNEL_SET hdims=$HDIMS dtypes=$DTYPES steps=$STEPS"
 # The second passes' settings are VAR=value lists: checked before the build, so that a typo
 # costs no device time.
-for list_name in TEST_ENV_B TEST_ENV_C BENCH_ENV_B BENCH_BWD_ENV_B BENCH_BWD_ENV_C BENCH_BWD_ENV_D; do
+for list_name in TEST_ENV_B TEST_ENV_C BENCH_ENV_B BENCH_BWD_ENV_B BENCH_BWD_ENV_C BENCH_BWD_ENV_D BENCH_FLEX_ENV_B; do
   for setting in ${!list_name:-}; do
     [[ $setting =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] || { note "$list_name: '$setting' is not VAR=value"; exit 2; }
   done
@@ -239,19 +239,24 @@ if has_step bench_bwd; then
   done
 fi
 
-# run_bench NAME TIMEOUT ARGS: bench/bench_NAME.py under a timeout, its output in bench_NAME.log.
+# run_bench NAME TIMEOUT ARGS [VAR=value ... TAG]: bench/bench_NAME.py under a timeout, its output in
+# bench_NAME.log; with settings and a tag, a second pass under them (bench_NAME_TAG.log).
 run_bench() {
   make_pkg
-  local start=$(date +%s)
+  local start=$(date +%s) settings=${4:-} tag=${5:-}
   # shellcheck disable=SC2086
-  PYTHONUNBUFFERED=1 PYTHONPATH="$pkg" timeout "$2" python3 "$ROOT/bench/bench_$1.py" --out "$OUT" $3 2>&1 |
-    tee "$OUT/bench_$1.log"
+  env $settings PYTHONUNBUFFERED=1 PYTHONPATH="$pkg" timeout "$2" python3 "$ROOT/bench/bench_$1.py" --out "$OUT" \
+    ${tag:+--tag _$tag} $3 2>&1 | tee "$OUT/bench_$1${tag:+_$tag}.log"
   local rc=${PIPESTATUS[0]}
-  note "bench_$1: rc=$rc in $(( $(date +%s) - start )) s"
+  note "bench_$1${settings:+ ($settings)}: rc=$rc in $(( $(date +%s) - start )) s"
   [[ $rc -ne 0 ]] && status=1
 }
 has_step bench_gqa && run_bench gqa "${BENCH_GQA_TIMEOUT:-180}" "${BENCH_GQA_ARGS:-}"
-has_step bench_flex && run_bench flex "${BENCH_FLEX_TIMEOUT:-300}" "${BENCH_FLEX_ARGS:-}"
+if has_step bench_flex; then
+  run_bench flex "${BENCH_FLEX_TIMEOUT:-300}" "${BENCH_FLEX_ARGS:-}"
+  # BENCH_FLEX_ENV_B: the same pass again under these VAR=value settings, tagged _b.
+  [[ -n ${BENCH_FLEX_ENV_B:-} ]] && run_bench flex "${BENCH_FLEX_TIMEOUT:-300}" "${BENCH_FLEX_ARGS:-}" "$BENCH_FLEX_ENV_B" b
+fi
 
 if has_step kernel_times; then
   # Each kernel of one call, cuflash's and cuDNN's, with the gaps between them (bench/kernel_times.py).
