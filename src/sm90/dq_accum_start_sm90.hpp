@@ -16,12 +16,14 @@ struct DqAccumCall {
   bool kernel_window = false;    // the kernel is compiled with a window (causal / local / flex mods)
   bool flex = false;             // a score_mod / mask_mod / block-list kernel
   bool causal_or_local = false;  // the call's mask
+  bool causal = false;           // causal (a local window without causal is not)
   bool deterministic = false;
   int head_dim = 0;  // the kernel's (compile-time) head dim
   int num_sm = 0;  // 0: unknown (the walks then ascend, which never waits on a later launch)
   int batch = 0;
   int num_heads = 0;
   int num_m_blocks = 0;  // by seqlen_q (the longest sequence with varlen)
+  int block_m = 0;       // rows of a row block (the kernel's tile)
   int num_n_blocks = 0;
   BwdDqClear clear = BwdDqClear::kAuto;
   BwdDetWalk det_walk = BwdDetWalk::kAuto;
@@ -36,6 +38,10 @@ inline bool dq_rotation_fits(DqAccumCall const& c) {
 
 // The sliced kernels past this many row blocks keep the memset (below).
 constexpr int kDqBulkFirstStoreMaxRowBlocks = 32;
+// Causal runs of the kernels with one dQ warp (hdims 64 / 96 / 128) store first up to this many
+// rows (below); hdim64 outside deterministic mode up to kDqHdim64CausalFirstStoreMaxRows.
+constexpr std::int64_t kDqCausalFirstStoreMaxRows = 1024;
+constexpr std::int64_t kDqHdim64CausalFirstStoreMaxRows = 8192;
 
 // dq_accum from the first writers' stores (true) or cleared by a memset (false). Only where dQ
 // leaves by bulk copies, through shared memory. The first stores save the memset (a fixed cost per
@@ -57,9 +63,18 @@ constexpr int kDqBulkFirstStoreMaxRowBlocks = 32;
 //   a row block with one contributor can keep a -0 or a subnormal that the bulk add would flush;
 //   the bits repeat run to run either way). Timed dense, bf16; not the flex kernels (their ranks
 //   come from the block lists; not measured);
-// - deterministic runs at the other head dims keep the memset (hdim64: first
-//   stores -3% / -6% non-causal, -2.7% / -5.6% causal at 2k / 8k on the same call; hdims 96 / 192
-//   not measured; the sliced hdim256 kernels as below);
+// - causal runs at head dims 64 / 96 / 128 (one dQ warp per CTA) up to 1k rows, and at hdim64
+//   outside deterministic mode up to 8k rows: there the memset is a large part of a short call.
+//   H100, bf16, 16k tokens, two passes each way alternating, first against the memset: not
+//   deterministic, hdim64 +13 / +8.4 / +5.6 / +3.2 / +2.4% at 512 / 1k / 2k / 4k / 8k, hdim96
+//   +8.5 / +2.9 / +0.8 / -0.5 / -1.7%, hdim128 +14.8 / +6.4 / -3.6 / -7.6 / -8.1%; deterministic,
+//   hdim64 +7 / +2.8 / -2.7 / -6.9 / -4.2%, hdim96 +13 / +9.1 / 0 / -1.2 / -2.6%. Past those
+//   lengths the later writers' waits for the first store cost more than the memset. Local
+//   windows without causal were not timed and keep the memset;
+// - deterministic runs at the other head dims keep the memset otherwise (hdim64: first
+//   stores -3% / -6% non-causal, -2.7% / -5.6% causal at 2k / 8k; hdim96 deterministic
+//   non-causal: +1.5% at 2k, -2.7% at 8k; hdim192's dQ leaves by atomics, without first stores;
+//   the sliced hdim256 kernels as below);
 // - the sliced kernels past 32 row blocks (2k rows at hdim256) keep the memset: there first
 //   stores measured 0.5-5% slower in every case (4k / 8k / 16k, causal or not, deterministic or
 //   not; H100, passes alternating).
@@ -69,6 +84,12 @@ inline bool dq_first_stores(DqAccumCall const& c) {
   if (c.dq_bulk && c.num_m_blocks > kDqBulkFirstStoreMaxRowBlocks) { return false; }
   if (c.dq_bulk && c.causal_or_local) { return true; }
   if (c.deterministic && c.dq_via_smem && c.head_dim == 128 && !c.flex) { return true; }
+  if (c.dq_via_smem && c.causal && !c.flex) {
+    std::int64_t const rows = std::int64_t(c.num_m_blocks) * c.block_m;
+    std::int64_t const max_rows =
+        c.head_dim <= 64 && !c.deterministic ? kDqHdim64CausalFirstStoreMaxRows : kDqCausalFirstStoreMaxRows;
+    if (rows <= max_rows) { return true; }
+  }
   return !c.deterministic && dq_rotation_fits(c) && c.num_n_blocks <= c.num_sm &&
          c.num_n_blocks <= c.num_m_blocks;
 }

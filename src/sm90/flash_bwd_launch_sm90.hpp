@@ -91,12 +91,14 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   dq_call.kernel_window = HasWindow;
   dq_call.flex = Mainloop::kIsFlex;
   dq_call.causal_or_local = params.is_causal || params.is_local;
+  dq_call.causal = params.is_causal;
   dq_call.deterministic = params.deterministic;
   dq_call.head_dim = kHeadDim;
   dq_call.num_sm = params.num_sm;
   dq_call.batch = batch;
   dq_call.num_heads = num_heads;
   dq_call.num_m_blocks = num_m_blocks;
+  dq_call.block_m = kBlockM;
   dq_call.num_n_blocks = num_n_blocks;
   dq_call.clear = BwdDqClear(params.dq_clear);
   dq_call.det_walk = BwdDetWalk(params.det_walk);

@@ -1343,17 +1343,20 @@ TEST(ParamsBackward, DqAccumStartRules) {
   auto call = [](int hdim, int seqlen, bool causal, bool deterministic) {
     DqAccumCall c;
     c.dq_bulk = hdim == 256;  // the sliced kernels' bulk dQ (the default path)
-    c.dq_via_smem = hdim == 128;
+    c.dq_via_smem = hdim <= 128;
     c.kernel_window = causal;
     c.causal_or_local = causal;
+    c.causal = causal;
     c.deterministic = deterministic;
     c.head_dim = hdim;
     c.num_sm = 132;
     c.batch = 16384 / seqlen;
-    c.num_heads = 16;
-    // bwd_tile: hdim256 64 x 80; hdim128 80 x 128 without a window, 64 x 128 with one.
-    int const block_m = hdim == 256 ? 64 : (causal ? 64 : 80);
+    c.num_heads = 2048 / hdim;
+    // bwd_tile: hdim256 64 x 80; hdim128 80 x 128 without a window, 64 x 128 with one; hdim96
+    // 64 x 128; hdim64 128 x 128.
+    int const block_m = hdim == 256 ? 64 : hdim == 128 ? (causal ? 64 : 80) : hdim == 96 ? 64 : 128;
     int const block_n = hdim == 256 ? 80 : 128;
+    c.block_m = block_m;
     c.num_m_blocks = (seqlen + block_m - 1) / block_m;
     c.num_n_blocks = (seqlen + block_n - 1) / block_n;
     return c;
@@ -1373,10 +1376,30 @@ TEST(ParamsBackward, DqAccumStartRules) {
   EXPECT_FALSE(dq_first_stores(call(128, 2048, true, false)));
   EXPECT_TRUE(dq_first_stores(call(128, 2048, false, true)));
   EXPECT_TRUE(dq_first_stores(call(128, 8192, true, true)));
-  // The other head dims' deterministic runs keep the memset (hdim64 measured slower).
-  DqAccumCall hdim64_det = call(128, 2048, false, true);
-  hdim64_det.head_dim = 64;
-  EXPECT_FALSE(dq_first_stores(hdim64_det));
+  // The other head dims' deterministic runs keep the memset (hdim64 measured slower), but for
+  // causal runs up to 1k rows.
+  EXPECT_FALSE(dq_first_stores(call(64, 2048, false, true)));
+  EXPECT_FALSE(dq_first_stores(call(96, 2048, false, true)));
+  EXPECT_TRUE(dq_first_stores(call(64, 1024, true, true)));
+  EXPECT_TRUE(dq_first_stores(call(96, 1024, true, true)));
+  EXPECT_FALSE(dq_first_stores(call(64, 2048, true, true)));
+  EXPECT_FALSE(dq_first_stores(call(96, 2048, true, true)));
+  // Causal, not deterministic, one dQ warp: first stores up to 1k rows, at hdim64 up to 8k.
+  EXPECT_TRUE(dq_first_stores(call(128, 512, true, false)));
+  EXPECT_TRUE(dq_first_stores(call(128, 1024, true, false)));
+  EXPECT_TRUE(dq_first_stores(call(96, 1024, true, false)));
+  EXPECT_FALSE(dq_first_stores(call(96, 2048, true, false)));
+  EXPECT_TRUE(dq_first_stores(call(64, 8192, true, false)));
+  EXPECT_FALSE(dq_first_stores(call(64, 16384, true, false)));
+  // The rows counted are the padded row blocks' (a 1,025-row call has 17 of 64 rows at hdim128).
+  EXPECT_FALSE(dq_first_stores(call(128, 1025, true, false)));
+  // A local window that is not causal keeps the memset (not timed), as do the flex kernels.
+  DqAccumCall local = call(128, 512, true, false);
+  local.causal = false;
+  EXPECT_FALSE(dq_first_stores(local));
+  DqAccumCall flex_causal = call(128, 512, true, false);
+  flex_causal.flex = true;
+  EXPECT_FALSE(dq_first_stores(flex_causal));
   DqAccumCall flex_det = call(128, 2048, true, true);
   flex_det.flex = true;
   EXPECT_FALSE(dq_first_stores(flex_det));
