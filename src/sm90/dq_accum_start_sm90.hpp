@@ -38,9 +38,9 @@ inline bool dq_rotation_fits(DqAccumCall const& c) {
 
 // The sliced kernels past this many row blocks keep the memset (below).
 constexpr int kDqBulkFirstStoreMaxRowBlocks = 32;
-// Causal runs of the kernels with one dQ warp (hdims 64 / 96 / 128) store first up to this many
-// rows (below); hdim64 outside deterministic mode up to kDqHdim64CausalFirstStoreMaxRows.
-constexpr std::int64_t kDqCausalFirstStoreMaxRows = 1024;
+// Short calls (rows of the padded row blocks) store first, causal or deterministic (below);
+// hdim64's causal runs outside deterministic mode up to kDqHdim64CausalFirstStoreMaxRows.
+constexpr std::int64_t kDqShortFirstStoreMaxRows = 1024;
 constexpr std::int64_t kDqHdim64CausalFirstStoreMaxRows = 8192;
 
 // dq_accum from the first writers' stores (true) or cleared by a memset (false). Only where dQ
@@ -71,6 +71,9 @@ constexpr std::int64_t kDqHdim64CausalFirstStoreMaxRows = 8192;
 //   hdim64 +7 / +2.8 / -2.7 / -6.9 / -4.2%, hdim96 +13 / +9.1 / 0 / -1.2 / -2.6%. Past those
 //   lengths the later writers' waits for the first store cost more than the memset. Local
 //   windows without causal were not timed and keep the memset;
+// - deterministic runs without a window up to 1k rows, at every head dim whose dQ leaves by bulk
+//   copies: hdim64 +5.8 / +1.0 / -2.9% at 512 / 1k / 2k, hdim96 +7.6 / +2.8 / -0.7%, hdim256
+//   +8.2 / +4.2 / +0.6% (H100, bf16, 16k tokens, two passes each way alternating);
 // - deterministic runs at the other head dims keep the memset otherwise (hdim64: first
 //   stores -3% / -6% non-causal, -2.7% / -5.6% causal at 2k / 8k; hdim96 deterministic
 //   non-causal: +1.5% at 2k, -2.7% at 8k; hdim192's dQ leaves by atomics, without first stores;
@@ -84,11 +87,13 @@ inline bool dq_first_stores(DqAccumCall const& c) {
   if (c.dq_bulk && c.num_m_blocks > kDqBulkFirstStoreMaxRowBlocks) { return false; }
   if (c.dq_bulk && c.causal_or_local) { return true; }
   if (c.deterministic && c.dq_via_smem && c.head_dim == 128 && !c.flex) { return true; }
-  if (c.dq_via_smem && c.causal && !c.flex) {
+  if (!c.flex && c.block_m > 0) {
     std::int64_t const rows = std::int64_t(c.num_m_blocks) * c.block_m;
-    std::int64_t const max_rows =
-        c.head_dim <= 64 && !c.deterministic ? kDqHdim64CausalFirstStoreMaxRows : kDqCausalFirstStoreMaxRows;
-    if (rows <= max_rows) { return true; }
+    bool const short_call = rows <= kDqShortFirstStoreMaxRows;
+    // Causal with one dQ warp (the sliced kernels' causal runs are above).
+    bool const hdim64_causal = c.head_dim <= 64 && !c.deterministic && rows <= kDqHdim64CausalFirstStoreMaxRows;
+    if (c.dq_via_smem && c.causal && (short_call || hdim64_causal)) { return true; }
+    if (c.deterministic && !c.kernel_window && short_call) { return true; }
   }
   return !c.deterministic && dq_rotation_fits(c) && c.num_n_blocks <= c.num_sm &&
          c.num_n_blocks <= c.num_m_blocks;

@@ -1376,10 +1376,17 @@ TEST(ParamsBackward, DqAccumStartRules) {
   EXPECT_FALSE(dq_first_stores(call(128, 2048, true, false)));
   EXPECT_TRUE(dq_first_stores(call(128, 2048, false, true)));
   EXPECT_TRUE(dq_first_stores(call(128, 8192, true, true)));
-  // The other head dims' deterministic runs keep the memset (hdim64 measured slower), but for
-  // causal runs up to 1k rows.
+  // The other head dims' deterministic runs keep the memset (hdim64 measured slower) past 1k
+  // rows, causal or not.
   EXPECT_FALSE(dq_first_stores(call(64, 2048, false, true)));
   EXPECT_FALSE(dq_first_stores(call(96, 2048, false, true)));
+  EXPECT_TRUE(dq_first_stores(call(64, 1024, false, true)));
+  EXPECT_TRUE(dq_first_stores(call(96, 512, false, true)));
+  EXPECT_TRUE(dq_first_stores(call(256, 1024, false, true)));
+  // A call without the row-block height never counts as short.
+  DqAccumCall no_block_m = call(64, 512, false, true);
+  no_block_m.block_m = 0;
+  EXPECT_FALSE(dq_first_stores(no_block_m));
   EXPECT_TRUE(dq_first_stores(call(64, 1024, true, true)));
   EXPECT_TRUE(dq_first_stores(call(96, 1024, true, true)));
   EXPECT_FALSE(dq_first_stores(call(64, 2048, true, true)));
@@ -1397,6 +1404,9 @@ TEST(ParamsBackward, DqAccumStartRules) {
   DqAccumCall local = call(128, 512, true, false);
   local.causal = false;
   EXPECT_FALSE(dq_first_stores(local));
+  DqAccumCall local_det = call(64, 512, true, true);
+  local_det.causal = false;
+  EXPECT_FALSE(dq_first_stores(local_det));
   DqAccumCall flex_causal = call(128, 512, true, false);
   flex_causal.flex = true;
   EXPECT_FALSE(dq_first_stores(flex_causal));
