@@ -71,13 +71,15 @@ constexpr std::int64_t kDqHdim64CausalFirstStoreMaxRows = 8192;
 //   hdim64 +7 / +2.8 / -2.7 / -6.9 / -4.2%, hdim96 +13 / +9.1 / 0 / -1.2 / -2.6%. Past those
 //   lengths the later writers' waits for the first store cost more than the memset. Local
 //   windows without causal were not timed and keep the memset;
-// - deterministic runs without a window up to 1k rows, at every head dim whose dQ leaves by bulk
-//   copies: hdim64 +5.8 / +1.0 / -2.9% at 512 / 1k / 2k, hdim96 +7.6 / +2.8 / -0.7%, hdim256
-//   +8.2 / +4.2 / +0.6% (H100, bf16, 16k tokens, two passes each way alternating);
+// - deterministic runs without a window up to 1k rows at head dims 64 / 96 / 128 / 256: hdim64
+//   +5.8 / +1.0 / -2.9% at 512 / 1k / 2k, hdim96 +7.6 / +2.8 / -0.7%, hdim256 +8.2 / +4.2 / +0.6%
+//   (H100, bf16, 16k tokens, two passes each way alternating);
 // - deterministic runs at the other head dims keep the memset otherwise (hdim64: first
 //   stores -3% / -6% non-causal, -2.7% / -5.6% causal at 2k / 8k; hdim96 deterministic
-//   non-causal: +1.5% at 2k, -2.7% at 8k; hdim192's dQ leaves by atomics, without first stores;
-//   the sliced hdim256 kernels as below);
+//   non-causal: +1.5% at 2k, -2.7% at 8k; the sliced hdim256 kernels as below);
+// - hdim192 (its plain kernels' dQ goes through shared memory too) only where the walks rotate,
+//   as above: its short calls and deterministic runs are not timed against the memset yet (one
+//   pass, deterministic at 2k: +3-4%);
 // - the sliced kernels past 32 row blocks (2k rows at hdim256) keep the memset: there first
 //   stores measured 0.5-5% slower in every case (4k / 8k / 16k, causal or not, deterministic or
 //   not; H100, passes alternating).
@@ -90,10 +92,12 @@ inline bool dq_first_stores(DqAccumCall const& c) {
   if (!c.flex && c.block_m > 0) {
     std::int64_t const rows = std::int64_t(c.num_m_blocks) * c.block_m;
     bool const short_call = rows <= kDqShortFirstStoreMaxRows;
-    // Causal with one dQ warp (the sliced kernels' causal runs are above).
+    // The head dims timed: 64 / 96 / 128 with one dQ warp, 256 (the sliced kernels; their causal
+    // runs are above).
+    bool const timed = (c.dq_via_smem && c.head_dim <= 128) || c.dq_bulk;
     bool const hdim64_causal = c.head_dim <= 64 && !c.deterministic && rows <= kDqHdim64CausalFirstStoreMaxRows;
-    if (c.dq_via_smem && c.causal && (short_call || hdim64_causal)) { return true; }
-    if (c.deterministic && !c.kernel_window && short_call) { return true; }
+    if (timed && c.dq_via_smem && c.causal && (short_call || hdim64_causal)) { return true; }
+    if (timed && c.deterministic && !c.kernel_window && short_call) { return true; }
   }
   return !c.deterministic && dq_rotation_fits(c) && c.num_n_blocks <= c.num_sm &&
          c.num_n_blocks <= c.num_m_blocks;

@@ -1339,11 +1339,11 @@ TEST(ParamsBackward, DqAccumStartRules) {
   using sm90::bwd::DqAccumCall;
   using sm90::bwd::dq_first_stores;
   using sm90::bwd::dq_rotate_window;
-  // The benchmark's shapes on a 132-SM card: 16k tokens, 16 heads.
+  // The benchmark's shapes on a 132-SM card: 16k tokens, hidden 2048 (2048 / hdim heads).
   auto call = [](int hdim, int seqlen, bool causal, bool deterministic) {
     DqAccumCall c;
     c.dq_bulk = hdim == 256;  // the sliced kernels' bulk dQ (the default path)
-    c.dq_via_smem = hdim <= 128;
+    c.dq_via_smem = hdim <= 192;  // the plain hdim192 kernels fit their dQ tile in shared memory
     c.kernel_window = causal;
     c.causal_or_local = causal;
     c.causal = causal;
@@ -1352,10 +1352,10 @@ TEST(ParamsBackward, DqAccumStartRules) {
     c.num_sm = 132;
     c.batch = 16384 / seqlen;
     c.num_heads = 2048 / hdim;
-    // bwd_tile: hdim256 64 x 80; hdim128 80 x 128 without a window, 64 x 128 with one; hdim96
-    // 64 x 128; hdim64 128 x 128.
-    int const block_m = hdim == 256 ? 64 : hdim == 128 ? (causal ? 64 : 80) : hdim == 96 ? 64 : 128;
-    int const block_n = hdim == 256 ? 80 : 128;
+    // bwd_tile: hdim256 64 x 80; hdim192 64 x 96; hdim128 80 x 128 without a window, 64 x 128
+    // with one; hdim96 64 x 128; hdim64 128 x 128.
+    int const block_m = hdim == 128 ? (causal ? 64 : 80) : hdim == 64 ? 128 : 64;
+    int const block_n = hdim == 256 ? 80 : hdim == 192 ? 96 : 128;
     c.block_m = block_m;
     c.num_m_blocks = (seqlen + block_m - 1) / block_m;
     c.num_n_blocks = (seqlen + block_n - 1) / block_n;
@@ -1407,6 +1407,19 @@ TEST(ParamsBackward, DqAccumStartRules) {
   DqAccumCall local_det = call(64, 512, true, true);
   local_det.causal = false;
   EXPECT_FALSE(dq_first_stores(local_det));
+  // hdim192 (not timed against the memset in short or deterministic calls): the memset there,
+  // but where its walks rotate (not deterministic, no window).
+  EXPECT_FALSE(dq_first_stores(call(192, 512, true, false)));
+  EXPECT_FALSE(dq_first_stores(call(192, 512, false, true)));
+  EXPECT_FALSE(dq_first_stores(call(192, 2048, true, true)));
+  EXPECT_TRUE(dq_first_stores(call(192, 2048, false, false)));
+  // The 64-row hdim64 tile (a score derivative, e.g. softcap): rows, not row blocks, are capped.
+  DqAccumCall hdim64_small_tile = call(64, 8192, true, false);
+  hdim64_small_tile.block_m = 64;
+  hdim64_small_tile.num_m_blocks = 128;
+  EXPECT_TRUE(dq_first_stores(hdim64_small_tile));
+  hdim64_small_tile.num_m_blocks = 129;
+  EXPECT_FALSE(dq_first_stores(hdim64_small_tile));
   DqAccumCall flex_causal = call(128, 512, true, false);
   flex_causal.flex = true;
   EXPECT_FALSE(dq_first_stores(flex_causal));
