@@ -5,6 +5,10 @@ PyTorch SDPA's cuDNN and FlashAttention-2 backends, in one process, on the same 
 
 Shapes as bench_fwd.py: bf16 (--dtype fp16 for fp16), batch * seqlen = 16k tokens, heads * head_dim = 2048.
 FLOPs = 2.5 * 4 * batch * heads * seqlen_q * seqlen_k * head_dim, half of that when causal.
+--window L times the cuflash columns with a local window instead (window_size (L, 0) in the causal
+passes, (L, L) in the others; FLOPs = 2.5 * 4 * batch * heads * head_dim * the pairs the window keeps);
+SDPA's cuDNN and FlashAttention-2 backends have no window, so the reference is SDPA with the window
+as a mask (untimed).
 
 What is timed: the backward alone. Each implementation runs its forward once with autograd on
 the shared q, k, v; each timed call is then torch.autograd.grad(out, (q, k, v), dout,
@@ -73,10 +77,31 @@ def make_columns(args):
 
         return prepare
 
-    references = {"cudnn": sdpa(SDPBackend.CUDNN_ATTENTION), "fa2": sdpa(SDPBackend.FLASH_ATTENTION)}
-    for c in ("cudnn", "fa2"):
-        if c in wanted:
-            columns[c] = references[c]
+    def sdpa_window(q, k, v, dout, causal, hdim):
+        # A local window as an explicit mask: the memory-efficient kernel where it takes the
+        # shape, else the math path (an untimed reference only).
+        left, right = window_of(args, causal)
+        rows = torch.arange(q.shape[1], device=q.device)
+        keep = (rows[None, :] >= rows[:, None] - left) & (rows[None, :] <= rows[:, None] + right)
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=keep,
+                enable_gqa=args.gqa > 1)
+        grad_out = dout.transpose(1, 2)
+        return lambda: torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True)
+
+    if args.window > 0:
+        # SDPA's cuDNN and FlashAttention-2 backends take no local window: the cuflash columns
+        # alone are timed, checked against the masked reference.
+        references = {"sdpa_masked": sdpa_window}
+        for c in ("cudnn", "fa2"):
+            if c in wanted:
+                unavailable[c] = f"SDPA's {c} backend has no local window (--window)"
+    else:
+        references = {"cudnn": sdpa(SDPBackend.CUDNN_ATTENTION), "fa2": sdpa(SDPBackend.FLASH_ATTENTION)}
+        for c in ("cudnn", "fa2"):
+            if c in wanted:
+                columns[c] = references[c]
 
     cuflash_wanted = [c for c in ("cuflash", "cuflash_det") if c in wanted]
     if cuflash_wanted:
@@ -97,19 +122,21 @@ def make_columns(args):
                 if missing:
                     raise NotImplementedError(f"not built: {', '.join(missing)} not in cuflash.built_kernels() "
                                               "(CUFLASH_KERNEL_SET / CUFLASH_HDIMS)")
+                # The mask: causal, or with --window the local window in its place.
+                mask = dict(causal=causal) if args.window <= 0 else dict(window_size=window_of(args, causal))
                 if args.cuflash_call == "direct":
                     with torch.no_grad():
-                        out, lse = cuflash.flash_attn_func(q, k, v, causal=causal, softcap=args.softcap)
+                        out, lse = cuflash.flash_attn_func(q, k, v, softcap=args.softcap, **mask)
 
                     def run():
-                        dq, dk, dv, _ = cuflash.flash_attn_backward(dout, q, k, v, out, lse, causal=causal,
+                        dq, dk, dv, _ = cuflash.flash_attn_backward(dout, q, k, v, out, lse,
                                                                     softcap=args.softcap,
-                                                                    deterministic=deterministic)
+                                                                    deterministic=deterministic, **mask)
                         return dq, dk, dv
 
                     return run
-                out, _ = cuflash.flash_attn_func(q, k, v, causal=causal, softcap=args.softcap,
-                                                 deterministic=deterministic)
+                out, _ = cuflash.flash_attn_func(q, k, v, softcap=args.softcap,
+                                                 deterministic=deterministic, **mask)
                 return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
 
             return prepare
@@ -144,9 +171,23 @@ def make_inputs(hdim, seqlen, batch, nheads, dtype, gqa=1):
     return q, k, v, dout
 
 
+def window_of(args, causal):
+    """The (left, right) local window of --window: (L, 0) where the pass is causal (a causal mask
+    that sees L keys back), (L, L) where it is not."""
+    return (args.window, 0 if causal else args.window)
+
+
+def shape_flops(args, batch, nheads, seqlen, hdim, causal):
+    """The backward FLOPs of one shape: the causal convention, or the window's pairs counted."""
+    if args.window > 0:
+        return common.window_bwd_flops(batch, nheads, seqlen, hdim, *window_of(args, causal))
+    return common.bwd_flops(batch, nheads, seqlen, seqlen, hdim, causal)
+
+
 def reference_grads(references, q, k, v, dout, causal, hdim):
-    """cuDNN's gradients (FlashAttention-2's when cuDNN refuses the shape), untimed; None if both fail."""
-    for name in ("cudnn", "fa2"):
+    """The first reference's gradients that runs (cuDNN's, FlashAttention-2's when cuDNN refuses
+    the shape; with --window the masked SDPA reference), untimed; None if none does."""
+    for name in references:
         try:
             grads = references[name](q, k, v, dout, causal, hdim)()
             return name, [g.detach().clone() for g in grads]
@@ -195,8 +236,8 @@ def dry_run(args):
     count, total_flops = 0, 0
     for hdim, seqlen, batch, nheads in common.grid(args):
         for causal in common.bools(args.causal):
-            fwd = common.fwd_flops(batch, nheads, seqlen, seqlen, hdim, causal)
-            bwd = common.bwd_flops(batch, nheads, seqlen, seqlen, hdim, causal)
+            bwd = shape_flops(args, batch, nheads, seqlen, hdim, causal)
+            fwd = bwd / common.BWD_FLOP_FACTOR
             print(f"{hdim:>4} {seqlen:>6} {batch:>5} {nheads:>6} {int(causal):>6} {fwd / 1e9:10.1f} {bwd / 1e9:10.1f}")
             count += 1
             total_flops += bwd
@@ -226,6 +267,11 @@ def main():
                              "its derivative")
     parser.add_argument("--gqa", type=int, default=1,
                         help="query heads per kv head (k and v get nheads / GQA heads; SDPA with enable_gqa)")
+    parser.add_argument("--window", type=int, default=0,
+                        help="a local window of this many keys back from each query in the cuflash columns: "
+                             "window_size (L, 0) in the causal passes, (L, L) in the others; the SDPA "
+                             "peers have none (not timed), the gradients are checked against SDPA with the "
+                             "window as a mask; FLOPs count the window's pairs")
     parser.add_argument("--dry-run", action="store_true", help="print the grid and FLOP counts, touch no GPU")
     args = parser.parse_args()
     for hdim in common.ints(args.hdims):
@@ -255,7 +301,8 @@ def main():
                             nheads_kv=nheads // args.gqa,
                             causal=causal, deterministic=name == "cuflash_det", bwd_tflops=tflops, gpu=gpu,
                             date=date, skipped=skipped, grad_err=err, grad_ref=ref if err is not None else None,
-                            repeatable=repeatable, softcap=args.softcap if impl == "cuflash" else 0.0))
+                            repeatable=repeatable, softcap=args.softcap if impl == "cuflash" else 0.0,
+                            window=list(window_of(args, causal)) if args.window > 0 else None))
         shown = f"skipped: {skipped}" if skipped else f"{tflops:7.1f} TFLOP/s"
         extra = "" if err is None else f"  err vs {ref} {err:.2e}"
         extra += "" if repeatable is None else f"  repeatable {repeatable}"
@@ -272,7 +319,7 @@ def main():
                 except Exception as error:
                     lost = f"inputs: {type(error).__name__}: {error}"
             for causal in common.bools(args.causal):
-                flops = common.bwd_flops(batch, nheads, seqlen, seqlen, hdim, causal)
+                flops = shape_flops(args, batch, nheads, seqlen, hdim, causal)
                 ref_name, reference = (None, None) if lost else reference_grads(references, q, k, v, dout, causal, hdim)
                 for name in names:
                     if name in unavailable or lost:
@@ -297,7 +344,10 @@ def main():
 
     common.write_json(records, json_path)
     names = wanted
-    settings = common.run_settings(args, [f"softcap {args.softcap:g}"] if args.softcap > 0 else [])
+    extra = [f"softcap {args.softcap:g}"] if args.softcap > 0 else []
+    if args.window > 0:
+        extra.append(f"window ({args.window}, 0) causal / ({args.window}, {args.window}) not")
+    settings = common.run_settings(args, extra)
     title = common.titled(f"backward TFLOP/s, {args.dtype}, {gpu}, {date}", settings)
     lines = common.table_lines(f"{title}; {METHOD[args.cuflash_call]}", records,
                                "bwd_tflops", names,

@@ -74,6 +74,20 @@ def fwd_flops(batch, nheads, seqlen_q, seqlen_k, hdim, causal):
     return 4 * batch * nheads * seqlen_q * seqlen_k * hdim // (2 if causal else 1)
 
 
+def window_pairs(seqlen, left, right):
+    """Query-key pairs a local window (left, right) keeps at seqlen_q == seqlen_k: row i sees keys
+    max(0, i - left) .. min(seqlen - 1, i + right)."""
+    if left < 0 or right < 0:
+        raise ValueError(f"window sides must be >= 0, got ({left}, {right})")
+    return sum(min(seqlen - 1, i + right) - max(0, i - left) + 1 for i in range(seqlen))
+
+
+def window_bwd_flops(batch, nheads, seqlen, hdim, left, right):
+    """The backward count of a local window: 2.5 x 4 x B x H x D per visible pair (the pairs
+    counted exactly; a window is not a square mask)."""
+    return int(BWD_FLOP_FACTOR * 4 * batch * nheads * window_pairs(seqlen, left, right) * hdim)
+
+
 def bwd_flops(batch, nheads, seqlen_q, seqlen_k, hdim, causal):
     """2.5 x the forward count, half of it when causal."""
     return int(BWD_FLOP_FACTOR * fwd_flops(batch, nheads, seqlen_q, seqlen_k, hdim, causal))

@@ -235,6 +235,18 @@ def test_grid_and_flops():
         common.fwd_flops(1, 1, 4, 8, 8, True)
 
 
+def test_window_pairs_and_flops():
+    common = load("bench_common")
+    # Row i sees keys max(0, i - left) .. min(seqlen - 1, i + right).
+    assert common.window_pairs(5, 1, 0) == 1 + 2 + 2 + 2 + 2
+    assert common.window_pairs(4, 10, 0) == 1 + 2 + 3 + 4  # a window past the keys: causal
+    assert common.window_pairs(4, 10, 10) == 16
+    assert common.window_pairs(6, 1, 1) == 2 + 3 + 3 + 3 + 3 + 2
+    assert common.window_bwd_flops(2, 3, 5, 8, 1, 0) == int(2.5 * 4 * 2 * 3 * 9 * 8)
+    with pytest.raises(ValueError):
+        common.window_pairs(4, -1, 0)
+
+
 def test_json_has_no_nan(tmp_path):
     # Failed and skipped measurements are NaN in memory, null in the file, NaN again in tables.
     common = load("bench_common")
