@@ -21,7 +21,7 @@ seeded by the shape, so every implementation of a shape sees the same values.
 
 Before timing, each implementation's gradients are checked: finite, within --max-err of a
 cuDNN reference (max |g - ref| / max |ref| over dq, dk, dv; FlashAttention-2's where cuDNN
-refuses the shape; a column further off is recorded as skipped, not timed), and whether a
+refuses the shape; with --window, SDPA's with the window as a mask; a column further off is recorded as skipped, not timed), and whether a
 second call gives bitwise the same result (the deterministic-mode property; the deterministic
 column is recorded as skipped, not timed, where it does not). The deterministic column runs after
 all the others, so that a hang or a fault there costs only its own numbers.
@@ -231,7 +231,8 @@ def measure(name, prepare, q, k, v, dout, causal, hdim, flops, args, reference):
 
 def dry_run(args):
     columns = check_impls(args)
-    print(f"dry run: no GPU work. columns: {', '.join(columns)}; {METHOD[args.cuflash_call]}")
+    window = f"; window ({args.window}, 0) causal / ({args.window}, {args.window}) not" if args.window > 0 else ""
+    print(f"dry run: no GPU work. columns: {', '.join(columns)}; {METHOD[args.cuflash_call]}{window}")
     print(f"{'hdim':>4} {'seqlen':>6} {'batch':>5} {'nheads':>6} {'causal':>6} {'fwd GFLOP':>10} {'bwd GFLOP':>10}")
     count, total_flops = 0, 0
     for hdim, seqlen, batch, nheads in common.grid(args):
@@ -259,7 +260,7 @@ def main():
                         help="autograd: time torch.autograd.grad on cuflash's output like the peers; "
                              "direct: time cuflash.flash_attn_backward")
     parser.add_argument("--max-err", type=float, default=0.05,
-                        help="gradients further than this from the cuDNN reference (relative to its max) "
+                        help="gradients further than this from the reference (cuDNN's; relative to its max) "
                              "are recorded as skipped, not timed")
     parser.add_argument("--softcap", type=float, default=0.0,
                         help="softcap of the cuflash columns (the peers have none; the cuflash gradients are "
@@ -277,6 +278,17 @@ def main():
     for hdim in common.ints(args.hdims):
         if args.gqa < 1 or (common.HIDDEN // hdim) % args.gqa:
             raise SystemExit(f"--gqa {args.gqa}: must divide the {common.HIDDEN // hdim} heads of hdim {hdim}")
+    if args.window < 0:
+        raise SystemExit(f"--window {args.window}: must be >= 1 (0: no window)")
+    if args.window > 0:
+        # A window as long as the keys is dropped by the API (the plain causal or full kernels
+        # would be timed under the window's name), and the masked reference has no fused kernel
+        # for grouped heads (the math path in fp32 would not fit at long sequences).
+        short = [n for n in common.ints(args.seqlens) if n <= args.window]
+        if short:
+            raise SystemExit(f"--window {args.window}: must be below every --seqlens value (got {short})")
+        if args.gqa > 1:
+            raise SystemExit("--window: not with --gqa > 1 (the masked SDPA reference has no grouped-head kernel)")
     if args.dry_run:
         dry_run(args)
         return 0
