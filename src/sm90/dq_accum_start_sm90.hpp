@@ -92,12 +92,12 @@ inline bool dq_first_stores(DqAccumCall const& c) {
   if (!c.flex && c.block_m > 0) {
     std::int64_t const rows = std::int64_t(c.num_m_blocks) * c.block_m;
     bool const short_call = rows <= kDqShortFirstStoreMaxRows;
-    // The head dims timed: 64 / 96 / 128 with one dQ warp, 256 (the sliced kernels; their causal
-    // runs are above).
-    bool const timed = (c.dq_via_smem && c.head_dim <= 128) || c.dq_bulk;
+    // The kernels timed: dQ through shared memory at hdims 64 / 96 / 128 (not 192), and the
+    // sliced hdim256 kernels' bulk dQ (their causal runs are above).
+    bool const timed_smem = c.dq_via_smem && c.head_dim <= 128;
     bool const hdim64_causal = c.head_dim <= 64 && !c.deterministic && rows <= kDqHdim64CausalFirstStoreMaxRows;
-    if (timed && c.dq_via_smem && c.causal && (short_call || hdim64_causal)) { return true; }
-    if (timed && c.deterministic && !c.kernel_window && short_call) { return true; }
+    if (timed_smem && c.causal && (short_call || hdim64_causal)) { return true; }
+    if ((timed_smem || c.dq_bulk) && c.deterministic && !c.kernel_window && short_call) { return true; }
   }
   return !c.deterministic && dq_rotation_fits(c) && c.num_n_blocks <= c.num_sm &&
          c.num_n_blocks <= c.num_m_blocks;
