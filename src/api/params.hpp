@@ -331,9 +331,9 @@ enum class BwdDqConvert : int { kOverlap = 0, kAfter = 1 };
 // CUFLASH_BWD_DET_WALK's). kAuto (the default): first stores where the launcher measured them
 // faster (the sliced hdim256 kernels' bulk dQ with causal or local, deterministic or not, and,
 // not deterministic, without a window where the walks rotate over whole heads; the sliced
-// kernels only up to 32 row blocks; deterministic hdim128; short causal calls and short
-// deterministic calls without a window: dq_first_stores in sm90/dq_accum_start_sm90.hpp), the
-// memset elsewhere.
+// kernels only up to 32 row blocks; deterministic hdim128; short causal calls, short
+// deterministic calls without a window, and narrow local windows at any length: dq_first_stores
+// in sm90/dq_accum_start_sm90.hpp), the memset elsewhere.
 enum class BwdDqClear : int { kAuto = 0, kFirstStore = 1, kMemset = 2 };
 struct BwdLaunchChoice {
   BwdLaunchOrder order = BwdLaunchOrder::kAuto;

@@ -17,6 +17,9 @@ struct DqAccumCall {
   bool flex = false;             // a score_mod / mask_mod / block-list kernel
   bool causal_or_local = false;  // the call's mask
   bool causal = false;           // causal (a local window without causal is not)
+  // A local window bounded on both sides (not causal): the keys a row sees besides its own,
+  // window_left + window_right; -1 otherwise (no window, causal, or a side unbounded).
+  std::int64_t window_keys = -1;
   bool deterministic = false;
   int head_dim = 0;  // the kernel's (compile-time) head dim
   int num_sm = 0;  // 0: unknown (the walks then ascend, which never waits on a later launch)
@@ -42,6 +45,22 @@ constexpr int kDqBulkFirstStoreMaxRowBlocks = 32;
 // hdim64's causal runs outside deterministic mode up to kDqHdim64CausalFirstStoreMaxRows.
 constexpr std::int64_t kDqShortFirstStoreMaxRows = 1024;
 constexpr std::int64_t kDqHdim64CausalFirstStoreMaxRows = 8192;
+// Local windows (both sides bounded) store first up to this many keys a row sees besides its
+// own (window_left + window_right), whatever the length; hdim96 up to 256, hdim64 outside
+// deterministic mode up to 2048 (below).
+constexpr std::int64_t kDqNarrowWindowFirstStoreMaxKeys = 512;
+constexpr std::int64_t kDqHdim96NarrowWindowFirstStoreMaxKeys = 256;
+constexpr std::int64_t kDqHdim64WindowFirstStoreMaxKeys = 2048;
+
+// A local window bounded on both sides whose rows see few keys (the limits above).
+inline bool dq_narrow_window(DqAccumCall const& c) {
+  if (c.window_keys < 0 || c.causal) { return false; }
+  std::int64_t const max_keys =
+      c.head_dim <= 64 && !c.deterministic ? kDqHdim64WindowFirstStoreMaxKeys
+      : c.head_dim == 96                   ? kDqHdim96NarrowWindowFirstStoreMaxKeys
+                                           : kDqNarrowWindowFirstStoreMaxKeys;
+  return c.window_keys <= max_keys;
+}
 
 // dq_accum from the first writers' stores (true) or cleared by a memset (false). Only where dQ
 // leaves by bulk copies, through shared memory. The first stores save the memset (a fixed cost per
@@ -69,32 +88,47 @@ constexpr std::int64_t kDqHdim64CausalFirstStoreMaxRows = 8192;
 //   deterministic, hdim64 +13 / +8.4 / +5.6 / +3.2 / +2.4% at 512 / 1k / 2k / 4k / 8k, hdim96
 //   +8.5 / +2.9 / +0.8 / -0.5 / -1.7%, hdim128 +14.8 / +6.4 / -3.6 / -7.6 / -8.1%; deterministic,
 //   hdim64 +7 / +2.8 / -2.7 / -6.9 / -4.2%, hdim96 +13 / +9.1 / 0 / -1.2 / -2.6%. Past those
-//   lengths the later writers' waits for the first store cost more than the memset. Local
-//   windows without causal were not timed and keep the memset;
-// - deterministic runs without a window up to 1k rows at head dims 64 / 96 / 128 / 256: hdim64
-//   +5.8 / +1.0 / -2.9% at 512 / 1k / 2k, hdim96 +7.6 / +2.8 / -0.7%, hdim256 +8.2 / +4.2 / +0.6%
-//   (H100, bf16, 16k tokens, two passes each way alternating);
+//   lengths the later writers' waits for the first store cost more than the memset. hdim192
+//   (its plain kernels' dQ goes through shared memory too) up to 1k rows: +13 / +4.5% at 512 /
+//   1k, deterministic +14 / +7.7%, -1.8 / -4.6 / -5.2% at 2k / 4k / 8k (one pass each way);
+// - local windows bounded on both sides (dq_narrow_window) up to 512 keys a row sees besides its
+//   own, deterministic or not, at any length and every head dim (hdim96 up to 256): a row block
+//   has few writers, and the memset is a fixed cost per row while a row's work is the window's.
+//   H100, bf16, 16k tokens, two passes each way alternating, window (256, 0) / (256, 256), first
+//   stores against the memset at 512 / 2k / 8k: hdim64 +14.5 / +13.6 / +10.9% and +7.5 / +8.2 /
+//   +8.3%, hdim128 +16.4 / +10.5 / +12% and +4.6 / +4.2 / +7.2%, hdim192 +14.6 / +11.7 / +11.3%
+//   and +2.0 / +2.5 / +3.6%; deterministic hdim192 +19 / +12.3 / +9.9% and +0.6 / +4.5 / +4.8%;
+//   hdim96 +10 / +9.9 / +9% but -1.2 / +2.1 / -0.7% (deterministic -3.3 / +2.8 / +5.7%), so
+//   hdim96 to 256 keys; the sliced hdim256 kernels at 4k / 8k / 16k (past their 32 row blocks)
+//   +12.8 / +12.9 / +12.2% and +5.2 / +6.0 / +4.6%, deterministic +8.8-13.2%, and (512, 0) at
+//   4k / 16k +7.1 / +5.6% (one pass each way). Wider windows (one pass each way), (1024, 0) /
+//   (1024, 1024) at 2k / 8k: hdim64 +5.2-6.6% / +3.4-3.8% (so hdim64 outside deterministic mode
+//   up to 2048 keys), hdim128 +0.3 / -2.4% and -0.1 / +1.3%, hdim192 -1.6 / +1.4% and -7.8 / -5%,
+//   deterministic hdim64 -0.5 / -2.5% and -6%; hdim256 (512, 512) at 4k / 16k +0.8 / -2.6%,
+//   (1024, 0) +2.2 / -0.5%: the memset there;
+// - deterministic runs without a window up to 1k rows at head dims 64 / 96 / 128 / 192 / 256:
+//   hdim64 +5.8 / +1.0 / -2.9% at 512 / 1k / 2k, hdim96 +7.6 / +2.8 / -0.7%, hdim256 +8.2 /
+//   +4.2 / +0.6% (H100, bf16, 16k tokens, two passes each way alternating); hdim192 +6.7 / +5.3
+//   / +2.3% and -0.3 / +0.2% at 4k / 8k (one pass each way);
 // - deterministic runs at the other head dims keep the memset otherwise (hdim64: first
 //   stores -3% / -6% non-causal, -2.7% / -5.6% causal at 2k / 8k; hdim96 deterministic
 //   non-causal: +1.5% at 2k, -2.7% at 8k; the sliced hdim256 kernels as below);
-// - hdim192 (its plain kernels' dQ goes through shared memory too) only where the walks rotate,
-//   as above: its short calls and deterministic runs are not timed against the memset yet (one
-//   pass, deterministic at 2k: +3-4%);
 // - the sliced kernels past 32 row blocks (2k rows at hdim256) keep the memset: there first
 //   stores measured 0.5-5% slower in every case (4k / 8k / 16k, causal or not, deterministic or
 //   not; H100, passes alternating).
 inline bool dq_first_stores(DqAccumCall const& c) {
   if (!c.dq_via_smem && !c.dq_bulk) { return false; }
   if (c.clear != BwdDqClear::kAuto) { return c.clear == BwdDqClear::kFirstStore; }
+  if (!c.flex && dq_narrow_window(c)) { return true; }
   if (c.dq_bulk && c.num_m_blocks > kDqBulkFirstStoreMaxRowBlocks) { return false; }
   if (c.dq_bulk && c.causal_or_local) { return true; }
   if (c.deterministic && c.dq_via_smem && c.head_dim == 128 && !c.flex) { return true; }
   if (!c.flex && c.block_m > 0) {
     std::int64_t const rows = std::int64_t(c.num_m_blocks) * c.block_m;
     bool const short_call = rows <= kDqShortFirstStoreMaxRows;
-    // The kernels timed: dQ through shared memory at hdims 64 / 96 / 128 (not 192), and the
-    // sliced hdim256 kernels' bulk dQ (their causal runs are above).
-    bool const timed_smem = c.dq_via_smem && c.head_dim <= 128;
+    // The kernels timed: dQ through shared memory at hdims 64 / 96 / 128 / 192, and the sliced
+    // hdim256 kernels' bulk dQ (their causal runs are above).
+    bool const timed_smem = c.dq_via_smem && c.head_dim <= 192;
     bool const hdim64_causal = c.head_dim <= 64 && !c.deterministic && rows <= kDqHdim64CausalFirstStoreMaxRows;
     if (timed_smem && c.causal && (short_call || hdim64_causal)) { return true; }
     if ((timed_smem || c.dq_bulk) && c.deterministic && !c.kernel_window && short_call) { return true; }

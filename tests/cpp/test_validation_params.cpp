@@ -1400,18 +1400,48 @@ TEST(ParamsBackward, DqAccumStartRules) {
   EXPECT_FALSE(dq_first_stores(call(64, 16384, true, false)));
   // The rows counted are the padded row blocks' (a 1,025-row call has 17 of 64 rows at hdim128).
   EXPECT_FALSE(dq_first_stores(call(128, 1025, true, false)));
-  // A local window that is not causal keeps the memset (not timed), as do the flex kernels.
-  DqAccumCall local = call(128, 512, true, false);
-  local.causal = false;
-  EXPECT_FALSE(dq_first_stores(local));
-  DqAccumCall local_det = call(64, 512, true, true);
-  local_det.causal = false;
-  EXPECT_FALSE(dq_first_stores(local_det));
-  // hdim192 (not timed against the memset in short or deterministic calls): the memset there,
-  // but where its walks rotate (not deterministic, no window).
-  EXPECT_FALSE(dq_first_stores(call(192, 512, true, false)));
-  EXPECT_FALSE(dq_first_stores(call(192, 512, false, true)));
+  // A local window that is not causal, bounded on both sides: first stores up to 512 keys a row
+  // sees besides its own (window_left + window_right) at any length, deterministic or not; at
+  // hdim96 up to 256, at hdim64 outside deterministic mode up to 2048.
+  auto local = [&](int hdim, int seqlen, bool deterministic, std::int64_t window_keys) {
+    DqAccumCall c = call(hdim, seqlen, true, deterministic);
+    c.causal = false;
+    c.window_keys = window_keys;
+    return c;
+  };
+  EXPECT_TRUE(dq_first_stores(local(128, 16384, false, 256)));
+  EXPECT_TRUE(dq_first_stores(local(128, 2048, false, 512)));
+  EXPECT_FALSE(dq_first_stores(local(128, 2048, false, 513)));
+  EXPECT_TRUE(dq_first_stores(local(192, 8192, true, 512)));
+  EXPECT_TRUE(dq_first_stores(local(96, 8192, false, 256)));
+  EXPECT_FALSE(dq_first_stores(local(96, 2048, false, 512)));
+  EXPECT_FALSE(dq_first_stores(local(96, 2048, true, 512)));
+  EXPECT_TRUE(dq_first_stores(local(64, 8192, false, 2048)));
+  EXPECT_FALSE(dq_first_stores(local(64, 8192, false, 2049)));
+  EXPECT_FALSE(dq_first_stores(local(64, 8192, true, 1024)));
+  EXPECT_TRUE(dq_first_stores(local(64, 8192, true, 512)));
+  EXPECT_FALSE(dq_first_stores(local(192, 2048, false, 1024)));
+  // A side unbounded (-1) or no window: not a narrow window.
+  EXPECT_FALSE(dq_first_stores(local(128, 2048, false, -1)));
+  // The window is the causal rule's when the call is causal (a causal call past 1k rows at
+  // hdim128: the memset, whatever the window).
+  DqAccumCall causal_window = local(128, 2048, false, 256);
+  causal_window.causal = true;
+  EXPECT_FALSE(dq_first_stores(causal_window));
+  // The sliced hdim256 kernels: a narrow window past their 32 row blocks too; a wider one there
+  // keeps the memset, and within 32 row blocks every window stores first.
+  EXPECT_TRUE(dq_first_stores(local(256, 16384, false, 512)));
+  EXPECT_TRUE(dq_first_stores(local(256, 4096, true, 256)));
+  EXPECT_FALSE(dq_first_stores(local(256, 4096, false, 1024)));
+  EXPECT_TRUE(dq_first_stores(local(256, 2048, false, 1024)));
+  // hdim192 (dQ through shared memory): causal and deterministic calls up to 1k rows store
+  // first; past that the memset, but where its walks rotate (not deterministic, no window).
+  EXPECT_TRUE(dq_first_stores(call(192, 512, true, false)));
+  EXPECT_TRUE(dq_first_stores(call(192, 1024, true, true)));
+  EXPECT_TRUE(dq_first_stores(call(192, 512, false, true)));
+  EXPECT_FALSE(dq_first_stores(call(192, 2048, true, false)));
   EXPECT_FALSE(dq_first_stores(call(192, 2048, true, true)));
+  EXPECT_FALSE(dq_first_stores(call(192, 2048, false, true)));
   EXPECT_TRUE(dq_first_stores(call(192, 2048, false, false)));
   // The 64-row hdim64 tile (a score derivative, e.g. softcap): rows, not row blocks, are capped.
   DqAccumCall hdim64_small_tile = call(64, 8192, true, false);
@@ -1423,6 +1453,9 @@ TEST(ParamsBackward, DqAccumStartRules) {
   DqAccumCall flex_causal = call(128, 512, true, false);
   flex_causal.flex = true;
   EXPECT_FALSE(dq_first_stores(flex_causal));
+  DqAccumCall flex_window = local(128, 512, false, 256);
+  flex_window.flex = true;
+  EXPECT_FALSE(dq_first_stores(flex_window));
   DqAccumCall flex_det = call(128, 2048, true, true);
   flex_det.flex = true;
   EXPECT_FALSE(dq_first_stores(flex_det));
