@@ -46,19 +46,29 @@ constexpr int kDqBulkFirstStoreMaxRowBlocks = 32;
 constexpr std::int64_t kDqShortFirstStoreMaxRows = 1024;
 constexpr std::int64_t kDqHdim64CausalFirstStoreMaxRows = 8192;
 // Local windows (both sides bounded) store first up to this many keys a row sees besides its
-// own (window_left + window_right), whatever the length; hdim96 up to 256, hdim64 outside
-// deterministic mode up to 2048 (below).
+// own (window_left + window_right), whatever the length; hdim96 up to 256, deterministic runs at
+// hdims 192 / 256 up to 1024, hdim64 outside deterministic mode up to 2048 (below).
 constexpr std::int64_t kDqNarrowWindowFirstStoreMaxKeys = 512;
 constexpr std::int64_t kDqHdim96NarrowWindowFirstStoreMaxKeys = 256;
+constexpr std::int64_t kDqWideHeadDetWindowFirstStoreMaxKeys = 1024;
 constexpr std::int64_t kDqHdim64WindowFirstStoreMaxKeys = 2048;
+
+// DqAccumCall::window_keys of a call's mask (BwdParams' is_local, window_left, window_right):
+// both sides bounded, or -1. Causal calls carry none (a causal call with a left window arrives
+// as local (L, 0), api/params_builder.cpp normalize_window).
+inline std::int64_t dq_window_keys(bool is_local, int window_left, int window_right) {
+  if (!is_local || window_left < 0 || window_right < 0) { return -1; }
+  return std::int64_t(window_left) + window_right;
+}
 
 // A local window bounded on both sides whose rows see few keys (the limits above).
 inline bool dq_narrow_window(DqAccumCall const& c) {
-  if (c.window_keys < 0 || c.causal) { return false; }
+  if (c.window_keys < 0) { return false; }
   std::int64_t const max_keys =
-      c.head_dim <= 64 && !c.deterministic ? kDqHdim64WindowFirstStoreMaxKeys
-      : c.head_dim == 96                   ? kDqHdim96NarrowWindowFirstStoreMaxKeys
-                                           : kDqNarrowWindowFirstStoreMaxKeys;
+      c.head_dim <= 64 && !c.deterministic  ? kDqHdim64WindowFirstStoreMaxKeys
+      : c.head_dim == 96                    ? kDqHdim96NarrowWindowFirstStoreMaxKeys
+      : c.head_dim >= 192 && c.deterministic ? kDqWideHeadDetWindowFirstStoreMaxKeys
+                                            : kDqNarrowWindowFirstStoreMaxKeys;
   return c.window_keys <= max_keys;
 }
 
@@ -94,18 +104,21 @@ inline bool dq_narrow_window(DqAccumCall const& c) {
 // - local windows bounded on both sides (dq_narrow_window) up to 512 keys a row sees besides its
 //   own, deterministic or not, at any length and every head dim (hdim96 up to 256): a row block
 //   has few writers, and the memset is a fixed cost per row while a row's work is the window's.
-//   H100, bf16, 16k tokens, two passes each way alternating, window (256, 0) / (256, 256), first
-//   stores against the memset at 512 / 2k / 8k: hdim64 +14.5 / +13.6 / +10.9% and +7.5 / +8.2 /
-//   +8.3%, hdim128 +16.4 / +10.5 / +12% and +4.6 / +4.2 / +7.2%, hdim192 +14.6 / +11.7 / +11.3%
-//   and +2.0 / +2.5 / +3.6%; deterministic hdim192 +19 / +12.3 / +9.9% and +0.6 / +4.5 / +4.8%;
-//   hdim96 +10 / +9.9 / +9% but -1.2 / +2.1 / -0.7% (deterministic -3.3 / +2.8 / +5.7%), so
-//   hdim96 to 256 keys; the sliced hdim256 kernels at 4k / 8k / 16k (past their 32 row blocks)
-//   +12.8 / +12.9 / +12.2% and +5.2 / +6.0 / +4.6%, deterministic +8.8-13.2%, and (512, 0) at
-//   4k / 16k +7.1 / +5.6% (one pass each way). Wider windows (one pass each way), (1024, 0) /
-//   (1024, 1024) at 2k / 8k: hdim64 +5.2-6.6% / +3.4-3.8% (so hdim64 outside deterministic mode
-//   up to 2048 keys), hdim128 +0.3 / -2.4% and -0.1 / +1.3%, hdim192 -1.6 / +1.4% and -7.8 / -5%,
-//   deterministic hdim64 -0.5 / -2.5% and -6%; hdim256 (512, 512) at 4k / 16k +0.8 / -2.6%,
-//   (1024, 0) +2.2 / -0.5%: the memset there;
+//   H100, bf16, 16k tokens, two passes each way alternating (bench/results/
+//   bwd_v29_window_dq_clear_h100.txt), window (256, 0) / (256, 256), first stores against the
+//   memset at 512 / 2k / 8k: hdim64 +14.5 / +13.6 / +10.9% and +7.5 / +8.2 / +8.4%, hdim128
+//   +16.4 / +10.5 / +12% and +4.6 / +4.2 / +7.2%, hdim192 +14.6 / +11.7 / +11.3% and +2.0 /
+//   +2.5 / +3.6%; deterministic hdim64 +9.3 / +7.1 / +5.8% and +2.8 / +1.2 / +1.2%, hdim192
+//   +19 / +12.3 / +9.9% and +0.6 / +4.5 / +4.8%; hdim96 +10.1 / +9.9 / +9.0% but -1.2 / +2.1 /
+//   -0.7% (deterministic -3.3 / +2.8 / +5.7%), so hdim96 to 256 keys; the sliced hdim256 kernels
+//   at 4k / 8k / 16k (past their 32 row blocks) +12.8 / +13.0 / +12.2% and +5.1 / +6.1 / +4.6%,
+//   deterministic +8.8-13.2%. Wider windows, one pass each way: (1024, 0) / (1024, 1024) at 2k
+//   / 8k, hdim64 +6.6 / +5.2% and +3.8 / +3.4% (so hdim64 outside deterministic mode up to 2048
+//   keys), deterministic -0.5 / -2.5% and -5.9 / -6.1%; hdim128 +0.3 / -2.4% and -0.1 / +1.3%;
+//   hdim192 +1.4 / -1.6% and -7.8 / -5.0%, deterministic +4.1 / +4.1% and -1.5 / +0.6%; hdim256
+//   at 4k / 16k, (512, 0) +7.1 / +5.6%, (512, 512) +0.8 / -2.6%, (1024, 0) +2.2 / -0.5%,
+//   (1024, 1024) -2.1 / +1.0%, deterministic +9.3 / +9.6%, +3.8 / +4.5%, +4.8 / +4.6%, +1.0 /
+//   +0.5% (so deterministic hdims 192 / 256 up to 1024 keys): the memset past those limits;
 // - deterministic runs without a window up to 1k rows at head dims 64 / 96 / 128 / 192 / 256:
 //   hdim64 +5.8 / +1.0 / -2.9% at 512 / 1k / 2k, hdim96 +7.6 / +2.8 / -0.7%, hdim256 +8.2 /
 //   +4.2 / +0.6% (H100, bf16, 16k tokens, two passes each way alternating); hdim192 +6.7 / +5.3
@@ -113,9 +126,9 @@ inline bool dq_narrow_window(DqAccumCall const& c) {
 // - deterministic runs at the other head dims keep the memset otherwise (hdim64: first
 //   stores -3% / -6% non-causal, -2.7% / -5.6% causal at 2k / 8k; hdim96 deterministic
 //   non-causal: +1.5% at 2k, -2.7% at 8k; the sliced hdim256 kernels as below);
-// - the sliced kernels past 32 row blocks (2k rows at hdim256) keep the memset: there first
-//   stores measured 0.5-5% slower in every case (4k / 8k / 16k, causal or not, deterministic or
-//   not; H100, passes alternating).
+// - the sliced kernels past 32 row blocks (2k rows at hdim256) keep the memset but in narrow
+//   windows (above): there first stores measured 0.5-5% slower in every case (4k / 8k / 16k,
+//   causal or not, deterministic or not; H100, passes alternating).
 inline bool dq_first_stores(DqAccumCall const& c) {
   if (!c.dq_via_smem && !c.dq_bulk) { return false; }
   if (c.clear != BwdDqClear::kAuto) { return c.clear == BwdDqClear::kFirstStore; }

@@ -92,9 +92,7 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   dq_call.flex = Mainloop::kIsFlex;
   dq_call.causal_or_local = params.is_causal || params.is_local;
   dq_call.causal = params.is_causal;
-  if (params.is_local && params.window_left >= 0 && params.window_right >= 0) {
-    dq_call.window_keys = std::int64_t(params.window_left) + params.window_right;
-  }
+  dq_call.window_keys = dq_window_keys(params.is_local, params.window_left, params.window_right);
   dq_call.deterministic = params.deterministic;
   dq_call.head_dim = kHeadDim;
   dq_call.num_sm = params.num_sm;

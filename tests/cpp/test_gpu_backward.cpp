@@ -692,6 +692,14 @@ std::vector<BwdCase> backward_cases() {
   c.heads_kv = 1, c.head_dim = 256, c.head_dim_v = 256, c.varlen = true, c.seqused = true, c.causal = true,
   c.seed = seed++;
   cases.push_back(c);
+  // A narrow local window past the sliced kernels' 32 row blocks (35 of 64 rows): dQ from first
+  // stores there too (dq_narrow_window), deterministic and not.
+  c = {};
+  c.label = "local_narrow_long", c.batch = 1, c.seqlen_q = 2200, c.seqlen_k = 2150, c.heads = 2,
+  c.heads_kv = 1, c.head_dim = 256, c.head_dim_v = 256, c.window_left = 200, c.window_right = 60, c.seed = seed++;
+  cases.push_back(c);
+  c.label = "local_narrow_long_deterministic", c.deterministic = true, c.seed = seed++;
+  cases.push_back(c);
   // Deterministic without a window and more column blocks (134 of 80 keys) than an H200 has SMs:
   // the plain ascending dQ order instead of the rotated one.
   c = {};

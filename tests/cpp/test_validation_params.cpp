@@ -1402,7 +1402,9 @@ TEST(ParamsBackward, DqAccumStartRules) {
   EXPECT_FALSE(dq_first_stores(call(128, 1025, true, false)));
   // A local window that is not causal, bounded on both sides: first stores up to 512 keys a row
   // sees besides its own (window_left + window_right) at any length, deterministic or not; at
-  // hdim96 up to 256, at hdim64 outside deterministic mode up to 2048.
+  // hdim96 up to 256, deterministic at hdims 192 / 256 up to 1024, at hdim64 outside
+  // deterministic mode up to 2048.
+  using sm90::bwd::dq_window_keys;
   auto local = [&](int hdim, int seqlen, bool deterministic, std::int64_t window_keys) {
     DqAccumCall c = call(hdim, seqlen, true, deterministic);
     c.causal = false;
@@ -1412,28 +1414,38 @@ TEST(ParamsBackward, DqAccumStartRules) {
   EXPECT_TRUE(dq_first_stores(local(128, 16384, false, 256)));
   EXPECT_TRUE(dq_first_stores(local(128, 2048, false, 512)));
   EXPECT_FALSE(dq_first_stores(local(128, 2048, false, 513)));
-  EXPECT_TRUE(dq_first_stores(local(192, 8192, true, 512)));
   EXPECT_TRUE(dq_first_stores(local(96, 8192, false, 256)));
-  EXPECT_FALSE(dq_first_stores(local(96, 2048, false, 512)));
-  EXPECT_FALSE(dq_first_stores(local(96, 2048, true, 512)));
+  EXPECT_FALSE(dq_first_stores(local(96, 8192, false, 257)));
+  EXPECT_FALSE(dq_first_stores(local(96, 2048, true, 257)));
   EXPECT_TRUE(dq_first_stores(local(64, 8192, false, 2048)));
   EXPECT_FALSE(dq_first_stores(local(64, 8192, false, 2049)));
-  EXPECT_FALSE(dq_first_stores(local(64, 8192, true, 1024)));
   EXPECT_TRUE(dq_first_stores(local(64, 8192, true, 512)));
-  EXPECT_FALSE(dq_first_stores(local(192, 2048, false, 1024)));
-  // A side unbounded (-1) or no window: not a narrow window.
+  EXPECT_FALSE(dq_first_stores(local(64, 8192, true, 513)));
+  EXPECT_TRUE(dq_first_stores(local(192, 8192, false, 512)));
+  EXPECT_FALSE(dq_first_stores(local(192, 8192, false, 513)));
+  EXPECT_TRUE(dq_first_stores(local(192, 8192, true, 1024)));
+  EXPECT_FALSE(dq_first_stores(local(192, 8192, true, 1025)));
+  // A side unbounded (-1): not a narrow window.
   EXPECT_FALSE(dq_first_stores(local(128, 2048, false, -1)));
-  // The window is the causal rule's when the call is causal (a causal call past 1k rows at
-  // hdim128: the memset, whatever the window).
-  DqAccumCall causal_window = local(128, 2048, false, 256);
-  causal_window.causal = true;
-  EXPECT_FALSE(dq_first_stores(causal_window));
   // The sliced hdim256 kernels: a narrow window past their 32 row blocks too; a wider one there
   // keeps the memset, and within 32 row blocks every window stores first.
   EXPECT_TRUE(dq_first_stores(local(256, 16384, false, 512)));
-  EXPECT_TRUE(dq_first_stores(local(256, 4096, true, 256)));
-  EXPECT_FALSE(dq_first_stores(local(256, 4096, false, 1024)));
-  EXPECT_TRUE(dq_first_stores(local(256, 2048, false, 1024)));
+  EXPECT_FALSE(dq_first_stores(local(256, 16384, false, 513)));
+  EXPECT_TRUE(dq_first_stores(local(256, 4096, true, 1024)));
+  EXPECT_FALSE(dq_first_stores(local(256, 4096, true, 1025)));
+  EXPECT_TRUE(dq_first_stores(local(256, 2048, false, 4096)));
+  // hdim256 with dQ by atomics (CUFLASH_BWD_DQ=atomics): the memset, narrow window or not.
+  DqAccumCall atomics_window = local(256, 8192, false, 256);
+  atomics_window.dq_bulk = false;
+  EXPECT_FALSE(dq_first_stores(atomics_window));
+  // window_keys from the call's mask: both sides bounded, local only (a causal call with a left
+  // window arrives as local (L, 0)); the sum does not overflow.
+  EXPECT_EQ(dq_window_keys(true, 256, 0), 256);
+  EXPECT_EQ(dq_window_keys(true, 100, 30), 130);
+  EXPECT_EQ(dq_window_keys(true, -1, 30), -1);
+  EXPECT_EQ(dq_window_keys(true, 30, -1), -1);
+  EXPECT_EQ(dq_window_keys(false, 256, 0), -1);
+  EXPECT_EQ(dq_window_keys(true, 2147483647, 2147483647), std::int64_t(4294967294));
   // hdim192 (dQ through shared memory): causal and deterministic calls up to 1k rows store
   // first; past that the memset, but where its walks rotate (not deterministic, no window).
   EXPECT_TRUE(dq_first_stores(call(192, 512, true, false)));
