@@ -13,7 +13,8 @@
 # the hdim128 forward, cuflash and cuDNN), RACECHECK_FILTER, PER_TEST_TIMEOUT (test_each), PYTEST_K (a -k expression), PYTEST_ARGS, JIT_MODULES (0: do not build the GPU tests' callable modules first), PYTEST_TIMEOUT, BENCH_ARGS, BENCH_ENV_B (run the
 # benchmark a second time with these VAR=value settings), BENCH_BWD_ARGS (bench/bench_bwd.py), BENCH_BWD_ARGS_B / BENCH_BWD_ENV_B, _C and _D (more passes with these arguments / VAR=value settings, tagged _b / _c / _d),
 # BENCH_BWD_TIMEOUT (seconds, default 300: a hung backward kernel ends the step, not the call), PROFILE
-# (ncu targets for the profile step, see there), PROFILE_KERNEL_ARGS, BUILD_DIR, CMAKE_EXTRA, BENCH_FLEX_ARGS, BENCH_FLEX_ENV_B (a second flex pass under these VAR=value settings, tagged _b), BENCH_FLEX_TIMEOUT, BENCH_GQA_ARGS, BENCH_GQA_TIMEOUT, JOBS.
+# (ncu targets for the profile step, see there), PROFILE_KERNEL_ARGS, BUILD_DIR, CMAKE_EXTRA, BENCH_FLEX_ARGS and BENCH_GQA_ARGS with passes
+# _B / _C / _D as bench_bwd's (BENCH_FLEX_ENV_B: the flex pass again under these settings, tagged _b), BENCH_FLEX_TIMEOUT, BENCH_GQA_TIMEOUT, JOBS.
 # Carry `.cutlass` (CUTLASS headers) and, where the machine has no GoogleTest, `.deps` (a
 # googletest source tree at .deps/googletest); tools/prepare_device_carry.sh makes both here.
 set -uo pipefail
@@ -48,7 +49,7 @@ make_pkg() { rm -rf "$pkg" && mkdir -p "$pkg" && cp -r "$ROOT/python/cuflash" "$
 note "gpu_check $(date -u +%FT%TZ) kernel_set=$KERNEL_SET hdims=$HDIMS dtypes=$DTYPES steps=$STEPS"
 # The second passes' settings are VAR=value lists: checked before the build, so that a typo
 # costs no device time.
-for list_name in TEST_ENV_B TEST_ENV_C BENCH_ENV_B BENCH_BWD_ENV_B BENCH_BWD_ENV_C BENCH_BWD_ENV_D BENCH_FLEX_ENV_B; do
+for list_name in TEST_ENV_B TEST_ENV_C BENCH_ENV_B BENCH_{BWD,FLEX,GQA}_ENV_{B,C,D}; do
   for setting in ${!list_name:-}; do
     [[ $setting =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] || { note "$list_name: '$setting' is not VAR=value"; exit 2; }
   done
@@ -212,51 +213,42 @@ if has_step bench; then
   fi
 fi
 
-if has_step bench_bwd; then
-  make_pkg
-  start=$(date +%s)
-  # shellcheck disable=SC2086
-  PYTHONUNBUFFERED=1 PYTHONPATH="$pkg" timeout "$BENCH_BWD_TIMEOUT" python3 "$ROOT/bench/bench_bwd.py" --out "$OUT" \
-    $BENCH_BWD_ARGS 2>&1 | tee "$OUT/bench_bwd.log"
-  rc=${PIPESTATUS[0]}
-  [[ $rc -eq 124 ]] && note "bench_bwd: timed out after $BENCH_BWD_TIMEOUT s (what it measured is in bwd_sm90.json)"
-  skipped=$(grep -c '"skipped": "' "$OUT/bwd_sm90.json" 2>/dev/null || true)
-  note "bench_bwd: rc=$rc in $(( $(date +%s) - start )) s; skipped records: ${skipped:-no bwd_sm90.json}"
-  [[ $rc -ne 0 ]] && status=1
-  # More passes with other arguments (e.g. --softcap 30) and/or under extra environment (an A/B
-  # of a launch-time switch): BENCH_BWD_ARGS_B / BENCH_BWD_ENV_B tagged _b, the same with C and D.
-  for pass in B C D; do
-    args_var=BENCH_BWD_ARGS_$pass env_var=BENCH_BWD_ENV_$pass
-    [[ -z ${!args_var:-}${!env_var:-} ]] && continue
-    args=${!args_var:-$BENCH_BWD_ARGS}
-    tag=_${pass,,}
-    # shellcheck disable=SC2086
-    env ${!env_var:-} PYTHONUNBUFFERED=1 PYTHONPATH="$pkg" timeout "$BENCH_BWD_TIMEOUT" python3 \
-      "$ROOT/bench/bench_bwd.py" --out "$OUT" --tag "$tag" $args 2>&1 | tee "$OUT/bench_bwd$tag.log"
-    rc=${PIPESTATUS[0]}
-    note "bench_bwd ($pass: ${!env_var:-} $args): rc=$rc"
-    [[ $rc -ne 0 ]] && status=1
-  done
-fi
-
-# run_bench NAME TIMEOUT ARGS [VAR=value ... TAG]: bench/bench_NAME.py under a timeout, its output in
-# bench_NAME.log; with settings and a tag, a second pass under them (bench_NAME_TAG.log).
+# run_bench NAME TIMEOUT ARGS [VAR=value ... TAG]: bench/bench_NAME.py under a timeout, its output
+# in bench_NAME.log; with a tag, a further pass (under the settings, if any) in bench_NAME_TAG.log,
+# its files tagged _TAG.
 run_bench() {
   make_pkg
   local start=$(date +%s) settings=${4:-} tag=${5:-}
   # shellcheck disable=SC2086
   env $settings PYTHONUNBUFFERED=1 PYTHONPATH="$pkg" timeout "$2" python3 "$ROOT/bench/bench_$1.py" --out "$OUT" \
     ${tag:+--tag _$tag} $3 2>&1 | tee "$OUT/bench_$1${tag:+_$tag}.log"
-  local rc=${PIPESTATUS[0]}
-  note "bench_$1${settings:+ ($settings)}: rc=$rc in $(( $(date +%s) - start )) s"
+  local rc=${PIPESTATUS[0]} extra=""
+  [[ $rc -eq 124 ]] && extra="; timed out after $2 s (what it measured is in its JSON)"
+  if [[ $1 == bwd ]]; then
+    local skipped
+    skipped=$(grep -c '"skipped": "' "$OUT/bwd_sm90${tag:+_$tag}.json" 2>/dev/null || true)
+    extra+="; skipped records: ${skipped:-no JSON}"
+  fi
+  note "bench_$1${tag:+ (${tag^^}: $settings $3)}: rc=$rc in $(( $(date +%s) - start )) s$extra"
   [[ $rc -ne 0 ]] && status=1
 }
-has_step bench_gqa && run_bench gqa "${BENCH_GQA_TIMEOUT:-180}" "${BENCH_GQA_ARGS:-}"
-if has_step bench_flex; then
-  run_bench flex "${BENCH_FLEX_TIMEOUT:-300}" "${BENCH_FLEX_ARGS:-}"
-  # BENCH_FLEX_ENV_B: the same pass again under these VAR=value settings, tagged _b.
-  [[ -n ${BENCH_FLEX_ENV_B:-} ]] && run_bench flex "${BENCH_FLEX_TIMEOUT:-300}" "${BENCH_FLEX_ARGS:-}" "$BENCH_FLEX_ENV_B" b
-fi
+# run_passes NAME TIMEOUT: bench/bench_NAME.py with BENCH_<NAME>_ARGS, then a pass for each of B /
+# C / D that sets BENCH_<NAME>_ARGS_<pass> (other arguments; default the first pass's) or
+# BENCH_<NAME>_ENV_<pass> (VAR=value settings: an A/B of a launch-time switch), tagged _b / _c / _d.
+run_passes() {
+  local name=$1 upper=${1^^}
+  local args_var=BENCH_${upper}_ARGS
+  run_bench "$name" "$2" "${!args_var:-}"
+  local pass
+  for pass in B C D; do
+    local pass_args=BENCH_${upper}_ARGS_$pass pass_env=BENCH_${upper}_ENV_$pass
+    [[ -z ${!pass_args:-}${!pass_env:-} ]] && continue
+    run_bench "$name" "$2" "${!pass_args:-${!args_var:-}}" "${!pass_env:-}" "${pass,,}"
+  done
+}
+has_step bench_bwd && run_passes bwd "$BENCH_BWD_TIMEOUT"
+has_step bench_gqa && run_passes gqa "${BENCH_GQA_TIMEOUT:-180}"
+has_step bench_flex && run_passes flex "${BENCH_FLEX_TIMEOUT:-300}"
 
 if has_step kernel_times; then
   # Each kernel of one call, cuflash's and cuDNN's, with the gaps between them (bench/kernel_times.py).

@@ -39,7 +39,7 @@ inline bool dq_rotation_fits(DqAccumCall const& c) {
          std::int64_t(c.num_n_blocks) * c.num_heads * c.batch < (std::int64_t(1) << 31);
 }
 
-// The sliced kernels past this many row blocks keep the memset (below).
+// The sliced kernels past this many row blocks keep the memset but in narrow windows (below).
 constexpr int kDqBulkFirstStoreMaxRowBlocks = 32;
 // Short calls (rows of the padded row blocks) store first, causal or deterministic (below);
 // hdim64's causal runs outside deterministic mode up to kDqHdim64CausalFirstStoreMaxRows.
