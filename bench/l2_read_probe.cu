@@ -9,8 +9,9 @@
 //   /tmp/l2_read_probe            # a table over stages and block sizes
 //
 // Each line: stages in flight per SM, bytes per stage (64 KB = one hdim128 K + V block of 128
-// keys), working set, and the aggregate L2 -> shared memory rate in TB/s (the median of five
-// timed launches after a warm-up).
+// keys; 2-3 stages of it fit), working set, and the aggregate L2 -> shared memory rate in TB/s
+// (the median of five timed launches after a warm-up). Every launch asks for nearly all of an
+// SM's shared memory, so that its CTAs run one per SM whatever the ring uses.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -52,7 +53,7 @@ __device__ __forceinline__ void bar_wait(uint32_t bar, uint32_t parity) {
 // goes to `sink` so that nothing is optimised away.
 __global__ void l2_read(char const* src, std::size_t working_set, int stage_bytes, int stages, int blocks,
                         unsigned long long* sink) {
-  extern __shared__ __align__(1024) char ring[];
+  extern __shared__ __align__(128) char ring[];
   __shared__ __align__(8) uint64_t full[kMaxStages];
   if (threadIdx.x != 0) return;
   for (int s = 0; s < stages; ++s) {
@@ -96,29 +97,31 @@ int main() {
   CHECK(cudaGetDeviceProperties(&prop, device));
   std::printf("%s, %d SMs, L2 %d MB\n", prop.name, num_sm, prop.l2CacheSize >> 20);
 
-  std::size_t const max_working_set = std::size_t(64) << 20;
+  std::size_t const max_working_set = std::size_t(256) << 20;
   char* src = nullptr;
   unsigned long long* sink = nullptr;
   CHECK(cudaMalloc(&src, max_working_set));
   CHECK(cudaMemset(src, 1, max_working_set));
   CHECK(cudaMalloc(&sink, sizeof(unsigned long long)));
-  CHECK(cudaFuncSetAttribute(l2_read, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem - 1024));
+  // The kernel's static shared memory (the barriers) is well under 1 KB.
+  int const launch_smem = max_smem - 1024;
+  CHECK(cudaFuncSetAttribute(l2_read, cudaFuncAttributeMaxDynamicSharedMemorySize, launch_smem));
   cudaEvent_t start, stop;
   CHECK(cudaEventCreate(&start));
   CHECK(cudaEventCreate(&stop));
 
   std::printf("stages  stage_KB  working_set_MB  TB/s\n");
   // 16 MB: the K / V of a 16k-token, 16-head hdim128 call (16 * 2048 * 128 * 2 bytes * 2) at 2k,
-  // per batch row in flight; 64 MB: past the L2, for contrast.
-  for (std::size_t working_set_mb : {16, 64}) {
+  // per batch row in flight; 256 MB: mostly past the L2 (HBM), for contrast.
+  for (std::size_t working_set_mb : {16, 256}) {
     for (int stage_kb : {32, 64}) {
       for (int stages : {2, 3, 4, 6}) {
         int const stage_bytes = stage_kb << 10;
-        if (stages * stage_bytes > max_smem - 1024) continue;
+        if (stages > kMaxStages || stages * stage_bytes > launch_smem || stage_bytes % kChunkBytes != 0) continue;
         std::size_t const working_set = working_set_mb << 20;
         int const blocks = 4000 * 64 / stage_kb;  // 250 MB per SM at any stage size
         auto launch = [&] {
-          l2_read<<<num_sm, 32, stages * stage_bytes>>>(src, working_set, stage_bytes, stages, blocks, sink);
+          l2_read<<<num_sm, 32, launch_smem>>>(src, working_set, stage_bytes, stages, blocks, sink);
         };
         launch();  // warm-up: the working set into L2
         CHECK(cudaGetLastError());

@@ -252,9 +252,11 @@ has_step bench_flex && run_passes flex "${BENCH_FLEX_TIMEOUT:-300}"
 
 if has_step l2_probe; then
   # The card's L2 -> shared memory read rate by bulk copies (bench/l2_read_probe.cu), standalone.
-  nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/l2_read_probe "$ROOT/bench/l2_read_probe.cu" &&
-    timeout 120 /tmp/l2_read_probe >"$OUT/l2_read_probe.txt" 2>&1
-  note "l2_probe: rc=$?"
+  { nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/l2_read_probe "$ROOT/bench/l2_read_probe.cu" &&
+    timeout 120 /tmp/l2_read_probe; } >"$OUT/l2_read_probe.txt" 2>&1
+  rc=$?
+  note "l2_probe: rc=$rc"
+  [[ $rc -ne 0 ]] && status=1
   tee -a "$SUMMARY" <"$OUT/l2_read_probe.txt"
 fi
 
