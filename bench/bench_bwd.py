@@ -177,6 +177,11 @@ def window_of(args, causal):
     return (args.window, 0 if causal else args.window)
 
 
+def window_label(args):
+    """How the tables name --window's masks."""
+    return f"window ({args.window}, 0) causal / ({args.window}, {args.window}) not"
+
+
 def shape_flops(args, batch, nheads, seqlen, hdim, causal):
     """The backward FLOPs of one shape: the causal convention, or the window's pairs counted."""
     if args.window > 0:
@@ -231,7 +236,7 @@ def measure(name, prepare, q, k, v, dout, causal, hdim, flops, args, reference):
 
 def dry_run(args):
     columns = check_impls(args)
-    window = f"; window ({args.window}, 0) causal / ({args.window}, {args.window}) not" if args.window > 0 else ""
+    window = f"; {window_label(args)}" if args.window > 0 else ""
     print(f"dry run: no GPU work. columns: {', '.join(columns)}; {METHOD[args.cuflash_call]}{window}")
     print(f"{'hdim':>4} {'seqlen':>6} {'batch':>5} {'nheads':>6} {'causal':>6} {'fwd GFLOP':>10} {'bwd GFLOP':>10}")
     count, total_flops = 0, 0
@@ -358,7 +363,7 @@ def main():
     names = wanted
     extra = [f"softcap {args.softcap:g}"] if args.softcap > 0 else []
     if args.window > 0:
-        extra.append(f"window ({args.window}, 0) causal / ({args.window}, {args.window}) not")
+        extra.append(window_label(args))
     settings = common.run_settings(args, extra)
     title = common.titled(f"backward TFLOP/s, {args.dtype}, {gpu}, {date}", settings)
     lines = common.table_lines(f"{title}; {METHOD[args.cuflash_call]}", records,

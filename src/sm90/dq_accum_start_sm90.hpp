@@ -134,11 +134,14 @@ inline bool dq_narrow_window(DqAccumCall const& c) {
 inline bool dq_first_stores(DqAccumCall const& c) {
   if (!c.dq_via_smem && !c.dq_bulk) { return false; }
   if (c.clear != BwdDqClear::kAuto) { return c.clear == BwdDqClear::kFirstStore; }
-  if (!c.flex && dq_narrow_window(c)) { return true; }
+  // The flex kernels clear: measured mixed on block lists, and none of them has the sliced bulk
+  // dQ (their hdim256 tile adds dQ by atomics), so no clause below would apply to them.
+  if (c.flex) { return false; }
+  if (dq_narrow_window(c)) { return true; }
   if (c.dq_bulk && c.num_m_blocks > kDqBulkFirstStoreMaxRowBlocks) { return false; }
   if (c.dq_bulk && c.causal_or_local) { return true; }
-  if (c.deterministic && c.dq_via_smem && c.head_dim == 128 && !c.flex) { return true; }
-  if (!c.flex && c.block_m > 0) {
+  if (c.deterministic && c.dq_via_smem && c.head_dim == 128) { return true; }
+  if (c.block_m > 0) {
     std::int64_t const rows = std::int64_t(c.num_m_blocks) * c.block_m;
     bool const short_call = rows <= kDqShortFirstStoreMaxRows;
     // The kernels timed: dQ through shared memory at hdims 64 / 96 / 128 / 192, and the sliced
