@@ -88,7 +88,7 @@ std::string kernel_name(const BwdParams& p) {
 // Byte offsets of the buffers that run_backward carves from the workspace (workspace_layout.hpp).
 struct WorkspaceLayout {
   std::size_t lse_log2 = 0, dpsum = 0, dq_accum = 0, dq_done = 0, dq_tickets = 0, dk_accum = 0, dv_accum = 0, semaphore = 0, row_class = 0,
-              row_bounds = 0, row_class_by_row = 0;
+              row_bounds = 0, row_class_by_row = 0, row_writers = 0, max_row_writers = 0;
   std::size_t dq_done_bytes = 0;
   std::size_t total = 0;
 };
@@ -108,15 +108,27 @@ std::size_t row_bounds_bytes(const BwdParams& p) {
   return std::size_t(p.batch) * bs.num_heads_b * bs.num_col_blocks * 2 * sizeof(int);
 }
 
+// The writers of each row block (the column blocks its lists name): one int per (batch, list
+// head, row block); their maximum is BlockSparseParams::max_row_writers.
+std::size_t row_writers_bytes(const BwdParams& p) {
+  const BlockSparseParams& bs = p.block_sparse;
+  return std::size_t(p.batch) * bs.num_heads_b * bs.num_row_blocks * sizeof(int);
+}
+
 // One CTA per list: per (column block, list head, batch) for the column-block lists, per (row
 // block, ...) for the forward's row-block lists, which write their column blocks' bytes of that
 // row. 2 for the full list, then 1 for the mask list (a block both name gets mask_mod, which is
 // right either way). Entries outside the blocks are ignored. Each listed row block also widens
 // its column block's bounds (BlockSparseParams::row_bounds) by two atomic maxima, and, when
-// given, is written to the row-major copy (BlockSparseParams::row_class_by_row). All three
-// buffers are zeroed beforehand.
+// given, is written to the row-major copy (BlockSparseParams::row_class_by_row). Each listed
+// block also counts as a writer of its row block (row_writers), and the CTA's largest count goes
+// to max_row_writers by one atomic maximum (a block both lists name counts twice: the maximum is
+// a bound, which errs towards the memset). All the buffers are zeroed beforehand.
 __global__ void block_row_classes_sm90(BlockSparseParams bs, unsigned char* classes, int* bounds,
-                                       unsigned char* classes_by_row) {
+                                       unsigned char* classes_by_row, int* row_writers, int* max_row_writers) {
+  __shared__ int cta_max_writers;
+  if (threadIdx.x == 0) cta_max_writers = 0;
+  __syncthreads();
   int const rows = bs.num_row_blocks, cols = bs.num_col_blocks;
   int const outer_blocks = bs.row_lists ? rows : cols, inner_blocks = bs.row_lists ? cols : rows;
   long long const head_base = (static_cast<long long>(blockIdx.z) * bs.num_heads_b + blockIdx.y);
@@ -138,12 +150,16 @@ __global__ void block_row_classes_sm90(BlockSparseParams bs, unsigned char* clas
         int* const column_bounds = bounds + 2 * (head_base * cols + col);
         atomicMax(column_bounds, rows - row);
         atomicMax(column_bounds + 1, row + 1);
+        int const writers = atomicAdd(row_writers + head_base * rows + row, 1) + 1;
+        atomicMax(&cta_max_writers, writers);
       }
     }
   };
   mark(bs.full_block_cnt, bs.full_block_idx, 2);
   __syncthreads();
   mark(bs.mask_block_cnt, bs.mask_block_idx, 1);
+  __syncthreads();
+  if (threadIdx.x == 0 && cta_max_writers > 0) atomicMax(max_row_writers, cta_max_writers);
 }
 
 WorkspaceLayout workspace_layout(const BwdParams& p) {
@@ -182,6 +198,8 @@ WorkspaceLayout workspace_layout(const BwdParams& p) {
   layout.row_class = buffers.take(needs_row_classes(p) ? row_class_bytes(p) : 0);
   layout.row_bounds = buffers.take(needs_row_classes(p) ? row_bounds_bytes(p) : 0);
   layout.row_class_by_row = buffers.take(needs_row_classes(p) && p.deterministic ? row_class_bytes(p) : 0);
+  layout.row_writers = buffers.take(needs_row_classes(p) ? row_writers_bytes(p) : 0);
+  layout.max_row_writers = buffers.take(needs_row_classes(p) ? sizeof(int) : 0);
   layout.total = buffers.total();
   return layout;
 }
@@ -309,6 +327,7 @@ void run_backward(BwdParams& params, StreamHandle stream) {
   params.block_sparse.row_class = nullptr;
   params.block_sparse.row_bounds = nullptr;
   params.block_sparse.row_class_by_row = nullptr;
+  params.block_sparse.max_row_writers = nullptr;
   if (needs_row_classes(params) && row_class_bytes(params) > 0) {
     auto* classes = reinterpret_cast<unsigned char*>(base + layout.row_class);
     auto* bounds = reinterpret_cast<int*>(base + layout.row_bounds);
@@ -316,12 +335,14 @@ void run_backward(BwdParams& params, StreamHandle stream) {
     auto const cuda_stream = static_cast<cudaStream_t>(stream);
     unsigned char* classes_by_row =
         params.deterministic ? reinterpret_cast<unsigned char*>(base + layout.row_class_by_row) : nullptr;
-    // The classes, the bounds and the row-major copy are the workspace's last buffers: one memset
-    // zeroes the three for the class kernel.
+    auto* row_writers = reinterpret_cast<int*>(base + layout.row_writers);
+    auto* max_row_writers = reinterpret_cast<int*>(base + layout.max_row_writers);
+    // The classes, the bounds, the row-major copy and the writers are the workspace's last
+    // buffers: one memset zeroes them all for the class kernel.
     cudaMemsetAsync(classes, 0, layout.total - layout.row_class, cuda_stream);
     int const outer_blocks = bs.row_lists ? bs.num_row_blocks : bs.num_col_blocks;
     block_row_classes_sm90<<<dim3(outer_blocks, bs.num_heads_b, params.batch), 128, 0, cuda_stream>>>(
-        bs, classes, bounds, classes_by_row);
+        bs, classes, bounds, classes_by_row, row_writers, max_row_writers);
     cudaError_t const launched = cudaGetLastError();
     if (launched != cudaSuccess) {
       throw Error(Error::Kind::kCuda, "block_sparse",
@@ -330,6 +351,7 @@ void run_backward(BwdParams& params, StreamHandle stream) {
     params.block_sparse.row_class = classes;
     params.block_sparse.row_bounds = bounds;
     params.block_sparse.row_class_by_row = classes_by_row;
+    params.block_sparse.max_row_writers = max_row_writers;
   }
   if (expression) {
     reinterpret_cast<void (*)(BwdParams*, cudaStream_t)>(params.expression_kernel)(

@@ -15,6 +15,7 @@ struct DqAccumCall {
   bool dq_bulk = false;          // the sliced hdim256 kernels' bulk dQ, in use for this call
   bool kernel_window = false;    // the kernel is compiled with a window (causal / local / flex mods)
   bool flex = false;             // a score_mod / mask_mod / block-list kernel
+  bool block_lists = false;      // the call has block lists (BlockSparseParams::enabled)
   bool causal_or_local = false;  // the call's mask
   bool causal = false;           // causal (a local window without causal is not)
   // A local window bounded on both sides (not causal): the keys a row sees besides its own,
@@ -53,6 +54,11 @@ constexpr std::int64_t kDqHdim96NarrowWindowFirstStoreMaxKeys = 256;
 constexpr std::int64_t kDqWideHeadDetWindowFirstStoreMaxKeys = 1024;
 constexpr std::int64_t kDqHdim64WindowFirstStoreMaxKeys = 2048;
 
+// A first writer's ticket once its store has landed (mainloop_bwd_sm90.hpp, dq_ticket_land); a
+// ticket set to it before the main kernel (flash_bwd_dq_clear_sm90.hpp) says the row block was
+// cleared, so that every writer adds.
+constexpr int kDqTicketLanded = 1 << 30;
+
 // DqAccumCall::window_keys of a call's mask (BwdParams' is_local, window_left, window_right):
 // both sides bounded, or -1. Causal calls carry none (a causal call with a left window arrives
 // as local (L, 0), api/params_builder.cpp normalize_window).
@@ -61,15 +67,37 @@ inline std::int64_t dq_window_keys(bool is_local, int window_left, int window_ri
   return std::int64_t(window_left) + window_right;
 }
 
-// A local window bounded on both sides whose rows see few keys (the limits above).
+// The most keys a row may see besides its own for first stores to pay (the limits above), by
+// head dim and mode.
+inline std::int64_t dq_narrow_window_max_keys(DqAccumCall const& c) {
+  return c.head_dim <= 64 && !c.deterministic   ? kDqHdim64WindowFirstStoreMaxKeys
+         : c.head_dim == 96                     ? kDqHdim96NarrowWindowFirstStoreMaxKeys
+         : c.head_dim >= 192 && c.deterministic ? kDqWideHeadDetWindowFirstStoreMaxKeys
+                                                : kDqNarrowWindowFirstStoreMaxKeys;
+}
+
+// A local window bounded on both sides whose rows see few keys.
 inline bool dq_narrow_window(DqAccumCall const& c) {
-  if (c.window_keys < 0) { return false; }
-  std::int64_t const max_keys =
-      c.head_dim <= 64 && !c.deterministic  ? kDqHdim64WindowFirstStoreMaxKeys
-      : c.head_dim == 96                    ? kDqHdim96NarrowWindowFirstStoreMaxKeys
-      : c.head_dim >= 192 && c.deterministic ? kDqWideHeadDetWindowFirstStoreMaxKeys
-                                            : kDqNarrowWindowFirstStoreMaxKeys;
-  return c.window_keys <= max_keys;
+  return c.window_keys >= 0 && c.window_keys <= dq_narrow_window_max_keys(c);
+}
+
+// The flex kernels with block lists, outside deterministic mode: whether dq_accum starts from
+// first stores is decided on the device, from the lists, as dq_narrow_window decides it for a
+// window: the call's row blocks list at most `max writers` column blocks of list_block_n keys
+// each, and first stores pay where (writers - 1) * list_block_n keys (a row block's keys besides
+// its own block) are within the narrow-window limit of the head dim and mode. Returns
+// that largest number of writers that still stores first, or 0 where the rule does not apply
+// (the host rules below then decide). The backward's block-row kernel counts each row block's
+// writers and their maximum, and flash_bwd_dq_clear_sm90 clears dq_accum past the limit.
+// H100, bf16, 16k tokens, hdim128, sliding window 256 on block lists (bench/results/
+// flex_bwd_v30_list_dq_clear_h100.txt): forced first stores +12.5 / +10.3% at 2k / 8k against
+// the memset.
+inline int dq_list_max_writers(DqAccumCall const& c, int list_block_n) {
+  if (!c.flex || !c.block_lists || !c.dq_via_smem || c.deterministic || c.clear != BwdDqClear::kAuto ||
+      list_block_n <= 0) {
+    return 0;
+  }
+  return int(dq_narrow_window_max_keys(c) / list_block_n) + 1;
 }
 
 // dq_accum from the first writers' stores (true) or cleared by a memset (false). Only where dQ

@@ -15,6 +15,7 @@
 #include "cuflash/error.hpp"
 #include "sm90/dq_accum_start_sm90.hpp"
 #include "sm90/epilogue_bwd_sm90.hpp"
+#include "sm90/flash_bwd_dq_clear_sm90.hpp"
 #include "sm90/flash_bwd_kernel_sm90.hpp"
 #include "sm90/flash_bwd_postprocess_sm90.hpp"
 #include "sm90/flash_bwd_preprocess_sm90.hpp"
@@ -90,6 +91,7 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   dq_call.dq_bulk = dq_bulk;
   dq_call.kernel_window = HasWindow;
   dq_call.flex = Mainloop::kIsFlex;
+  dq_call.block_lists = params.block_sparse.enabled;
   dq_call.causal_or_local = params.is_causal || params.is_local;
   dq_call.causal = params.is_causal;
   dq_call.window_keys = dq_window_keys(params.is_local, params.window_left, params.window_right);
@@ -103,8 +105,15 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   dq_call.num_n_blocks = num_n_blocks;
   dq_call.clear = BwdDqClear(params.dq_clear);
   dq_call.det_walk = BwdDetWalk(params.det_walk);
-  int* const dq_tickets = dq_first_stores(dq_call) ? params.dq_tickets : nullptr;
-  if (dq_tickets == nullptr) { zero(params.dq_accum, sizeof(float) * size_t(num_heads) * q_rows_padded * kHeadDim); }
+  // Block lists outside deterministic mode: the device decides, from the lists' writers per row
+  // block (flash_bwd_dq_clear_sm90 after the preprocess).
+  int const list_max_writers = dq_list_max_writers(dq_call, params.block_sparse.block_n);
+  int const* const list_writers = list_max_writers > 0 && params.dq_tickets != nullptr && num_m_blocks > 0
+                                      ? params.block_sparse.max_row_writers
+                                      : nullptr;
+  int* const dq_tickets = list_writers != nullptr || dq_first_stores(dq_call) ? params.dq_tickets : nullptr;
+  size_t const dq_accum_bytes = sizeof(float) * size_t(num_heads) * q_rows_padded * kHeadDim;
+  if (dq_tickets == nullptr) { zero(params.dq_accum, dq_accum_bytes); }
   if (gqa) {
     zero(params.dk_accum, sizeof(float) * size_t(num_heads_kv) * k_rows_padded * kHeadDim);
     zero(params.dv_accum, sizeof(float) * size_t(num_heads_kv) * k_rows_padded * kHeadDimV);
@@ -147,6 +156,21 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   if (num_m_blocks > 0) {
     flash_bwd_preprocess_sm90<Element, kBlockM, Mainloop::kHeadDimV><<<dim3(num_m_blocks, num_heads, batch), 256, 0, stream>>>(pre);
     check_launch("the backward preprocess kernel");
+  }
+  if (list_writers != nullptr) {
+    DqClearParams clear{};
+    clear.dq_accum = reinterpret_cast<float4*>(params.dq_accum);
+    clear.num_float4 = std::int64_t(dq_accum_bytes / sizeof(float4));
+    clear.tickets = dq_tickets;
+    clear.num_tickets = std::int64_t(num_heads) * (q_rows_padded / kBlockM) * Mainloop::NumMmaWG;
+    clear.max_row_writers = list_writers;
+    clear.max_writers = list_max_writers;
+    // 8 CTAs per SM, each looping: enough stores in flight for the memory.
+    constexpr int kClearThreads = 256;
+    std::int64_t const wanted = (clear.num_float4 + kClearThreads - 1) / kClearThreads;
+    int const ctas = int(std::max<std::int64_t>(1, std::min<std::int64_t>(wanted, std::int64_t(std::max(params.num_sm, 1)) * 8)));
+    flash_bwd_dq_clear_sm90<kClearThreads><<<ctas, kClearThreads, 0, stream>>>(clear);
+    check_launch("the dq_accum clear kernel");
   }
 
   if (params.d_sink != nullptr) {
@@ -223,6 +247,8 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   ml.deterministic = params.deterministic;
   ml.dq_bulk = dq_bulk;
   ml.dq_tickets = dq_tickets;
+  ml.dq_list_writers = list_writers;
+  ml.dq_list_max_writers = list_max_writers;
   // Deterministic dQ by atomics: the second producer warp waits for each row block's turn and
   // releases it (order_dq).
   ml.dq_order_warp = params.deterministic && !Mainloop::kDqViaSmem && !ml.dq_bulk;

@@ -23,6 +23,7 @@
 
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
 
+#include "sm90/dq_accum_start_sm90.hpp"
 #include "sm90/dq_out_sm90.hpp"
 #include "sm90/flex_bwd_sm90.hpp"
 #include "sm90/trace_sm90.hpp"
@@ -180,7 +181,7 @@ CUTE_DEVICE void bulk_store_f32(float const* smem_src, float* gmem_dst, int byte
 // take, and a later writer waits only for a writer that has started. Before that they peek at the
 // ticket: a row block already landed is added to without taking it. (The deterministic rotation
 // orders its writers by ranks and never takes tickets.)
-constexpr int kDqTicketLanded = 1 << 30;
+// kDqTicketLanded: dq_accum_start_sm90.hpp (a ticket set to it before the kernel: a cleared row block).
 CUTE_DEVICE int dq_ticket_take(int* ticket) {
   int old;
   asm volatile("atom.relaxed.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(ticket) : "memory");
@@ -517,6 +518,12 @@ struct MainloopBwdSm90 {
     // Per (row block of the workspace rows, MMA warpgroup) the first-writer tickets of dq_accum
     // (kDqTicketLanded; BwdParams::dq_tickets), or null: dq_accum was cleared and every writer adds.
     int* dq_tickets;
+    // Block lists deciding on the device (dq_list_max_writers): the most column blocks the lists
+    // give one row block (BlockSparseParams::max_row_writers), or null. Past dq_list_max_writers
+    // flash_bwd_dq_clear_sm90 has cleared dq_accum and landed every ticket, and the kernel runs
+    // without the ticket code, as after the memset.
+    int const* dq_list_writers;
+    int dq_list_max_writers;
     int const* cu_seqlens_q;
     int const* cu_seqlens_k;
     int const* seqused_q;
@@ -753,7 +760,8 @@ struct MainloopBwdSm90 {
   // code it was before.
   template <class Loop>
   CUTE_DEVICE static void with_ticket_code(Params const& p, Loop&& loop) {
-    if (p.dq_tickets != nullptr) {
+    bool const cleared = p.dq_list_writers != nullptr && *p.dq_list_writers > p.dq_list_max_writers;
+    if (p.dq_tickets != nullptr && !cleared) {
       loop(std::true_type{});
     } else {
       loop(std::false_type{});

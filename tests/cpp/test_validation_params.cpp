@@ -1523,5 +1523,56 @@ TEST(ParamsBackward, DqAccumStartRules) {
   EXPECT_EQ(dq_rotate_window(flex, false), 0);
 }
 
+// Block lists outside deterministic mode: the most writers per row block (column blocks of the
+// lists' block_n keys) that still store first, the narrow-window limits in list blocks; 0 where
+// the host rules decide.
+TEST(ParamsBackward, DqListMaxWriters) {
+  using sm90::bwd::DqAccumCall;
+  using sm90::bwd::dq_first_stores;
+  using sm90::bwd::dq_list_max_writers;
+  auto lists = [](int hdim) {
+    DqAccumCall c;
+    c.flex = true;
+    c.block_lists = true;
+    c.dq_via_smem = hdim <= 192;
+    c.kernel_window = true;
+    c.head_dim = hdim;
+    c.num_sm = 132;
+    c.batch = 8;
+    c.num_heads = 2048 / hdim;
+    c.block_m = 64;
+    c.num_m_blocks = 32;
+    c.num_n_blocks = 16;
+    return c;
+  };
+  // 512 keys besides a row block's own: 4 more 128-key blocks, 5 writers (a (256, 256) window).
+  EXPECT_EQ(dq_list_max_writers(lists(128), 128), 5);
+  EXPECT_EQ(dq_list_max_writers(lists(192), 128), 5);
+  EXPECT_EQ(dq_list_max_writers(lists(96), 128), 3);   // 256 keys
+  EXPECT_EQ(dq_list_max_writers(lists(64), 128), 17);  // 2048 keys
+  EXPECT_EQ(dq_list_max_writers(lists(128), 64), 9);   // 64-key list blocks
+  // Where the rule does not apply: the host decides (the flex kernels then clear).
+  DqAccumCall det = lists(128);
+  det.deterministic = true;
+  EXPECT_EQ(dq_list_max_writers(det, 128), 0);
+  EXPECT_FALSE(dq_first_stores(det));
+  DqAccumCall no_lists = lists(128);
+  no_lists.block_lists = false;  // a mask_mod alone
+  EXPECT_EQ(dq_list_max_writers(no_lists, 128), 0);
+  EXPECT_FALSE(dq_first_stores(no_lists));
+  EXPECT_EQ(dq_list_max_writers(lists(256), 128), 0);  // dQ by atomics: nothing to clear on the device
+  DqAccumCall plain = lists(128);
+  plain.flex = false;
+  EXPECT_EQ(dq_list_max_writers(plain, 128), 0);
+  EXPECT_EQ(dq_list_max_writers(lists(128), 0), 0);
+  // A forced setting is the host's.
+  DqAccumCall forced = lists(128);
+  forced.clear = BwdDqClear::kMemset;
+  EXPECT_EQ(dq_list_max_writers(forced, 128), 0);
+  forced.clear = BwdDqClear::kFirstStore;
+  EXPECT_EQ(dq_list_max_writers(forced, 128), 0);
+  EXPECT_TRUE(dq_first_stores(forced));
+}
+
 }  // namespace
 }  // namespace cuflash::detail
