@@ -60,9 +60,10 @@ struct BlockSparseParams {
   // list head, row block, column block), so that the ranks of the dQ order (a warp reading one
   // row block's classes over 32 column blocks) read one line instead of 32.
   const unsigned char* row_class_by_row = nullptr;
-  // Backward (set by dispatch beside row_class): the most column blocks the lists give one row
-  // block (full and mask lists together), one int, so that the kernels decide on the device
-  // whether dq_accum starts from first stores (dq_list_max_writers in sm90/dq_accum_start_sm90.hpp).
+  // Backward (set by dispatch beside row_class): the most list column blocks (block_n keys each,
+  // so block_n / the kernel's column block writer CTAs) the lists give one list row block (full
+  // and mask lists together), one int, so that the kernels decide on the device whether dq_accum
+  // starts from first stores (dq_list_max_writers in sm90/dq_accum_start_sm90.hpp).
   const int* max_row_writers = nullptr;
 };
 
@@ -337,7 +338,9 @@ enum class BwdDqConvert : int { kOverlap = 0, kAfter = 1 };
 // not deterministic, without a window where the walks rotate over whole heads; the sliced
 // kernels only up to 32 row blocks; deterministic hdim128; short causal calls, short
 // deterministic calls without a window, and narrow local windows at any length: dq_first_stores
-// in sm90/dq_accum_start_sm90.hpp), the memset elsewhere.
+// in sm90/dq_accum_start_sm90.hpp), the memset elsewhere; the flex kernels with block lists, not
+// deterministic, decide on the GPU from the lists (dq_list_max_writers there): first stores, or a
+// clear kernel in the memset's place.
 enum class BwdDqClear : int { kAuto = 0, kFirstStore = 1, kMemset = 2 };
 struct BwdLaunchChoice {
   BwdLaunchOrder order = BwdLaunchOrder::kAuto;
@@ -346,7 +349,7 @@ struct BwdLaunchChoice {
 
 // The layout version: bumped with every change to the members of FwdParams, BwdParams or
 // ModParams, since a member added into tail padding leaves the sizes below as they were.
-constexpr std::uint64_t kParamsLayoutVersion = 23;
+constexpr std::uint64_t kParamsLayoutVersion = 24;
 
 // Whether a call needs the flex kernels (variants::FlexVariant): a score_mod, a mask_mod or block
 // lists. FwdParams and BwdParams alike.

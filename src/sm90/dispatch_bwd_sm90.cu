@@ -198,8 +198,9 @@ WorkspaceLayout workspace_layout(const BwdParams& p) {
   layout.row_class = buffers.take(needs_row_classes(p) ? row_class_bytes(p) : 0);
   layout.row_bounds = buffers.take(needs_row_classes(p) ? row_bounds_bytes(p) : 0);
   layout.row_class_by_row = buffers.take(needs_row_classes(p) && p.deterministic ? row_class_bytes(p) : 0);
-  layout.row_writers = buffers.take(needs_row_classes(p) ? row_writers_bytes(p) : 0);
-  layout.max_row_writers = buffers.take(needs_row_classes(p) ? sizeof(int) : 0);
+  bool const lists_used = needs_row_classes(p) && row_class_bytes(p) > 0;
+  layout.row_writers = buffers.take(lists_used ? row_writers_bytes(p) : 0);
+  layout.max_row_writers = buffers.take(lists_used ? sizeof(int) : 0);
   layout.total = buffers.total();
   return layout;
 }

@@ -83,25 +83,32 @@ inline bool dq_narrow_window(DqAccumCall const& c) {
 
 // The flex kernels with block lists, outside deterministic mode: whether dq_accum starts from
 // first stores is decided on the device, from the lists, as dq_narrow_window decides it for a
-// window: the call's row blocks list at most `max writers` column blocks of list_block_n keys
-// each, and first stores pay where (writers - 1) * list_block_n keys (a row block's keys besides
-// its own block) are within the narrow-window limit of the head dim and mode. Returns
-// that largest number of writers that still stores first, or 0 where the rule does not apply
-// (the host rules below then decide). The backward's block-row kernel counts each row block's
-// writers and their maximum, and flash_bwd_dq_clear_sm90 clears dq_accum past the limit.
-// H100, bf16, 16k tokens, hdim128, sliding window 256 on block lists (bench/results/
-// flex_bwd_v30_list_dq_clear_h100.txt): forced first stores +12.5 / +10.3% at 2k / 8k against
-// the memset.
+// window. A list row block whose lists name `writers` column blocks of list_block_n keys sees
+// writers * list_block_n keys; first stores where that is within the head dim's narrow-window
+// limit (dq_narrow_window_max_keys, keys besides a row's own) plus one 128-key block of its own,
+// for every row block of the call. Returns that largest number of writers, or 0 where the rule
+// does not apply or no writer count could pass (list blocks past the limit): the host rules
+// below then decide, and they clear for the flex kernels. The backward's block-row class kernel
+// (dispatch_bwd_sm90.cu) counts each row block's writers and their maximum, and
+// flash_bwd_dq_clear_sm90 clears dq_accum past the limit. With 128-key list blocks: 5 writers
+// at hdims 128 / 192, 3 at hdim96, 17 at hdim64 (the plain kernels' narrow windows: (256, 256)
+// is 5 blocks). Measured on the H100 (bf16, 16k tokens, bench/results/
+// flex_bwd_v30_list_dq_clear_h100.txt), against the memset at 2k / 8k: sliding window 256 on
+// lists +11.9 / +10.4% at hdim128, +5.8 / +5.9% at hdim64, +7.0 / +6.1% at hdim96, +3.2 / +3.4%
+// at hdim192; causal and document lists (cleared by the kernel, or at hdim64 2k causal first
+// stores with 16 writers) within -0.7% to +0.8% of the memset.
+constexpr std::int64_t kDqListOwnBlockKeys = 128;
 inline int dq_list_max_writers(DqAccumCall const& c, int list_block_n) {
   if (!c.flex || !c.block_lists || !c.dq_via_smem || c.deterministic || c.clear != BwdDqClear::kAuto ||
       list_block_n <= 0) {
     return 0;
   }
-  return int(dq_narrow_window_max_keys(c) / list_block_n) + 1;
+  return int((dq_narrow_window_max_keys(c) + kDqListOwnBlockKeys) / list_block_n);
 }
 
-// dq_accum from the first writers' stores (true) or cleared by a memset (false). Only where dQ
-// leaves by bulk copies, through shared memory. The first stores save the memset (a fixed cost per
+// dq_accum from the first writers' stores (true) or cleared by a memset (false), where the device
+// does not decide (dq_list_max_writers 0). Only where dQ leaves by bulk copies, through shared
+// memory. The first stores save the memset (a fixed cost per
 // token) and cost tickets and waits (which grow with a head's work); later writers wait for a
 // first store wherever a head's column blocks reach a row block together. Auto, from A/B runs
 // against the memset (bench/NOTES.md, runs of 2026-12-05 twenty-second / twenty-third and
@@ -162,8 +169,10 @@ inline int dq_list_max_writers(DqAccumCall const& c, int list_block_n) {
 inline bool dq_first_stores(DqAccumCall const& c) {
   if (!c.dq_via_smem && !c.dq_bulk) { return false; }
   if (c.clear != BwdDqClear::kAuto) { return c.clear == BwdDqClear::kFirstStore; }
-  // The flex kernels clear: measured mixed on block lists, and none of them has the sliced bulk
-  // dQ (their hdim256 tile adds dQ by atomics), so no clause below would apply to them.
+  // The flex kernels clear here: with block lists outside deterministic mode the device decides
+  // (dq_list_max_writers); deterministic runs on lists measured mixed (twenty-eighth run); and
+  // none of them has the sliced bulk dQ (their hdim256 tile adds dQ by atomics), so no clause
+  // below would apply to them.
   if (c.flex) { return false; }
   if (dq_narrow_window(c)) { return true; }
   if (c.dq_bulk && c.num_m_blocks > kDqBulkFirstStoreMaxRowBlocks) { return false; }

@@ -1,5 +1,6 @@
 // Host side of the sm90 backward: builds the kernel parameters from BwdParams and launches
-// preprocess, (d_sink), the main kernel and the postprocess kernels on one stream.
+// preprocess, (the dq_accum clear of block-list calls), (d_sink), the main kernel and the
+// postprocess kernels on one stream.
 // Included by the generated instantiation files only (one head-dim / dtype pair each).
 #pragma once
 

@@ -5,7 +5,8 @@
 // dlse, the gradient reaching lse (d lse_i / d s_ij = P_ij), enters only here:
 // dS = P * (dP - rowsum(dO * O)) + P * dlse = P * (dP - dPsum), and d_sink likewise.
 // It also zeroes the head's dQ counter (BwdParams::dq_done) and the row block's first-writer
-// tickets (BwdParams::dq_tickets); without tickets dq_accum is cleared by a memset before it.
+// tickets (BwdParams::dq_tickets); without tickets dq_accum is cleared by a memset before it
+// (and with block lists, where the lists say so, by flash_bwd_dq_clear_sm90 after it).
 // Measured on the H100 (bench/NOTES.md, "Run of 2026-12-05 (twentieth)" and the run after it):
 // clearing dq_accum here as well took 133 / 146 us at hdim256 / 128 against the
 // memset's 42 plus this kernel's 58 / 76; spreading a row over more lanes with several rows' loads

@@ -516,7 +516,8 @@ struct MainloopBwdSm90 {
     // (B, H) counters of the CTAs whose dQ sums have landed (BwdParams::dq_done), or null.
     int* dq_done;
     // Per (row block of the workspace rows, MMA warpgroup) the first-writer tickets of dq_accum
-    // (kDqTicketLanded; BwdParams::dq_tickets), or null: dq_accum was cleared and every writer adds.
+    // (kDqTicketLanded; BwdParams::dq_tickets), or null: dq_accum was cleared and every writer adds
+    // (as also where dq_list_writers says the clear kernel ran).
     int* dq_tickets;
     // Block lists deciding on the device (dq_list_max_writers): the most column blocks the lists
     // give one row block (BlockSparseParams::max_row_writers), or null. Past dq_list_max_writers

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <optional>
@@ -55,6 +56,9 @@ struct FlexBwdCase {
   bool full_lists = true, mask_lists = true;
   // Column blocks left with no block at all (their dk / dv are 0).
   bool empty_col_blocks = false;
+  // >= 0: only blocks at most this many blocks off the diagonal are listed (banded lists, as a
+  // sliding window's), so that each row block has few writers at any length.
+  int list_band = -1;
   // The backward gets the forward (row-block) lists only, no column-block ones.
   bool forward_lists_only = false;
   // Run twice and compared bit for bit as well.
@@ -135,6 +139,7 @@ struct Problem : gpu_testing::RowLayout {
       for (int rb = 0; rb < row_blocks; ++rb) {
         for (int cb = 0; cb < col_blocks; ++cb) {
           if (c.empty_col_blocks && cb % 2 == 1) continue;
+          if (c.list_band >= 0 && std::abs(rb - cb) > c.list_band) continue;
           const int roll = pick(rng);
           Block state = roll < 2 ? Block::kSkip : roll < 6 ? Block::kMask : Block::kFull;
           if (state == Block::kMask && !c.mask_lists) state = Block::kFull;
@@ -668,6 +673,13 @@ std::vector<FlexBwdCase> flex_cases() {
   c = {};
   c.label = "sparse_empty_col_blocks", c.batch = 2, c.seqlen_q = 530, c.seqlen_k = 530, c.heads = 2,
   c.mask_mod = MaskModKind::kCausal, c.sparse_heads = 2, c.empty_col_blocks = true;
+  add(c);
+  // Banded lists over 12 row blocks: at most 5 writers per row block, within hdim128's limit, so
+  // dq_accum starts from first stores decided on the device, every row block's writers arriving
+  // one after another (the random lists above over 6+ column blocks take the device's clear).
+  c = {};
+  c.label = "sparse_banded_lists_long", c.batch = 2, c.seqlen_q = 1500, c.seqlen_k = 1450, c.heads = 2,
+  c.mask_mod = MaskModKind::kSlidingWindow, c.mask_scalars = {200, 60}, c.sparse_heads = 2, c.list_band = 2;
   add(c);
   c = {};
   c.label = "sparse_one_short_block", c.seqlen_q = 17, c.seqlen_k = 17, c.sparse_heads = 1,

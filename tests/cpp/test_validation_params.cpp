@@ -1550,7 +1550,11 @@ TEST(ParamsBackward, DqListMaxWriters) {
   EXPECT_EQ(dq_list_max_writers(lists(192), 128), 5);
   EXPECT_EQ(dq_list_max_writers(lists(96), 128), 3);   // 256 keys
   EXPECT_EQ(dq_list_max_writers(lists(64), 128), 17);  // 2048 keys
-  EXPECT_EQ(dq_list_max_writers(lists(128), 64), 9);   // 64-key list blocks
+  EXPECT_EQ(dq_list_max_writers(lists(128), 64), 10);  // 64-key list blocks: 640 keys
+  EXPECT_EQ(dq_list_max_writers(lists(128), 256), 2);  // 512 keys
+  EXPECT_EQ(dq_list_max_writers(lists(128), 512), 1);
+  EXPECT_EQ(dq_list_max_writers(lists(128), 1024), 0);  // one list block is past the limit
+  EXPECT_EQ(dq_list_max_writers(lists(64), 1024), 2);
   // Where the rule does not apply: the host decides (the flex kernels then clear).
   DqAccumCall det = lists(128);
   det.deterministic = true;
@@ -1560,7 +1564,7 @@ TEST(ParamsBackward, DqListMaxWriters) {
   no_lists.block_lists = false;  // a mask_mod alone
   EXPECT_EQ(dq_list_max_writers(no_lists, 128), 0);
   EXPECT_FALSE(dq_first_stores(no_lists));
-  EXPECT_EQ(dq_list_max_writers(lists(256), 128), 0);  // dQ by atomics: nothing to clear on the device
+  EXPECT_EQ(dq_list_max_writers(lists(256), 128), 0);  // dQ by atomics: the host's memset
   DqAccumCall plain = lists(128);
   plain.flex = false;
   EXPECT_EQ(dq_list_max_writers(plain, 128), 0);
