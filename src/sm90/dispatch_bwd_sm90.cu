@@ -122,8 +122,9 @@ std::size_t row_writers_bytes(const BwdParams& p) {
 // its column block's bounds (BlockSparseParams::row_bounds) by two atomic maxima, and, when
 // given, is written to the row-major copy (BlockSparseParams::row_class_by_row). Each listed
 // block also counts as a writer of its row block (row_writers), and the CTA's largest count goes
-// to max_row_writers by one atomic maximum (a block both lists name counts twice: the maximum is
-// a bound, which errs towards the memset). All the buffers are zeroed beforehand.
+// to max_row_writers by one atomic maximum (a block both lists name counts once; one that a list
+// names twice may count twice, which errs towards the clear). All the buffers are zeroed
+// beforehand.
 __global__ void block_row_classes_sm90(BlockSparseParams bs, unsigned char* classes, int* bounds,
                                        unsigned char* classes_by_row, int* row_writers, int* max_row_writers) {
   __shared__ int cta_max_writers;
@@ -143,6 +144,9 @@ __global__ void block_row_classes_sm90(BlockSparseParams bs, unsigned char* clas
     for (int i = int(threadIdx.x); i < n; i += int(blockDim.x)) {
       int const block = idx[list * inner_blocks + i];
       if (block >= 0 && block < inner_blocks) {
+        // A block the full list named already is not a second writer (the CTA alone writes
+        // these bytes, and the full list's pass has finished).
+        bool const counted = at(block) != 0;
         at(block) = value;
         int const row = bs.row_lists ? int(blockIdx.x) : block;
         int const col = bs.row_lists ? block : int(blockIdx.x);
@@ -150,8 +154,10 @@ __global__ void block_row_classes_sm90(BlockSparseParams bs, unsigned char* clas
         int* const column_bounds = bounds + 2 * (head_base * cols + col);
         atomicMax(column_bounds, rows - row);
         atomicMax(column_bounds + 1, row + 1);
-        int const writers = atomicAdd(row_writers + head_base * rows + row, 1) + 1;
-        atomicMax(&cta_max_writers, writers);
+        if (!counted) {
+          int const writers = atomicAdd(row_writers + head_base * rows + row, 1) + 1;
+          atomicMax(&cta_max_writers, writers);
+        }
       }
     }
   };
