@@ -96,7 +96,7 @@ inline bool dq_narrow_window(DqAccumCall const& c) {
 // flex_bwd_v30_list_dq_clear_h100.txt), against the memset at 2k / 8k: sliding window 256 on
 // lists +11.9 / +10.4% at hdim128, +5.8 / +5.9% at hdim64, +7.0 / +6.1% at hdim96, +3.2 / +3.4%
 // at hdim192; causal and document lists (cleared by the kernel, or at hdim64 2k causal first
-// stores with 16 writers) within -0.7% to +0.8% of the memset.
+// stores with 16 writers) within -0.9% to +0.8% of the memset.
 constexpr std::int64_t kDqListOwnBlockKeys = 128;
 inline int dq_list_max_writers(DqAccumCall const& c, int list_block_n) {
   if (!c.flex || !c.block_lists || !c.dq_via_smem || c.deterministic || c.clear != BwdDqClear::kAuto ||
