@@ -102,6 +102,9 @@ std::size_t row_class_bytes(const BwdParams& p) {
   return std::size_t(p.batch) * bs.num_heads_b * bs.num_col_blocks * bs.num_row_blocks;
 }
 
+// Lists with blocks to classify (a call without sequences has none): the class kernel runs.
+bool row_classes_built(const BwdParams& p) { return needs_row_classes(p) && row_class_bytes(p) > 0; }
+
 // BlockSparseParams::row_bounds: two ints per (batch, list head, column block).
 std::size_t row_bounds_bytes(const BwdParams& p) {
   const BlockSparseParams& bs = p.block_sparse;
@@ -204,9 +207,8 @@ WorkspaceLayout workspace_layout(const BwdParams& p) {
   layout.row_class = buffers.take(needs_row_classes(p) ? row_class_bytes(p) : 0);
   layout.row_bounds = buffers.take(needs_row_classes(p) ? row_bounds_bytes(p) : 0);
   layout.row_class_by_row = buffers.take(needs_row_classes(p) && p.deterministic ? row_class_bytes(p) : 0);
-  bool const lists_used = needs_row_classes(p) && row_class_bytes(p) > 0;
-  layout.row_writers = buffers.take(lists_used ? row_writers_bytes(p) : 0);
-  layout.max_row_writers = buffers.take(lists_used ? sizeof(int) : 0);
+  layout.row_writers = buffers.take(row_classes_built(p) ? row_writers_bytes(p) : 0);
+  layout.max_row_writers = buffers.take(row_classes_built(p) ? sizeof(int) : 0);
   layout.total = buffers.total();
   return layout;
 }
@@ -335,7 +337,7 @@ void run_backward(BwdParams& params, StreamHandle stream) {
   params.block_sparse.row_bounds = nullptr;
   params.block_sparse.row_class_by_row = nullptr;
   params.block_sparse.max_row_writers = nullptr;
-  if (needs_row_classes(params) && row_class_bytes(params) > 0) {
+  if (row_classes_built(params)) {
     auto* classes = reinterpret_cast<unsigned char*>(base + layout.row_class);
     auto* bounds = reinterpret_cast<int*>(base + layout.row_bounds);
     const BlockSparseParams& bs = params.block_sparse;

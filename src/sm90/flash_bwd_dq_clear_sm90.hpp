@@ -25,11 +25,18 @@ struct DqClearParams {
   int max_writers;             // dq_list_max_writers: at most this many, first stores
 };
 
+// Whether the clear kernel cleared dq_accum (the lists name more writers than first stores pay
+// for): the one test that the clear kernel and the main kernel's dQ warps (with_ticket_code) both
+// make, on the same int, so that they always agree.
+__device__ __forceinline__ bool dq_list_cleared(int const* max_row_writers, int max_writers) {
+  return *max_row_writers > max_writers;
+}
+
 // Grid-stride over kThreads-thread CTAs, 16-byte stores. (A template, as the other kernels of
 // the headers that several instantiation files include.)
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads) flash_bwd_dq_clear_sm90(DqClearParams const p) {
-  if (*p.max_row_writers <= p.max_writers) { return; }
+  if (!dq_list_cleared(p.max_row_writers, p.max_writers)) { return; }
   std::int64_t const stride = std::int64_t(gridDim.x) * blockDim.x;
   std::int64_t const first = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   float4 const zero = make_float4(0.f, 0.f, 0.f, 0.f);

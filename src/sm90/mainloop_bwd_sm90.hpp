@@ -24,6 +24,7 @@
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
 
 #include "sm90/dq_accum_start_sm90.hpp"
+#include "sm90/flash_bwd_dq_clear_sm90.hpp"
 #include "sm90/dq_out_sm90.hpp"
 #include "sm90/flex_bwd_sm90.hpp"
 #include "sm90/trace_sm90.hpp"
@@ -761,7 +762,7 @@ struct MainloopBwdSm90 {
   // code it was before.
   template <class Loop>
   CUTE_DEVICE static void with_ticket_code(Params const& p, Loop&& loop) {
-    bool const cleared = p.dq_list_writers != nullptr && *p.dq_list_writers > p.dq_list_max_writers;
+    bool const cleared = p.dq_list_writers != nullptr && dq_list_cleared(p.dq_list_writers, p.dq_list_max_writers);
     if (p.dq_tickets != nullptr && !cleared) {
       loop(std::true_type{});
     } else {
