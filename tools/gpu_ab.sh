@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A/B of compile-time variants in one call on the lent H200: builds each variant of one kernel
-# selection side by side (tools/gpu_check.sh with its own BUILD_DIR and CMAKE_CUDA_FLAGS), runs the
+# selection side by side (tools/gpu_check.sh with its own BUILD_DIR and CUFLASH_AB_DEFINES), runs the
 # GPU tests on one of them, then a benchmark over the variants in alternating passes, appending
 # everything to $OUT/all.txt as it goes (a call cut short still returns what it measured).
 #
@@ -8,8 +8,8 @@
 #   REGEX='^flash_fwd_hdim128_bf16_(flex_(split_)?)?sm90$' TEST_VARIANT=new GTEST_FILTER='*ForwardFlex*' \
 #   BENCH=flex BENCH_ARGS="--hdims 128 --seqlens 2048,8192" PASSES=2 tools/gpu_ab.sh
 #
-# VARIANTS: space-separated NAME, NAME:FLAGS (FLAGS: one -D... for CMAKE_CUDA_FLAGS and
-# CMAKE_CXX_FLAGS, no spaces) or NAME@DIR (a copy of the tree with the files under DIR, a folder
+# VARIANTS: space-separated NAME, NAME:FLAGS (FLAGS: -DNAME=VALUE switches joined by commas, no
+# spaces, for host and device code: CUFLASH_AB_DEFINES) or NAME@DIR (a copy of the tree with the files under DIR, a folder
 # of the working tree laid out as the repository, put over it: e.g. the committed version of a
 # changed source file as the base of an A/B, without a switch in the code).
 # KERNEL_SET (default custom), HDIMS, DTYPES (default bf16), FEATURES, REGEX (CUFLASH_KERNEL_REGEX):
@@ -89,7 +89,9 @@ for variant in $VARIANTS; do
   flags=$(flags_of "$variant")
   extra=${REGEX:+-DCUFLASH_KERNEL_REGEX=$REGEX}
   # Device and host code alike (a switch that the host's sizes read too must agree with the kernels).
-  [[ -n $flags ]] && extra="$extra -DCMAKE_CUDA_FLAGS=$flags -DCMAKE_CXX_FLAGS=$flags"
+  # Always set, so that a build folder reused under the same name drops an earlier variant's.
+  defines=${flags//,-D/;}
+  extra="$extra -DCUFLASH_AB_DEFINES=${defines#-D}"
   [[ $name != "${TEST_VARIANT:-}" ]] && extra="$extra -DCUFLASH_BUILD_TESTS=OFF"
   [[ $first == 1 ]] || { [[ ${DRY_RUN:-0} == 1 ]] || sleep "$STAGGER"; }
   first=0

@@ -8,11 +8,17 @@
 namespace cuflash::sm90 {
 
 // The hdim128 key block, a build switch for A/Bs of the tile (host and device must agree: set it
-// in both CMAKE_CUDA_FLAGS and CMAKE_CXX_FLAGS, as tools/gpu_ab.sh does). 160 and 176 leave no
+// through CUFLASH_AB_DEFINES, as tools/gpu_ab.sh does). 160 and 176 leave no
 // room for the second Q buffer; measured at 160 (bench/NOTES.md, "The hdim128 key block"), equal
 // to 128 with one Q buffer non-causal and 2% slower causal at 2k, so 128 with two Q buffers stays.
 #ifndef CUFLASH_FWD_HDIM128_BLOCK_N
 #define CUFLASH_FWD_HDIM128_BLOCK_N 128
+#endif
+// Its K / V pipeline depth, a build switch of the same kind: three stages fit beside two Q
+// buffers and O only at 80-key blocks (3 x 40 + 64 + 32 KB), where the lagged pingpong
+// (CUFLASH_FWD_LAG, mainloop_fwd_sm90.hpp) needs them.
+#ifndef CUFLASH_FWD_HDIM128_STAGES
+#define CUFLASH_FWD_HDIM128_STAGES 2
 #endif
 
 struct FwdTileSize {
@@ -28,7 +34,7 @@ constexpr FwdTileSize fwd_tile_size(int head_dim, int head_dim_v) {
   // less the producer's), which holds S and P of a 64 x 128 block and O, not a wider n-block.
   if (head_dim <= 64) return {192, 128, 2};
   if (head_dim <= 96) return {128, 160, 2};
-  if (head_dim <= 128) return {128, CUFLASH_FWD_HDIM128_BLOCK_N, 2};
+  if (head_dim <= 128) return {128, CUFLASH_FWD_HDIM128_BLOCK_N, CUFLASH_FWD_HDIM128_STAGES};
   if (head_dim <= 192)
     return head_dim_v <= 128 ? FwdTileSize{128, 128, 2} : FwdTileSize{128, 112, 2};
   return {128, 80, 2};
