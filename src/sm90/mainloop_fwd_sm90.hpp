@@ -42,11 +42,6 @@
 #ifndef CUFLASH_FWD_RESCALE_AFTER_PV
 #define CUFLASH_FWD_RESCALE_AFTER_PV -1
 #endif
-// Build switch for A/Bs of the lagged pingpong (MainloopFwdSm90::kLag): 1 turns it on where the
-// kernel has the third K / V stage it needs.
-#ifndef CUFLASH_FWD_LAG
-#define CUFLASH_FWD_LAG 0
-#endif
 
 namespace cuflash::sm90 {
 
@@ -94,21 +89,6 @@ struct MainloopFwdSm90 {
   static constexpr bool kRescaleAfterPv =
       CUFLASH_FWD_RESCALE_AFTER_PV < 0 ? !kIsFlex && kHeadDimV <= 96
                                        : CUFLASH_FWD_RESCALE_AFTER_PV > 0 && kHeadDimV <= 128;
-
-  // The lagged pingpong: warpgroup 1 runs a whole n-block behind warpgroup 0 instead of half a
-  // turn, so that each one's tile boundary (last P V, finalize, epilogue, next first softmax) runs
-  // under the other's loop GEMMs rather than both reaching it together. The turns stay strictly
-  // alternating with the counts matched per tile: both warpgroups issue a tile's first Q K^T
-  // outside the turns; warpgroup 0 keeps its first loop turn for its second (tiles of 3 or more
-  // n-blocks) and takes a null turn (sync, arrive, no GEMM) after its last P V; warpgroup 1 takes
-  // a null turn there in tiles of 1 or 2 n-blocks. Warpgroup 1 then reads a stage one n-block
-  // after warpgroup 0, so a stage lives two n-blocks and the producer still needs one ahead: three
-  // stages. Only the plain dense kernels under CUFLASH_FWD_LAG (not those with a CTA-wide barrier
-  // in a tile: packed Q gathers, stream-K meets); the epilogue's CTA-wide barrier where O cannot
-  // go by TMA (varlen, unaligned O) realigns the warpgroups once per tile, without deadlock.
-  static constexpr bool kLag = CUFLASH_FWD_LAG != 0 && kNumMmaWarpGroups == 2 && kStages >= 3 &&
-                               !kIsFlex && !kIsPaged && !Config::kIsSplit && !Config::kPackGqa &&
-                               !Config::kStreamKPieces;
 
   using TileShapeQK = cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>, cute::Int<kHeadDim>>;
   using TileShapePV = cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDimV>, cute::Int<kBlockN>>;
@@ -637,13 +617,11 @@ struct MainloopFwdSm90 {
     if (operands_ready) {
       pipeline_k.consumer_wait(smem_pipe_read);
       if (q_by_tma) barrier_q.wait_full(q);
-      if constexpr (!kLag) warp_scheduler_barrier_sync(warp_group);
+      warp_scheduler_barrier_sync(warp_group);
     }
     gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_qk, tSrQ,
                                            tSrK(_, _, _, smem_pipe_read.index()), tSrS);
-    if constexpr (!kLag) {
-      if (operands_ready) warp_scheduler_barrier_arrive(warp_group);
-    }
+    if (operands_ready) warp_scheduler_barrier_arrive(warp_group);
   }
 
   // Consumer: accumulates the unnormalised output of this thread's rows into tOrO and leaves
@@ -744,26 +722,16 @@ struct MainloopFwdSm90 {
     clear_v_tail(smem_pipe_read);
     PipelineState smem_pipe_read_v = smem_pipe_read;
     ++smem_pipe_read;
-    // kLag: loop turns taken so far, and whether warpgroup 0 kept its first turn for the next.
-    [[maybe_unused]] int turns = 0;
-    bool turn_held = false;
     while (walk.next(n_block)) {
       pipeline_k.consumer_wait(smem_pipe_read);
-      if (!kLag || !turn_held) warp_scheduler_barrier_sync(warp_group);
+      warp_scheduler_barrier_sync(warp_group);
       gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_qk, tSrQ,
                                              tSrK(_, _, _, smem_pipe_read.index()), tSrS);
       if constexpr (!kRescaleAfterPv) softmax.rescale_o(tOrO, scores_scale);
       pipeline_v.consumer_wait(smem_pipe_read_v);
       gemm</*kZeroInit=*/false, /*kWait=*/-1>(tiled_mma_pv, tOrP,
                                               tOrV(_, _, _, smem_pipe_read_v.index()), tOrO);
-      if constexpr (kLag) {
-        ++turns;
-        int peek = n_block;
-        turn_held = warp_group == 0 && turns == 1 && walk.next(peek);
-        if (!turn_held) warp_scheduler_barrier_arrive(warp_group);
-      } else {
-        warp_scheduler_barrier_arrive(warp_group);
-      }
+      warp_scheduler_barrier_arrive(warp_group);
       warpgroup_wait<1>();  // S is ready; P V may still run
       pipeline_k.consumer_release(smem_pipe_read);
       scores_transform(tSrS);
@@ -788,14 +756,6 @@ struct MainloopFwdSm90 {
     pipeline_v.consumer_wait(smem_pipe_read_v);
     gemm</*kZeroInit=*/false, /*kWait=*/-1>(tiled_mma_pv, tOrP,
                                             tOrV(_, _, _, smem_pipe_read_v.index()), tOrO);
-    if constexpr (kLag) {
-      // The null turns: warpgroup 0 lets warpgroup 1 take its last loop turn; in tiles of 1 or 2
-      // n-blocks warpgroup 1 matches the count (it took as many turns as warpgroup 0's loop).
-      if (warp_group == 0 || turns <= 1) {
-        warp_scheduler_barrier_sync(warp_group);
-        warp_scheduler_barrier_arrive(warp_group);
-      }
-    }
     if (!under_last_pv()) warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
     pipeline_v.consumer_release(smem_pipe_read_v);

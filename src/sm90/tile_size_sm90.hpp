@@ -15,8 +15,8 @@ namespace cuflash::sm90 {
 #define CUFLASH_FWD_HDIM128_BLOCK_N 128
 #endif
 // Its K / V pipeline depth, a build switch of the same kind: three stages fit beside two Q
-// buffers and O only at 80-key blocks (3 x 40 + 64 + 32 KB), where the lagged pingpong
-// (CUFLASH_FWD_LAG, mainloop_fwd_sm90.hpp) needs them.
+// buffers and O's own buffer at up to 80-key blocks (3 x 40 + 64 + 32 KB). Measured at 80 keys
+// with three stages (bench/NOTES.md, "the lagged pingpong probe"): 9% below 128 keys with two.
 #ifndef CUFLASH_FWD_HDIM128_STAGES
 #define CUFLASH_FWD_HDIM128_STAGES 2
 #endif
