@@ -16,6 +16,7 @@
 # the kernel selection of every variant. TEST_VARIANT / GTEST_FILTER / TEST_TIMEOUT: the GPU tests
 # (none without TEST_VARIANT). BENCH: a bench/bench_NAME.py step of gpu_check (fwd, bwd, flex, gqa;
 # none if empty), BENCH_ARGS its arguments, PASSES the rounds over the variants (default 2).
+# BENCH_ENV_B (BENCH=fwd): a second pass of each variant in each round under these settings.
 # STAGGER: seconds between the builds' starts (default 40; they share the GoogleTest build).
 # DRY_RUN=1 prints the gpu_check calls instead of running them.
 set -uo pipefail
@@ -126,6 +127,11 @@ if [[ -n ${BENCH:-} ]]; then
       run "$(tree_named "$name")" "/tmp/ab_bench_$name.log" OUT="/tmp/ab_bench_$name" BUILD_DIR="$(build_named "$name")" STEPS="$step" \
         "${settings[@]}"
       grep -v "^$" "/tmp/ab_bench_$name/$logname" 2>/dev/null | tail -60 >>"$ALL"
+      # bench_fwd's second pass under BENCH_ENV_B (gpu_check), when set.
+      if [[ -s /tmp/ab_bench_$name/${logname%.log}_b.log ]]; then
+        log "## $name (pass $pass) under ${BENCH_ENV_B:-}"
+        grep -v "^$" "/tmp/ab_bench_$name/${logname%.log}_b.log" | tail -60 >>"$ALL"
+      fi
     done
   done
 fi
