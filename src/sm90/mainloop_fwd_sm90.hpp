@@ -42,12 +42,6 @@
 #ifndef CUFLASH_FWD_RESCALE_AFTER_PV
 #define CUFLASH_FWD_RESCALE_AFTER_PV -1
 #endif
-// Build switch for A/Bs of the tile's second Q K^T issued before its first softmax
-// (MainloopFwdSm90::kEarlySecondQk): -1 where measured to pay, 0 nowhere, 1 in every kernel that
-// walks a plain n-block range.
-#ifndef CUFLASH_FWD_EARLY_SECOND_QK
-#define CUFLASH_FWD_EARLY_SECOND_QK -1
-#endif
 
 namespace cuflash::sm90 {
 
@@ -181,21 +175,6 @@ struct MainloopFwdSm90 {
                                           kHeadDimV == 128;
   static constexpr int kQStages =
       kNextQkEligible && 2 * kSmemBytesQ + kSmemBytesKV + kSmemBytesO + 2048 <= 227 * 1024 ? 2 : 1;
-
-  // The tile's second S = Q K^T issued right after the first has landed, before the first
-  // softmax, instead of in the first loop turn beside the first P V. At a tile's start both
-  // warpgroups run their epilogue and first softmax nearly together, so the tensor cores idle
-  // there; this GEMM then runs under the first softmax, and the first loop turn issues only the
-  // P V. Outside the turns, as the first Q K^T; issued whatever the tile's length (ptxas keeps
-  // the GEMMs asynchronous only if no path skips one), on whatever the next stage holds when the
-  // tile has one n-block, its result then never read. The loop's scores then live in this second
-  // accumulator, and the first one, dead before O is cleared, can share O's registers. Not where
-  // the first S is carried from the previous tile (kQStages 2): it is live beside O there, and
-  // three accumulators do not fit (ptxas C7512 and spills). Not in the flex kernels (their walks
-  // are not plain ranges).
-  static constexpr bool kEarlySecondQk =
-      !kIsFlex && kQStages == 1 &&
-      (CUFLASH_FWD_EARLY_SECOND_QK < 0 ? false : CUFLASH_FWD_EARLY_SECOND_QK > 0);
 
   struct TensorStorage {
     cute::array_aligned<Element, kQStages * cute::cosize_v<SmemLayoutQ>, 1024> smem_q;
@@ -722,25 +701,11 @@ struct MainloopFwdSm90 {
                                         int(FwdNamedBarrier::kWarpGroupLocalWG0) + warp_group);
     };
 
-    // (Only the kernels with two Q buffers carry a first S from the previous tile: elsewhere the
-    // GEMM is issued on every path, as ptxas needs to keep kEarlySecondQk's GEMMs asynchronous.)
-    if (kQStages == 1 || !s_issued) {
+    if (!s_issued) {
       issue_first_qk(storage, barrier_q, q_loads, q_by_tma, pipeline_k, smem_pipe_read, tSrS,
                      thread_idx);
     }
-    // kEarlySecondQk: the second block's S, issued now (the first is already in flight).
-    auto tSrS_second = make_fragment_s();
-    if constexpr (kEarlySecondQk) {
-      PipelineState second = smem_pipe_read;
-      ++second;
-      int peek = n_block;
-      if (walk.next(peek)) pipeline_k.consumer_wait(second);
-      gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, second.index()),
-                                             tSrS_second);
-      warpgroup_wait<1>();  // the first S; the second runs on under the softmax
-    } else {
-      warpgroup_wait<0>();
-    }
+    warpgroup_wait<0>();
     trace::mark(thread_idx, trace::kFirstS);
     pipeline_k.consumer_release(smem_pipe_read);
     scores_transform(tSrS);
@@ -757,59 +722,32 @@ struct MainloopFwdSm90 {
     clear_v_tail(smem_pipe_read);
     PipelineState smem_pipe_read_v = smem_pipe_read;
     ++smem_pipe_read;
-    // One loop turn's work after its GEMMs' issue: block n_block's scores in tS (its Q K^T
-    // issued) to P, once they have landed, and the previous block's P V (in flight) waited for.
-    auto scores_to_p = [&](auto& tS) CUTLASS_LAMBDA_FUNC_INLINE {
-      warpgroup_wait<1>();  // S is ready; P V may still run
-      pipeline_k.consumer_release(smem_pipe_read);
-      scores_transform(tS);
-      if constexpr (kIsFlex) mods.score(tS, tScS, m_block, n_block);
-      if (mask.needs_mask(m_block, n_block)) mask.apply(tS, tScS, m_block, n_block);
-      if constexpr (kIsFlex) {
-        if (walk.masked) mods.mask(tS, tScS, m_block, n_block);
-      }
-      softmax.template online</*kFirst=*/false>(tS, scores_scale);
-      warpgroup_wait<0>();
-      pipeline_v.consumer_release(smem_pipe_read_v);
-      convert_into(tS, tOrP);
-      if constexpr (kRescaleAfterPv) softmax.rescale_o(tOrO, scores_scale);
-      clear_v_tail(smem_pipe_read);
-      smem_pipe_read_v = smem_pipe_read;
-      ++smem_pipe_read;
-    };
-    auto issue_pv = [&] CUTLASS_LAMBDA_FUNC_INLINE {
-      if constexpr (!kRescaleAfterPv) softmax.rescale_o(tOrO, scores_scale);
-      pipeline_v.consumer_wait(smem_pipe_read_v);
-      gemm</*kZeroInit=*/false, /*kWait=*/-1>(tiled_mma_pv, tOrP,
-                                              tOrV(_, _, _, smem_pipe_read_v.index()), tOrO);
-    };
-    if constexpr (kEarlySecondQk) {
-      // The first loop turn: its Q K^T was issued before the first softmax.
-      if (walk.next(n_block)) {
-        warp_scheduler_barrier_sync(warp_group);
-        issue_pv();
-        warp_scheduler_barrier_arrive(warp_group);
-        scores_to_p(tSrS_second);
-      } else {
-        // A tile of one n-block: the second S, issued on whatever the stage held, lands before
-        // O is touched again (in flight beside the rescale and the last P V, ptxas serialised
-        // every WGMMA of the kernel, C7514).
-        warpgroup_wait<0>();
-      }
-    }
-    // With kEarlySecondQk the loop's scores live in the second accumulator too, so that the first
-    // one (dead once the first softmax is done) can share registers with O.
-    auto& tSrS_loop = *[&] {
-      if constexpr (kEarlySecondQk) return &tSrS_second; else return &tSrS;
-    }();
     while (walk.next(n_block)) {
       pipeline_k.consumer_wait(smem_pipe_read);
       warp_scheduler_barrier_sync(warp_group);
       gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_qk, tSrQ,
-                                             tSrK(_, _, _, smem_pipe_read.index()), tSrS_loop);
-      issue_pv();
+                                             tSrK(_, _, _, smem_pipe_read.index()), tSrS);
+      if constexpr (!kRescaleAfterPv) softmax.rescale_o(tOrO, scores_scale);
+      pipeline_v.consumer_wait(smem_pipe_read_v);
+      gemm</*kZeroInit=*/false, /*kWait=*/-1>(tiled_mma_pv, tOrP,
+                                              tOrV(_, _, _, smem_pipe_read_v.index()), tOrO);
       warp_scheduler_barrier_arrive(warp_group);
-      scores_to_p(tSrS_loop);
+      warpgroup_wait<1>();  // S is ready; P V may still run
+      pipeline_k.consumer_release(smem_pipe_read);
+      scores_transform(tSrS);
+      if constexpr (kIsFlex) mods.score(tSrS, tScS, m_block, n_block);
+      if (mask.needs_mask(m_block, n_block)) mask.apply(tSrS, tScS, m_block, n_block);
+      if constexpr (kIsFlex) {
+        if (walk.masked) mods.mask(tSrS, tScS, m_block, n_block);
+      }
+      softmax.template online</*kFirst=*/false>(tSrS, scores_scale);
+      warpgroup_wait<0>();
+      pipeline_v.consumer_release(smem_pipe_read_v);
+      convert_into(tSrS, tOrP);
+      if constexpr (kRescaleAfterPv) softmax.rescale_o(tOrO, scores_scale);
+      clear_v_tail(smem_pipe_read);
+      smem_pipe_read_v = smem_pipe_read;
+      ++smem_pipe_read;
     }
     trace::mark(thread_idx, trace::kLoopEnd);
     if (release_q) barrier_q.release(q_loads);  // every Q K^T of this tile has completed
