@@ -90,9 +90,10 @@ for variant in $VARIANTS; do
   flags=$(flags_of "$variant")
   extra=${REGEX:+-DCUFLASH_KERNEL_REGEX=$REGEX}
   # Device and host code alike (a switch that the host's sizes read too must agree with the kernels).
-  # Always set, so that a build folder reused under the same name drops an earlier variant's.
+  # Always set (and the compilers' flags reset), so that a build folder reused under the same
+  # name drops an earlier variant's switches.
   defines=${flags//,-D/;}
-  extra="$extra -DCUFLASH_AB_DEFINES=${defines#-D}"
+  extra="$extra -DCUFLASH_AB_DEFINES=${defines#-D} -DCMAKE_CUDA_FLAGS= -DCMAKE_CXX_FLAGS="
   [[ $name != "${TEST_VARIANT:-}" ]] && extra="$extra -DCUFLASH_BUILD_TESTS=OFF"
   [[ $first == 1 ]] || { [[ ${DRY_RUN:-0} == 1 ]] || sleep "$STAGGER"; }
   first=0
@@ -124,11 +125,12 @@ if [[ -n ${BENCH:-} ]]; then
   for pass in $(seq "$PASSES"); do
     for name in "${names[@]}"; do
       log "##### $name (pass $pass) $BENCH ${BENCH_ARGS:-}"
+      rm -rf "/tmp/ab_bench_$name"  # no earlier call's logs read as this pass's
       run "$(tree_named "$name")" "/tmp/ab_bench_$name.log" OUT="/tmp/ab_bench_$name" BUILD_DIR="$(build_named "$name")" STEPS="$step" \
         "${settings[@]}"
       grep -v "^$" "/tmp/ab_bench_$name/$logname" 2>/dev/null | tail -60 >>"$ALL"
       # bench_fwd's second pass under BENCH_ENV_B (gpu_check), when set.
-      if [[ -s /tmp/ab_bench_$name/${logname%.log}_b.log ]]; then
+      if [[ $BENCH == fwd && -n ${BENCH_ENV_B:-} && -s /tmp/ab_bench_$name/bench_b.log ]]; then
         log "## $name (pass $pass) under ${BENCH_ENV_B:-}"
         grep -v "^$" "/tmp/ab_bench_$name/${logname%.log}_b.log" | tail -60 >>"$ALL"
       fi
