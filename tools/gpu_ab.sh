@@ -9,9 +9,9 @@
 #   BENCH=flex BENCH_ARGS="--hdims 128 --seqlens 2048,8192" PASSES=2 tools/gpu_ab.sh
 #
 # VARIANTS: space-separated NAME, NAME:FLAGS (FLAGS: -DNAME=VALUE switches joined by commas, no
-# spaces, for host and device code: CUFLASH_AB_DEFINES) or NAME@DIR (a copy of the tree with the files under DIR, a folder
-# of the working tree laid out as the repository, put over it: e.g. the committed version of a
-# changed source file as the base of an A/B, without a switch in the code).
+# spaces, for host and device code: CUFLASH_AB_DEFINES) or NAME@DIR (a copy of the tree with the
+# files under DIR, a folder of the working tree laid out as the repository, put over it: e.g. the
+# committed version of a changed source file as the base of an A/B, without a switch in the code).
 # KERNEL_SET (default custom), HDIMS, DTYPES (default bf16), FEATURES, REGEX (CUFLASH_KERNEL_REGEX):
 # the kernel selection of every variant. TEST_VARIANT / GTEST_FILTER / TEST_TIMEOUT: the GPU tests
 # (none without TEST_VARIANT). BENCH: a bench/bench_NAME.py step of gpu_check (fwd, bwd, flex, gqa;
@@ -132,7 +132,7 @@ if [[ -n ${BENCH:-} ]]; then
       # bench_fwd's second pass under BENCH_ENV_B (gpu_check), when set.
       if [[ $BENCH == fwd && -n ${BENCH_ENV_B:-} && -s /tmp/ab_bench_$name/bench_b.log ]]; then
         log "## $name (pass $pass) under ${BENCH_ENV_B:-}"
-        grep -v "^$" "/tmp/ab_bench_$name/${logname%.log}_b.log" | tail -60 >>"$ALL"
+        grep -v "^$" "/tmp/ab_bench_$name/bench_b.log" | tail -60 >>"$ALL"
       fi
     done
   done
