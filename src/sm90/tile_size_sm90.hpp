@@ -16,7 +16,7 @@ namespace cuflash::sm90 {
 #endif
 // Its K / V pipeline depth, a build switch of the same kind: three stages fit beside two Q
 // buffers and O's own buffer at up to 80-key blocks (3 x 40 + 64 + 32 KB). Measured at 80 keys
-// with three stages (bench/NOTES.md, "the lagged pingpong probe"): 9% below 128 keys with two.
+// with three stages (bench/NOTES.md, "the lagged pingpong probe"): 6-10% below 128 keys with two.
 #ifndef CUFLASH_FWD_HDIM128_STAGES
 #define CUFLASH_FWD_HDIM128_STAGES 2
 #endif
