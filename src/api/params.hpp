@@ -60,10 +60,10 @@ struct BlockSparseParams {
   // list head, row block, column block), so that the ranks of the dQ order (a warp reading one
   // row block's classes over 32 column blocks) read one line instead of 32.
   const unsigned char* row_class_by_row = nullptr;
-  // Backward (set by dispatch beside row_class): the most list column blocks (block_n keys each,
-  // so block_n / the kernel's column block writer CTAs) the lists give one list row block (full
-  // and mask lists together), one int, so that the kernels decide on the device whether dq_accum
-  // starts from first stores (dq_list_max_writers in sm90/dq_accum_start_sm90.hpp).
+  // Backward (set by dispatch beside row_class): the most list column blocks (block_n keys each)
+  // the lists give one list row block, full and mask lists together (one int), so that the
+  // kernels decide on the device whether dq_accum starts from first stores (dq_list_max_writers
+  // in sm90/dq_accum_start_sm90.hpp).
   const int* max_row_writers = nullptr;
 };
 

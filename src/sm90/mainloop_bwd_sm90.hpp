@@ -754,10 +754,10 @@ struct MainloopBwdSm90 {
 
   // Runs a dQ warp's loop compiled with the first-store ticket code (std::true_type: dq_accum
   // starts from first stores, Params::dq_tickets) or without it (std::false_type: the memset, or
-  // the clear kernel of block-list calls, Params::dq_list_writers), chosen once per CTA. Compiled in and skipped at run time, the ticket code doubled the
-  // deterministic dQ warp's path from its turn to its release (about 55 straight-line
-  // instructions to about 110 with 6-7 taken jumps), and that warp's cycle sets the deterministic
-  // step: the deterministic hdim128 backward measured 8-10% slower once the tickets came in
+  // the clear kernel of block-list calls, Params::dq_list_writers), chosen once per CTA.
+  // Compiled in and skipped at run time, the ticket code doubled the deterministic dQ warp's path
+  // from its turn to its release (about 55 straight-line instructions to about 110 with 6-7 taken
+  // jumps), and that warp's cycle sets the deterministic step: the deterministic hdim128 backward measured 8-10% slower once the tickets came in
   // (bench/NOTES.md, "Run of 2026-12-06 (twenty-fourth)"). Without them the loop is again the
   // code it was before.
   template <class Loop>
