@@ -26,13 +26,6 @@
 #include "sm90/seqlen_info.hpp"
 #include "sm90/utils_sm90.hpp"
 
-// Build switch for an A/B of the dense epilogue (EpilogueFwdSm90::kOFromRegisters): 1 stores O
-// from registers straight to global memory where the TMA path would run; 0 (the default) keeps
-// the TMA path.
-#ifndef CUFLASH_FWD_O_FROM_REGISTERS
-#define CUFLASH_FWD_O_FROM_REGISTERS 0
-#endif
-
 namespace cuflash::sm90 {
 
 template <class Config>
@@ -83,12 +76,6 @@ struct EpilogueFwdSm90 {
   // TMA store of O over (seqlen_q, head_dim_v, heads, batch); split-KV kernels write fp32
   // partials from registers instead and have no descriptor.
   static constexpr bool kHasTmaStore = !Config::kIsSplit;
-  // O from registers: each thread stores its own pairs of columns (4 bytes, the accumulator's
-  // layout: a quad of threads covers 16 contiguous bytes of a row, and the next column group
-  // the other half of the 32-byte sector), with no shared memory, no warpgroup barriers and no
-  // proxy fence. What it would save: those three, 0.7-1.0 us of each warpgroup's tile boundary
-  // (bench/NOTES.md), at the cost of 32 stores per thread at hdim128 instead of 8 stmatrix.
-  static constexpr bool kOFromRegisters = CUFLASH_FWD_O_FROM_REGISTERS != 0 && kHasTmaStore;
   using ShapeO = cute::Shape<int32_t, int32_t, int32_t, int32_t>;
   using StrideO = cute::Stride<int64_t, cute::_1, int64_t, int64_t>;
   using TileShapeOWarpGroup = cute::Shape<cute::Int<kWarpGroupRows>, cute::Int<kHeadDimV>>;
@@ -210,30 +197,7 @@ struct EpilogueFwdSm90 {
     Tensor taccOrO = smem_thr_copy_O.retile_S(tOrO_out);
     Tensor taccOsO = smem_thr_copy_O.partition_D(sO);
 
-    if constexpr (kSeparateO && kOFromRegisters && !packed) {
-      if (params.use_tma_store) {  // dense, 16-byte aligned: every pair is 4-byte aligned
-        Element* out_ptr = static_cast<Element*>(p.out) + int64_t(batch) * p.o_batch_stride +
-                           int64_t(head) * p.o_head_stride;
-        Tensor out = make_tensor(tOrO_out.data(), acc_rowcol_layout(tOrO_out.layout()));
-        int const rows_left = seqlen.seqlen_q_range - m_block * kBlockM;
-        CUTLASS_PRAGMA_UNROLL
-        for (int m = 0; m < size<0>(out); ++m) {
-          int const row = get<0>(tOcO_rowcol(m, 0));
-          if (row >= rows_left) continue;
-          Element* row_ptr = out_ptr + int64_t(m_block * kBlockM + row) * p.o_row_stride;
-          CUTLASS_PRAGMA_UNROLL
-          for (int n = 0; n < size<1>(out); n += 2) {
-            int const col = get<1>(tOcO_rowcol(m, n));  // even; column col + 1 is value n + 1
-            if (col < p.head_dim_v) {
-              Element pair[2] = {out(m, n), out(m, n + 1)};
-              *reinterpret_cast<uint32_t*>(row_ptr + col) = *reinterpret_cast<uint32_t const*>(pair);
-            }
-          }
-        }
-        return;
-      }
-    }
-    if constexpr (kSeparateO && kHasTmaStore && !kOFromRegisters) {
+    if constexpr (kSeparateO && kHasTmaStore) {
       if (params.use_tma_store && !packed) {
         int const warp_group = thread_idx / cutlass::NumThreadsPerWarpGroup;
         bool const store_thread = thread_idx % cutlass::NumThreadsPerWarpGroup == kTmaStoreLane;
