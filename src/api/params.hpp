@@ -233,9 +233,6 @@ struct BwdParams {
   // conversion can start on a head while the main kernel still runs others (null: it waits for
   // the whole main kernel). Zeroed by the preprocess.
   int* dq_done = nullptr;
-  // Per (row block of the workspace rows): the main kernel's CTAs whose dQ sums of that row block
-  // have landed (BwdDqConvert::kInMain), or null. Zeroed by the preprocess.
-  int* dq_row_done = nullptr;
   // Per (row block of the workspace rows, MMA warpgroup): which column block writes the block's
   // dQ sums first (BwdDqClear::kFirstStore), so that dq_accum needs no clear. Zeroed by the
   // preprocess.
@@ -328,12 +325,8 @@ enum class BwdDqSemaphores : int { kLines = 0, kPacked = 1 };
 // (BwdParams::dq_convert). kOverlap (the default): the conversion kernel is launched as the main
 // kernel's programmatic dependent and converts a head once every main-kernel CTA of that head has
 // added its dQ (BwdParams::dq_done), on the SMs the main kernel's last wave leaves idle; kAfter:
-// once the whole main kernel has finished; kInMain: inside the main kernel, each row block by the
-// CTA whose sums complete it (BwdParams::dq_row_done), so that the conversion runs under the main
-// kernel instead of after its last wave (the plain kernels with causal or local masks; the
-// others overlap). Row blocks that no column block writes (varlen, seqused,
-// seqlen_q > seqlen_k) are still converted by the overlapped kernel.
-enum class BwdDqConvert : int { kOverlap = 0, kAfter = 1, kInMain = 2 };
+// once the whole main kernel has finished.
+enum class BwdDqConvert : int { kOverlap = 0, kAfter = 1 };
 // How the sm90 backward's dq_accum starts from zero (BwdParams::dq_clear). kFirstStore: the
 // kernels whose dQ leaves through shared memory by bulk copies store the first column block's
 // sums of each row block and add the others after them (dq_ticket_take in mainloop_bwd_sm90.hpp),

@@ -659,7 +659,7 @@ int dq_semaphore_stride(BwdDqSemaphores choice) {
 
 BwdDqConvert parse_bwd_dq_convert(const char* value) {
   return parse_setting<BwdDqConvert>("CUFLASH_BWD_DQ_CONVERT", value,
-                                     {{"overlap", BwdDqConvert::kOverlap}, {"after", BwdDqConvert::kAfter}, {"main", BwdDqConvert::kInMain}});
+                                     {{"overlap", BwdDqConvert::kOverlap}, {"after", BwdDqConvert::kAfter}});
 }
 
 BwdDqConvert bwd_dq_convert() {

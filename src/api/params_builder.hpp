@@ -138,8 +138,8 @@ BwdDqPath parse_bwd_dq_path(const char* value);
 // The process's choice, from CUFLASH_BWD_DQ, read once.
 BwdDqPath bwd_dq_path();
 
-// When the backward converts dQ (BwdParams::dq_convert): "overlap" (or null / empty), "after"
-// or "main". Throws kInvalidArgument otherwise.
+// When the backward converts dQ (BwdParams::dq_convert): "overlap" (or null / empty) or
+// "after". Throws kInvalidArgument otherwise.
 BwdDqConvert parse_bwd_dq_convert(const char* value);
 // The process's choice, from CUFLASH_BWD_DQ_CONVERT, read once.
 BwdDqConvert bwd_dq_convert();

@@ -87,7 +87,7 @@ std::string kernel_name(const BwdParams& p) {
 
 // Byte offsets of the buffers that run_backward carves from the workspace (workspace_layout.hpp).
 struct WorkspaceLayout {
-  std::size_t lse_log2 = 0, dpsum = 0, dq_accum = 0, dq_done = 0, dq_row_done = 0, dq_tickets = 0, dk_accum = 0, dv_accum = 0, semaphore = 0, row_class = 0,
+  std::size_t lse_log2 = 0, dpsum = 0, dq_accum = 0, dq_done = 0, dq_tickets = 0, dk_accum = 0, dv_accum = 0, semaphore = 0, row_class = 0,
               row_bounds = 0, row_class_by_row = 0, row_writers = 0, max_row_writers = 0;
   std::size_t dq_done_bytes = 0;
   std::size_t total = 0;
@@ -190,10 +190,6 @@ WorkspaceLayout workspace_layout(const BwdParams& p) {
   // Counters of the overlapped dQ conversion, one per (batch, head) with rows.
   layout.dq_done_bytes = q_rows > 0 ? sizeof(int) * std::size_t(p.batch) * p.num_heads : 0;
   layout.dq_done = buffers.take(layout.dq_done_bytes);
-  // Counters of the conversion inside the main kernel, one per (head, row block of the
-  // workspace rows): BwdDqConvert::kInMain.
-  bool const in_main = BwdDqConvert(p.dq_convert) == BwdDqConvert::kInMain;
-  layout.dq_row_done = buffers.take(in_main ? sizeof(int) * std::size_t(p.num_heads) * (q_rows / tile.block_m) : 0);
   // First-writer tickets of dq_accum, one per (head, row block of the workspace rows, MMA
   // warpgroup): BwdDqClear::kFirstStore.
   layout.dq_tickets = buffers.take(sizeof(int) * std::size_t(p.num_heads) * (q_rows / tile.block_m) * tile.num_mma_wg);
@@ -327,12 +323,6 @@ void run_backward(BwdParams& params, StreamHandle stream) {
   params.dq_done = layout.dq_done_bytes > 0 && BwdDqConvert(params.dq_convert) == BwdDqConvert::kOverlap
                        ? reinterpret_cast<int*>(base + layout.dq_done)
                        : nullptr;
-  // The conversion inside the main kernel keeps the head counters for the rows no column block
-  // writes (converted by the overlapped kernel).
-  params.dq_row_done = layout.dq_done_bytes > 0 && BwdDqConvert(params.dq_convert) == BwdDqConvert::kInMain
-                           ? reinterpret_cast<int*>(base + layout.dq_row_done)
-                           : nullptr;
-  if (params.dq_row_done != nullptr) { params.dq_done = reinterpret_cast<int*>(base + layout.dq_done); }
   params.dq_tickets = BwdDqClear(params.dq_clear) != BwdDqClear::kMemset && layout.dq_done_bytes > 0
                           ? reinterpret_cast<int*>(base + layout.dq_tickets)
                           : nullptr;

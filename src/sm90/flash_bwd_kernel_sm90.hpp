@@ -8,7 +8,6 @@
 #include <cutlass/arch/reg_reconfig.h>
 
 #include "sm90/epilogue_bwd_sm90.hpp"
-#include "sm90/flash_bwd_postprocess_sm90.hpp"
 #include "sm90/mainloop_bwd_sm90.hpp"
 
 namespace cuflash::sm90::bwd {
@@ -37,28 +36,7 @@ struct FlashBwdKernelSm90 {
   struct Params {
     typename Mainloop::Params mainloop;
     typename Epilogue::Params epilogue;
-    // The dQ conversion inside this kernel (BwdDqConvert::kInMain): per row block of the
-    // workspace rows, the CTAs whose dQ sums of it have landed, or null (the postprocess
-    // converts every row block); and what the conversion writes (the postprocess's parameters).
-    int* dq_row_done;
-    PostprocessParams dq_convert;
   };
-
-  // The conversion inside the kernel (BwdDqConvert::kInMain) is compiled into the plain kernels
-  // with a window (causal / local), whose column blocks complete their row blocks one after
-  // another (the flex kernels' lists and mods decide a row block's writers on the device;
-  // without a window every column block of a head writes every row block, so the last of them
-  // would convert the whole head, and the kernels at hdim256 spill 4 bytes with it).
-  static constexpr bool kConvertsInMain = !Mainloop::kIsFlex && Mainloop::HasWindow;
-  // CUTLASS's reserved barrier ids are free in this kernel
-  // (no CUTLASS collective runs in it), and the user ids are taken (BwdBarrier).
-  static constexpr auto kDqConvertBarrier = cutlass::arch::ReservedNamedBarriers::StreamkBarrier0;
-  static constexpr int kConvertPad = 8;  // as the postprocess's tile: no bank conflicts between rows
-  using ConvertTile = typename Mainloop::Element[Mainloop::kHeadDim + kConvertPad];
-  static_assert(sizeof(ConvertTile) * Mainloop::kBlockM <= sizeof(Mainloop::TensorStorage::q),
-                "the dQ conversion's tile must fit the Q stages");
-  static_assert(sizeof(int) * Mainloop::NumMmaThreads <= sizeof(Mainloop::TensorStorage::d_o),
-                "the row blocks' flags must fit the dO stages");
 
   struct BlockCoords {
     int n_block, head, batch;
@@ -88,13 +66,10 @@ struct FlashBwdKernelSm90 {
 
   // A writer whose dQ sums are visible at gpu scope (a full bulk wait, or its atomics) counts
   // itself out; the last of the CTA releases the CTA to the head's counter, cumulatively over
-  // the others' sums (each fenced before its count). With the conversion inside the kernel
-  // (`in_main`) the MMA warpgroups release the CTA instead, once they have counted its row
-  // blocks (convert_landed_rows), so that a complete head counter implies final row counters.
-  CUTE_DEVICE static void dq_writer_done(typename Mainloop::Params const& p, int& writers_left, int head, int batch,
-                                         bool in_main) {
+  // the others' sums (each fenced before its count).
+  CUTE_DEVICE static void dq_writer_done(typename Mainloop::Params const& p, int& writers_left, int head, int batch) {
     __threadfence();
-    if (atomicSub(&writers_left, 1) == 1 && !in_main) {
+    if (atomicSub(&writers_left, 1) == 1) {
       __threadfence();
       semaphore_increment(dq_counter(p, head, batch));
     }
@@ -102,78 +77,12 @@ struct FlashBwdKernelSm90 {
 
   // A dQ warp's bulk reduce-adds have landed: waited for in full, not only read, by every lane
   // (only the lane that issued them has any; the others pass at once), then counted by one.
-  // With the conversion inside the kernel the warp then hands over to the MMA warpgroups.
-  CUTE_DEVICE static void dq_copies_landed(Params const& params, int& writers_left, int head, int batch) {
-    typename Mainloop::Params const& p = params.mainloop;
+  CUTE_DEVICE static void dq_copies_landed(typename Mainloop::Params const& p, int& writers_left, int head, int batch) {
     if (p.dq_done == nullptr) { return; }
     asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
     __syncwarp();
-    bool const in_main = kConvertsInMain && params.dq_row_done != nullptr;
-    if (cute::elect_one_sync()) { dq_writer_done(p, writers_left, head, batch, in_main); }
+    if (cute::elect_one_sync()) { dq_writer_done(p, writers_left, head, batch); }
     __syncwarp();
-    if (in_main) { cutlass::arch::NamedBarrier::arrive(convert_barrier_threads(p), kDqConvertBarrier); }
-  }
-
-  // The dQ writer warps of the producer warpgroup (dq_writers) that hand over through
-  // kDqConvertBarrier, with the MMA warpgroups.
-  CUTE_DEVICE static uint32_t convert_barrier_threads(typename Mainloop::Params const& p) {
-    int const writer_warps = Mainloop::kDqViaSmem ? 1 : (Mainloop::kHasDqBulk && p.dq_bulk ? NumMmaWG : 0);
-    return uint32_t(Mainloop::NumMmaThreads + writer_warps * cutlass::NumThreadsPerWarp);
-  }
-
-  // The conversion inside the kernel (BwdDqConvert::kInMain), run by the MMA warpgroups after the
-  // dK / dV epilogue. Once the CTA's dQ writers are done (every sum of the CTA landed and fenced),
-  // each row block the CTA wrote is counted into its row counter (acq_rel, so that the CTA whose
-  // count completes a row block sees every other writer's sums); the CTA that completes a row
-  // block converts it with the postprocess's code, through the Q stages (free now) as its tile.
-  // Then the CTA counts itself into its head's counter (for the overlapped kernel's writerless
-  // rows). The writers of row block m are the column blocks n_block_first..n_block_last, exactly
-  // those whose m_block_range holds m.
-  CUTE_DEVICE static void convert_landed_rows(Params const& params, typename Mainloop::TensorStorage& smem,
-                                              BwdSeqlen const& seq, int n_block, int head, int batch, int thread_idx) {
-    using namespace cute;
-    typename Mainloop::Params const& p = params.mainloop;
-    constexpr int kBlockM = Mainloop::kBlockM;
-    constexpr int kBlockN = Mainloop::kBlockN;
-    constexpr bool HasWindow = Mainloop::HasWindow;
-    constexpr int NumMmaThreads = Mainloop::NumMmaThreads;
-    auto sync = [] { cutlass::arch::NamedBarrier::sync(NumMmaThreads, uint32_t(BwdBarrier::kEpilogue)); };
-    cutlass::arch::NamedBarrier::sync(convert_barrier_threads(p), kDqConvertBarrier);
-    // The walk's row blocks (make_walk, capped as there).
-    auto [m_block_min, m_block_end] = m_block_range<kBlockM, kBlockN, HasWindow>(seq, n_block, p.window_left, p.window_right);
-    int const m_block_max = min(m_block_end, p.num_m_blocks);
-    int* completes = reinterpret_cast<int*>(smem.d_o.data());
-    ConvertTile* tile = reinterpret_cast<ConvertTile*>(smem.q.data());
-    ConvertRows<kBlockM> const rows_of = ConvertRows<kBlockM>::make(params.dq_convert, batch);
-    for (int first = m_block_min; first < m_block_max; first += NumMmaThreads) {
-      int const m_block = first + thread_idx;
-      int complete = 0;
-      if (m_block < m_block_max) {
-        int const writers = n_block_last<kBlockM, kBlockN, HasWindow>(seq, m_block, p.window_right) -
-                            n_block_first<kBlockM, kBlockN, HasWindow>(seq, m_block, p.window_left) + 1;
-        int* counter = params.dq_row_done +
-                       workspace_row_block(head, p.q_rows_padded, seq.offset_q_padded, kBlockM, m_block);
-        int landed;
-        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(landed) : "l"(counter) : "memory");
-        complete = landed + 1 == writers;
-      }
-      completes[thread_idx] = complete;
-      sync();
-      int const count = min(NumMmaThreads, m_block_max - first);
-      for (int i = 0; i < count; ++i) {
-        if (completes[i]) {
-          convert_block<typename Mainloop::Element, typename Mainloop::TiledMmadQ, Mainloop::dQ_swapAB, kBlockM,
-                        Mainloop::kHeadDim, kConvertPad>(params.dq_convert, rows_of, first + i, head, batch, thread_idx,
-                                                         tile, sync);
-          sync();  // the tile is read out before the next row block fills it
-        }
-      }
-      sync();  // the flags are read before the next round sets them
-    }
-    if (thread_idx == 0) {
-      __threadfence();
-      semaphore_increment(dq_counter(p, head, batch));
-    }
   }
 
   CUTE_DEVICE void operator()(Params const& params, char* smem_buf) {
@@ -269,11 +178,11 @@ struct FlashBwdKernelSm90 {
                                               uint32_t(BwdBarrier::kDqEmpty) + wg);
         }
         Mainloop::store_dq(params.mainloop, ss.tensors, c.seq, c.n_block, c.head, c.batch);
-        dq_copies_landed(params, ss.dq_writers_left, c.head, c.batch);
+        dq_copies_landed(params.mainloop, ss.dq_writers_left, c.head, c.batch);
       } else if (Mainloop::kHasDqBulk && params.mainloop.dq_bulk && warp_idx_in_wg >= 1 && warp_idx_in_wg <= NumMmaWG) {
         // Warp 1 + wg copies warpgroup wg's dQ (its ring starts empty).
         Mainloop::store_dq_bulk(params.mainloop, ss.dq_slots, c.seq, c.n_block, c.head, c.batch, warp_idx_in_wg - 1);
-        dq_copies_landed(params, ss.dq_writers_left, c.head, c.batch);
+        dq_copies_landed(params.mainloop, ss.dq_writers_left, c.head, c.batch);
       } else if (warp_idx_in_wg == 1 && params.mainloop.dq_order_warp) {
         Mainloop::order_dq(params.mainloop, c.seq, c.n_block, c.head, c.batch);
       }
@@ -292,17 +201,10 @@ struct FlashBwdKernelSm90 {
       }
       Coords const ce = coords();
       if (params.mainloop.dq_done != nullptr && !Mainloop::kDqViaSmem && !(Mainloop::kHasDqBulk && params.mainloop.dq_bulk)) {
-        dq_writer_done(params.mainloop, ss.dq_writers_left, ce.head, ce.batch,
-                       kConvertsInMain && params.dq_row_done != nullptr);  // its atomics
+        dq_writer_done(params.mainloop, ss.dq_writers_left, ce.head, ce.batch);  // its atomics
       }
       Epilogue::store(params.epilogue, ss.tensors, tdKrdK, tdVrdV, any_rows, ce.thread_idx, ce.seq, ce.n_block, ce.head,
                       ce.batch);
-      if constexpr (kConvertsInMain) {
-        if (params.dq_row_done != nullptr) {
-          Coords const cc = coords();
-          convert_landed_rows(params, ss.tensors, cc.seq, cc.n_block, cc.head, cc.batch, cc.thread_idx);
-        }
-      }
       trace::mark_bwd(ce.thread_idx, trace::kEnd);
     }
   }

@@ -148,10 +148,6 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   int* const dq_done = num_n_blocks > 0 && num_m_blocks > 0 ? params.dq_done : nullptr;
   pre.dq_done = dq_done;
   pre.dq_tickets = dq_tickets;
-  // The conversion inside the main kernel (BwdDqConvert::kInMain): the kernels that have it
-  // (Kernel::kConvertsInMain: plain, with a window); the others overlap the postprocess.
-  int* const dq_row_done = dq_done != nullptr && Kernel::kConvertsInMain ? params.dq_row_done : nullptr;
-  pre.dq_row_done = dq_row_done;
   pre.tickets_per_block = Mainloop::NumMmaWG;
   pre.q_rows_padded = q_rows_padded;
   pre.seqlen_q = params.seqlen_q;
@@ -316,15 +312,8 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // Postprocess: dQ, and dK / dV for GQA.
   PostprocessParams post_q{params.dq_accum, params.dq, params.dq_batch_stride, params.dq_row_stride, params.dq_head_stride,
                            q_rows_padded, params.seqlen_q, params.head_dim, params.softmax_scale,
-                           params.cu_seqlens_q, dq_done, num_n_blocks, num_heads, dq_tickets, dq_row_done};
-  typename Kernel::Params kernel_params{ml, ep, dq_row_done, post_q};
-  // With the conversion inside the main kernel, the postprocess converts only the row blocks no
-  // column block writes: dense calls without seqused and with seqlen_q <= seqlen_k have none (the
-  // bottom-right aligned diagonal, or any window around it, reaches a key from every row), so
-  // there it is not launched.
-  bool const every_row_written = !varlen_q && !varlen_k && params.seqused_q == nullptr &&
-                                 params.seqused_k == nullptr && params.seqlen_q <= params.seqlen_k;
-  bool const postprocess_q_needed = dq_row_done == nullptr || !every_row_written;
+                           params.cu_seqlens_q, dq_done, num_n_blocks, num_heads, dq_tickets};
+  typename Kernel::Params kernel_params{ml, ep};
   auto kernel = flash_bwd_kernel_sm90<Kernel>;
   constexpr int kSmem = Kernel::kSharedStorageSize;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
@@ -346,7 +335,7 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
 #endif
   }
 
-  if (num_m_blocks > 0 && postprocess_q_needed) {
+  if (num_m_blocks > 0) {
     auto postprocess_q = flash_bwd_postprocess_sm90<Element, typename Mainloop::TiledMmadQ, Mainloop::dQ_swapAB, kBlockM, kHeadDim>;
     // With the counters the dQ conversion is the main kernel's programmatic dependent: it starts
     // in the main kernel's last wave and converts each head once that head's sums have landed
@@ -370,13 +359,13 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   if (gqa && num_n_blocks > 0) {
     PostprocessParams post_k{params.dk_accum, params.dk, params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride,
                              k_rows_padded, params.seqlen_k, params.head_dim, params.softmax_scale,
-                             params.cu_seqlens_k, nullptr, 0, 0, nullptr, nullptr};
+                             params.cu_seqlens_k, nullptr, 0, 0, nullptr};
     flash_bwd_postprocess_sm90<Element, typename Mainloop::TiledMmadK, Mainloop::dKV_swapAB, kBlockN, kHeadDim>
         <<<dim3(num_n_blocks, num_heads_kv, batch), Mainloop::NumMmaThreads, 0, stream>>>(post_k);
     check_launch("the dK postprocess kernel");
     PostprocessParams post_v{params.dv_accum, params.dv, params.dv_batch_stride, params.dv_row_stride, params.dv_head_stride,
                              k_rows_padded, params.seqlen_k, params.head_dim_v, 1.f,
-                             params.cu_seqlens_k, nullptr, 0, 0, nullptr, nullptr};
+                             params.cu_seqlens_k, nullptr, 0, 0, nullptr};
     flash_bwd_postprocess_sm90<Element, typename Mainloop::TiledMmadV, Mainloop::dKV_swapAB, kBlockN, kHeadDimV>
         <<<dim3(num_n_blocks, num_heads_kv, batch), Mainloop::NumMmaThreads, 0, stream>>>(post_v);
     check_launch("the dV postprocess kernel");

@@ -32,11 +32,6 @@ struct PostprocessParams {
   // the workspace rows, or null (the sums were cleared before the main kernel): a ticket at 0
   // marks a half that no column block wrote, read as zeros.
   int const* tickets;
-  // The main kernel converts the row blocks that column blocks write (BwdDqConvert::kInMain):
-  // per row block of the workspace rows, its writers whose sums have landed, or null. This
-  // kernel then converts only the row blocks whose count stayed 0 (no writer) once their head's
-  // counter (done) is complete, which is after every count of the head.
-  int const* row_done;
 };
 
 // The CTA last in launch order waits for the whole main kernel, so that this kernel does not
@@ -144,17 +139,8 @@ __global__ void __launch_bounds__(decltype(size(TiledMma{}))::value)
   ConvertRows<kRows> const rows_of = ConvertRows<kRows>::make(p, batch);
   join_main_kernel(p);
   if (block * kRows >= rows_of.capacity) { return; }
-  __shared__ int converted;  // by the main kernel (row_done)
-  if (threadIdx.x == 0) {
-    await_sums(p, head, batch);
-    converted = 0;
-    if (p.row_done != nullptr) {
-      int64_t const row_block = workspace_row_block(head, p.rows_padded, rows_of.offset_padded, kRows, block);
-      converted = __ldcg(p.row_done + row_block) > 0;
-    }
-  }
+  if (threadIdx.x == 0) { await_sums(p, head, batch); }
   __syncthreads();
-  if (converted) { return; }
   convert_block<Element, TiledMma, Swapped, kRows, kCols, kPad>(p, rows_of, block, head, batch, int(threadIdx.x), tile,
                                                                  [] { __syncthreads(); });
 }

@@ -41,9 +41,6 @@ struct PreprocessParams {
   // the workspace rows, or null: zeroed here for every row block a batch owns.
   int* dq_tickets;
   int tickets_per_block;
-  // Row-block counters of the conversion inside the main kernel (BwdParams::dq_row_done), one
-  // per row block of the workspace rows, or null: zeroed here for every row block a batch owns.
-  int* dq_row_done;
   int q_rows_padded;
   int seqlen_q;  // dense length, or max length when packed
   int head_dim_v;
@@ -103,9 +100,6 @@ __global__ void __launch_bounds__(256, 8) flash_bwd_preprocess_sm90(PreprocessPa
   if (p.dq_tickets != nullptr && int(threadIdx.x) < p.tickets_per_block && m_block * kBlockM < capacity) {
     int64_t const row_block = workspace_row_block(head, p.q_rows_padded, offset_padded, kBlockM, m_block);
     p.dq_tickets[row_block * p.tickets_per_block + threadIdx.x] = 0;
-  }
-  if (p.dq_row_done != nullptr && threadIdx.x == 0 && m_block * kBlockM < capacity) {
-    p.dq_row_done[workspace_row_block(head, p.q_rows_padded, offset_padded, kBlockM, m_block)] = 0;
   }
   if (m_block * kBlockM >= ((seqlen + kBlockM - 1) / kBlockM) * kBlockM) { return; }
   int const warp = threadIdx.x / 32;

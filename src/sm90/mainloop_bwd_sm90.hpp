@@ -53,9 +53,6 @@ enum class BwdBarrier : uint32_t {
   // The sliced kernels with dQ through shared memory (CUFLASH_BWD_DQ=bulk) hand their slots over
   // on mbarriers (dq_out_sm90.hpp), and take kDqEmpty + 2 for:
   kDqLanded = 4,  // deterministic: both dQ warps' copies of the row block have landed
-  // The ids of the three-warpgroup kernels end at kDqFull + 2 = 7, the last one CUTLASS leaves to
-  // users; the dQ conversion inside the main kernel takes one of CUTLASS's reserved ids instead
-  // (flash_bwd_kernel_sm90.hpp, kDqConvertBarrier).
 };
 
 // ---------------------------------------------------------------------------------------------

@@ -732,8 +732,8 @@ TEST(ParamsBackward, DqPathChoice) {
 TEST(ParamsBackward, DqConvertChoice) {
   expect_setting_choices<decltype(&parse_bwd_dq_convert), BwdDqConvert>(
       parse_bwd_dq_convert, "CUFLASH_BWD_DQ_CONVERT",
-      {{"overlap", BwdDqConvert::kOverlap}, {"after", BwdDqConvert::kAfter}, {"main", BwdDqConvert::kInMain}},
-      {"on", "0", "Overlap", "auto", "inline", "grid", "Main", "in_main"});
+      {{"overlap", BwdDqConvert::kOverlap}, {"after", BwdDqConvert::kAfter}},
+      {"on", "0", "Overlap", "auto", "inline", "grid"});
 }
 
 TEST(ParamsBackward, DqClearChoice) {

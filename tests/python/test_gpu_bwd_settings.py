@@ -77,26 +77,6 @@ def test_dq_conversion_overlapped_or_after_gives_the_same_bits(tmp_path, causal)
         assert np.array_equal(overlap[name], after[name]), name
 
 
-@pytest.mark.parametrize("lengths", [(2048, 2048), (1024, 3072), (3072, 1024)])
-@pytest.mark.parametrize("dim, dq_path", [(64, "auto"), (128, "auto"), (192, "auto"), (256, "auto"), (256, "atomics")])
-def test_dq_conversion_in_main_kernel_gives_the_same_bits(tmp_path, dim, dq_path, lengths):
-    """Deterministic, causal: dQ converted inside the main kernel, each row block by the CTA whose
-    count completes it, and by the overlapped kernel read the same complete sums, so dq (and dk,
-    dv) agree bit for bit. Head dims 64 / 128 / 192 hand over from the dQ warp (dQ through shared
-    memory), 256 from the two bulk dQ warps, and 256 with dQ by atomics from the MMA warpgroups
-    themselves. With 3k rows
-    against 1k keys the first 2k rows see no key: the postprocess still converts those row blocks
-    (their count stays 0) while the main kernel converts the others; with 1k rows against 3k keys
-    every row block's first writer is column block 0."""
-    torch_cuda()
-    seqlen_q, seqlen_k = lengths
-    kwargs = dict(causal=True, deterministic=True, dim=dim, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
-    in_main = gradients(tmp_path, {"CUFLASH_BWD_DQ_CONVERT": "main", "CUFLASH_BWD_DQ": dq_path}, **kwargs)
-    overlap = gradients(tmp_path, {"CUFLASH_BWD_DQ_CONVERT": "overlap", "CUFLASH_BWD_DQ": dq_path}, **kwargs)
-    for name in ("dq", "dk", "dv"):
-        assert np.array_equal(in_main[name], overlap[name]), name
-
-
 def test_heads_order_with_idle_heads_and_overlapped_conversion(tmp_path):
     """Causal, heads launched inner in groups of 3 of the 8 heads, so the last group has an idle
     head slot (which must count into no head's dQ counter), with the overlapped conversion: dq
