@@ -706,6 +706,16 @@ def _aux_dtype(framework: Framework, x: Tensor, name: str, dtype: str) -> Tensor
     _fail(TypeError, name, f"expected dtype {dtype}, got {own}")
 
 
+def _block_list_on_device(tensor: Any, framework: Framework, call: _Call) -> Any:
+    """A NumPy block list (what cuflash.create_block_mask returns) as an array of q's framework on
+    q's device, as create_block_mask's docstring promises; any other array as given, for the
+    caller's checks (a list of another framework or device is refused by name there)."""
+    own = framework_of(tensor)
+    if own is not None and own.name == "numpy" and own is not framework:
+        return framework.from_numpy(np.ascontiguousarray(tensor), like=call.q)
+    return tensor
+
+
 def _check_block_sparse(call: _Call, lists: Sequence[Optional[Tensor]], names: Sequence[str],
                         transposed: bool) -> List[Optional[Tensor]]:
     """(mask_cnt, mask_idx, full_cnt, full_idx) forward or q_ lists: int32, paired, shaped as
@@ -743,6 +753,8 @@ def _check_block_sparse(call: _Call, lists: Sequence[Optional[Tensor]], names: S
         if cnt is None:
             checked += [None, None]
             continue
+        cnt = _block_list_on_device(cnt, framework, call)
+        idx = _block_list_on_device(idx, framework, call)
         for tensor, name in ((cnt, cnt_name), (idx, idx_name)):
             _check_tensor(tensor, name, framework)
             _check_dtype(framework, tensor, name, ("int32",))
@@ -878,6 +890,10 @@ def _prepare(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, s
     softcap = _check_float(softcap, "softcap", optional=True) or 0.0
     if softcap < 0:
         _fail(ValueError, "softcap", f"expected a value >= 0 (0 disables it), got {softcap}")
+    if softcap > 0 and np.float32(softcap) == 0:
+        # The kernels take it as float32, where it would read as 0: softcap off, not what was asked.
+        _fail(ValueError, "softcap", f"{softcap} is below float32's smallest positive value, where the kernels "
+                                     f"would read it as 0 (softcap off); pass 0 to disable it")
     num_splits = _check_int(num_splits, "num_splits")
     if num_splits > _MAX_SPLITS:
         _fail(ValueError, "num_splits", f"expected at most {_MAX_SPLITS}, got {num_splits}")
@@ -1326,7 +1342,12 @@ def flash_attn_varlen_func(
             (num_pages, page_size, num_heads_kv, head_dim / head_dim_v) with page_table;
             else (batch, seqlen_k, num_heads_kv, head_dim / head_dim_v).
         cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 cumulative sequence starts.
-        max_seqlen_q, max_seqlen_k: upper bounds of the sequence lengths (hints).
+        max_seqlen_q, max_seqlen_k: upper bounds of the sequence lengths (hints). With
+            cu_seqlens on the GPU, pass them: without a hint the kernels' grids (and the
+            deterministic backward's semaphores) are sized for one sequence of all the tokens
+            per batch entry, which is correct but slow for many sequences; a hint below a
+            sequence's length is trusted on the GPU (the rows past it are not computed) and
+            refused when cu_seqlens are in host memory.
         seqused_q, seqused_k: (batch,) int32: use only this many tokens of each sequence.
         page_table: (batch, max_num_pages_per_seq) int32 page numbers into k / v (not with
             cu_seqlens_k).

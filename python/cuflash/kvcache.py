@@ -171,7 +171,8 @@ def _cache_lengths(framework: Any, cache_seqlens: Any, batch: int, q: Tensor, ca
     if framework.device(lengths)[0] == "cpu":
         host = framework.to_numpy(lengths)
         if np.any(host < 0) or np.any(host.astype(np.int64) + seqlen_new > capacity):
-            worst = int(np.argmax(host.astype(np.int64)))
+            # The first entry out of range, whichever side.
+            worst = int(np.argmax((host < 0) | (host.astype(np.int64) + seqlen_new > capacity)))
             _fail(ValueError, "cache_seqlens", f"expected lengths in [0, {capacity - seqlen_new}] (the cache's "
                                                f"{capacity} positions less {seqlen_new} new keys), got "
                                                f"cache_seqlens[{worst}] = {int(host[worst])}")

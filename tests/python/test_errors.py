@@ -161,6 +161,7 @@ def test_learnable_sink(dense):
     ("window_size", (None, 2**40), ValueError),
     ("softcap", "big", TypeError),
     ("softcap", -1.0, ValueError),
+    ("softcap", 1e-50, ValueError),  # 0 in float32: softcap off, not what was asked
     ("num_splits", 1.5, TypeError),
     ("num_splits", 1000, ValueError),
     ("pack_gqa", 1, TypeError),

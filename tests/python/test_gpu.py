@@ -349,6 +349,28 @@ def test_torch_paged_kv_block_lists(rng):
     check_paged_autograd(rng, seqlen_q=200, page_size=32, max_pages=10, unused_tail=100, attend=attend)
 
 
+def test_torch_with_numpy_block_lists(rng):
+    """create_block_mask returns NumPy lists, which the attention functions move to q's framework
+    and device: CUDA torch inputs with the lists of a document mask, against the reference."""
+    torch = torch_cuda()
+    batch, seqlen, heads, dim = 2, 300, 2, 64
+    ids = np.zeros((batch, seqlen), np.int32)
+    for b in range(batch):
+        ids[b] = np.searchsorted(np.sort(rng.choice(np.arange(1, seqlen), size=3, replace=False)), np.arange(seqlen),
+                                 side="right")
+    mask_mod = cuflash.masks.document(ids)
+    lists = cuflash.block_sparse.create_block_mask(mask_mod, batch, None, seqlen, seqlen)
+    assert isinstance(lists.mask_block_cnt, np.ndarray)
+    q, k, v = (torch.from_numpy(rng.standard_normal((batch, seqlen, heads, dim)).astype(np.float32)).cuda().bfloat16()
+               for _ in range(3))
+    with skip_if_not_built():
+        out, _ = cuflash.flash_attn_func(q, k, v, mask_mod=mask_mod, **lists._asdict())
+        torch.cuda.synchronize()
+    expected, _ = ref.forward_dense(*(to_f64(t) for t in (q, k, v)),
+                                    ref.Options(mask=lambda b, i, j: ids[b][i] == ids[b][j]))
+    assert_close(to_f64(out), expected, "bfloat16", what="out")
+
+
 def test_torch_side_stream(rng):
     torch = torch_cuda()
     q, k, v = (torch.from_numpy(x.astype(np.float32)).cuda().bfloat16() for x in reference_inputs(rng, "bfloat16"))
