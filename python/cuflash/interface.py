@@ -890,10 +890,12 @@ def _prepare(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, s
     softcap = _check_float(softcap, "softcap", optional=True) or 0.0
     if softcap < 0:
         _fail(ValueError, "softcap", f"expected a value >= 0 (0 disables it), got {softcap}")
-    if softcap > 0 and np.float32(softcap) == 0:
-        # The kernels take it as float32, where it would read as 0: softcap off, not what was asked.
-        _fail(ValueError, "softcap", f"{softcap} is below float32's smallest positive value, where the kernels "
-                                     f"would read it as 0 (softcap off); pass 0 to disable it")
+    if 0 < softcap < float(np.finfo(np.float32).tiny):
+        # The kernels take it as float32 and flush subnormals: it would read as 0 (softcap off,
+        # not what was asked) or divide by 0.
+        _fail(ValueError, "softcap", f"{softcap} is below float32's smallest normal value "
+                                     f"({float(np.finfo(np.float32).tiny):.3g}), which the kernels read as 0; "
+                                     f"pass 0 to disable it")
     num_splits = _check_int(num_splits, "num_splits")
     if num_splits > _MAX_SPLITS:
         _fail(ValueError, "num_splits", f"expected at most {_MAX_SPLITS}, got {num_splits}")

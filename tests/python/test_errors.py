@@ -162,6 +162,7 @@ def test_learnable_sink(dense):
     ("softcap", "big", TypeError),
     ("softcap", -1.0, ValueError),
     ("softcap", 1e-50, ValueError),  # 0 in float32: softcap off, not what was asked
+    ("softcap", 1e-40, ValueError),  # subnormal in float32, flushed to 0 by the kernels
     ("num_splits", 1.5, TypeError),
     ("num_splits", 1000, ValueError),
     ("pack_gqa", 1, TypeError),

@@ -351,24 +351,35 @@ def test_torch_paged_kv_block_lists(rng):
 
 def test_torch_with_numpy_block_lists(rng):
     """create_block_mask returns NumPy lists, which the attention functions move to q's framework
-    and device: CUDA torch inputs with the lists of a document mask, against the reference."""
+    and device: CUDA torch inputs, forward and backward. The lists come from a causal document mask
+    and the mask_mod is the document mask alone, so the result depends on the lists (blocks above
+    the diagonal are skipped, the diagonal's partial blocks keep their upper part): against the
+    reference with the same blocks."""
     torch = torch_cuda()
     batch, seqlen, heads, dim = 2, 300, 2, 64
     ids = np.zeros((batch, seqlen), np.int32)
     for b in range(batch):
         ids[b] = np.searchsorted(np.sort(rng.choice(np.arange(1, seqlen), size=3, replace=False)), np.arange(seqlen),
                                  side="right")
-    mask_mod = cuflash.masks.document(ids)
-    lists = cuflash.block_sparse.create_block_mask(mask_mod, batch, None, seqlen, seqlen)
+    lists = cuflash.block_sparse.create_block_mask(
+        lambda b, h, q_idx, kv_idx: (ids[b, q_idx] == ids[b, kv_idx]) & (q_idx >= kv_idx), batch, None, seqlen, seqlen)
     assert isinstance(lists.mask_block_cnt, np.ndarray)
     q, k, v = (torch.from_numpy(rng.standard_normal((batch, seqlen, heads, dim)).astype(np.float32)).cuda().bfloat16()
-               for _ in range(3))
+               .requires_grad_(True) for _ in range(3))
+    dout = torch.from_numpy(rng.standard_normal((batch, seqlen, heads, dim)).astype(np.float32)).cuda().bfloat16()
     with skip_if_not_built():
-        out, _ = cuflash.flash_attn_func(q, k, v, mask_mod=mask_mod, **lists._asdict())
+        out, _ = cuflash.flash_attn_func(q, k, v, mask_mod=cuflash.masks.document(ids), **lists._asdict())
+        out.backward(dout)
         torch.cuda.synchronize()
-    expected, _ = ref.forward_dense(*(to_f64(t) for t in (q, k, v)),
-                                    ref.Options(mask=lambda b, i, j: ids[b][i] == ids[b][j]))
-    assert_close(to_f64(out), expected, "bfloat16", what="out")
+    opts = ref.Options(mask=lambda b, i, j: ids[b][i] == ids[b][j],
+                       blocks=ref.block_masks((lists.full_block_cnt, lists.full_block_idx),
+                                              (lists.mask_block_cnt, lists.mask_block_idx), seqlen, seqlen))
+    args = [to_f64(t) for t in (q, k, v)]
+    expected_out, _ = ref.forward_dense(*args, opts)
+    assert_close(to_f64(out), expected_out, "bfloat16", what="out")
+    expected = ref.backward_dense(to_f64(dout), *args, to_f64(out), opts)
+    for name, tensor, e in zip(("dq", "dk", "dv"), (q, k, v), expected[:3]):
+        assert_close(to_f64(tensor.grad), e, "bfloat16", scale=max(1.0, np.abs(e).max()), what=name)
 
 
 def test_torch_side_stream(rng):
