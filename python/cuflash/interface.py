@@ -709,11 +709,15 @@ def _aux_dtype(framework: Framework, x: Tensor, name: str, dtype: str) -> Tensor
 def _block_list_on_device(tensor: Any, framework: Framework, call: _Call) -> Any:
     """A NumPy block list (what cuflash.create_block_mask returns) as an array of q's framework on
     q's device, as create_block_mask's docstring promises; any other array as given, for the
-    caller's checks (a list of another framework or device is refused by name there)."""
+    caller's checks (a list of another framework or device is refused by name there). A JAX q
+    spread over several devices keeps its lists as given: one device's copy would not match its
+    sharding, so the caller refuses the NumPy list by name, asking for a JAX array."""
     own = framework_of(tensor)
-    if own is not None and own.name == "numpy" and own is not framework:
-        return framework.from_numpy(np.ascontiguousarray(tensor), like=call.q)
-    return tensor
+    if own is None or own.name != "numpy" or own is framework:
+        return tensor
+    if framework.name == "jax" and not framework._is_tracer(call.q) and len(call.q.devices()) > 1:
+        return tensor
+    return framework.from_numpy(np.ascontiguousarray(tensor), like=call.q)
 
 
 def _check_block_sparse(call: _Call, lists: Sequence[Optional[Tensor]], names: Sequence[str],
