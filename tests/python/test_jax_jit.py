@@ -284,6 +284,32 @@ def test_block_sparse_grad(rng, traced_lists):
     check_grads([f64(g) for g in grads] + [None], ref.backward_dense(dout, q, k, v, np.asarray(out), opts))
 
 
+@pytest.mark.parametrize("jit", [False, True])
+def test_numpy_block_lists_with_jax_inputs(rng, jit):
+    """create_block_mask's NumPy lists beside JAX q: moved to q's device (eager) or taken as
+    constants (under jax.jit), forward and backward. Lists from a causal document mask with the
+    document mask alone as mask_mod, so the result depends on the lists being read."""
+    batch, seqlen = 2, 300
+    ids = document_ids(rng, batch, seqlen)
+    lists = cuflash.block_sparse.create_block_mask(
+        lambda b, h, q_idx, kv_idx: (ids[b, q_idx] == ids[b, kv_idx]) & (q_idx >= kv_idx), batch, None, seqlen, seqlen)
+    q, k, v = (randn(rng, (batch, seqlen, 2, 32)) for _ in range(3))
+
+    def attention(q, k, v):
+        return cuflash.flash_attn_func(q, k, v, mask_mod=cuflash.masks.document(ids), **lists._asdict())
+
+    fn = jax.jit(attention) if jit else attention
+    args = on_cpu(q, k, v)
+    out, _ = fn(*args)
+    opts = ref.Options(mask=lambda b, i, j: ids[b][i] == ids[b][j],
+                       blocks=ref.block_masks((lists.full_block_cnt, lists.full_block_idx),
+                                              (lists.mask_block_cnt, lists.mask_block_idx), seqlen, seqlen))
+    assert_close(f64(out), ref.forward_dense(q, k, v, opts)[0], what="out")
+    dout = randn(rng, out.shape)
+    grads = loss_grads(fn, (0, 1, 2), *args, dout=dout)
+    check_grads([f64(g) for g in grads] + [None], ref.backward_dense(dout, q, k, v, np.asarray(out), opts))
+
+
 def test_transpose_block_lists_matches_numpy(rng):
     cnt, idx = random_block_lists(rng, 2, 3, 4, 5)
     expected = cuflash.block_sparse.transpose_block_lists(cnt, idx)
