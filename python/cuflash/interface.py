@@ -39,6 +39,7 @@ _MAX_HEAD_DIM = 256
 _HEAD_DIM_MULTIPLE = 8  # 16 bytes of 16-bit elements
 _MAX_SPLITS = 256
 _INT32_MAX = 2**31 - 1  # lengths and window sides are int32 in the C++ parameters
+_FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # float32's smallest normal value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -894,11 +895,11 @@ def _prepare(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, s
     softcap = _check_float(softcap, "softcap", optional=True) or 0.0
     if softcap < 0:
         _fail(ValueError, "softcap", f"expected a value >= 0 (0 disables it), got {softcap}")
-    if 0 < softcap < float(np.finfo(np.float32).tiny):
+    if 0 < softcap < _FLOAT32_TINY:
         # The kernels take it as float32 and flush subnormals: it would read as 0 (softcap off,
         # not what was asked) or divide by 0.
         _fail(ValueError, "softcap", f"{softcap} is below float32's smallest normal value "
-                                     f"({float(np.finfo(np.float32).tiny):.3g}), which the kernels read as 0; "
+                                     f"({_FLOAT32_TINY:.3g}), which the kernels read as 0; "
                                      f"pass 0 to disable it")
     num_splits = _check_int(num_splits, "num_splits")
     if num_splits > _MAX_SPLITS:

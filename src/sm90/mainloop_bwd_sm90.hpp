@@ -757,9 +757,9 @@ struct MainloopBwdSm90 {
   // the clear kernel of block-list calls, Params::dq_list_writers), chosen once per CTA.
   // Compiled in and skipped at run time, the ticket code doubled the deterministic dQ warp's path
   // from its turn to its release (about 55 straight-line instructions to about 110 with 6-7 taken
-  // jumps), and that warp's cycle sets the deterministic step: the deterministic hdim128 backward measured 8-10% slower once the tickets came in
-  // (bench/NOTES.md, "Run of 2026-12-06 (twenty-fourth)"). Without them the loop is again the
-  // code it was before.
+  // jumps), and that warp's cycle sets the deterministic step: the deterministic hdim128
+  // backward measured 8-10% slower once the tickets came in (bench/NOTES.md, "Run of 2026-12-06
+  // (twenty-fourth)"). Without them the loop is again the code it was before.
   template <class Loop>
   CUTE_DEVICE static void with_ticket_code(Params const& p, Loop&& loop) {
     bool const cleared = p.dq_list_writers != nullptr && dq_list_cleared(p.dq_list_writers, p.dq_list_max_writers);

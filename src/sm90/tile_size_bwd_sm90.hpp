@@ -61,11 +61,11 @@ constexpr BwdTile bwd_tile(int head_dim, int head_dim_v, bool window, bool score
   // splitting the head dim of all three (atom_n_dkv 1, atom_m_dq 1), one dO / P / dS stage.
   // dK^T / dV^T take 80 + 80 registers per thread; the mainloop runs the dV, dQ and dK MMAs in two
   // halves of the head dim (kSliceDQKV) so that only 32 of dQ^T's 64 are live at a time, each
-  // half's dQ stored (bulk path) or added by atomics while the other MMAs run. Unsliced this tile spilled 336 bytes
-  // (ptxas, CUDA 13.0); sliced, with the kernel re-deriving the block coordinates per role, none
-  // in the causal / local variants and 4 bytes in the two without a window (up to R237 with
-  // softcap), no serialized WGMMAs. 58 WGMMAs per
-  // warpgroup and step (16 + 16 m64n40 S / dP, 8 + 8 m64n80 dV / dK, 10 m64n64 dQ).
+  // half's dQ stored (bulk path) or added by atomics while the other MMAs run. Unsliced this
+  // tile spilled 336 bytes (ptxas, CUDA 13.0); sliced, with the kernel re-deriving the block
+  // coordinates per role, none in the causal / local variants and 4 bytes in the two without a
+  // window (up to R237 with softcap), no serialized WGMMAs. 58 WGMMAs per warpgroup and step
+  // (16 + 16 m64n40 S / dP, 8 + 8 m64n80 dV / dK, 10 m64n64 dQ).
   return {64, 80, 2, 1, 1, false, true, true, 1, 1, 1};
 }
 

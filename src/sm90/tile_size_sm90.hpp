@@ -8,9 +8,9 @@
 namespace cuflash::sm90 {
 
 // The hdim128 key block, a build switch for A/Bs of the tile (host and device must agree: set it
-// through CUFLASH_AB_DEFINES, as tools/gpu_ab.sh does). 160 and 176 leave no
-// room for the second Q buffer; measured at 160 (bench/NOTES.md, "The hdim128 key block"), equal
-// to 128 with one Q buffer non-causal and 2% slower causal at 2k, so 128 with two Q buffers stays.
+// through CUFLASH_AB_DEFINES, as tools/gpu_ab.sh does). 160 and 176 leave no room for the second
+// Q buffer; measured at 160 (bench/NOTES.md, "The hdim128 key block"), equal to 128 with one Q
+// buffer non-causal and 2% slower causal at 2k, so 128 with two Q buffers stays.
 #ifndef CUFLASH_FWD_HDIM128_BLOCK_N
 #define CUFLASH_FWD_HDIM128_BLOCK_N 128
 #endif
