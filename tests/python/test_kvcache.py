@@ -118,7 +118,8 @@ def test_errors_name_the_argument(rng):
     negative = lengths.copy()
     negative[-1] = -3
     # The entry out of range is named, not the largest one.
-    with pytest.raises(ValueError, match=rf"^cache_seqlens: expected lengths in \[0, 94\].*got cache_seqlens\[{len(lengths) - 1}\] = -3$"):
+    named = rf"^cache_seqlens: expected lengths in \[0, 94\].*got cache_seqlens\[{len(lengths) - 1}\] = -3$"
+    with pytest.raises(ValueError, match=named):
         cuflash.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=negative)
     with pytest.raises(ValueError, match="^cache_seqlens: 95 keys plus 2 new ones exceed"):
         cuflash.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=95)
