@@ -16,7 +16,8 @@
 # the kernel selection of every variant. TEST_VARIANT / GTEST_FILTER / TEST_TIMEOUT: the GPU tests
 # (none without TEST_VARIANT). BENCH: a bench/bench_NAME.py step of gpu_check (fwd, bwd, flex, gqa;
 # none if empty), BENCH_ARGS its arguments, PASSES the rounds over the variants (default 2).
-# BENCH_ENV_B (BENCH=fwd): a second pass of each variant in each round under these settings.
+# BENCH_ENV_B: a second pass of each variant in each round under these VAR=value settings (a
+# launch-time switch: e.g. a schedule that only one variant knows, read by both).
 # STAGGER: seconds between the builds' starts (default 40; they share the GoogleTest build).
 # DRY_RUN=1 prints the gpu_check calls instead of running them.
 set -uo pipefail
@@ -122,6 +123,12 @@ if [[ -n ${BENCH:-} ]]; then
     gqa) step=bench_gqa settings=(BENCH_GQA_ARGS="${BENCH_ARGS:-}") logname=bench_gqa.log ;;
     *) echo "BENCH: '$BENCH' is not one of fwd, bwd, flex, gqa" >&2; exit 2 ;;
   esac
+  # BENCH_ENV_B: gpu_check's second pass of the benchmark under these settings (BENCH_ENV_B for
+  # bench_fwd, BENCH_<NAME>_ENV_B for the others), its log beside the first pass's with _b.
+  logname_b=${logname%.log}_b.log
+  if [[ -n ${BENCH_ENV_B:-} && $BENCH != fwd ]]; then
+    settings+=("BENCH_${BENCH^^}_ENV_B=$BENCH_ENV_B")
+  fi
   for pass in $(seq "$PASSES"); do
     for name in "${names[@]}"; do
       log "##### $name (pass $pass) $BENCH ${BENCH_ARGS:-}"
@@ -129,10 +136,10 @@ if [[ -n ${BENCH:-} ]]; then
       run "$(tree_named "$name")" "/tmp/ab_bench_$name.log" OUT="/tmp/ab_bench_$name" BUILD_DIR="$(build_named "$name")" STEPS="$step" \
         "${settings[@]}"
       grep -v "^$" "/tmp/ab_bench_$name/$logname" 2>/dev/null | tail -60 >>"$ALL"
-      # bench_fwd's second pass under BENCH_ENV_B (gpu_check), when set.
-      if [[ $BENCH == fwd && -n ${BENCH_ENV_B:-} && -s /tmp/ab_bench_$name/bench_b.log ]]; then
+      # The second pass under BENCH_ENV_B (gpu_check), when set.
+      if [[ -n ${BENCH_ENV_B:-} && -s /tmp/ab_bench_$name/$logname_b ]]; then
         log "## $name (pass $pass) under ${BENCH_ENV_B:-}"
-        grep -v "^$" "/tmp/ab_bench_$name/bench_b.log" | tail -60 >>"$ALL"
+        grep -v "^$" "/tmp/ab_bench_$name/$logname_b" | tail -60 >>"$ALL"
       fi
     done
   done
