@@ -117,18 +117,16 @@ fi
 
 if [[ -n ${BENCH:-} ]]; then
   case $BENCH in
-    fwd) step=bench settings=(BENCH_ARGS="${BENCH_ARGS:-}") logname=bench.log ;;
-    bwd) step=bench_bwd settings=(BENCH_BWD_ARGS="${BENCH_ARGS:-}") logname=bench_bwd.log ;;
-    flex) step=bench_flex settings=(BENCH_FLEX_ARGS="${BENCH_ARGS:-}" BENCH_FLEX_TIMEOUT="${BENCH_TIMEOUT:-300}") logname=bench_flex.log ;;
-    gqa) step=bench_gqa settings=(BENCH_GQA_ARGS="${BENCH_ARGS:-}") logname=bench_gqa.log ;;
+    fwd) step=bench settings=(BENCH_ARGS="${BENCH_ARGS:-}") logname=bench.log env_b=BENCH_ENV_B ;;
+    bwd) step=bench_bwd settings=(BENCH_BWD_ARGS="${BENCH_ARGS:-}") logname=bench_bwd.log env_b=BENCH_BWD_ENV_B ;;
+    flex) step=bench_flex settings=(BENCH_FLEX_ARGS="${BENCH_ARGS:-}" BENCH_FLEX_TIMEOUT="${BENCH_TIMEOUT:-300}") logname=bench_flex.log env_b=BENCH_FLEX_ENV_B ;;
+    gqa) step=bench_gqa settings=(BENCH_GQA_ARGS="${BENCH_ARGS:-}") logname=bench_gqa.log env_b=BENCH_GQA_ENV_B ;;
     *) echo "BENCH: '$BENCH' is not one of fwd, bwd, flex, gqa" >&2; exit 2 ;;
   esac
-  # BENCH_ENV_B: gpu_check's second pass of the benchmark under these settings (BENCH_ENV_B for
-  # bench_fwd, BENCH_<NAME>_ENV_B for the others), its log beside the first pass's with _b.
+  # BENCH_ENV_B: gpu_check's second pass of the benchmark under these settings (its variable for
+  # that benchmark, env_b), logged beside the first pass's with _b.
+  [[ -n ${BENCH_ENV_B:-} ]] && settings+=("$env_b=$BENCH_ENV_B")
   logname_b=${logname%.log}_b.log
-  if [[ -n ${BENCH_ENV_B:-} && $BENCH != fwd ]]; then
-    settings+=("BENCH_${BENCH^^}_ENV_B=$BENCH_ENV_B")
-  fi
   for pass in $(seq "$PASSES"); do
     for name in "${names[@]}"; do
       log "##### $name (pass $pass) $BENCH ${BENCH_ARGS:-}"
