@@ -8,7 +8,7 @@
 #   STEPS=build,bench_bwd BENCH_BWD_ARGS="--hdims 128" tools/gpu_check.sh
 #
 # Environment: KERNEL_SET (ci|all|custom), HDIMS / DTYPES (for custom), FEATURES (CUFLASH_FEATURES), STEPS (comma list of
-# build,test,test_each,pytest,sanitize,sass,bench,bench_bwd,bench_gqa,bench_flex,l2_probe,kernel_times,profile), GTEST_FILTER (default *Gpu*), TEST_TIMEOUT, TEST_SHARDS (default 4), TEST_ENV_B / GTEST_FILTER_B and TEST_ENV_C / GTEST_FILTER_C (the tests again under extra settings), SANITIZE_FILTER (memcheck),
+# build,test,test_each,pytest,sanitize,sass,bench,bench_bwd,bench_gqa,bench_flex,l2_probe,dsmem_probe,kernel_times,profile), GTEST_FILTER (default *Gpu*), TEST_TIMEOUT, TEST_SHARDS (default 4), TEST_ENV_B / GTEST_FILTER_B and TEST_ENV_C / GTEST_FILTER_C (the tests again under extra settings), SANITIZE_FILTER (memcheck),
 # KERNEL_TIMES_ARGS (';'-separated argument sets of bench/kernel_times.py, default: the hdim 128 / 256 backward and
 # the hdim128 forward, cuflash and cuDNN), RACECHECK_FILTER, PER_TEST_TIMEOUT (test_each), PYTEST_K (a -k expression), PYTEST_ARGS, JIT_MODULES (0: do not build the GPU tests' callable modules first), PYTEST_TIMEOUT, BENCH_ARGS, BENCH_ENV_B (run the
 # benchmark a second time with these VAR=value settings), BENCH_BWD_ARGS (bench/bench_bwd.py), BENCH_BWD_ARGS_B / BENCH_BWD_ENV_B, _C and _D (more passes with these arguments / VAR=value settings, tagged _b / _c / _d),
@@ -258,6 +258,17 @@ if has_step l2_probe; then
   note "l2_probe: rc=$rc"
   [[ $rc -ne 0 ]] && status=1
   tee -a "$SUMMARY" <"$OUT/l2_read_probe.txt"
+fi
+
+if has_step dsmem_probe; then
+  # Tile exchange between the two CTAs of a cluster through distributed shared memory
+  # (bench/dsmem_exchange_probe.cu), standalone.
+  { nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/dsmem_exchange_probe \
+      "$ROOT/bench/dsmem_exchange_probe.cu" && timeout 120 /tmp/dsmem_exchange_probe; } >"$OUT/dsmem_exchange_probe.txt" 2>&1
+  rc=$?
+  note "dsmem_probe: rc=$rc"
+  [[ $rc -ne 0 ]] && status=1
+  tee -a "$SUMMARY" <"$OUT/dsmem_exchange_probe.txt"
 fi
 
 if has_step kernel_times; then
