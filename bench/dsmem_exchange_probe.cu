@@ -8,13 +8,20 @@
 //   /tmp/dsmem_exchange_probe
 //
 // One CTA per SM (200 KB of dynamic shared memory), clusters of two, 256 threads. Every step each
-// CTA sends `kb` KB into its peer's receive buffer and waits for the peer's `kb` KB in its own,
-// reads them, and tells the peer its buffer is free again: a full barrier (transaction bytes)
-// per receive buffer and an empty barrier (one arrival per warp of the reader) per sender.
-// Modes: st.async of 16 bytes per thread to the peer; the same into the CTA's own buffer (the
-// protocol without the SM-to-SM network); one bulk copy of the tile from local shared memory to
-// the peer. Prints clocks per step and bytes per clock per SM (one direction).
+// CTA sends `chunks` x 4 KB into its peer's receive buffer and waits for the peer's tile in its
+// own, reads it, and tells the peer its buffer is free again: a full barrier (transaction bytes)
+// per receive buffer and an empty barrier (one arrival per warp of the reader) per sender. One
+// receive buffer, and each step's data depend on the last tile read: a step is one synchronous
+// round (tile out, tile in, buffer freed), the exchange as it would sit between two GEMMs, so
+// the bytes per clock printed are per round, not the network's streaming bandwidth.
+// Modes: st.async of 16 bytes per thread to the peer; the same to the CTA's own rank (the
+// protocol's own cost, if the CTA's own shared::cluster addresses do not take the network's
+// path: not verified); one bulk copy of the tile staged in local shared memory (its staging
+// stores and proxy fence are in the round too). Prints clocks per round and bytes per clock per
+// SM, one direction. Exits 1 on any CUDA error or on a GPU that is not sm_90.
 #include <cstdio>
+#include <vector>
+
 #include <cuda_runtime.h>
 
 namespace {
@@ -105,8 +112,9 @@ __global__ void __cluster_dims__(2, 1, 1)
       acc.x += v.x;
       acc.y += v.y;
     }
+    // (The stage is rewritten next step only after the empty barrier's wait, which follows the
+    // peer's full barrier, which the bulk copy's completion completed: no barrier needed here.)
     __syncwarp();
-    if (mode == kBulkPeer) __syncthreads();  // the stage is rewritten next step
     if (t % 32 == 0) {
       asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(peer_empty) : "memory");
     }
@@ -120,40 +128,56 @@ __global__ void __cluster_dims__(2, 1, 1)
 
 }  // namespace
 
+// Prints the failing call and returns false on a CUDA error.
+bool ok(cudaError_t e, char const* what) {
+  if (e == cudaSuccess) return true;
+  std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
+  return false;
+}
+
 int main() {
-  int device = 0, sms = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  int const ctas = sms / 2 * 2;
+  int device = 0;
+  cudaDeviceProp prop{};
+  if (!ok(cudaGetDevice(&device), "cudaGetDevice") || !ok(cudaGetDeviceProperties(&prop, device), "properties")) return 1;
+  if (prop.major != 9) {
+    std::fprintf(stderr, "%s is sm_%d%d; the probe is built for sm_90a\n", prop.name, prop.major, prop.minor);
+    return 1;
+  }
+  int const ctas = prop.multiProcessorCount / 2 * 2;
   long long* clocks = nullptr;
   float* sink = nullptr;
-  cudaMalloc(&clocks, ctas * sizeof(long long));
-  cudaMalloc(&sink, ctas * kThreads * sizeof(float));
-  cudaFuncSetAttribute(exchange_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (!ok(cudaMalloc(&clocks, ctas * sizeof(long long)), "cudaMalloc") ||
+      !ok(cudaMalloc(&sink, ctas * kThreads * sizeof(float)), "cudaMalloc") ||
+      !ok(cudaFuncSetAttribute(exchange_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes),
+          "cudaFuncSetAttribute")) {
+    return 1;
+  }
+  std::printf("%s, %d SMs, %d CTAs in clusters of 2, %d KB of shared memory each\n", prop.name,
+              prop.multiProcessorCount, ctas, kSmemBytes >> 10);
   char const* names[] = {"st.async peer", "st.async self", "bulk peer"};
   int const chunk_counts[] = {1, 2, 5, 10, 20};  // 4, 8, 20, 40, 80 KB
   constexpr int kSteps = 400;
-  long long host[264];
+  std::vector<long long> host(ctas);
+  cudaEvent_t begin, end;
+  if (!ok(cudaEventCreate(&begin), "cudaEventCreate") || !ok(cudaEventCreate(&end), "cudaEventCreate")) return 1;
   for (int mode = 0; mode < 3; ++mode) {
     for (int chunks : chunk_counts) {
       exchange_kernel<<<ctas, kThreads, kSmemBytes>>>(mode, chunks, 20, clocks, sink);  // warm-up
-      cudaEvent_t begin, end;
-      cudaEventCreate(&begin);
-      cudaEventCreate(&end);
       cudaEventRecord(begin);
       exchange_kernel<<<ctas, kThreads, kSmemBytes>>>(mode, chunks, kSteps, clocks, sink);
       cudaEventRecord(end);
-      cudaEventSynchronize(end);
+      if (!ok(cudaGetLastError(), "launch") || !ok(cudaEventSynchronize(end), "kernel")) return 1;
       float ms = 0.f;
       cudaEventElapsedTime(&ms, begin, end);
-      cudaMemcpy(host, clocks, ctas * sizeof(long long), cudaMemcpyDeviceToHost);
+      if (!ok(cudaMemcpy(host.data(), clocks, ctas * sizeof(long long), cudaMemcpyDeviceToHost), "cudaMemcpy")) return 1;
       double per_step = 0;
-      for (int i = 0; i < ctas; ++i) per_step += static_cast<double>(host[i]);
+      for (long long c : host) per_step += static_cast<double>(c);
       per_step /= static_cast<double>(ctas) * kSteps;
-      std::printf("%-14s %3d KB/CTA/step %7.0f clk/step %6.1f B/clk/SM %.3f us/step  %s\n", names[mode],
-                  chunks * kChunkBytes / 1024, per_step, chunks * kChunkBytes / per_step, ms * 1e3 / kSteps,
-                  cudaGetErrorString(cudaGetLastError()));
+      std::printf("%-14s %3d KB/CTA/round %7.0f clk/round %6.1f B/clk/SM %.3f us/round\n", names[mode],
+                  chunks * kChunkBytes / 1024, per_step, chunks * kChunkBytes / per_step, ms * 1e3 / kSteps);
     }
   }
+  cudaEventDestroy(begin);
+  cudaEventDestroy(end);
   return 0;
 }
