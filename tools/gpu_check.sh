@@ -250,26 +250,20 @@ has_step bench_bwd && run_passes bwd "$BENCH_BWD_TIMEOUT"
 has_step bench_gqa && run_passes gqa "${BENCH_GQA_TIMEOUT:-180}"
 has_step bench_flex && run_passes flex "${BENCH_FLEX_TIMEOUT:-300}"
 
-if has_step l2_probe; then
-  # The card's L2 -> shared memory read rate by bulk copies (bench/l2_read_probe.cu), standalone.
-  { nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/l2_read_probe "$ROOT/bench/l2_read_probe.cu" &&
-    timeout 120 /tmp/l2_read_probe; } >"$OUT/l2_read_probe.txt" 2>&1
+# A standalone device probe of bench/ (no cuflash library): compiled, run, its output in the summary.
+run_probe() {  # run_probe STEP NAME: bench/NAME.cu
+  local step=$1 name=$2
+  { nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o "/tmp/$name" "$ROOT/bench/$name.cu" &&
+    timeout 120 "/tmp/$name"; } >"$OUT/$name.txt" 2>&1
   rc=$?
-  note "l2_probe: rc=$rc"
+  note "$step: rc=$rc"
   [[ $rc -ne 0 ]] && status=1
-  tee -a "$SUMMARY" <"$OUT/l2_read_probe.txt"
-fi
-
-if has_step dsmem_probe; then
-  # Tile exchange between the two CTAs of a cluster through distributed shared memory
-  # (bench/dsmem_exchange_probe.cu), standalone.
-  { nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/dsmem_exchange_probe \
-      "$ROOT/bench/dsmem_exchange_probe.cu" && timeout 120 /tmp/dsmem_exchange_probe; } >"$OUT/dsmem_exchange_probe.txt" 2>&1
-  rc=$?
-  note "dsmem_probe: rc=$rc"
-  [[ $rc -ne 0 ]] && status=1
-  tee -a "$SUMMARY" <"$OUT/dsmem_exchange_probe.txt"
-fi
+  tee -a "$SUMMARY" <"$OUT/$name.txt"
+}
+# The card's L2 -> shared memory read rate by bulk copies.
+has_step l2_probe && run_probe l2_probe l2_read_probe
+# Tile exchange between the two CTAs of a cluster through distributed shared memory.
+has_step dsmem_probe && run_probe dsmem_probe dsmem_exchange_probe
 
 if has_step kernel_times; then
   # Each kernel of one call, cuflash's and cuDNN's, with the gaps between them (bench/kernel_times.py).

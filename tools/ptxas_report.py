@@ -40,14 +40,16 @@ def compile_commands(build, source_regex):
 
 
 def report_of(source, args, scratch, build_dir):
-    args = list(args)
-    for flag in ("-MD",):
-        while flag in args:
-            args.remove(flag)
-    for flag in ("-MT", "-MF"):
-        while flag in args:
-            i = args.index(flag)
-            del args[i : i + 2]
+    # Without the dependency-file flags (-MD; -MT / -MF and their values).
+    kept, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a in ("-MT", "-MF"):
+            skip = True
+        elif a != "-MD":
+            kept.append(a)
+    args = kept
     obj = os.path.join(scratch, os.path.basename(source) + ".o")
     args[args.index("-o") + 1] = obj
     # After nvcc itself, which a compiler launcher (ccache) may precede.
