@@ -570,11 +570,7 @@ bool resolve_fwd_zero_v_tail(FwdZeroVTail setting, const FwdParams& params) {
   // may never have written, a page table a last page's rest, and cu_seqlens_k rows past the last
   // sequence (the kernel zeroes only that sequence's tiles then: the others run into the next
   // sequence's keys).
-  bool const reads_unowned_rows =
-      params.seqused_k != nullptr || params.page_table != nullptr || params.cu_seqlens_k != nullptr;
-  // The score_mod / mask_mod kernels at head dim 256 are compiled without it (registers).
-  bool const built = !(needs_flex(params) && kernel_head_dims(params.head_dim, params.head_dim_v).head_dim > 192);
-  return reads_unowned_rows && built;
+  return params.seqused_k != nullptr || params.page_table != nullptr || params.cu_seqlens_k != nullptr;
 }
 
 bool fwd_zero_v_tail(const FwdParams& params) {

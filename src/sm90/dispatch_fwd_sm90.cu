@@ -84,12 +84,6 @@ void check_flex(const FwdParams& p) {
     std::string const why = detail::block_lists_refuse_packing(p);
     if (!why.empty()) not_supported("pack_gqa", "pack_gqa=True with block sparsity: " + why);
   }
-  if (p.zero_v_tail && kernel_head_dims(p).head_dim > 192) {
-    not_supported("CUFLASH_FWD_ZERO_V_TAIL",
-                  "the sm90 forward kernels with score_mod / mask_mod / block sparsity at head dim "
-                  "256 do not zero the V rows past the keys (their registers are spent); unset "
-                  "CUFLASH_FWD_ZERO_V_TAIL and keep the memory past seqused_k finite");
-  }
   if (!p.block_sparse.enabled) return;
   // A kernel tile must lie inside one BlockMask row block, and a BlockMask column block must
   // be a whole number of kernel n-blocks. (Packed tiles hold fewer query rows; checked above.)

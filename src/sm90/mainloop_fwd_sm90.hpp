@@ -681,13 +681,9 @@ struct MainloopFwdSm90 {
     // reads it (outside the warp scheduler's turn; it waits for V a little earlier than the GEMM
     // would). Both warpgroups write the same zeros, each before its own read, so neither can
     // read anything but zero there.
-    // The one n-block with keys past the sequence, if it needs zeroing; -1 if none. Not compiled
-    // into the score_mod / mask_mod kernels at head dim 256, where ptxas then spilled 42 bytes
-    // instead of 4 (dispatch refuses the setting there).
-    constexpr bool kZeroVTailBuilt = std::is_same_v<TileMods, NoTileMods> || kHeadDim <= 192;
+    // The one n-block with keys past the sequence, if it needs zeroing; -1 if none.
     int const v_tail_block = zero_v_tail && mask.seqlen_k % kBlockN != 0 ? mask.seqlen_k / kBlockN : -1;
     auto clear_v_tail = [&](PipelineState const& stage_v) {
-      if constexpr (!kZeroVTailBuilt) return;
       if (n_block != v_tail_block) return;
       int const valid = mask.seqlen_k - n_block * kBlockN;
       pipeline_v.consumer_wait(stage_v);

@@ -780,21 +780,6 @@ TEST(GpuForwardFlexUnsupported, RefusedBeforeTheWorkspace) {
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }
 
-// The flex kernels at head dim 256 have no V-tail zeroing: the setting is refused there.
-TEST(GpuForwardFlexUnsupported, ZeroVTailAtHeadDim256IsRefused) {
-  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
-  if (!is_built("fwd bf16 hdim256 flex")) GTEST_SKIP() << "hdim256 bf16 flex not built";
-  DeviceBuffer q{64 * 256 * 2}, k{256 * 256 * 2}, v{256 * 256 * 2}, out{64 * 256 * 2};
-  ForwardArgs args;
-  args.q = TensorView(q.data(), DType::kBFloat16, {1, 64, 1, 256}, kCuda);
-  args.k = TensorView(k.data(), DType::kBFloat16, {1, 256, 1, 256}, kCuda);
-  args.v = TensorView(v.data(), DType::kBFloat16, {1, 256, 1, 256}, kCuda);
-  args.out = TensorView(out.data(), DType::kBFloat16, {1, 64, 1, 256}, kCuda);
-  args.opts.mask_mod.kind = MaskModKind::kCausal;
-  gpu_testing::ScopedEnv zero_v_tail("CUFLASH_FWD_ZERO_V_TAIL", "1");
-  expect_not_supported(args, "CUFLASH_FWD_ZERO_V_TAIL");
-}
-
 TEST(GpuForwardFlexUnsupported, BlockSmallerThanTileIsRefused) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
   if (!is_built("fwd bf16 hdim128 flex")) GTEST_SKIP() << "hdim128 bf16 flex not built";

@@ -516,6 +516,11 @@ std::vector<PagedCase> paged_cases() {
     c.page_size = page_size, c.max_pages = pages_for(300), c.seqused = true, c.nan_tail = true,
     c.score_mod = ScoreModKind::kAlibi;
     add(c);
+    // The hdim256 flex kernel (its own register budget), packed GQA and split too.
+    c.head_dim = c.head_dim_v = 256;
+    add(c);
+    c.label = "nan_tail_alibi_packgqa_split3", c.heads = 4, c.pack_gqa = true, c.num_splits = 3;
+    add(c);
   }
   return cases;
 }

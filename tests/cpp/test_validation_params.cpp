@@ -770,18 +770,14 @@ TEST(ParamsForward, ZeroVTailByDefaultWhereRowsPastTheKeysAreRead) {
   EXPECT_TRUE(resolve_fwd_zero_v_tail(FwdZeroVTail::kAuto, paged));
   EXPECT_TRUE(resolve_fwd_zero_v_tail(FwdZeroVTail::kOn, dense));
   EXPECT_FALSE(resolve_fwd_zero_v_tail(FwdZeroVTail::kOff, paged));
-  // The score_mod / mask_mod kernels at head dim 256 do not have it: auto leaves it off there
-  // (an explicit "1" is refused by dispatch), and keeps it at head dim 192.
+  // The score_mod / mask_mod kernels have it at every head dim, 256 included.
   FwdParams flex = paged;
   flex.mask_mod.kind = static_cast<int>(MaskModKind::kCausal);
   ASSERT_TRUE(needs_flex(flex));
   EXPECT_TRUE(resolve_fwd_zero_v_tail(FwdZeroVTail::kAuto, flex));
   flex.head_dim = flex.head_dim_v = 256;
-  EXPECT_FALSE(resolve_fwd_zero_v_tail(FwdZeroVTail::kAuto, flex));
-  EXPECT_TRUE(resolve_fwd_zero_v_tail(FwdZeroVTail::kOn, flex));
-  // The kernel's head dim is the larger of the two: (128, 256) runs the hdim256 flex kernel.
-  flex.head_dim = 128;
-  EXPECT_FALSE(resolve_fwd_zero_v_tail(FwdZeroVTail::kAuto, flex));
+  EXPECT_TRUE(resolve_fwd_zero_v_tail(FwdZeroVTail::kAuto, flex));
+  EXPECT_FALSE(resolve_fwd_zero_v_tail(FwdZeroVTail::kOff, flex));
   // cu_seqlens_k alone: rows past the last sequence (the kernel zeroes that sequence's tiles).
   FwdParams packed = dense;
   packed.cu_seqlens_k = &used;
