@@ -29,11 +29,12 @@ What a callable may use:
   the module ``jax`` / ``jax.numpy`` or by name from the function's closure or module globals);
   concrete 0-d arrays of any framework as constants;
 * tensors read by indexing with integer expressions, ``table[h]``, ``doc[b, q_idx]``,
-  ``bias[b, h, kv_idx]`` (1 to 3 dimensions, every dimension indexed): tensors the function
+  ``bias[b, h, q_idx, kv_idx]`` (every dimension indexed; a tensor of more than 3 dimensions is
+  read as its 3-dimensional view with the leading ones folded together): tensors the function
   closes over (or reads as module globals), or the call's ``aux_tensors``, which arrive as extra
   trailing arguments, ``score_mod(score, b, h, q_idx, kv_idx, *aux_tensors)``. Float tensors are
   read as float32, integer and bool tensors as int32. An index out of range is an error on the
-  CPU; on the GPU it is clamped into range. Integer arithmetic is 32-bit and wraps (two's
+  CPU (but for the folded ones, clamped there too); on the GPU it is clamped into range. Integer arithmetic is 32-bit and wraps (two's
   complement), on the CPU reference as on the GPU.
 
 Python control flow on traced values (``if``, ``and`` / ``or`` / ``not``, ``while``,
@@ -53,6 +54,7 @@ import hashlib
 import inspect
 import math
 import numbers
+import operator
 import struct
 import types
 from dataclasses import dataclass, field
@@ -660,6 +662,9 @@ def _value_kind(framework, tensor) -> str:
     return ""
 
 
+_FOLD_INT = {MIN: min, MAX: max, MUL: operator.mul, ADD: operator.add}
+
+
 class _AuxProxy:
     """Stands for a tensor while a callable is traced: indexing it records a load."""
 
@@ -685,8 +690,8 @@ class _AuxProxy:
     def __getitem__(self, index: Any) -> Sym:
         g = self._graph
         index = index if isinstance(index, tuple) else (index,)
-        if not 1 <= self.ndim <= MAX_AUX_DIMS:
-            g.fail(f"{self._name}: tensors of 1 to {MAX_AUX_DIMS} dimensions can be read, got shape {self.shape}")
+        if self.ndim < 1:
+            g.fail(f"{self._name}: tensors of 1 or more dimensions can be read, got shape {self.shape}")
         if len(index) != self.ndim:
             g.fail(f"{self._name}: index every dimension of a tensor of shape {self.shape} (one element at a "
                    f"time), got {len(index)} index(es)")
@@ -703,6 +708,8 @@ class _AuxProxy:
             if sym.type == "float":
                 g.fail(f"{self._name}: indices must be integer expressions, got a float one")
             regs.append(g.to_int(sym).index)
+        if len(regs) > MAX_AUX_DIMS:
+            regs = self._fold_leading(regs)
         if self._slot is None:
             self._slot = len(g.slots)
             g.slots.append(self)
@@ -712,6 +719,37 @@ class _AuxProxy:
         if self._kind == "bool":
             return g.node(NE, (value.index, g.constant(0).index), type="bool")
         return value
+
+    def _fold_leading(self, regs: List[int]) -> List[int]:
+        """The index registers of a tensor of more than MAX_AUX_DIMS dimensions as those of its
+        view of MAX_AUX_DIMS (`as_read`: the leading dimensions folded into one, row-major), so that
+        ``bias[b, h, q_idx, kv_idx]`` reads a (B * H, Q, K) table. Each folded index is clamped into
+        its own dimension first, as the GPU clamps every index, so that an index out of range reads
+        the same element on the CPU and the GPU rather than one of a neighbouring row."""
+        g = self._graph
+        lead = self.ndim - MAX_AUX_DIMS + 1
+        if math.prod(self.shape[:lead]) > _INT32_MAX:
+            g.fail(f"{self._name}: the leading dimensions of shape {self.shape} hold more than 2^31 - 1 "
+                   f"rows, beyond the 32-bit index")
+
+        def int_op(op: int, a: int, b: int) -> int:
+            x, y = g.nodes[a], g.nodes[b]
+            if x.op == INT and y.op == INT:  # constants folded (the result fits: a row index)
+                return g.constant(_FOLD_INT[op](x.imm, y.imm)).index
+            return g.node(op, (a, b), type="int").index
+
+        folded = None
+        for d in range(lead):
+            clamped = int_op(MIN, int_op(MAX, regs[d], g.constant(0).index), g.constant(self.shape[d] - 1).index)
+            folded = clamped if folded is None else int_op(ADD, int_op(MUL, folded, g.constant(self.shape[d]).index),
+                                                           clamped)
+        return [folded] + regs[lead:]
+
+    def as_read(self) -> Any:
+        """The tensor as the program reads it: a view of at most MAX_AUX_DIMS dimensions."""
+        if self.ndim <= MAX_AUX_DIMS:
+            return self._tensor
+        return self._tensor.reshape((-1,) + self.shape[self.ndim - MAX_AUX_DIMS + 1:])
 
     def _concrete_element(self, index: Tuple[Any, ...]) -> Any:
         """The element itself where the tensor is a NumPy array and every index a plain integer (a
@@ -1138,7 +1176,7 @@ def _emit(graph: _Graph, role: str, name: str, result: Sym, grad: Optional[Sym],
             if node.imm not in slot_index:
                 slot_index[node.imm] = len(aux)
                 proxy = graph.slots[node.imm]
-                aux.append(proxy._tensor)
+                aux.append(proxy.as_read())
                 aux_kinds.append(proxy._kind)
             word = LOAD | (slot_index[node.imm] << 8)
         code += [word] + a

@@ -48,6 +48,16 @@ def tanh_cap_bwd(cap: float, factor: float):
     return score_mod_bwd
 
 
+def full_bias(bias):
+    """score + bias[b, h, q_idx, kv_idx]: a 4-dimensional tensor, read as its folded 3-dimensional
+    view (the fold's integer constants, the batch and head counts, are part of the module)."""
+    return lambda score, b, h, q_idx, kv_idx: score + bias[b, h, q_idx, kv_idx]
+
+
+# The full bias's shape in the GPU test (batch, heads, seqlen_q, seqlen_k).
+FULL_BIAS_SHAPE = (2, 4, 300, 300)
+
+
 def causal_mask(b, h, q_idx, kv_idx):
     """The causal mask as a program (``kv_idx <= q_idx`` itself would run as the built-in)."""
     return q_idx - kv_idx >= 0
@@ -82,6 +92,7 @@ def _modules():
         (mods.trace_score_mod(tanh_cap(20.0), bwd=tanh_cap_bwd(20.0, 0.5)), None, False, False, False),
         (None, causal, False, False, False),
         (None, causal, True, False, False),  # split-KV
+        (mods.trace_score_mod(full_bias(np.zeros(FULL_BIAS_SHAPE, np.float32))), None, False, False, False),
     ]
     if importlib.util.find_spec("torch") is None:  # flex_attention's BlockMask is torch's
         return modules

@@ -87,6 +87,38 @@ def test_score_mod_aux_tensors_are_trailing_arguments(rng):
         aux_tensors=[slopes, bias])
 
 
+def test_score_mod_reads_a_full_bias(rng):
+    # FlexAttention's bias[b, h, q_idx, kv_idx]: read as its (B * H, Q, K) view; a 5-dimensional
+    # mask table likewise (the three leading dimensions folded).
+    q, k, v = qkv(rng, seqlen_q=20, seqlen_k=28)
+    bias = rng.standard_normal((2, 4, 20, 28)).astype(np.float32)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + bias[b, h, q_idx, kv_idx]
+
+    run(rng, ref.Options(score_mod=score_mod), q, k, v, score_mod=score_mod)
+    keep = rng.random((2, 2, 2, 20, 28)) > 0.3
+    keep[..., 0] = True  # every row sees a key
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return keep[b, h // 2, h % 2, q_idx, kv_idx]
+
+    run(rng, ref.Options(mask_mod=mask_mod), q, k, v, function="dense", mask_mod=mask_mod)
+
+
+def test_folded_dimensions_clamp_their_own_index():
+    # An index past a folded dimension reads that dimension's last row (as on the GPU), not the
+    # first row of the next one.
+    bias = np.random.default_rng(1).standard_normal((1, 3, 8, 8)).astype(np.float32)
+    traced = mods.trace_score_mod(lambda s, b, h, i, j: s + bias[b, h + 5, i, j])
+    assert traced.aux_ranks == [3]
+    assert traced.aux[0].shape == (3, 8, 8)
+    q, k, v = _qkv_small()
+    out, _ = cuflash.flash_attn_varlen_func(q, k, v, score_mod=traced)
+    expected, _ = cuflash.flash_attn_varlen_func(q, k, v, score_mod=lambda s, b, h, i, j: s + bias[b, 2, i, j])
+    np.testing.assert_array_equal(out, expected)
+
+
 def test_score_mod_reads_module_globals(rng):
     q, k, v = qkv(rng)
     global GLOBAL_SLOPES
