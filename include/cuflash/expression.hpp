@@ -9,8 +9,9 @@
 //   leaves:   kScore (float; score_mod only), kBatch, kHead, kQIdx, kKvIdx (int, positions
 //             within the sequence, top-left aligned), kInt (int, value a), kBool (bool, value a),
 //             kFloat (float, the constant scalars[a]),
-//             kLoad (the element of aux tensor `slot` at indices a, b, c; slot in bits 8..15 of
-//             the opcode word; one index register per dimension of the tensor, -1 for the rest;
+//             kLoad (the element of aux tensor `slot` at indices a, b, c and d; slot in bits 8..15
+//             of the opcode word, d's register plus one in bits 16..23 (0: none); one index
+//             register per dimension of the tensor, none (-1, or 0 in the word) for the rest;
 //             float for a float32 tensor, int for an int32 one),
 //   numeric:  kAdd, kSub, kMul, kMin, kMax (a, b of one numeric type -> that type),
 //             kDiv (float, float -> float), kFloorDiv, kMod (int, int -> int, Python's floor
@@ -74,7 +75,7 @@ enum class ExprOp : std::int32_t {
 constexpr int kMaxExprOps = 64;
 constexpr int kMaxExprConstants = 16;
 constexpr int kMaxExprAux = 4;
-constexpr int kMaxExprAuxDims = 3;
+constexpr int kMaxExprAuxDims = 4;
 
 struct ExprProgram {
   std::vector<std::int32_t> code;  // 4 int32 per instruction: opcode word, a, b, c
@@ -85,8 +86,15 @@ struct ExprProgram {
   bool empty() const { return code.empty(); }
 };
 
-// The opcode of an instruction's opcode word, and a load's aux slot.
+// The opcode of an instruction's opcode word, a load's aux slot and its fourth index register
+// (-1: none).
 constexpr ExprOp expr_opcode(std::int32_t word) { return static_cast<ExprOp>(word & 0xff); }
 constexpr int expr_load_slot(std::int32_t word) { return (word >> 8) & 0xff; }
+constexpr int expr_load_fourth_index(std::int32_t word) { return ((word >> 16) & 0xff) - 1; }
+
+// A load's index register for dimension d (0..3) of instruction `ins` (opcode word, a, b, c).
+inline int expr_load_index(const std::int32_t* ins, int d) {
+  return d < 3 ? ins[1 + d] : expr_load_fourth_index(ins[0]);
+}
 
 }  // namespace cuflash

@@ -133,27 +133,29 @@ CUFLASH_EXPR_FN IBool bv_or(IBool a, IBool b) { return {a.f && b.f, a.t || b.t};
 struct ExprState {
   float k[cuflash::ModParams::kMaxScalars];
   const void* aux[cuflash::ModParams::kMaxAux];
-  int shape[cuflash::ModParams::kMaxAux][3];
+  int shape[cuflash::ModParams::kMaxAux][4];
 
   CUFLASH_EXPR_FN static ExprState from(cuflash::ModParams const& mod) {
     ExprState state{};
     for (int i = 0; i < cuflash::ModParams::kMaxScalars; ++i) state.k[i] = mod.scalars[i];
     for (int i = 0; i < cuflash::ModParams::kMaxAux; ++i) {
       state.aux[i] = mod.aux[i];
-      for (int d = 0; d < 3; ++d) state.shape[i][d] = mod.aux_shape[i][d] > 0 ? mod.aux_shape[i][d] : 1;
+      for (int d = 0; d < 4; ++d) state.shape[i][d] = mod.aux_shape[i][d] > 0 ? mod.aux_shape[i][d] : 1;
     }
     return state;
   }
-  // Row-major offset of (i0, i1, i2) in tensor `slot`, each index clamped into range.
-  CUFLASH_EXPR_FN long long offset(int slot, int i0, int i1, int i2) const {
-    return (static_cast<long long>(clamp_index(i0, shape[slot][0])) * shape[slot][1] +
-            clamp_index(i1, shape[slot][1])) * shape[slot][2] + clamp_index(i2, shape[slot][2]);
+  // Row-major offset of (i0, i1, i2, i3) in tensor `slot`, each index clamped into range (the
+  // dimensions past a tensor's own have size 1 and index 0).
+  CUFLASH_EXPR_FN long long offset(int slot, int i0, int i1, int i2, int i3) const {
+    return ((static_cast<long long>(clamp_index(i0, shape[slot][0])) * shape[slot][1] +
+             clamp_index(i1, shape[slot][1])) * shape[slot][2] + clamp_index(i2, shape[slot][2])) *
+               shape[slot][3] + clamp_index(i3, shape[slot][3]);
   }
-  CUFLASH_EXPR_FN float load_float(int slot, int i0, int i1, int i2) const {
-    return static_cast<float const*>(aux[slot])[offset(slot, i0, i1, i2)];
+  CUFLASH_EXPR_FN float load_float(int slot, int i0, int i1, int i2, int i3) const {
+    return static_cast<float const*>(aux[slot])[offset(slot, i0, i1, i2, i3)];
   }
-  CUFLASH_EXPR_FN int load_int(int slot, int i0, int i1, int i2) const {
-    return static_cast<int const*>(aux[slot])[offset(slot, i0, i1, i2)];
+  CUFLASH_EXPR_FN int load_int(int slot, int i0, int i1, int i2, int i3) const {
+    return static_cast<int const*>(aux[slot])[offset(slot, i0, i1, i2, i3)];
   }
 };
 }  // namespace cuflash::expr
@@ -195,7 +197,7 @@ def _body(traced: "_m.TracedMod", output: int) -> List[str]:
             e = f"st.k[{a}]"
         elif op == _m.LOAD:
             slot = (word >> 8) & 0xFF
-            index = ", ".join(f"r{x}" if x >= 0 else "0" for x in (a, b, c))
+            index = ", ".join(f"r{x}" if x >= 0 else "0" for x in (a, b, c, _load_fourth_index(word)))
             e = f"st.load_{'float' if t == 'float' else 'int'}({slot}, {index})"
         elif op in _INT_WRAPPING and t == "int":
             e = f"{_INT_WRAPPING[op]}(r{a}, r{b})"
@@ -238,8 +240,14 @@ def _needed(traced: "_m.TracedMod", output: int, through_loads: bool = True) -> 
         needed.add(r)
         word, a, b, c = code[4 * r: 4 * r + 4]
         if word & 0xFF not in (_m.INT, _m.FLOAT, _m.BOOL) and (through_loads or word & 0xFF != _m.LOAD):
-            stack.extend(x for x in (a, b, c) if x >= 0)
+            fourth = _load_fourth_index(word) if word & 0xFF == _m.LOAD else -1
+            stack.extend(x for x in (a, b, c, fourth) if x >= 0)
     return needed
+
+
+def _load_fourth_index(word: int) -> int:
+    """A load's fourth index register (bits 16..23 of its opcode word hold it plus one), -1 if none."""
+    return ((word >> 16) & 0xFF) - 1
 
 
 _INTERVAL_TYPES = {"int": "cuflash::expr::IInt", "bool": "cuflash::expr::IBool", "float": "cuflash::expr::IFloat"}

@@ -250,7 +250,7 @@ def _reading_block_states(states: Tensor, mask_mod: Optional[Callable], size_q: 
     import torch
 
     batch, heads = int(states.shape[0]), int(states.shape[1])
-    # Traced tensors have at most three dimensions: batch and head share the first.
+    # Batch and head share the first dimension, so that either may be broadcast (size 1).
     table = states.to(torch.int32).reshape(batch * heads, states.shape[2], states.shape[3]).contiguous()
 
     def block_state_mask(b, h, q_idx, kv_idx):

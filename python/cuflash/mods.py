@@ -29,12 +29,11 @@ What a callable may use:
   the module ``jax`` / ``jax.numpy`` or by name from the function's closure or module globals);
   concrete 0-d arrays of any framework as constants;
 * tensors read by indexing with integer expressions, ``table[h]``, ``doc[b, q_idx]``,
-  ``bias[b, h, q_idx, kv_idx]`` (every dimension indexed; a tensor of more than 3 dimensions is
-  read as its 3-dimensional view with the leading ones folded together): tensors the function
+  ``bias[b, h, q_idx, kv_idx]`` (1 to 4 dimensions, every dimension indexed): tensors the function
   closes over (or reads as module globals), or the call's ``aux_tensors``, which arrive as extra
   trailing arguments, ``score_mod(score, b, h, q_idx, kv_idx, *aux_tensors)``. Float tensors are
   read as float32, integer and bool tensors as int32. An index out of range is an error on the
-  CPU (but for the folded ones, clamped there too); on the GPU it is clamped into range. Integer arithmetic is 32-bit and wraps (two's
+  CPU; on the GPU it is clamped into range. Integer arithmetic is 32-bit and wraps (two's
   complement), on the CPU reference as on the GPU.
 
 Python control flow on traced values (``if``, ``and`` / ``or`` / ``not``, ``while``,
@@ -54,7 +53,6 @@ import hashlib
 import inspect
 import math
 import numbers
-import operator
 import struct
 import types
 from dataclasses import dataclass, field
@@ -71,7 +69,7 @@ __all__ = [
 MAX_OPS = 64
 MAX_CONSTANTS = 16
 MAX_AUX = 4
-MAX_AUX_DIMS = 3
+MAX_AUX_DIMS = 4
 
 # Opcodes of an expression program: cuflash::ExprOp in include/cuflash/expression.hpp.
 SCORE, BATCH, HEAD, Q_IDX, KV_IDX, INT, FLOAT, LOAD, BOOL = 0, 1, 2, 3, 4, 5, 6, 7, 8
@@ -662,9 +660,6 @@ def _value_kind(framework, tensor) -> str:
     return ""
 
 
-_FOLD_INT = {MIN: min, MAX: max, MUL: operator.mul, ADD: operator.add}
-
-
 class _AuxProxy:
     """Stands for a tensor while a callable is traced: indexing it records a load."""
 
@@ -690,8 +685,9 @@ class _AuxProxy:
     def __getitem__(self, index: Any) -> Sym:
         g = self._graph
         index = index if isinstance(index, tuple) else (index,)
-        if self.ndim < 1:
-            g.fail(f"{self._name}: tensors of 1 or more dimensions can be read, got shape {self.shape}")
+        if not 1 <= self.ndim <= MAX_AUX_DIMS:
+            g.fail(f"{self._name}: tensors of 1 to {MAX_AUX_DIMS} dimensions can be read, got shape {self.shape}"
+                   f"{' (fold the leading ones into one first, t.reshape(-1, *t.shape[-3:]))' if self.ndim else ''}")
         if len(index) != self.ndim:
             g.fail(f"{self._name}: index every dimension of a tensor of shape {self.shape} (one element at a "
                    f"time), got {len(index)} index(es)")
@@ -708,8 +704,6 @@ class _AuxProxy:
             if sym.type == "float":
                 g.fail(f"{self._name}: indices must be integer expressions, got a float one")
             regs.append(g.to_int(sym).index)
-        if len(regs) > MAX_AUX_DIMS:
-            regs = self._fold_leading(regs)
         if self._slot is None:
             self._slot = len(g.slots)
             g.slots.append(self)
@@ -719,37 +713,6 @@ class _AuxProxy:
         if self._kind == "bool":
             return g.node(NE, (value.index, g.constant(0).index), type="bool")
         return value
-
-    def _fold_leading(self, regs: List[int]) -> List[int]:
-        """The index registers of a tensor of more than MAX_AUX_DIMS dimensions as those of its
-        view of MAX_AUX_DIMS (`as_read`: the leading dimensions folded into one, row-major), so that
-        ``bias[b, h, q_idx, kv_idx]`` reads a (B * H, Q, K) table. Each folded index is clamped into
-        its own dimension first, as the GPU clamps every index, so that an index out of range reads
-        the same element on the CPU and the GPU rather than one of a neighbouring row."""
-        g = self._graph
-        lead = self.ndim - MAX_AUX_DIMS + 1
-        if math.prod(self.shape[:lead]) > _INT32_MAX:
-            g.fail(f"{self._name}: the leading dimensions of shape {self.shape} hold more than 2^31 - 1 "
-                   f"rows, beyond the 32-bit index")
-
-        def int_op(op: int, a: int, b: int) -> int:
-            x, y = g.nodes[a], g.nodes[b]
-            if x.op == INT and y.op == INT:  # constants folded (the result fits: a row index)
-                return g.constant(_FOLD_INT[op](x.imm, y.imm)).index
-            return g.node(op, (a, b), type="int").index
-
-        folded = None
-        for d in range(lead):
-            clamped = int_op(MIN, int_op(MAX, regs[d], g.constant(0).index), g.constant(self.shape[d] - 1).index)
-            folded = clamped if folded is None else int_op(ADD, int_op(MUL, folded, g.constant(self.shape[d]).index),
-                                                           clamped)
-        return [folded] + regs[lead:]
-
-    def as_read(self) -> Any:
-        """The tensor as the program reads it: a view of at most MAX_AUX_DIMS dimensions."""
-        if self.ndim <= MAX_AUX_DIMS:
-            return self._tensor
-        return self._tensor.reshape((-1,) + self.shape[self.ndim - MAX_AUX_DIMS + 1:])
 
     def _concrete_element(self, index: Tuple[Any, ...]) -> Any:
         """The element itself where the tensor is a NumPy array and every index a plain integer (a
@@ -847,8 +810,9 @@ class TracedMod:
 
     ``code`` holds 4 int32 per instruction (opcode word, a, b, c; instruction i writes register
     i): leaves (SCORE, BATCH, HEAD, Q_IDX, KV_IDX; INT / BOOL with the value in a; FLOAT with the
-    index of a float constant in a; LOAD with the tensor slot in bits 8..15 of the opcode word and
-    the index registers in a, b, c, -1 when unused) and operations on earlier registers.
+    index of a float constant in a; LOAD with the tensor slot in bits 8..15 of the opcode word,
+    the index registers in a, b, c, -1 when unused, and a fourth index register plus one in bits
+    16..23, 0 when unused) and operations on earlier registers.
     ``result`` is the register of the value, ``grad`` (score_mod) that of d value / d score.
     """
 
@@ -1165,6 +1129,7 @@ def _emit(graph: _Graph, role: str, name: str, result: Sym, grad: Optional[Sym],
         node = graph.nodes[old]
         a = [register[x] if x >= 0 else -1 for x in node.args] + [-1] * (3 - len(node.args))
         word = node.op
+        fourth = a.pop() if len(a) > 3 else -1  # a load's fourth index: in the opcode word
         if node.op in (INT, BOOL):
             a[0] = node.imm
         elif node.op == FLOAT:
@@ -1176,9 +1141,9 @@ def _emit(graph: _Graph, role: str, name: str, result: Sym, grad: Optional[Sym],
             if node.imm not in slot_index:
                 slot_index[node.imm] = len(aux)
                 proxy = graph.slots[node.imm]
-                aux.append(proxy.as_read())
+                aux.append(proxy._tensor)
                 aux_kinds.append(proxy._kind)
-            word = LOAD | (slot_index[node.imm] << 8)
+            word = LOAD | (slot_index[node.imm] << 8) | ((fourth + 1) << 16)
         code += [word] + a
         types_.append(node.type)
     argument = graph.argument

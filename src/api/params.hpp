@@ -27,7 +27,7 @@ struct ModParams {
   std::int64_t aux_rows[kMaxAux] = {};
   std::int64_t aux_cols[kMaxAux] = {};
   int aux_ndim[kMaxAux] = {};
-  int aux_shape[kMaxAux][3] = {};
+  int aux_shape[kMaxAux][4] = {};
 };
 
 // FlexAttention BlockMask lists (int32, contiguous), see BlockSparseTensors in options.hpp.
@@ -349,7 +349,7 @@ struct BwdLaunchChoice {
 
 // The layout version: bumped with every change to the members of FwdParams, BwdParams or
 // ModParams, since a member added into tail padding leaves the sizes below as they were.
-constexpr std::uint64_t kParamsLayoutVersion = 24;
+constexpr std::uint64_t kParamsLayoutVersion = 25;
 
 // Whether a call needs the flex kernels (variants::FlexVariant): a score_mod, a mask_mod or block
 // lists. FwdParams and BwdParams alike.

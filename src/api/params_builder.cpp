@@ -98,7 +98,7 @@ ModParams make_mod_params(int kind, const std::vector<double>& scalars,
     mod.aux_rows[i] = rows;
     mod.aux_cols[i] = aux[i].size(-1);
     mod.aux_ndim[i] = aux[i].ndim;
-    for (int d = 0; d < 3; ++d) {
+    for (int d = 0; d < 4; ++d) {
       mod.aux_shape[i][d] = d < aux[i].ndim ? static_cast<int>(aux[i].shape[d]) : 1;
     }
   }

@@ -105,8 +105,7 @@ enum class FwdZeroVTail { kAuto, kOff, kOn };
 // "auto" (or null / empty), "0" or "1". Throws kInvalidArgument otherwise.
 FwdZeroVTail parse_fwd_zero_v_tail(const char* value);
 // FwdParams::zero_v_tail for a call under `setting`: kAuto zeroes with seqused_k, a page table
-// or cu_seqlens_k, except in the kernels that do not have it (score_mod / mask_mod at head dim
-// 256).
+// or cu_seqlens_k.
 bool resolve_fwd_zero_v_tail(FwdZeroVTail setting, const FwdParams& params);
 // The choice from CUFLASH_FWD_ZERO_V_TAIL (read at every call) resolved for `params`.
 bool fwd_zero_v_tail(const FwdParams& params);

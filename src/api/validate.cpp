@@ -587,7 +587,7 @@ void check_expression(const ExprProgram& program, const std::vector<double>& sca
     const std::string at = code_name + "[" + std::to_string(i) + "]";
     const ExprOp op = expr_opcode(ins[0]);
     auto reg = [&](int k) -> ExprType {
-      const int r = ins[1 + k];
+      const int r = op == ExprOp::kLoad ? expr_load_index(ins, k) : ins[1 + k];
       if (r < 0 || r >= i) {
         fail(at, "operand " + std::to_string(k) + " must name an earlier register, got " +
                      std::to_string(r));
@@ -639,15 +639,15 @@ void check_expression(const ExprProgram& program, const std::vector<double>& sca
         break;
       case ExprOp::kLoad: {
         const int slot = expr_load_slot(ins[0]);
-        if ((ins[0] >> 16) != 0 || static_cast<std::size_t>(slot) >= aux.size()) {
+        if ((ins[0] >> 24) != 0 || static_cast<std::size_t>(slot) >= aux.size()) {
           fail(at, "load from aux slot " + std::to_string(slot) + ", but " +
                        std::to_string(aux.size()) + " aux tensor(s) are given");
         }
         const int ndim = aux[slot].ndim;
-        for (int k = 0; k < 3; ++k) {
+        for (int k = 0; k < kMaxExprAuxDims; ++k) {
           if (k < ndim) {
             expect(reg(k), ExprType::kInt);
-          } else if (ins[1 + k] != -1) {
+          } else if (expr_load_index(ins, k) != -1) {
             fail(at, "a load from a " + std::to_string(ndim) + "-D tensor takes " +
                          std::to_string(ndim) + " index register(s), the others -1");
           }

@@ -180,7 +180,7 @@ class ExpressionEvaluator {
     const Tensor& t = tensors_[slot];
     std::int64_t offset = 0;
     for (int d = 0; d < t.ndim; ++d) {
-      const auto index = static_cast<std::int64_t>(r[code[1 + d]]);
+      const auto index = static_cast<std::int64_t>(r[expr_load_index(code, d)]);
       if (index < 0 || index >= t.shape[d]) {
         const std::string name = mod_ + ".aux[" + std::to_string(slot) + "]";
         throw Error(Error::Kind::kInvalidArgument, name,

@@ -60,6 +60,9 @@ struct FlexCase {
   // softmax_scale -1 / sqrt(head_dim): without a score_mod or softcap the flex kernels then keep
   // the scale out of the exponent (the running max is taken before it there).
   bool negative_scale = false;
+  // CUFLASH_FWD_ZERO_V_TAIL around the call where set ("1": the V rows past the keys of the
+  // boundary block are zeroed in shared memory even where TMA already read zeros there).
+  const char* zero_v_tail = nullptr;
   unsigned seed = 1;
   int dim_v() const { return head_dim_v > 0 ? head_dim_v : head_dim; }
 };
@@ -369,6 +372,8 @@ TEST_P(GpuForwardFlex, MatchesReference) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
   const FlexCase& c = GetParam();
   const Problem pb(c);
+  std::optional<gpu_testing::ScopedEnv> zero_v_tail;
+  if (c.zero_v_tail) zero_v_tail.emplace("CUFLASH_FWD_ZERO_V_TAIL", c.zero_v_tail);
   const std::optional<Result> gpu = gpu_testing::run_if_built([&] { return run_gpu(pb); });
   if (!gpu) return;
   const Result ref = run_reference(pb);
@@ -456,6 +461,18 @@ std::vector<FlexCase> flex_cases() {
     c.mask_mod = MaskModKind::kDocument, c.doc_length_max = 120, c.negative_scale = true;
     if (d == 256) add(c);
   }
+  // The V-tail zeroing forced where auto leaves it off (dense keys, 333 of them: a partial last
+  // block), at hdim 256: unsplit and packed, and split three ways.
+  c = {};
+  c.label = "zero_v_tail_forced_alibi_causal", c.batch = 2, c.seqlen_q = 200, c.seqlen_k = 333, c.heads = 4,
+  c.heads_kv = 2, c.head_dim = 256, c.causal = true, c.score_mod = ScoreModKind::kAlibi, c.zero_v_tail = "1";
+  add(c);
+  c.label = "zero_v_tail_forced_alibi_causal_packed", c.pack_gqa = true;
+  add(c);
+  c = {};
+  c.label = "zero_v_tail_forced_split3_prefix_lm", c.batch = 2, c.seqlen_q = 64, c.seqlen_k = 333, c.head_dim = 256,
+  c.mask_mod = MaskModKind::kPrefixLM, c.mask_scalars = {100}, c.num_splits = 3, c.zero_v_tail = "1";
+  add(c);
   // Head dims (192, 128): V and out narrower than Q and K (its flex kernels had no forward case).
   c = {};
   c.label = "alibi_causal_gqa", c.batch = 2, c.seqlen_q = 500, c.seqlen_k = 640, c.heads = 4, c.heads_kv = 2,

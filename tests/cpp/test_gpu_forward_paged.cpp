@@ -511,8 +511,10 @@ std::vector<PagedCase> paged_cases() {
     add(c);
     c.label = "nan_tail_seqused_split3", c.seqlen_q = 3, c.num_splits = 3, c.causal = true;
     add(c);
+    // Three sequences: the first full, the second without keys, the third (219 / 277 / 369 keys
+    // at pages 16 / 128 / 256) ending inside a key block, whose V rows past it hold NaN.
     c = {};
-    c.label = "nan_tail_alibi", c.batch = 2, c.seqlen_q = 90, c.heads = 2, c.heads_kv = 2,
+    c.label = "nan_tail_alibi", c.batch = 3, c.seqlen_q = 90, c.heads = 2, c.heads_kv = 2,
     c.page_size = page_size, c.max_pages = pages_for(300), c.seqused = true, c.nan_tail = true,
     c.score_mod = ScoreModKind::kAlibi;
     add(c);

@@ -88,8 +88,8 @@ def test_score_mod_aux_tensors_are_trailing_arguments(rng):
 
 
 def test_score_mod_reads_a_full_bias(rng):
-    # FlexAttention's bias[b, h, q_idx, kv_idx]: read as its (B * H, Q, K) view; a 5-dimensional
-    # mask table likewise (the three leading dimensions folded).
+    # FlexAttention's bias[b, h, q_idx, kv_idx], and a 4-dimensional boolean mask indexed by
+    # expressions.
     q, k, v = qkv(rng, seqlen_q=20, seqlen_k=28)
     bias = rng.standard_normal((2, 4, 20, 28)).astype(np.float32)
 
@@ -97,26 +97,13 @@ def test_score_mod_reads_a_full_bias(rng):
         return score + bias[b, h, q_idx, kv_idx]
 
     run(rng, ref.Options(score_mod=score_mod), q, k, v, score_mod=score_mod)
-    keep = rng.random((2, 2, 2, 20, 28)) > 0.3
+    keep = rng.random((2, 2, 20, 28)) > 0.3
     keep[..., 0] = True  # every row sees a key
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return keep[b, h // 2, h % 2, q_idx, kv_idx]
+        return keep[b, h // 2, q_idx, kv_idx]
 
     run(rng, ref.Options(mask_mod=mask_mod), q, k, v, function="dense", mask_mod=mask_mod)
-
-
-def test_folded_dimensions_clamp_their_own_index():
-    # An index past a folded dimension reads that dimension's last row (as on the GPU), not the
-    # first row of the next one.
-    bias = np.random.default_rng(1).standard_normal((1, 3, 8, 8)).astype(np.float32)
-    traced = mods.trace_score_mod(lambda s, b, h, i, j: s + bias[b, h + 5, i, j])
-    assert traced.aux_ranks == [3]
-    assert traced.aux[0].shape == (3, 8, 8)
-    q, k, v = _qkv_small()
-    out, _ = cuflash.flash_attn_varlen_func(q, k, v, score_mod=traced)
-    expected, _ = cuflash.flash_attn_varlen_func(q, k, v, score_mod=lambda s, b, h, i, j: s + bias[b, 2, i, j])
-    np.testing.assert_array_equal(out, expected)
 
 
 def test_score_mod_reads_module_globals(rng):
@@ -752,9 +739,16 @@ def test_tensor_indexing_errors():
         cuflash.flash_attn_varlen_func(q, k, v, score_mod=lambda s, b, h, i, j: s + table[h, :])
     with pytest.raises(TypeError, match="^score_mod: .*integer expressions"):
         cuflash.flash_attn_varlen_func(q, k, v, score_mod=lambda s, b, h, i, j: s + table[h, s])
-    # Out of range on the CPU: an error naming the tensor.
+    # Out of range on the CPU: an error naming the tensor (the fourth index of a 4-D one too).
     with pytest.raises(ValueError, match="out of range"):
         cuflash.flash_attn_varlen_func(q, k, v, score_mod=lambda s, b, h, i, j: s + table[h, j + 1])
+    bias = np.zeros((1, 2, 8, 8), np.float32)
+    with pytest.raises(ValueError, match="out of range for dimension 3"):
+        cuflash.flash_attn_varlen_func(q, k, v, score_mod=lambda s, b, h, i, j: s + bias[b, h, i, j + 1])
+    # Five dimensions: refused, saying how to fold them.
+    five = np.zeros((1, 1, 2, 8, 8), np.float32)
+    with pytest.raises(TypeError, match=r"^score_mod: .*1 to 4 dimensions.*reshape\(-1"):
+        cuflash.flash_attn_varlen_func(q, k, v, score_mod=lambda s, b, h, i, j: s + five[0, b, h, i, j])
 
 
 def test_limits_raise_value_error():

@@ -25,7 +25,7 @@ extern "C" double cf_eval(int which, const float* k, const void* const* aux, con
   for (int i = 0; i < cuflash::ModParams::kMaxScalars; ++i) p.scalars[i] = k[i];
   for (int i = 0; i < cuflash::ModParams::kMaxAux; ++i) {
     p.aux[i] = aux[i];
-    for (int d = 0; d < 3; ++d) p.aux_shape[i][d] = shapes[3 * i + d];
+    for (int d = 0; d < 4; ++d) p.aux_shape[i][d] = shapes[4 * i + d];
   }
   auto sw = GeneratedSwitch::from(p);
   double result = 0;
@@ -61,8 +61,8 @@ def compile_functor(tmp_path, traced):
     shapes = []
     for i in range(4):
         shape = list(tensors[i].shape) if i < len(tensors) else []
-        shapes += shape + [1] * (3 - len(shape))
-    shapes = (ctypes.c_int * 12)(*shapes)
+        shapes += shape + [1] * (4 - len(shape))
+    shapes = (ctypes.c_int * 16)(*shapes)
 
     def evaluate(which, s, b, h, q_idx, kv_idx):
         return lib.cf_eval(which, constants, pointers, shapes, s, b, h, q_idx, kv_idx)
@@ -76,6 +76,7 @@ SLOPES = rng.random(4).astype(np.float32)
 TABLE = rng.standard_normal((4, 9)).astype(np.float32)
 DOC = np.sort(rng.integers(0, 3, (2, 16))).astype(np.int32)
 ALLOWED = rng.random((4, 16, 16)) < 0.5
+BIAS = rng.standard_normal((2, 4, 16, 16)).astype(np.float32)  # FlexAttention's full bias
 
 SCORE_MODS = [
     lambda s, b, h, i, j: s + SLOPES[h] * (j - i),
@@ -84,6 +85,7 @@ SCORE_MODS = [
     lambda s, b, h, i, j: s * mods.sigmoid(s) + mods.exp2(-abs(s)) - mods.log(1.0 + s * s),
     lambda s, b, h, i, j: mods.where((i // 3) % 2 == b, s * 0.5, mods.maximum(s, -0.25) + h),
     lambda s, b, h, i, j: mods.sqrt(s * s + 1.0) / (1.0 + abs(j - i)) + mods.exp(mods.minimum(s, 1.0)),
+    lambda s, b, h, i, j: s + BIAS[b, h, i, j] * SLOPES[h],
 ]
 
 MASK_MODS = [
@@ -131,6 +133,10 @@ def test_generated_loads_clamp_indices(tmp_path):
     evaluate = compile_functor(tmp_path, traced)
     assert math.isclose(evaluate(0, 0.0, 0, 0, 0, 10), float(SLOPES[3]), rel_tol=1e-6)
     assert math.isclose(evaluate(0, 0.0, 0, 0, 0, 2), float(SLOPES[2]), rel_tol=1e-6)
+    # Every dimension of a 4-D tensor is clamped on its own: h + 5 past 3 reads head 3's row.
+    traced = mods.trace_score_mod(lambda s, b, h, i, j: s + BIAS[b, h + 5, i, j + 20])
+    evaluate = compile_functor(tmp_path / "bias", traced)
+    assert math.isclose(evaluate(0, 0.0, 1, 0, 7, 0), float(BIAS[1, 3, 7, 15]), rel_tol=1e-6)
 
 
 def wrap32(x):
@@ -171,7 +177,7 @@ extern "C" int cf_hook(int which, const void* const* aux, const int* shapes, int
   cuflash::ModParams p;
   for (int i = 0; i < cuflash::ModParams::kMaxAux; ++i) {
     p.aux[i] = aux[i];
-    for (int d = 0; d < 3; ++d) p.aux_shape[i][d] = shapes[3 * i + d];
+    for (int d = 0; d < 4; ++d) p.aux_shape[i][d] = shapes[4 * i + d];
   }
   auto sw = GeneratedSwitch::from(p);
   int result = 0;
@@ -225,8 +231,8 @@ def test_generated_mask_hooks_are_sound(tmp_path, name, fn, narrows):
     shape_list = []
     for i in range(4):
         shape = list(tensors[i].shape) if i < len(tensors) else []
-        shape_list += shape + [1] * (3 - len(shape))
-    shapes = (ctypes.c_int * 12)(*shape_list)
+        shape_list += shape + [1] * (4 - len(shape))
+    shapes = (ctypes.c_int * 16)(*shape_list)
 
     def hook(which, a0, a1, lo, hi):
         lo_, hi_ = ctypes.c_int(lo), ctypes.c_int(hi)
