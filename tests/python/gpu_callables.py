@@ -49,8 +49,7 @@ def tanh_cap_bwd(cap: float, factor: float):
 
 
 def full_bias(bias):
-    """score + bias[b, h, q_idx, kv_idx]: a 4-dimensional tensor, read as its folded 3-dimensional
-    view (the fold's integer constants, the batch and head counts, are part of the module)."""
+    """score + bias[b, h, q_idx, kv_idx]: a load with four indices (any bias shape, one module)."""
     return lambda score, b, h, q_idx, kv_idx: score + bias[b, h, q_idx, kv_idx]
 
 
