@@ -3,8 +3,10 @@
 // the built-in's forward and backward results; malformed programs are refused by name.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuflash/cuflash.hpp"
@@ -22,9 +24,10 @@ struct ProgramBuilder {
     program.code.insert(program.code.end(), {static_cast<std::int32_t>(code), a, b, c});
     return program.num_ops() - 1;
   }
-  int load(int slot, int a, int b = -1, int c = -1) {
+  // A load; the fourth index register goes into bits 16..23 of the opcode word (plus one).
+  int load(int slot, int a, int b = -1, int c = -1, int d = -1) {
     program.code.insert(program.code.end(),
-                        {static_cast<std::int32_t>(ExprOp::kLoad) | (slot << 8), a, b, c});
+                        {static_cast<std::int32_t>(ExprOp::kLoad) | (slot << 8) | ((d + 1) << 16), a, b, c});
     return program.num_ops() - 1;
   }
   int constant(double value) {
@@ -233,6 +236,62 @@ void expect_error(const ForwardArgs& args, const std::string& argument, const st
   }
 }
 
+// score + bias[b, h, q_idx, kv_idx] read with four indices, against the same values read from
+// the (B * H, Q, K) view with the first index computed: the fourth index reaches the element.
+TEST(ReferenceExpression, FourDimensionalLoadMatchesItsFoldedView) {
+  CaseConfig config;
+  config.seed = 740;
+  AttentionCase c(config);
+  HostTensor bias(DType::kFloat32, {config.batch, config.heads, config.seqlen_q, config.seqlen_k});
+  int value = 0;
+  bias.for_each([&](const Index& index) { bias.set(index, 0.37 * ((value++ * 7919) % 23) - 4.0); });
+  TensorView folded = bias.view();
+  folded.ndim = 3;
+  folded.shape[0] = std::int64_t(config.batch) * config.heads;
+  folded.stride[0] = folded.stride[1];  // contiguous: batch and head step as one index
+  for (int d = 1; d < 3; ++d) {
+    folded.shape[d] = folded.shape[d + 1];
+    folded.stride[d] = folded.stride[d + 1];
+  }
+  auto run = [&](bool four) {
+    ProgramBuilder p;
+    const int s = p.op(ExprOp::kScore), b = p.op(ExprOp::kBatch), h = p.op(ExprOp::kHead),
+              q = p.op(ExprOp::kQIdx), kv = p.op(ExprOp::kKvIdx);
+    int element;
+    if (four) {
+      element = p.load(0, b, h, q, kv);
+    } else {
+      const int heads = p.op(ExprOp::kInt, config.heads);
+      element = p.load(0, p.op(ExprOp::kAdd, p.op(ExprOp::kMul, b, heads), h), q, kv);
+    }
+    p.program.result = p.op(ExprOp::kAdd, s, element);
+    p.program.grad = p.constant(1.0);
+    ForwardArgs args = c.forward_args();
+    args.opts.score_mod.kind = ScoreModKind::kExpression;
+    args.opts.score_mod.program = p.program;
+    args.opts.score_mod.scalars = p.constants;
+    args.opts.score_mod.aux = {four ? bias.view() : folded};
+    c.out.poison();
+    c.lse.poison();
+    cuflash::forward(args);
+    return std::make_pair(values_of(c.out), values_of(c.lse));
+  };
+  const auto [out3, lse3] = run(false);
+  const auto [out4, lse4] = run(true);
+  expect_same(out3, out4, "out", 0.0);
+  expect_same(lse3, lse4, "lse", 0.0);
+  // The bias moved the result (the test would pass on a load that ignored it otherwise).
+  ForwardArgs plain = c.forward_args();
+  c.out.poison();
+  cuflash::forward(plain);
+  const std::vector<double> out = values_of(c.out);
+  double largest = 0.0;
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    if (!std::isnan(out[i])) largest = std::max(largest, std::fabs(out[i] - out4[i]));
+  }
+  EXPECT_GT(largest, 1e-3);
+}
+
 TEST(ReferenceExpression, MalformedProgramsAreRefusedByName) {
   CaseConfig config;
   config.seed = 750;
@@ -294,6 +353,27 @@ TEST(ReferenceExpression, MalformedProgramsAreRefusedByName) {
     args.opts.mask_mod.program = p.program;
     args.opts.mask_mod.aux = {ids.view()};
     expect_error(args, "mask_mod.program[1]", "operand 1");
+  }
+  {  // A 4-D tensor takes a fourth index register, a 3-D one none.
+    HostTensor bias(DType::kFloat32, {2, 2, 5, 7});
+    HostTensor table(DType::kFloat32, {2, 5, 7});
+    for (bool four_d : {true, false}) {
+      ForwardArgs args = c.forward_args();
+      ProgramBuilder p;
+      const int s = p.op(ExprOp::kScore), b = p.op(ExprOp::kBatch), q = p.op(ExprOp::kQIdx),
+                kv = p.op(ExprOp::kKvIdx);
+      p.program.result = p.op(ExprOp::kAdd, s, four_d ? p.load(0, b, b, q) : p.load(0, b, q, kv, kv));
+      p.program.grad = p.constant(1.0);
+      args.opts.score_mod.kind = ScoreModKind::kExpression;
+      args.opts.score_mod.program = p.program;
+      args.opts.score_mod.scalars = p.constants;
+      args.opts.score_mod.aux = {four_d ? bias.view() : table.view()};
+      if (four_d) {
+        expect_error(args, "score_mod.program[4]", "operand 3");
+      } else {
+        expect_error(args, "score_mod.program[4]", "takes 3 index register(s)");
+      }
+    }
   }
   {  // An index out of range is an error on the CPU.
     HostTensor table(DType::kFloat32, {1});
