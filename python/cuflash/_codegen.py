@@ -196,8 +196,8 @@ def _body(traced: "_m.TracedMod", output: int) -> List[str]:
         elif op == _m.FLOAT:
             e = f"st.k[{a}]"
         elif op == _m.LOAD:
-            slot = (word >> 8) & 0xFF
-            index = ", ".join(f"r{x}" if x >= 0 else "0" for x in (a, b, c, _load_fourth_index(word)))
+            slot = _m.load_slot(word)
+            index = ", ".join(f"r{x}" if x >= 0 else "0" for x in (a, b, c, _m.load_fourth_index(word)))
             e = f"st.load_{'float' if t == 'float' else 'int'}({slot}, {index})"
         elif op in _INT_WRAPPING and t == "int":
             e = f"{_INT_WRAPPING[op]}(r{a}, r{b})"
@@ -240,14 +240,9 @@ def _needed(traced: "_m.TracedMod", output: int, through_loads: bool = True) -> 
         needed.add(r)
         word, a, b, c = code[4 * r: 4 * r + 4]
         if word & 0xFF not in (_m.INT, _m.FLOAT, _m.BOOL) and (through_loads or word & 0xFF != _m.LOAD):
-            fourth = _load_fourth_index(word) if word & 0xFF == _m.LOAD else -1
+            fourth = _m.load_fourth_index(word) if word & 0xFF == _m.LOAD else -1
             stack.extend(x for x in (a, b, c, fourth) if x >= 0)
     return needed
-
-
-def _load_fourth_index(word: int) -> int:
-    """A load's fourth index register (bits 16..23 of its opcode word hold it plus one), -1 if none."""
-    return ((word >> 16) & 0xFF) - 1
 
 
 _INTERVAL_TYPES = {"int": "cuflash::expr::IInt", "bool": "cuflash::expr::IBool", "float": "cuflash::expr::IFloat"}

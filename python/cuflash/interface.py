@@ -566,7 +566,7 @@ def _builtin_score(traced: Any, aux: List[Tensor], argument: str, call: _Call,
     product = add and ordered(operands(add[1], _mods.MUL), _mods.LOAD)
     if not product:
         return None
-    slot, (head, *_) = (code[4 * product[0]] >> 8) & 0xFF, code[4 * product[0] + 1: 4 * product[0] + 4]
+    slot, (head, *_) = _mods.load_slot(code[4 * product[0]]), code[4 * product[0] + 1: 4 * product[0] + 4]
     distance = operands(product[1], _mods.TO_FLOAT)
     difference = distance and operands(distance[0], _mods.SUB)
     if not (difference and op(difference[0]) == _mods.KV_IDX and op(difference[1]) == _mods.Q_IDX
@@ -629,7 +629,7 @@ def _builtin_mask(traced: Any, aux: List[Tensor], argument: str, call: _Call,
             return None
         builtin = masks.sliding_window(bounds[0])
     elif op(result) == _mods.EQ and op(first) == op(second) == _mods.LOAD and code[4 * first] == code[4 * second]:
-        slot = (code[4 * first] >> 8) & 0xFF
+        slot = _mods.load_slot(code[4 * first])
         (b0, i0, _), (b1, i1, _) = args(first), args(second)
         if not (traced.aux_ranks[slot] == 2 and traced.aux_kinds[slot] != "float"
                 and op(b0) == op(b1) == _mods.BATCH and {op(i0), op(i1)} == {_mods.Q_IDX, _mods.KV_IDX}):

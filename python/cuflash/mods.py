@@ -90,6 +90,21 @@ _OP_NAMES = {
 }
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+# A load's opcode word: the tensor slot in bits 8..15, the fourth index register plus one in
+# bits 16..23 (0: none); cuflash::expr_load_slot / expr_load_fourth_index on the C++ side.
+def load_word(slot: int, fourth: int) -> int:
+    return LOAD | (slot << 8) | ((fourth + 1) << 16)
+
+
+def load_slot(word: int) -> int:
+    return (word >> 8) & 0xFF
+
+
+def load_fourth_index(word: int) -> int:
+    """A load's fourth index register, -1 if none."""
+    return ((word >> 16) & 0xFF) - 1
 _FLOAT_UNARY = (EXP, EXP2, LOG, TANH, SIGMOID, SQRT)
 
 
@@ -1143,7 +1158,7 @@ def _emit(graph: _Graph, role: str, name: str, result: Sym, grad: Optional[Sym],
                 proxy = graph.slots[node.imm]
                 aux.append(proxy._tensor)
                 aux_kinds.append(proxy._kind)
-            word = LOAD | (slot_index[node.imm] << 8) | ((fourth + 1) << 16)
+            word = load_word(slot_index[node.imm], fourth)
         code += [word] + a
         types_.append(node.type)
     argument = graph.argument
