@@ -8,13 +8,13 @@
 #   STEPS=build,bench_bwd BENCH_BWD_ARGS="--hdims 128" tools/gpu_check.sh
 #
 # Environment: KERNEL_SET (ci|all|custom), HDIMS / DTYPES (for custom), FEATURES (CUFLASH_FEATURES), STEPS (comma list of
-# build,test,test_each,pytest,sanitize,sass,bench,bench_bwd,bench_gqa,bench_flex,l2_probe,dsmem_probe,kernel_times,profile), GTEST_FILTER (default *Gpu*), TEST_TIMEOUT, TEST_SHARDS (default 4), TEST_ENV_B / GTEST_FILTER_B and TEST_ENV_C / GTEST_FILTER_C (the tests again under extra settings), SANITIZE_FILTER (memcheck),
+# build,test,test_each,pytest,sanitize,sass,bench,bench_bwd,bench_gqa,bench_flex,bench_varlen,l2_probe,dsmem_probe,kernel_times,profile), GTEST_FILTER (default *Gpu*), TEST_TIMEOUT, TEST_SHARDS (default 4), TEST_ENV_B / GTEST_FILTER_B and TEST_ENV_C / GTEST_FILTER_C (the tests again under extra settings), SANITIZE_FILTER (memcheck),
 # KERNEL_TIMES_ARGS (';'-separated argument sets of bench/kernel_times.py, default: the hdim 128 / 256 backward and
 # the hdim128 forward, cuflash and cuDNN), RACECHECK_FILTER, PER_TEST_TIMEOUT (test_each), PYTEST_K (a -k expression), PYTEST_ARGS, JIT_MODULES (0: do not build the GPU tests' callable modules first), PYTEST_TIMEOUT, BENCH_ARGS, BENCH_ENV_B (run the
 # benchmark a second time with these VAR=value settings), BENCH_BWD_ARGS (bench/bench_bwd.py), BENCH_BWD_ARGS_B / BENCH_BWD_ENV_B, _C and _D (more passes with these arguments / VAR=value settings, tagged _b / _c / _d),
 # BENCH_BWD_TIMEOUT (seconds, default 300: a hung backward kernel ends the step, not the call), PROFILE
 # (ncu targets for the profile step, see there), PROFILE_KERNEL_ARGS, BUILD_DIR, CMAKE_EXTRA, BENCH_FLEX_ARGS and BENCH_GQA_ARGS with passes
-# _B / _C / _D as bench_bwd's (BENCH_FLEX_ENV_B: the flex pass again under these settings, tagged _b), BENCH_FLEX_TIMEOUT, BENCH_GQA_TIMEOUT, JOBS.
+# _B / _C / _D as bench_bwd's (BENCH_FLEX_ENV_B: the flex pass again under these settings, tagged _b), BENCH_FLEX_TIMEOUT, BENCH_GQA_TIMEOUT, BENCH_VARLEN_ARGS (bench_varlen.py), BENCH_VARLEN_TIMEOUT, JOBS.
 # Carry `.cutlass` (CUTLASS headers) and, where the machine has no GoogleTest, `.deps` (a
 # googletest source tree at .deps/googletest); tools/prepare_device_carry.sh makes both here.
 set -uo pipefail
@@ -249,6 +249,7 @@ run_passes() {
 has_step bench_bwd && run_passes bwd "$BENCH_BWD_TIMEOUT"
 has_step bench_gqa && run_passes gqa "${BENCH_GQA_TIMEOUT:-180}"
 has_step bench_flex && run_passes flex "${BENCH_FLEX_TIMEOUT:-300}"
+has_step bench_varlen && run_passes varlen "${BENCH_VARLEN_TIMEOUT:-180}"
 
 # A standalone device probe of bench/ (no cuflash library): compiled, run, its output in the summary.
 run_probe() {  # run_probe STEP NAME: bench/NAME.cu

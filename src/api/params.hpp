@@ -69,6 +69,9 @@ struct BlockSparseParams {
 
 // A forward kernel's twin for short work (FwdParams::short_kernel).
 enum class FwdShortKernel { kAuto, kLong, kShort };
+// Whether the varlen forward walks its row-block list (FwdParams::row_block_list_mode): where it
+// pays (kAuto), never, or for every call with packed queries of more than one sequence.
+enum class FwdRowBlockList { kAuto, kOff, kAlways };
 
 struct FwdParams {
   // q: (B, Sq, H, D) or packed (total_q, H, D) with cu_seqlens_q (batch stride unused).
@@ -134,6 +137,13 @@ struct FwdParams {
   // Dynamic tile scheduling: one int of device workspace that the launch zeroes on the stream
   // before the kernel; null: no dynamic scheduling (see fwd_tiles_unequal).
   int* tile_counter = nullptr;
+  // The varlen row-block list (sm90/varlen_row_blocks_sm90.hpp): device workspace for
+  // row_block_list_capacity {sequence, row block} pairs of ints, given by dispatch to packed
+  // queries of more than one sequence; the launch builds and walks it where
+  // fwd_row_block_list_pays. Null: the batch x row-block rectangle.
+  int* row_block_list = nullptr;
+  int row_block_list_capacity = 0;
+  FwdRowBlockList row_block_list_mode = FwdRowBlockList::kAuto;  // from CUFLASH_FWD_ROW_BLOCK_LIST
   // Stream-K tail of the static schedule (sm90/stream_k_sm90.hpp): how many CTAs share the last
   // wave's tiles (0: none; set by dispatch, detail::fwd_stream_k_ctas), and device workspace for
   // the pieces' arrival counters and ready flags (zeroed by the launch) and their partial states.
@@ -166,6 +176,34 @@ inline bool fwd_tiles_unequal(const FwdParams& p) {
   return p.window_left >= 0 || p.window_right >= 0 || p.cu_seqlens_q != nullptr ||
          p.cu_seqlens_k != nullptr || p.seqused_q != nullptr || p.seqused_k != nullptr ||
          p.mask_mod.kind != 0 || p.block_sparse.enabled;
+}
+
+// The varlen forward's row-block list (sm90/varlen_row_blocks_sm90.hpp) for a kernel tile of
+// block_m rows (packed GQA: block_m tile rows over the group's query heads). Its entries: a bound
+// on the row blocks that hold rows, known without the lengths (each sequence adds at most one
+// partial block). Dispatch sizes the workspace for the lowest tile height of the forward kernels.
+constexpr int kFwdRowBlockListMinBlockM = 128;
+inline long long fwd_row_block_list_entries(const FwdParams& p, int block_m) {
+  long long const group = p.pack_gqa ? p.num_heads / p.num_heads_kv : 1;
+  return ((long long)p.total_q * group + block_m - 1) / block_m + p.batch;
+}
+// Whether dispatch gives the call a list: packed queries of more than one sequence.
+inline bool fwd_row_block_list_wanted(const FwdParams& p) {
+  return p.row_block_list_mode != FwdRowBlockList::kOff && p.cu_seqlens_q != nullptr && p.batch > 1 &&
+         fwd_row_block_list_entries(p, kFwdRowBlockListMinBlockM) <= (long long)0x7fffffff;
+}
+// Whether the launch walks the list rather than the rectangle of batch x ceil(seqlen_q /
+// block_m) row blocks: where the rectangle has more than twice the list's entries, as it has
+// with the lengths on the device and no max_seqlen_q (seqlen_q is then total_q) or with lengths
+// far apart. The list costs a one-CTA kernel before the forward and a load per tile; the
+// rectangle a decode, length reads and a skip per empty tile.
+inline bool fwd_row_block_list_pays(const FwdParams& p, int block_m) {
+  if (p.row_block_list == nullptr || !fwd_row_block_list_wanted(p)) return false;
+  long long const group = p.pack_gqa ? p.num_heads / p.num_heads_kv : 1;
+  long long const rectangle = (long long)p.batch * (((long long)p.seqlen_q * group + block_m - 1) / block_m);
+  long long const entries = fwd_row_block_list_entries(p, block_m);
+  return (p.row_block_list_mode == FwdRowBlockList::kAlways || rectangle > 2 * entries) &&
+         entries <= p.row_block_list_capacity;
 }
 
 // Whether the forward's static schedule may end in a stream-K tail (sm90/stream_k_sm90.hpp):
@@ -349,7 +387,7 @@ struct BwdLaunchChoice {
 
 // The layout version: bumped with every change to the members of FwdParams, BwdParams or
 // ModParams, since a member added into tail padding leaves the sizes below as they were.
-constexpr std::uint64_t kParamsLayoutVersion = 25;
+constexpr std::uint64_t kParamsLayoutVersion = 26;
 
 // Whether a call needs the flex kernels (variants::FlexVariant): a score_mod, a mask_mod or block
 // lists. FwdParams and BwdParams alike.

@@ -590,6 +590,19 @@ FwdShortKernel parse_fwd_short_kernel(const char* value) {
       {{"auto", FwdShortKernel::kAuto}, {"long", FwdShortKernel::kLong}, {"short", FwdShortKernel::kShort}});
 }
 
+FwdRowBlockList parse_fwd_row_block_list(const char* value) {
+  return parse_setting<FwdRowBlockList>(
+      "CUFLASH_FWD_ROW_BLOCK_LIST", value,
+      {{"auto", FwdRowBlockList::kAuto}, {"off", FwdRowBlockList::kOff}, {"always", FwdRowBlockList::kAlways}});
+}
+
+FwdRowBlockList fwd_row_block_list() {
+  // "auto" (the default): the list where the rectangle would hold more than twice its entries
+  // (fwd_row_block_list_pays); "off" and "always", for timing one against the other.
+  static const FwdRowBlockList choice = parse_fwd_row_block_list(std::getenv("CUFLASH_FWD_ROW_BLOCK_LIST"));
+  return choice;
+}
+
 FwdShortKernel fwd_short_kernel() {
   // "auto" (the default) picks per call by the measured rules (fwd_narrow_tile_pays,
   // fwd_next_qk_pays); "long" and "short" force one kernel, for timing and for testing the twin
@@ -700,6 +713,10 @@ bool uses_tile_counter(const FwdParams& params, FwdScheduler scheduler) {
   return scheduler == FwdScheduler::kDynamic && fwd_tiles_unequal(params);
 }
 bool uses_stream_k(const FwdParams& params) { return params.stream_k_ctas > 0; }
+std::size_t row_block_list_bytes(const FwdParams& params) {
+  if (!fwd_row_block_list_wanted(params)) return 0;
+  return std::size_t(fwd_row_block_list_entries(params, kFwdRowBlockListMinBlockM)) * 2 * sizeof(int);
+}
 }  // namespace
 
 std::size_t forward_workspace_bytes(const FwdParams& params, FwdScheduler scheduler) {
@@ -707,7 +724,7 @@ std::size_t forward_workspace_bytes(const FwdParams& params, FwdScheduler schedu
                       (uses_tile_counter(params, scheduler) ? kWorkspaceAlignment : 0);
   if (uses_stream_k(params))
     bytes += workspace_aligned(stream_k_sync_bytes(params)) + workspace_aligned(stream_k_partial_bytes(params));
-  return bytes;
+  return bytes + workspace_aligned(row_block_list_bytes(params));
 }
 
 void assign_forward_workspace(FwdParams& params, void* workspace, FwdScheduler scheduler) {
@@ -724,7 +741,11 @@ void assign_forward_workspace(FwdParams& params, void* workspace, FwdScheduler s
     params.stream_k_sync = reinterpret_cast<int*>(next);
     next += workspace_aligned(stream_k_sync_bytes(params));
     params.stream_k_partial = reinterpret_cast<float*>(next);
+    next += workspace_aligned(stream_k_partial_bytes(params));
   }
+  std::size_t const list_bytes = row_block_list_bytes(params);
+  params.row_block_list = list_bytes > 0 ? reinterpret_cast<int*>(next) : nullptr;
+  params.row_block_list_capacity = list_bytes > 0 ? int(list_bytes / (2 * sizeof(int))) : 0;
 }
 
 CombineParams make_split_combine_params(const FwdParams& params, const ForwardArgs& args,

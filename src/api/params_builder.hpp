@@ -124,6 +124,12 @@ FwdShortKernel parse_fwd_short_kernel(const char* value);
 // The process's choice, from CUFLASH_FWD_SHORT_KERNEL, read once.
 FwdShortKernel fwd_short_kernel();
 
+// Whether the varlen forward walks its row-block list (FwdParams::row_block_list_mode): "auto"
+// (or null / empty), "off" or "always". Throws kInvalidArgument otherwise.
+FwdRowBlockList parse_fwd_row_block_list(const char* value);
+// The process's choice, from CUFLASH_FWD_ROW_BLOCK_LIST, read once.
+FwdRowBlockList fwd_row_block_list();
+
 // Launch order of the backward main kernel's CTAs (BwdParams::launch_order, launch_head_group):
 // "auto" (or null / empty), "columns", "heads" or "heads:G" (G >= 1 heads at a time). Throws
 // kInvalidArgument otherwise.
@@ -165,7 +171,8 @@ int dq_semaphore_stride(BwdDqSemaphores choice);
 
 // The forward's whole workspace: the split-KV buffers, then (tiles of unequal cost, dynamic
 // scheduling) the tile counter in a 256-byte slot of its own, then (equal tiles, stream-K not
-// off) the stream-K tail's counters and partial states.
+// off) the stream-K tail's counters and partial states, then (packed queries of more than one
+// sequence) the varlen row-block list.
 std::size_t forward_workspace_bytes(const FwdParams& params, FwdScheduler scheduler);
 void assign_forward_workspace(FwdParams& params, void* workspace, FwdScheduler scheduler);
 

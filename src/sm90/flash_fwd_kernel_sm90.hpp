@@ -202,6 +202,20 @@ struct FlashFwdKernelSm90 {
     typename Epilogue::Params epilogue;
   };
 
+  // Causal-like masks (the window options; the causal, sliding-window and prefix-LM mask_mods)
+  // give the last m-blocks the most keys.
+  static bool last_m_blocks_longest(FwdParams const& p) {
+    return p.window_right >= 0 || p.window_left >= 0 ||
+           (kIsFlex && p.mask_mod.kind >= int(MaskModKind::kCausal) &&
+            p.mask_mod.kind <= int(MaskModKind::kPrefixLM));
+  }
+
+  // Whether the tiles walk the varlen row-block list (the launch builds it first).
+  static bool row_block_list_runs(FwdParams const& p) {
+    static_assert(kBlockM >= kFwdRowBlockListMinBlockM, "the list's workspace is sized for taller tiles");
+    return fwd_row_block_list_pays(p, kBlockM);
+  }
+
   static Params to_params(FwdParams const& p) {
     bool const has_softcap = p.softcap > 0.f;
     // With softcap or a score_mod the flex variant's accumulators hold final scores
@@ -213,13 +227,20 @@ struct FlashFwdKernelSm90 {
                                    p.softmax_scale >= 0.f;
     float const exp_scale = kIsFlex ? (flex_scale_in_exp ? exponent_scale(p.softmax_scale) : 1.f)
                                     : has_softcap ? p.softcap : exponent_scale(p.softmax_scale);
-    // Causal-like masks (the window options; the causal, sliding-window and prefix-LM mask_mods)
-    // give the last m-blocks the most keys.
-    bool const longest_first = p.window_right >= 0 || p.window_left >= 0 ||
-                               (kIsFlex && p.mask_mod.kind >= int(MaskModKind::kCausal) &&
-                                p.mask_mod.kind <= int(MaskModKind::kPrefixLM));
+    bool const longest_first = last_m_blocks_longest(p);
     int const pack_group = kPackGqa ? p.num_heads / p.num_heads_kv : 1;
     int const tile_heads = pack_group > 1 ? p.num_heads_kv : p.num_heads;
+    // The varlen row-block list (varlen_row_blocks_sm90.hpp, built by the launch): its entries
+    // take the place of the batch, one m-block each, and hold the longest-first order themselves.
+    bool const row_block_list = row_block_list_runs(p);
+    int const num_m_blocks = row_block_list ? 1 : cute::ceil_div(p.seqlen_q * pack_group, kBlockM);
+    int const batch_entries = row_block_list ? int(fwd_row_block_list_entries(p, kBlockM)) : p.batch;
+    Scheduler scheduler = Scheduler::make(
+        num_m_blocks, tile_heads, batch_entries, kIsSplit ? p.num_splits : 1, longest_first && !row_block_list,
+        Scheduler::choose_section_size(
+            (long long)p.seqlen_k * (p.head_dim + p.head_dim_v) * (long long)sizeof(Element),
+            tile_heads / p.num_heads_kv, tile_heads * batch_entries * (kIsSplit ? p.num_splits : 1)));
+    if (row_block_list) scheduler.row_blocks = reinterpret_cast<int2 const*>(p.row_block_list);
     typename Variant::Params variant = Variant::to_params(p);
     if constexpr (kIsFlex) {
       if (flex_scale_in_exp) variant.score_scale = 1.f;  // the multiply FlexTileMods::score skips
@@ -229,14 +250,7 @@ struct FlashFwdKernelSm90 {
             float(M_LOG2E) * exp_scale,
             has_softcap ? p.softmax_scale / p.softcap : 0.f,
             PackGqa{pack_group, cutlass::FastDivmod(pack_group)},
-            // tile_counter: set by the launch when it schedules dynamically
-            Scheduler::make(cute::ceil_div(p.seqlen_q * pack_group, kBlockM), tile_heads, p.batch,
-                            kIsSplit ? p.num_splits : 1, longest_first,
-                            Scheduler::choose_section_size(
-                                (long long)p.seqlen_k * (p.head_dim + p.head_dim_v) *
-                                    (long long)sizeof(Element),
-                                tile_heads / p.num_heads_kv,
-                                tile_heads * p.batch * (kIsSplit ? p.num_splits : 1))),
+            scheduler,  // tile_counter: set by the launch when it schedules dynamically
             StreamKTail{},
             variant,
             Epilogue::to_params(p)};

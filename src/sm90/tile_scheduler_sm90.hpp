@@ -8,6 +8,8 @@
 // - one CTA per tile (the stride walk with grid = tiles): the hardware hands out tiles as SMs
 //   free up; no overlap between tiles. Kept for comparison (CUFLASH_FWD_SCHEDULER).
 // Tiles are (m_block, head, batch, split); split-KV splits count as more (batch, head) pairs.
+// With the varlen row-block list (varlen_row_blocks_sm90.hpp) the "batch" is an entry of the
+// list, one m-block per pair, and the tile takes its sequence and row block from the entry.
 // Tile order: (batch, head) pairs in sections whose K/V fit in L2 together. Without causal/local
 // masking, m-block fastest within a section; with it, the m-blocks that see the most keys (the
 // last ones, bottom-right alignment) come first for every head of the section, so that the
@@ -89,6 +91,9 @@ struct PersistentTileSchedulerSm90 {
   // Dynamic scheduling: a device int that is 0 at launch (the launch zeroes it); every claim
   // adds 1. Null: the stride walk (static persistent or one CTA per tile).
   int* tile_counter;
+  // The varlen row-block list (device memory, read by tile() on the device only): entry e is
+  // {sequence, row block} of the tiles with "batch" e. Null: the batch x num_m_blocks rectangle.
+  int2 const* row_blocks;
   // The divisions of tile(), by multiply and shift (make fills them): a consumer decodes its next
   // tile between two tiles, where a chain of integer divisions held up the next tile's first
   // Q K^T (a few hundred cycles per tile, bench/NOTES.md).
@@ -107,6 +112,7 @@ struct PersistentTileSchedulerSm90 {
     s.longest_first = longest_first;
     s.section_size = section_size;
     s.tile_counter = nullptr;
+    s.row_blocks = nullptr;
     int const pairs = s.num_heads_batches();
     int const sections = (pairs + section_size - 1) / section_size;
     s.div_section_tiles = cutlass::FastDivmod(std::max(1, num_m_blocks * section_size));
@@ -176,6 +182,13 @@ struct PersistentTileSchedulerSm90 {
     int batch_split, head, batch, split;
     div_heads(batch_split, head, head_batch);
     div_splits(batch, split, batch_split);
+#if defined(__CUDA_ARCH__)
+    if (row_blocks != nullptr) {
+      int2 const entry = row_blocks[batch];
+      batch = entry.x;
+      m_block = entry.y;
+    }
+#endif
     return {m_block, head, batch, split};
   }
 };

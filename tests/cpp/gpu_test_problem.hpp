@@ -50,6 +50,9 @@ struct RowLayout {
   // seqused: even sequences hand the kernel their length plus this many rows, which it must cap
   // at the length (the reference sees the capped count).
   int seqused_past = 0;
+  // varlen: max_seqlen_q / max_seqlen_k given with the device cu_seqlens. Without them the
+  // longest sequence is not known on the host (the forward walks its row-block list).
+  bool max_seqlen_hints = true;
   std::vector<int> len_q, len_k;    // rows each sequence owns
   std::vector<int> used_q, used_k;  // rows that take part (seqused caps)
   std::vector<int> given_q, given_k;  // seqused as handed to the kernel
@@ -139,8 +142,10 @@ struct RowLayout {
     if (varlen) {
       seq.cu_seqlens_q = TensorView(where.cu_q, DType::kInt32, {B + 1}, device);
       seq.cu_seqlens_k = TensorView(where.cu_k, DType::kInt32, {B + 1}, device);
-      seq.max_seqlen_q = *std::max_element(len_q.begin(), len_q.end());
-      seq.max_seqlen_k = *std::max_element(len_k.begin(), len_k.end());
+      if (max_seqlen_hints) {
+        seq.max_seqlen_q = *std::max_element(len_q.begin(), len_q.end());
+        seq.max_seqlen_k = *std::max_element(len_k.begin(), len_k.end());
+      }
     }
     if (seqused) {
       seq.seqused_q = TensorView(where.used_q, DType::kInt32, {B}, device);

@@ -36,6 +36,9 @@ struct FwdCase {
   float softcap = 0.f;
   std::optional<DType> sink;
   bool varlen = false;   // packed rows with cu_seqlens; per-sequence lengths drawn up to seqlen_q/k
+  // varlen: no max_seqlen_q / max_seqlen_k with the device cu_seqlens, so the longest sequence is
+  // total_q for the host and the forward walks its row-block list (varlen_row_blocks_sm90.hpp).
+  bool no_hints = false;
   bool seqused = false;  // seqused_q/k cap each sequence below its length
   bool keyless = false;  // varlen: sequence 2 has queries and no keys (every row fully masked)
   int seqused_past = 0;  // device seqused past the rows on even sequences (capped by the kernel)
@@ -77,6 +80,7 @@ struct Problem : gpu_testing::RowLayout {
 
   explicit Problem(const FwdCase& fc) : RowLayout(fc, fc.seqused, fc.keyless), c(fc) {
     seqused_past = c.seqused_past;
+    max_seqlen_hints = !c.no_hints;
     std::mt19937 rng(c.seed);
     draw_lengths(rng);
     std::normal_distribution<float> normal(0.f, 1.f);
@@ -515,6 +519,39 @@ std::vector<FwdCase> forward_cases() {
       c.head_dim = d, c.head_dim_v = dv, c.key_ramp = ramp, c.seed = ramp_seed++;
       cases.push_back(c);
     }
+  }
+  // Packed sequences without the max_seqlen hints: the tiles walk the row-block list, built on
+  // the device from cu_seqlens_q (each case's rectangle, batch x total_q rows, is more than twice
+  // the list). Sequence 0 is the longest and sequence 1 has no queries (draw_lengths); more
+  // sequences than the list kernel's 512 threads take two chunks. Seeds of their own.
+  unsigned list_seed = 2000;
+  for (auto [d, dv] : head_dims) {
+    auto add = [&](FwdCase c) {
+      c.head_dim = d, c.head_dim_v = dv, c.varlen = true, c.no_hints = true, c.seed = list_seed++;
+      cases.push_back(c);
+    };
+    FwdCase c;
+    c = {};  // causal: each sequence's last row blocks first
+    c.label = "row_list_causal_gqa", c.batch = 12, c.seqlen_q = 300, c.seqlen_k = 333, c.heads = 4,
+    c.heads_kv = 1, c.causal = true;
+    add(c);
+    c = {};
+    c.label = "row_list_long_causal", c.batch = 3, c.seqlen_q = 1100, c.seqlen_k = 1100, c.heads = 2,
+    c.heads_kv = 2, c.causal = true;
+    add(c);
+    c = {};
+    c.label = "row_list_packed_gqa4_split3_local", c.batch = 6, c.seqlen_q = 200, c.seqlen_k = 700,
+    c.heads = 8, c.heads_kv = 2, c.window_left = 100, c.window_right = 20, c.num_splits = 3,
+    c.pack_gqa = true;
+    add(c);
+    c = {};
+    c.label = "row_list_seqused_keyless_sink", c.batch = 9, c.seqlen_q = 260, c.seqlen_k = 300,
+    c.heads = 2, c.heads_kv = 2, c.seqused = true, c.keyless = true, c.sink = DType::kFloat32;
+    add(c);
+    c = {};
+    c.label = "row_list_600_sequences_softcap", c.batch = 600, c.seqlen_q = 20, c.seqlen_k = 30,
+    c.heads = 2, c.heads_kv = 1, c.softcap = 20.f;
+    add(c);
   }
   return cases;
 }

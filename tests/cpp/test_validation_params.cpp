@@ -881,6 +881,71 @@ TEST(ParamsForward, SchedulerChoiceAndTileCounter) {
   EXPECT_EQ(reinterpret_cast<char*>(p.tile_counter), workspace.data() + split_bytes);
 }
 
+// The varlen row-block list (sm90/varlen_row_blocks_sm90.hpp): which calls get its workspace,
+// how many entries it holds, and when the launch walks it rather than the rectangle.
+TEST(ParamsForward, VarlenRowBlockList) {
+  static const int cu_seqlens[13] = {};
+  FwdParams p;
+  p.batch = 12;
+  p.num_heads = 4;
+  p.num_heads_kv = 1;
+  p.head_dim = p.head_dim_v = 128;
+  p.total_q = 1800;
+  p.seqlen_q = p.total_q;  // no max_seqlen_q, lengths on the device
+  p.seqlen_k = 2000;
+  // Dense queries, or one sequence: no list.
+  EXPECT_FALSE(fwd_row_block_list_wanted(p));
+  EXPECT_EQ(forward_workspace_bytes(p, FwdScheduler::kOnePerTile), 0u);
+  p.cu_seqlens_q = cu_seqlens;
+  // A bound on the row blocks with rows: one partial block per sequence at most.
+  EXPECT_EQ(fwd_row_block_list_entries(p, 128), 15 + 12);
+  EXPECT_EQ(fwd_row_block_list_entries(p, 192), 10 + 12);
+  p.pack_gqa = true;  // four query heads per tile row
+  EXPECT_EQ(fwd_row_block_list_entries(p, 128), 57 + 12);
+  p.pack_gqa = false;
+  EXPECT_TRUE(fwd_row_block_list_wanted(p));
+  const std::size_t list_bytes = (15 + 12) * 2 * sizeof(int);
+  EXPECT_EQ(forward_workspace_bytes(p, FwdScheduler::kOnePerTile), 256u);
+  // After the tile counter (varlen tiles are unequal: dynamic scheduling).
+  EXPECT_EQ(forward_workspace_bytes(p, FwdScheduler::kDynamic), 256u + 256u);
+  std::vector<char> workspace(forward_workspace_bytes(p, FwdScheduler::kDynamic));
+  // Not walked before the workspace is assigned.
+  EXPECT_FALSE(fwd_row_block_list_pays(p, 128));
+  assign_forward_workspace(p, workspace.data(), FwdScheduler::kDynamic);
+  EXPECT_EQ(reinterpret_cast<char*>(p.row_block_list), workspace.data() + 256);
+  EXPECT_EQ(std::size_t(p.row_block_list_capacity), list_bytes / (2 * sizeof(int)));
+  // The rectangle: 12 x 15 row blocks against 27 entries.
+  EXPECT_TRUE(fwd_row_block_list_pays(p, 128));
+  EXPECT_TRUE(fwd_row_block_list_pays(p, 192));
+  // With the hint (300 rows at most) the rectangle, 12 x 3 = 36, is less than twice the list.
+  p.seqlen_q = 300;
+  EXPECT_FALSE(fwd_row_block_list_pays(p, 128));
+  // Lengths far apart under a hint: one sequence of 1700 rows, eleven short ones (12 x 14 = 168
+  // against 27).
+  p.seqlen_q = 1700;
+  EXPECT_TRUE(fwd_row_block_list_pays(p, 128));
+  // A tile of fewer rows than the workspace was sized for would run past it.
+  EXPECT_FALSE(fwd_row_block_list_pays(p, 64));
+  // CUFLASH_FWD_ROW_BLOCK_LIST: "always" walks the list under the hint too, "off" never (and
+  // reserves no workspace).
+  EXPECT_EQ(parse_fwd_row_block_list(nullptr), FwdRowBlockList::kAuto);
+  EXPECT_EQ(parse_fwd_row_block_list("always"), FwdRowBlockList::kAlways);
+  EXPECT_EQ(parse_fwd_row_block_list("off"), FwdRowBlockList::kOff);
+  expect_setting_refused(parse_fwd_row_block_list, "on", "CUFLASH_FWD_ROW_BLOCK_LIST");
+  p.seqlen_q = 300;
+  p.row_block_list_mode = FwdRowBlockList::kAlways;
+  EXPECT_TRUE(fwd_row_block_list_pays(p, 128));
+  p.seqlen_q = 1700;
+  p.row_block_list_mode = FwdRowBlockList::kOff;
+  EXPECT_FALSE(fwd_row_block_list_pays(p, 128));
+  EXPECT_EQ(forward_workspace_bytes(p, FwdScheduler::kDynamic), 256u);
+  p.row_block_list_mode = FwdRowBlockList::kAuto;
+  // One sequence: nothing to gain.
+  p.batch = 1;
+  EXPECT_FALSE(fwd_row_block_list_wanted(p));
+  EXPECT_FALSE(fwd_row_block_list_pays(p, 128));
+}
+
 // The forward's stream-K tail (sm90/stream_k_tail.hpp): when the cut pays, for which calls,
 // and the workspace it takes.
 TEST(ParamsForward, StreamKTailChoice) {

@@ -529,6 +529,60 @@ def test_torch_flex_with_sink_seqused_and_lse_gradient(rng, mod):
         assert_close(to_f64(g), expected, "bfloat16", scale=max(1.0, np.abs(expected).max()), what=name)
 
 
+@pytest.mark.parametrize("case", ["causal_gqa", "paged_packed_gqa", "prefix_lm_split3"])
+def test_torch_varlen_without_max_seqlen_hints(rng, case):
+    # Packed queries in device memory without max_seqlen_q (the seed interface's default): the
+    # forward walks its row-block list, built on the GPU from cu_seqlens_q, rather than batch x
+    # total_q rows (sm90/varlen_row_blocks_sm90.hpp). 40 sequences, one without queries and one
+    # longer than the rest; out, lse and the gradients against the CPU reference.
+    torch = torch_cuda()
+    heads, heads_kv, dim = 4, 2, 128
+    lengths = rng.integers(0, 150, size=40)
+    lengths[3], lengths[7] = 0, 700
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+    total = int(lengths.sum())
+    q = torch.from_numpy(rng.standard_normal((total, heads, dim)).astype(np.float32)).bfloat16()
+    paged = case.startswith("paged")
+    if paged:
+        page_size, max_pages = 64, 12
+        num_pages = len(lengths) * max_pages
+        table = torch.from_numpy(rng.permutation(num_pages).reshape(len(lengths), max_pages).astype(np.int32))
+        seqused_k = torch.from_numpy(rng.integers(0, max_pages * page_size, size=len(lengths)).astype(np.int32))
+        k, v = (torch.from_numpy(rng.standard_normal((num_pages, page_size, heads_kv, dim)).astype(np.float32))
+                .bfloat16() for _ in range(2))
+    else:
+        k, v = (torch.from_numpy(rng.standard_normal((total, heads_kv, dim)).astype(np.float32)).bfloat16()
+                for _ in range(2))
+    dout = torch.from_numpy(rng.standard_normal((total, heads, dim)).astype(np.float32)).bfloat16()
+
+    def run(device):
+        qd, kd, vd = (t.to(device).requires_grad_(True) for t in (q, k, v))
+        cud = cu.to(device)
+        if paged:
+            extra = dict(cu_seqlens_q=cud, page_table=table.to(device), seqused_k=seqused_k.to(device),
+                         pack_gqa=True)
+        else:
+            extra = dict(cu_seqlens_q=cud, cu_seqlens_k=cud)
+        if case == "prefix_lm_split3":
+            out, lse = cuflash.flash_attn_forward(qd, kd, vd, return_lse=True, mask_mod=cuflash.masks.prefix_lm(48),
+                                                  num_splits=3, **extra)
+            grads = cuflash.flash_attn_backward(dout.to(device), qd, kd, vd, out, lse,
+                                                mask_mod=cuflash.masks.prefix_lm(48), **extra)
+        else:
+            out, lse = cuflash.flash_attn_varlen_func(qd, kd, vd, causal=True, **extra)
+            grads = torch.autograd.grad(out, (qd, kd, vd), dout.to(device))
+        return [out, lse, *grads]
+
+    with skip_if_not_built():
+        gpu = run("cuda")
+    cpu = run("cpu")
+    assert_close(to_f64(gpu[0]), to_f64(cpu[0]), "bfloat16", what="out")
+    assert_lse_close(to_f64(gpu[1]), to_f64(cpu[1]))
+    for name, g, c in zip(("dq", "dk", "dv"), gpu[2:], cpu[2:]):
+        expected = to_f64(c)
+        assert_close(to_f64(g), expected, "bfloat16", scale=max(1.0, np.abs(expected).max()), what=name)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_torch_deterministic_backward_with_a_short_max_seqlen_hint(rng, causal):
     # max_seqlen_q below the longest packed sequence (the host cannot check a hint against
