@@ -14,7 +14,7 @@
 # committed version of a changed source file as the base of an A/B, without a switch in the code).
 # KERNEL_SET (default custom), HDIMS, DTYPES (default bf16), FEATURES, REGEX (CUFLASH_KERNEL_REGEX):
 # the kernel selection of every variant. TEST_VARIANT / GTEST_FILTER / TEST_TIMEOUT: the GPU tests
-# (none without TEST_VARIANT). BENCH: a bench/bench_NAME.py step of gpu_check (fwd, bwd, flex, gqa;
+# (none without TEST_VARIANT). BENCH: a bench/bench_NAME.py step of gpu_check (fwd, bwd, flex, gqa, varlen;
 # none if empty), BENCH_ARGS its arguments, PASSES the rounds over the variants (default 2).
 # BENCH_ENV_B: a second pass of each variant in each round under these VAR=value settings (a
 # launch-time switch: e.g. a schedule that only one variant knows, read by both).
@@ -121,7 +121,8 @@ if [[ -n ${BENCH:-} ]]; then
     bwd) step=bench_bwd settings=(BENCH_BWD_ARGS="${BENCH_ARGS:-}") logname=bench_bwd.log env_b=BENCH_BWD_ENV_B ;;
     flex) step=bench_flex settings=(BENCH_FLEX_ARGS="${BENCH_ARGS:-}" BENCH_FLEX_TIMEOUT="${BENCH_TIMEOUT:-300}") logname=bench_flex.log env_b=BENCH_FLEX_ENV_B ;;
     gqa) step=bench_gqa settings=(BENCH_GQA_ARGS="${BENCH_ARGS:-}") logname=bench_gqa.log env_b=BENCH_GQA_ENV_B ;;
-    *) echo "BENCH: '$BENCH' is not one of fwd, bwd, flex, gqa" >&2; exit 2 ;;
+    varlen) step=bench_varlen settings=(BENCH_VARLEN_ARGS="${BENCH_ARGS:-}") logname=bench_varlen.log env_b=BENCH_VARLEN_ENV_B ;;
+    *) echo "BENCH: '$BENCH' is not one of fwd, bwd, flex, gqa, varlen" >&2; exit 2 ;;
   esac
   # BENCH_ENV_B: gpu_check's second pass of the benchmark under these settings (its variable for
   # that benchmark, env_b), logged beside the first pass's with _b.

@@ -155,14 +155,25 @@ const FwdEntry& built_entry(const FwdParams& params) {
 // The kernels count rows (packed GQA: the group's rows of a sequence) and tiles (m-blocks x
 // heads x batch x splits, claimed by the persistent scheduler up to a grid past the count) in
 // int. Counted here in int64 over the narrowest tile (64 rows): with packed sequences the
-// m-blocks come from max_seqlen_q, or from total_q when it is absent, per sequence.
+// m-blocks come from max_seqlen_q, or from total_q when it is absent, per sequence; or from the
+// varlen row-block list where the launch walks it.
 static void check_tile_count(const FwdParams& params) {
   long long const group = params.pack_gqa ? params.num_heads / std::max(1, params.num_heads_kv) : 1;
   long long const rows = (long long)params.seqlen_q * group;
   long long const tile_heads = params.pack_gqa ? params.num_heads_kv : params.num_heads;
-  long long const tiles = (rows + 63) / 64 * tile_heads * params.batch * std::max(1, params.num_splits);
+  long long const splits = std::max(1, params.num_splits);
+  long long const tiles = (rows + 63) / 64 * tile_heads * params.batch * splits;
   constexpr long long kMaxTiles = INT32_MAX - (1 << 20);
-  if (rows <= INT32_MAX && tiles <= kMaxTiles) return;
+  // The varlen row-block list (varlen_row_blocks_sm90.hpp), where the call may walk it: its
+  // tiles (row blocks x heads x splits), at 128 rows or more. The launch takes it over a
+  // rectangle of more than twice its row blocks, so a list within half the limit covers every
+  // rectangle past the limit.
+  bool const list = fwd_row_block_list_wanted(params) && (long long)params.total_q * group <= INT32_MAX - 256;
+  long long const list_tiles = fwd_row_block_list_entries(params, kFwdRowBlockListMinBlockM) * tile_heads * splits;
+  bool const list_fits = list && list_tiles <= kMaxTiles / 2;
+  bool const rectangle_fits = rows <= INT32_MAX && tiles <= kMaxTiles;
+  bool const list_forced = list && params.row_block_list_mode == FwdRowBlockList::kAlways;
+  if (list_forced ? list_fits : (rectangle_fits || list_fits)) return;
   bool const packed = params.cu_seqlens_q != nullptr;
   not_supported(packed ? "max_seqlen_q" : "q",
                 std::string("the sm90 forward counts its tiles in int32: ") + std::to_string(tiles) +

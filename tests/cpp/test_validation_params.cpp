@@ -1344,8 +1344,8 @@ TEST(ParamsBackward, GridLimitsAndEmptyBatch) {
 }
 
 // The forward's scheduler counts tiles in int: more than it holds (packed sequences without
-// max_seqlen_q count each as long as total_q) is refused by name, not wrapped into a grid that
-// writes nothing.
+// max_seqlen_q count each as long as total_q, unless the varlen row-block list holds them) is
+// refused by name, not wrapped into a grid that writes nothing.
 TEST(ParamsForward, TileCountFitsTheScheduler) {
   FwdParams p;
   p.dtype = int(DType::kBFloat16);
@@ -1355,10 +1355,26 @@ TEST(ParamsForward, TileCountFitsTheScheduler) {
   p.seqlen_q = p.seqlen_k = 1 << 20;
   std::vector<std::int32_t> cu(2, 0);
   p.cu_seqlens_q = cu.data();
+  p.total_q = 1 << 20;
   auto refusal = [&] { return refused_argument([&] { sm90::check_forward_supported(p); }); };
-  EXPECT_EQ(refusal(), "max_seqlen_q");  // 2^14 x 32 x 8192 = 2^32 tiles
+  // The rectangle: 2^14 x 32 x 8192 = 2^32 tiles; the row-block list: (2^13 + 8192) x 32.
+  EXPECT_EQ(refusal(), "");
+  p.row_block_list_mode = FwdRowBlockList::kOff;
+  EXPECT_EQ(refusal(), "max_seqlen_q");
+  p.row_block_list_mode = FwdRowBlockList::kAuto;
   p.seqlen_q = 128;
   EXPECT_EQ(refusal(), "");
+  // A list past the count as well: (2^23 + 8192) x 128 tiles.
+  p.seqlen_q = p.total_q = 1 << 30;
+  p.num_heads = p.num_heads_kv = 128;
+  EXPECT_EQ(refusal(), "max_seqlen_q");
+  // Forced, the list must fit whatever the rectangle (a hint of 128 rows: 8192 x 128 tiles).
+  p.seqlen_q = 128;
+  EXPECT_EQ(refusal(), "");
+  p.row_block_list_mode = FwdRowBlockList::kAlways;
+  EXPECT_EQ(refusal(), "max_seqlen_q");
+  p.row_block_list_mode = FwdRowBlockList::kAuto;
+  p.num_heads = p.num_heads_kv = 32;
   p.cu_seqlens_q = nullptr;
   p.batch = 64;
   p.seqlen_q = 1 << 23;  // dense: 2^17 x 32 x 64 = 2^28 tiles
