@@ -162,6 +162,27 @@ def relative_error(results, reference):
     return worst
 
 
+def checked_time_us(fn, reference, max_err, warmup, repeats, against="the reference"):
+    """(us, err, skipped) of one column: its output checked against `reference` first (max
+    |out - ref| / max |ref|), timed only within max_err; skipped says why it was not timed (an
+    output further off, or the error a call raised), None when timed. A device fault that leaves
+    the context unusable is raised: nothing after it could be measured."""
+    us, err, skipped = float("nan"), None, None
+    try:
+        out = fn()
+        err = relative_error([out], [reference])
+        del out
+        if not err <= max_err:
+            skipped = f"output off: max error {err:.3g} relative to {against} > --max-err"
+        else:
+            us = 1e3 * time_ms(fn, warmup, repeats)
+    except Exception as error:  # noqa: BLE001 - the record says why
+        skipped = f"{type(error).__name__}: {error}".strip().splitlines()[0][:300]
+        if not cuda_context_ok():
+            raise
+    return us, err, skipped
+
+
 def by_impl(record):
     return record["impl"]
 

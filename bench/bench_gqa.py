@@ -132,19 +132,7 @@ def main():
                        else expected for name in columns}
             times = {}
             for name, fn in columns.items():
-                us, err, skipped = float("nan"), None, None
-                try:
-                    out = fn()
-                    err = common.relative_error([out], [checked[name]])
-                    del out
-                    if not err <= args.max_err:
-                        skipped = f"output off: max error {err:.3g} relative to the reference > --max-err"
-                    else:
-                        us = 1e3 * common.time_ms(fn, args.warmup, args.repeats)
-                except Exception as error:  # noqa: BLE001 - the record says why
-                    skipped = f"{type(error).__name__}: {error}".strip().splitlines()[0][:300]
-                    if not common.cuda_context_ok():
-                        raise
+                us, err, skipped = common.checked_time_us(fn, checked[name], args.max_err, args.warmup, args.repeats)
                 if skipped:
                     print(f"{name} heads {pair} sq {seqlen_q}: skipped: {skipped}")
                 times[name] = us

@@ -83,17 +83,8 @@ def main():
                 expected = columns["fa2"]()
                 tflops = {}
                 for name, fn in columns.items():
-                    us, err, skipped = float("nan"), None, None
-                    try:
-                        err = common.relative_error([fn()], [expected])
-                        if not err <= args.max_err:
-                            skipped = f"output off: max error {err:.3g} relative to FA2's > --max-err"
-                        else:
-                            us = 1e3 * common.time_ms(fn, args.warmup, args.repeats)
-                    except Exception as error:  # noqa: BLE001 - the record says why
-                        skipped = f"{type(error).__name__}: {error}".strip().splitlines()[0][:300]
-                        if not common.cuda_context_ok():
-                            raise
+                    us, err, skipped = common.checked_time_us(fn, expected, args.max_err, args.warmup, args.repeats,
+                                                              against="FA2's")
                     if skipped:
                         print(f"{name} {layout} causal {causal}: skipped: {skipped}")
                     tflops[name] = flops / us / 1e6

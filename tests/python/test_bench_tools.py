@@ -1,7 +1,7 @@
 """The benchmark helpers that run without a GPU: bench/ncu_stall_top.py on a small source page,
 bench/det_order_model.py on small launches, bench/trace_fwd.py and bench/trace_bwd.py on made-up
 timelines, bench/probe_flex_lists.py's list merging, bench_common's grid, FLOP counts and JSON,
-bench_gqa's float32 reference against cuflash's CPU reference."""
+bench_gqa's float32 reference against cuflash's CPU reference, bench_common's check before timing."""
 
 import importlib.util
 import json
@@ -294,3 +294,25 @@ def test_ratio_to_the_best_peer():
                 (("cuflash", 300.0), ("cudnn", 200.0), ("fa2", None))]
     lines = common.table_lines("t", records, "v", ["cuflash"], [("c/best", "cuflash", ("cudnn", "fa2"))])
     assert [line.split()[-1] for line in lines[2:]] == ["0.938", "1.500"]
+
+
+def test_checked_time_us_checks_before_it_times(monkeypatch):
+    # A column is timed only when its output is within max_err of the reference; otherwise, or
+    # when the call raises, it is recorded as skipped with the reason and not timed.
+    common = load("bench_common")
+    errors = {"close": 0.001, "off": 0.5}
+    monkeypatch.setattr(common, "relative_error", lambda results, reference: errors[results[0]])
+    monkeypatch.setattr(common, "time_ms", lambda fn, warmup, repeats: 0.25)
+    monkeypatch.setattr(common, "cuda_context_ok", lambda: True)
+    assert common.checked_time_us(lambda: "close", None, 0.01, 1, 1) == (250.0, 0.001, None)
+    us, err, skipped = common.checked_time_us(lambda: "off", None, 0.01, 1, 1, against="FA2's")
+    assert math.isnan(us) and err == 0.5 and skipped.startswith("output off: max error 0.5 relative to FA2's")
+
+    def fails():
+        raise RuntimeError("no kernel\nsecond line")
+
+    us, err, skipped = common.checked_time_us(fails, None, 0.01, 1, 1)
+    assert math.isnan(us) and err is None and skipped == "RuntimeError: no kernel"
+    monkeypatch.setattr(common, "cuda_context_ok", lambda: False)
+    with pytest.raises(RuntimeError):
+        common.checked_time_us(fails, None, 0.01, 1, 1)

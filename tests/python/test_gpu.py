@@ -482,6 +482,20 @@ def test_torch_size_one_dimensions_with_any_stride(rng):
     assert torch.equal(out, expected_out) and torch.equal(lse, expected_lse)
 
 
+def check_gpu_against_cpu(run, grad_names):
+    """run(device) -> [out, lse, *gradients] in bfloat16 on the GPU (a kernel missing from the
+    build skips) against the CPU reference: out and each gradient by the accuracy rule (a
+    gradient relative to its largest value), lse by its own."""
+    with skip_if_not_built():
+        gpu = run("cuda")
+    cpu = run("cpu")
+    assert_close(to_f64(gpu[0]), to_f64(cpu[0]), "bfloat16", what="out")
+    assert_lse_close(to_f64(gpu[1]), to_f64(cpu[1]))
+    for name, g, c in zip(grad_names, gpu[2:], cpu[2:]):
+        expected = to_f64(c)
+        assert_close(to_f64(g), expected, "bfloat16", scale=max(1.0, np.abs(expected).max()), what=name)
+
+
 @pytest.mark.parametrize("mod", ["alibi", "prefix_lm", "document"])
 def test_torch_flex_with_sink_seqused_and_lse_gradient(rng, mod):
     # The flex kernels (a score_mod or a mask_mod) with what their GPU tests in C++ leave out: a
@@ -519,14 +533,7 @@ def test_torch_flex_with_sink_seqused_and_lse_gradient(rng, mod):
                                             **common)
         return [out, lse, *grads]
 
-    with skip_if_not_built():
-        gpu = run("cuda")
-    cpu = run("cpu")
-    assert_close(to_f64(gpu[0]), to_f64(cpu[0]), "bfloat16", what="out")
-    assert_lse_close(to_f64(gpu[1]), to_f64(cpu[1]))
-    for name, g, c in zip(("dq", "dk", "dv", "d_sink"), gpu[2:], cpu[2:]):
-        expected = to_f64(c)
-        assert_close(to_f64(g), expected, "bfloat16", scale=max(1.0, np.abs(expected).max()), what=name)
+    check_gpu_against_cpu(run, ("dq", "dk", "dv", "d_sink"))
 
 
 @pytest.mark.parametrize("case", ["causal_gqa", "paged_packed_gqa", "prefix_lm_split3"])
@@ -573,14 +580,7 @@ def test_torch_varlen_without_max_seqlen_hints(rng, case):
             grads = torch.autograd.grad(out, (qd, kd, vd), dout.to(device))
         return [out, lse, *grads]
 
-    with skip_if_not_built():
-        gpu = run("cuda")
-    cpu = run("cpu")
-    assert_close(to_f64(gpu[0]), to_f64(cpu[0]), "bfloat16", what="out")
-    assert_lse_close(to_f64(gpu[1]), to_f64(cpu[1]))
-    for name, g, c in zip(("dq", "dk", "dv"), gpu[2:], cpu[2:]):
-        expected = to_f64(c)
-        assert_close(to_f64(g), expected, "bfloat16", scale=max(1.0, np.abs(expected).max()), what=name)
+    check_gpu_against_cpu(run, ("dq", "dk", "dv"))
 
 
 @pytest.mark.parametrize("causal", [True, False])
