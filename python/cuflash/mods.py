@@ -105,6 +105,8 @@ def load_slot(word: int) -> int:
 def load_fourth_index(word: int) -> int:
     """A load's fourth index register, -1 if none."""
     return ((word >> 16) & 0xFF) - 1
+
+
 _FLOAT_UNARY = (EXP, EXP2, LOG, TANH, SIGMOID, SQRT)
 
 

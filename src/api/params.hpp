@@ -178,14 +178,18 @@ inline bool fwd_tiles_unequal(const FwdParams& p) {
          p.mask_mod.kind != 0 || p.block_sparse.enabled;
 }
 
+// Query rows per tile row: the GQA group with packed GQA (its query heads share a tile), else 1.
+inline int fwd_pack_group(const FwdParams& p) {
+  return p.pack_gqa && p.num_heads_kv > 0 ? p.num_heads / p.num_heads_kv : 1;
+}
+
 // The varlen forward's row-block list (sm90/varlen_row_blocks_sm90.hpp) for a kernel tile of
 // block_m rows (packed GQA: block_m tile rows over the group's query heads). Its entries: a bound
 // on the row blocks that hold rows, known without the lengths (each sequence adds at most one
 // partial block). Dispatch sizes the workspace for the lowest tile height of the forward kernels.
 constexpr int kFwdRowBlockListMinBlockM = 128;
 inline long long fwd_row_block_list_entries(const FwdParams& p, int block_m) {
-  long long const group = p.pack_gqa ? p.num_heads / p.num_heads_kv : 1;
-  return ((long long)p.total_q * group + block_m - 1) / block_m + p.batch;
+  return ((long long)p.total_q * fwd_pack_group(p) + block_m - 1) / block_m + p.batch;
 }
 // Whether dispatch gives the call a list: packed queries of more than one sequence.
 inline bool fwd_row_block_list_wanted(const FwdParams& p) {
@@ -199,8 +203,8 @@ inline bool fwd_row_block_list_wanted(const FwdParams& p) {
 // rectangle a decode, length reads and a skip per empty tile.
 inline bool fwd_row_block_list_pays(const FwdParams& p, int block_m) {
   if (p.row_block_list == nullptr || !fwd_row_block_list_wanted(p)) return false;
-  long long const group = p.pack_gqa ? p.num_heads / p.num_heads_kv : 1;
-  long long const rectangle = (long long)p.batch * (((long long)p.seqlen_q * group + block_m - 1) / block_m);
+  long long const rectangle =
+      (long long)p.batch * (((long long)p.seqlen_q * fwd_pack_group(p) + block_m - 1) / block_m);
   long long const entries = fwd_row_block_list_entries(p, block_m);
   return (p.row_block_list_mode == FwdRowBlockList::kAlways || rectangle > 2 * entries) &&
          entries <= p.row_block_list_capacity;

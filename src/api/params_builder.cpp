@@ -437,7 +437,7 @@ int choose_num_splits(const FwdParams& params, int requested, int num_sm) {
   if (num_n_blocks <= 4) return 1;  // short keys: splitting costs more than it gains
   // One tile per (batch, query head, m-block), or per (batch, kv head, m-block of the group's
   // rows) with packed GQA.
-  const std::int64_t group = params.pack_gqa ? params.num_heads / params.num_heads_kv : 1;
+  const std::int64_t group = fwd_pack_group(params);
   const std::int64_t tile_heads = params.num_heads / group;
   const std::int64_t num_m_blocks =
       (std::int64_t{params.seqlen_q} * group + kBlockM - 1) / kBlockM;

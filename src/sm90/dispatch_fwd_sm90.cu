@@ -158,7 +158,7 @@ const FwdEntry& built_entry(const FwdParams& params) {
 // m-blocks come from max_seqlen_q, or from total_q when it is absent, per sequence; or from the
 // varlen row-block list where the launch walks it.
 static void check_tile_count(const FwdParams& params) {
-  long long const group = params.pack_gqa ? params.num_heads / std::max(1, params.num_heads_kv) : 1;
+  long long const group = fwd_pack_group(params);
   long long const rows = (long long)params.seqlen_q * group;
   long long const tile_heads = params.pack_gqa ? params.num_heads_kv : params.num_heads;
   long long const splits = std::max(1, params.num_splits);
