@@ -102,9 +102,9 @@ struct SequenceLayout {
   // With cu_seqlens_*: at least the longest segment of cu_seqlens_* (whatever seqused_* leaves
   // of it). The GPU kernels size their grids by them; read from host memory they are checked,
   // in device memory trusted (CUFLASH_CHECK_INPUTS=1 checks them). Absent: the longest segment
-  // from host memory, else total rows (an upper bound): the forward then walks a list of the
-  // row blocks that hold rows, built on the GPU, while the backward launches batch x the blocks
-  // of total rows, each past its sequence stopping at once.
+  // from host memory, else total rows (an upper bound): the forward and the backward then walk
+  // lists of the blocks that hold rows, built on the GPU (the deterministic backward's
+  // semaphores are still sized for batch x the total rows).
   std::optional<std::int64_t> max_seqlen_q, max_seqlen_k;
   std::optional<TensorView> page_table;
 };

@@ -125,6 +125,7 @@ BwdParams device_bwd_params(const BackwardArgs& args, const detail::AttentionSha
   params.det_walk = static_cast<int>(detail::bwd_det_walk());
   params.dq_convert = static_cast<int>(detail::bwd_dq_convert());
   params.dq_clear = static_cast<int>(detail::bwd_dq_clear());
+  params.block_list = static_cast<int>(detail::bwd_block_list());
   params.dq_semaphore_stride = detail::dq_semaphore_stride(detail::bwd_dq_semaphores());
   if (detail::document_lists_apply(args.opts, args.seq, shape, args.opts.expression_backward_kernel))
     detail::plan_document_block_lists(params.block_sparse, shape, /*backward=*/true);

@@ -137,7 +137,7 @@ struct FwdParams {
   // Dynamic tile scheduling: one int of device workspace that the launch zeroes on the stream
   // before the kernel; null: no dynamic scheduling (see fwd_tiles_unequal).
   int* tile_counter = nullptr;
-  // The varlen row-block list (sm90/varlen_row_blocks_sm90.hpp): device workspace for
+  // The varlen row-block list (sm90/varlen_block_list_sm90.hpp): device workspace for
   // row_block_list_capacity {sequence, row block} pairs of ints, given by dispatch to packed
   // queries of more than one sequence; the launch builds and walks it where
   // fwd_row_block_list_pays. Null: the batch x row-block rectangle.
@@ -183,13 +183,16 @@ inline int fwd_pack_group(const FwdParams& p) {
   return p.pack_gqa && p.num_heads_kv > 0 ? p.num_heads / p.num_heads_kv : 1;
 }
 
-// The varlen forward's row-block list (sm90/varlen_row_blocks_sm90.hpp) for a kernel tile of
+// The varlen forward's row-block list (sm90/varlen_block_list_sm90.hpp) for a kernel tile of
 // block_m rows (packed GQA: block_m tile rows over the group's query heads). Its entries: a bound
 // on the row blocks that hold rows, known without the lengths (each sequence adds at most one
 // partial block). Dispatch sizes the workspace for the lowest tile height of the forward kernels.
 constexpr int kFwdRowBlockListMinBlockM = 128;
+inline long long varlen_block_list_entries(long long total_rows, int batch, int block) {
+  return (total_rows + block - 1) / block + batch;
+}
 inline long long fwd_row_block_list_entries(const FwdParams& p, int block_m) {
-  return ((long long)p.total_q * fwd_pack_group(p) + block_m - 1) / block_m + p.batch;
+  return varlen_block_list_entries((long long)p.total_q * fwd_pack_group(p), p.batch, block_m);
 }
 // Whether dispatch gives the call a list: packed queries of more than one sequence.
 inline bool fwd_row_block_list_wanted(const FwdParams& p) {
@@ -279,6 +282,14 @@ struct BwdParams {
   // dQ sums first (BwdDqClear::kFirstStore), so that dq_accum needs no clear. Zeroed by the
   // preprocess.
   int* dq_tickets = nullptr;
+  // The varlen block lists (sm90/varlen_block_list_sm90.hpp): {sequence, block} pairs of ints
+  // of the packed query rows' row blocks (the preprocess and the dQ conversion) and of the packed
+  // keys' column blocks (the main kernel and the dK / dV conversion), built by the launch where
+  // bwd_block_list_pays; null: the batch x blocks rectangle. block_list is a BwdBlockList value,
+  // from CUFLASH_BWD_BLOCK_LIST.
+  int* row_block_list = nullptr;
+  int* col_block_list = nullptr;
+  int block_list = 0;
   // Device workspace of backward_workspace_bytes(params) bytes, handed in by dispatch;
   // run_backward carves the buffers above from it.
   void* workspace = nullptr;
@@ -316,6 +327,26 @@ struct BwdParams {
   int block_m = 0;
   int block_n = 0;
 };
+
+// Whether the varlen backward walks its block lists (BwdParams::block_list): kAuto where
+// bwd_block_list_pays; kOff and kAlways, for timing one against the other.
+enum class BwdBlockList : int { kAuto = 0, kOff = 1, kAlways = 2 };
+// Whether the backward walks a block list of the packed queries (queries: row blocks of block
+// rows) or keys (column blocks) rather than the rectangle of batch x ceil(longest / block)
+// blocks per head: packed rows of more than one sequence where the rectangle has more than twice
+// the list's entries, as it has with the lengths on the device and no max_seqlen hint (the
+// longest is then the total) or with lengths far apart. The list costs a one-CTA kernel and a
+// load per CTA; the rectangle a started and stopped CTA per empty block (the main kernel's hold
+// 200 KB of shared memory, one per SM at a time).
+inline bool bwd_block_list_pays(const BwdParams& p, bool queries, int block) {
+  bool const packed = queries ? p.cu_seqlens_q != nullptr : p.cu_seqlens_k != nullptr;
+  BwdBlockList const mode = BwdBlockList(p.block_list);
+  if (mode == BwdBlockList::kOff || !packed || p.batch <= 1 || block <= 0) return false;
+  long long const entries = varlen_block_list_entries(queries ? p.total_q : p.total_k, p.batch, block);
+  long long const longest = queries ? p.seqlen_q : p.seqlen_k;
+  long long const rectangle = (long long)p.batch * ((longest + block - 1) / block);
+  return entries <= (long long)0x7fffffff && (mode == BwdBlockList::kAlways || rectangle > 2 * entries);
+}
 
 // Split-KV combine: out_partial (splits, rows, H, D) and lse_partial (splits, rows, H) in fp32,
 // rows = B * S (dense) or total (packed); out (rows, H, D), lse (rows, H).
@@ -391,7 +422,7 @@ struct BwdLaunchChoice {
 
 // The layout version: bumped with every change to the members of FwdParams, BwdParams or
 // ModParams, since a member added into tail padding leaves the sizes below as they were.
-constexpr std::uint64_t kParamsLayoutVersion = 26;
+constexpr std::uint64_t kParamsLayoutVersion = 27;
 
 // Whether a call needs the flex kernels (variants::FlexVariant): a score_mod, a mask_mod or block
 // lists. FwdParams and BwdParams alike.

@@ -603,6 +603,19 @@ FwdRowBlockList fwd_row_block_list() {
   return choice;
 }
 
+BwdBlockList parse_bwd_block_list(const char* value) {
+  return parse_setting<BwdBlockList>(
+      "CUFLASH_BWD_BLOCK_LIST", value,
+      {{"auto", BwdBlockList::kAuto}, {"off", BwdBlockList::kOff}, {"always", BwdBlockList::kAlways}});
+}
+
+BwdBlockList bwd_block_list() {
+  // "auto" (the default): the lists where the rectangle would hold more than twice their entries
+  // (bwd_block_list_pays); "off" and "always", for timing one against the other.
+  static const BwdBlockList choice = parse_bwd_block_list(std::getenv("CUFLASH_BWD_BLOCK_LIST"));
+  return choice;
+}
+
 FwdShortKernel fwd_short_kernel() {
   // "auto" (the default) picks per call by the measured rules (fwd_narrow_tile_pays,
   // fwd_next_qk_pays); "long" and "short" force one kernel, for timing and for testing the twin

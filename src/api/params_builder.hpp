@@ -130,6 +130,12 @@ FwdRowBlockList parse_fwd_row_block_list(const char* value);
 // The process's choice, from CUFLASH_FWD_ROW_BLOCK_LIST, read once.
 FwdRowBlockList fwd_row_block_list();
 
+// Whether the varlen backward walks its block lists (BwdParams::block_list): "auto" (or null /
+// empty), "off" or "always". Throws kInvalidArgument otherwise.
+BwdBlockList parse_bwd_block_list(const char* value);
+// The process's choice, from CUFLASH_BWD_BLOCK_LIST, read once.
+BwdBlockList bwd_block_list();
+
 // Launch order of the backward main kernel's CTAs (BwdParams::launch_order, launch_head_group):
 // "auto" (or null / empty), "columns", "heads" or "heads:G" (G >= 1 heads at a time). Throws
 // kInvalidArgument otherwise.

@@ -87,9 +87,10 @@ std::string kernel_name(const BwdParams& p) {
 
 // Byte offsets of the buffers that run_backward carves from the workspace (workspace_layout.hpp).
 struct WorkspaceLayout {
-  std::size_t lse_log2 = 0, dpsum = 0, dq_accum = 0, dq_done = 0, dq_tickets = 0, dk_accum = 0, dv_accum = 0, semaphore = 0, row_class = 0,
-              row_bounds = 0, row_class_by_row = 0, row_writers = 0, max_row_writers = 0;
-  std::size_t dq_done_bytes = 0;
+  std::size_t lse_log2 = 0, dpsum = 0, dq_accum = 0, dq_done = 0, dq_tickets = 0, dk_accum = 0, dv_accum = 0, semaphore = 0,
+              row_block_list = 0, col_block_list = 0, row_class = 0, row_bounds = 0, row_class_by_row = 0, row_writers = 0,
+              max_row_writers = 0;
+  std::size_t dq_done_bytes = 0, row_block_list_bytes = 0, col_block_list_bytes = 0;
   std::size_t total = 0;
 };
 
@@ -203,6 +204,15 @@ WorkspaceLayout workspace_layout(const BwdParams& p) {
       std::size_t(p.batch) * p.num_heads * num_m_blocks * std::size_t(p.dq_semaphore_stride) +
       std::size_t(p.batch) * p.num_heads_kv * num_n_blocks;
   layout.semaphore = buffers.take(p.deterministic ? sizeof(int) * num_semaphores : 0);
+  // The varlen block lists, {sequence, block} pairs of ints, where they pay (bwd_block_list_pays).
+  if (bwd_block_list_pays(p, /*queries=*/true, tile.block_m)) {
+    layout.row_block_list_bytes = 2 * sizeof(int) * std::size_t(varlen_block_list_entries(p.total_q, p.batch, tile.block_m));
+  }
+  if (bwd_block_list_pays(p, /*queries=*/false, tile.block_n)) {
+    layout.col_block_list_bytes = 2 * sizeof(int) * std::size_t(varlen_block_list_entries(p.total_k, p.batch, tile.block_n));
+  }
+  layout.row_block_list = buffers.take(layout.row_block_list_bytes);
+  layout.col_block_list = buffers.take(layout.col_block_list_bytes);
   // The block-list buffers stay last: run_backward zeroes them with one memset up to the end.
   layout.row_class = buffers.take(needs_row_classes(p) ? row_class_bytes(p) : 0);
   layout.row_bounds = buffers.take(needs_row_classes(p) ? row_bounds_bytes(p) : 0);
@@ -330,6 +340,8 @@ void run_backward(BwdParams& params, StreamHandle stream) {
   params.dk_accum = gqa ? reinterpret_cast<float*>(base + layout.dk_accum) : nullptr;
   params.dv_accum = gqa ? reinterpret_cast<float*>(base + layout.dv_accum) : nullptr;
   params.dq_semaphore = params.deterministic ? reinterpret_cast<int*>(base + layout.semaphore) : nullptr;
+  params.row_block_list = layout.row_block_list_bytes > 0 ? reinterpret_cast<int*>(base + layout.row_block_list) : nullptr;
+  params.col_block_list = layout.col_block_list_bytes > 0 ? reinterpret_cast<int*>(base + layout.col_block_list) : nullptr;
   bwd::BwdTile const tile = kernel_tile(params);
   params.block_m = tile.block_m;
   params.block_n = tile.block_n;

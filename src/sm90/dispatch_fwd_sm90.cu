@@ -164,7 +164,7 @@ static void check_tile_count(const FwdParams& params) {
   long long const splits = std::max(1, params.num_splits);
   long long const tiles = (rows + 63) / 64 * tile_heads * params.batch * splits;
   constexpr long long kMaxTiles = INT32_MAX - (1 << 20);
-  // The varlen row-block list (varlen_row_blocks_sm90.hpp), where the call may walk it: its
+  // The varlen row-block list (varlen_block_list_sm90.hpp), where the call may walk it: its
   // tiles (row blocks x heads x splits), at 128 rows or more. The launch takes it over a
   // rectangle of more than twice its row blocks, so a list within half the limit covers every
   // rectangle past the limit.

@@ -1,5 +1,6 @@
 // Backward main kernel for sm90: one CTA per (column block, query head, batch); the grid's x is
-// the column block, or a head of a head group (launch order, see the launcher).
+// the column block, or a head of a head group (launch order, see the launcher); with packed keys
+// the column block may be an entry of the column-block list (varlen_block_list_sm90.hpp).
 // Warpgroup 0 is the producer (warp 0: TMA loads; warp 1: dQ bulk reduce-adds, or with dQ by
 // atomics the deterministic order; in the sliced kernels' bulk path warps 1 and 2, one per MMA
 // warpgroup), the other warpgroups run the MMAs and the dK / dV epilogue.
@@ -41,14 +42,19 @@ struct FlashBwdKernelSm90 {
   struct BlockCoords {
     int n_block, head, batch;
   };
-  // The CTA's column block, query head and batch from its grid position (see the launcher).
+  // The CTA's column block, query head and batch from its grid position (see the launcher): with
+  // the column-block list, the list's entry at the grid's column index.
   CUTE_DEVICE static BlockCoords block_coords(typename Mainloop::Params const& p, uint32_t x, uint32_t y, uint32_t z,
                                               uint32_t nx, uint32_t ny) {
-    if (Mainloop::HasWindow && p.head_group > 0) {
-      int const group = int(z) % p.num_head_groups;
-      return {Mainloop::column_block(p, int(y), int(ny)), group * p.head_group + int(x), int(z) / p.num_head_groups};
+    bool const heads_inner = Mainloop::HasWindow && p.head_group > 0;
+    int const index = int(heads_inner ? y : x);
+    int const head = heads_inner ? int(z) % p.num_head_groups * p.head_group + int(x) : int(y);
+    if (p.col_blocks != nullptr) {
+      int2 const entry = __ldg(p.col_blocks + index);
+      return {entry.y, head, entry.x};
     }
-    return {Mainloop::column_block(p, int(x), int(nx)), int(y), int(z)};
+    return {Mainloop::column_block(p, index, int(heads_inner ? ny : nx)), head,
+            heads_inner ? int(z) / p.num_head_groups : int(z)};
   }
 
   // The CTA's writers of dQ sums: the dQ warp (dQ through shared memory), one warp per MMA
@@ -130,9 +136,11 @@ struct FlashBwdKernelSm90 {
 
     BwdSeqlen const seq = BwdSeqlen::make<Mainloop::kBlockM, Mainloop::kBlockN>(params.mainloop, batch);
     // Grids are sized for the longest sequence; this block has no key rows of this batch (or,
-    // in the last head group, no head).
+    // in the last head group, no head). With the column-block list only its empty entries past
+    // the last column block have none; the dQ conversion does not count them.
     if (n_block * Mainloop::kBlockN >= seq.capacity_k || head >= params.mainloop.num_heads) {
-      if (params.mainloop.dq_done != nullptr && threadIdx.x == 0 && head < params.mainloop.num_heads) {
+      if (params.mainloop.dq_done != nullptr && threadIdx.x == 0 && head < params.mainloop.num_heads &&
+          params.mainloop.col_blocks == nullptr) {
         semaphore_increment(dq_counter(params.mainloop, head, batch));  // no dQ to add
       }
       return;

@@ -22,6 +22,7 @@
 #include "sm90/flash_bwd_preprocess_sm90.hpp"
 #include "sm90/mainloop_bwd_sm90.hpp"
 #include "sm90/tile_size_bwd_sm90.hpp"
+#include "sm90/varlen_block_list_sm90.hpp"
 
 namespace cuflash::sm90::bwd {
 
@@ -68,6 +69,38 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // No sequences (batch 0): no block to launch (grid z would be 0); d_sink is still written.
   int const num_m_blocks = batch > 0 ? (params.seqlen_q + kBlockM - 1) / kBlockM : 0;
   int const num_n_blocks = batch > 0 ? (params.seqlen_k + kBlockN - 1) / kBlockN : 0;
+
+  // The varlen block lists that dispatch gave workspace to (bwd_block_list_pays): the kernels
+  // over row blocks (preprocess, dQ conversion) and over column blocks (main kernel, dK / dV
+  // conversion) then launch one CTA per entry instead of batch x the longest sequence's blocks.
+  // In the deterministic causal / local order a sequence's column blocks launch from the last
+  // down, as column_block orders the rectangle's.
+  auto build_list = [&](int* entries, int const* cu_seqlens, long long total, int block, int max_blocks,
+                        bool descending) -> int {
+    if (entries == nullptr || max_blocks == 0) return 0;
+    VarlenBlockListParams list;
+    list.cu_seqlens = cu_seqlens;
+    list.batch = batch;
+    list.block = block;
+    list.max_blocks = max_blocks;
+    list.num_entries = int(varlen_block_list_entries(total, batch, block));
+    list.empty_block = int((total + block - 1) / block);
+    list.longest_first = descending;
+    list.entries = reinterpret_cast<int2*>(entries);
+    launch_build_varlen_block_list(list, stream);
+    check_launch("the varlen block list kernel");
+    return list.num_entries;
+  };
+  int const row_entries = build_list(params.row_block_list, params.cu_seqlens_q, params.total_q, kBlockM, num_m_blocks, false);
+  int const col_entries = build_list(params.col_block_list, params.cu_seqlens_k, params.total_k, kBlockN, num_n_blocks,
+                                     HasWindow && params.deterministic);
+  auto const* const row_list = row_entries > 0 ? reinterpret_cast<int2 const*>(params.row_block_list) : nullptr;
+  auto const* const col_list = col_entries > 0 ? reinterpret_cast<int2 const*>(params.col_block_list) : nullptr;
+  // The grids' column-block and batch extents of the kernels over row blocks and column blocks.
+  int const row_grid_x = row_list != nullptr ? row_entries : num_m_blocks;
+  int const row_grid_z = row_list != nullptr ? 1 : batch;
+  int const col_grid_x = col_list != nullptr ? col_entries : num_n_blocks;
+  int const col_grid_z = col_list != nullptr ? 1 : batch;
 
   // Workspace buffers that start as zeros (none where the call has no rows of them: a 0-byte
   // workspace has no pointer to clear).
@@ -154,8 +187,9 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   pre.head_dim_v = params.head_dim_v;
   pre.cu_seqlens_q = params.cu_seqlens_q;
   pre.seqused_q = params.seqused_q;
+  pre.row_blocks = row_list;
   if (num_m_blocks > 0) {
-    flash_bwd_preprocess_sm90<Element, kBlockM, Mainloop::kHeadDimV><<<dim3(num_m_blocks, num_heads, batch), 256, 0, stream>>>(pre);
+    flash_bwd_preprocess_sm90<Element, kBlockM, Mainloop::kHeadDimV><<<dim3(row_grid_x, num_heads, row_grid_z), 256, 0, stream>>>(pre);
     check_launch("the backward preprocess kernel");
   }
   if (list_writers != nullptr) {
@@ -275,11 +309,13 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
        num_heads == num_heads_kv);
   int const head_group = params.launch_head_group > 0 ? std::min(params.launch_head_group, num_heads) : num_heads;
   int const num_head_groups = (num_heads + head_group - 1) / head_group;
-  // Grid y holds the column blocks and z the head groups of every batch: both at most 65535.
+  // Grid y holds the column blocks (or list entries) and z the head groups of every batch: both
+  // at most 65535.
   bool const heads_inner = heads_wanted && HasWindow && unequal_columns && !params.deterministic &&
-                           num_n_blocks <= 65535 && std::int64_t(num_head_groups) * batch <= 65535;
+                           col_grid_x <= 65535 && std::int64_t(num_head_groups) * col_grid_z <= 65535;
   ml.head_group = heads_inner ? head_group : 0;
   ml.num_head_groups = heads_inner ? num_head_groups : 1;
+  ml.col_blocks = col_list;
   ml.cu_seqlens_q = params.cu_seqlens_q;
   ml.cu_seqlens_k = params.cu_seqlens_k;
   ml.seqused_q = params.seqused_q;
@@ -312,7 +348,13 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // Postprocess: dQ, and dK / dV for GQA.
   PostprocessParams post_q{params.dq_accum, params.dq, params.dq_batch_stride, params.dq_row_stride, params.dq_head_stride,
                            q_rows_padded, params.seqlen_q, params.head_dim, params.softmax_scale,
-                           params.cu_seqlens_q, dq_done, num_n_blocks, num_heads, dq_tickets};
+                           params.cu_seqlens_q, dq_done, num_n_blocks, num_heads, dq_tickets, row_list,
+                           nullptr, 0, 0};
+  if (col_list != nullptr) {  // no CTA for the column blocks past a sequence's keys
+    post_q.done_cu_seqlens = params.cu_seqlens_k;
+    post_q.done_block = kBlockN;
+    post_q.done_max_blocks = num_n_blocks;
+  }
   typename Kernel::Params kernel_params{ml, ep};
   auto kernel = flash_bwd_kernel_sm90<Kernel>;
   constexpr int kSmem = Kernel::kSharedStorageSize;
@@ -324,8 +366,8 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // Column blocks that see no row (including every block when there are no queries) write
   // zero dK / dV, so the main kernel runs whenever there are keys.
   if (num_n_blocks > 0) {
-    dim3 const grid = heads_inner ? dim3(head_group, num_n_blocks, num_head_groups * batch)
-                                  : dim3(num_n_blocks, num_heads, batch);
+    dim3 const grid = heads_inner ? dim3(head_group, col_grid_x, num_head_groups * col_grid_z)
+                                  : dim3(col_grid_x, num_heads, col_grid_z);
     kernel<<<grid, Kernel::NumThreads, kSmem, stream>>>(kernel_params);
     check_launch("the backward main kernel");
 #if CUFLASH_BWD_TRACE
@@ -341,7 +383,7 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
     // in the main kernel's last wave and converts each head once that head's sums have landed
     // (BwdDqConvert::kOverlap).
     cudaLaunchConfig_t config{};
-    config.gridDim = dim3(num_m_blocks, num_heads, batch);
+    config.gridDim = dim3(row_grid_x, num_heads, row_grid_z);
     config.blockDim = dim3(Mainloop::NumMmaThreads);
     config.dynamicSmemBytes = 0;
     config.stream = stream;
@@ -359,15 +401,15 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   if (gqa && num_n_blocks > 0) {
     PostprocessParams post_k{params.dk_accum, params.dk, params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride,
                              k_rows_padded, params.seqlen_k, params.head_dim, params.softmax_scale,
-                             params.cu_seqlens_k, nullptr, 0, 0, nullptr};
+                             params.cu_seqlens_k, nullptr, 0, 0, nullptr, col_list, nullptr, 0, 0};
     flash_bwd_postprocess_sm90<Element, typename Mainloop::TiledMmadK, Mainloop::dKV_swapAB, kBlockN, kHeadDim>
-        <<<dim3(num_n_blocks, num_heads_kv, batch), Mainloop::NumMmaThreads, 0, stream>>>(post_k);
+        <<<dim3(col_grid_x, num_heads_kv, col_grid_z), Mainloop::NumMmaThreads, 0, stream>>>(post_k);
     check_launch("the dK postprocess kernel");
     PostprocessParams post_v{params.dv_accum, params.dv, params.dv_batch_stride, params.dv_row_stride, params.dv_head_stride,
                              k_rows_padded, params.seqlen_k, params.head_dim_v, 1.f,
-                             params.cu_seqlens_k, nullptr, 0, 0, nullptr};
+                             params.cu_seqlens_k, nullptr, 0, 0, nullptr, col_list, nullptr, 0, 0};
     flash_bwd_postprocess_sm90<Element, typename Mainloop::TiledMmadV, Mainloop::dKV_swapAB, kBlockN, kHeadDimV>
-        <<<dim3(num_n_blocks, num_heads_kv, batch), Mainloop::NumMmaThreads, 0, stream>>>(post_v);
+        <<<dim3(col_grid_x, num_heads_kv, col_grid_z), Mainloop::NumMmaThreads, 0, stream>>>(post_v);
     check_launch("the dV postprocess kernel");
   }
 }

@@ -32,6 +32,15 @@ struct PostprocessParams {
   // the workspace rows, or null (the sums were cleared before the main kernel): a ticket at 0
   // marks a half that no column block wrote, read as zeros.
   int const* tickets;
+  // The block list of the packed rows (BwdParams::row_block_list or col_block_list, {sequence,
+  // block}), or null: the grid's x is an entry of the list and its z is 1.
+  int2 const* blocks;
+  // With the main kernel's column-block list (done only): a sequence's sums are complete at its
+  // own count of column blocks, min(ceil(keys / done_block), done_max_blocks) from these
+  // cu_seqlens, since the list has no CTA for another sequence's blocks; null: done_expected.
+  int const* done_cu_seqlens;
+  int done_block;
+  int done_max_blocks;
 };
 
 // The CTA last in launch order waits for the whole main kernel, so that this kernel does not
@@ -47,10 +56,15 @@ CUTE_DEVICE void join_main_kernel(PostprocessParams const& p) {
 CUTE_DEVICE void await_sums(PostprocessParams const& p, int head, int batch) {
   if (p.done == nullptr) return;
   int const* counter = p.done + int64_t(batch) * p.num_heads + head;
+  int expected = p.done_expected;
+  if (p.done_cu_seqlens != nullptr) {
+    int const keys = p.done_cu_seqlens[batch + 1] - p.done_cu_seqlens[batch];
+    expected = keys > 0 ? min((keys + p.done_block - 1) / p.done_block, p.done_max_blocks) : 0;
+  }
   int landed;
   while (true) {
     asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(landed) : "l"(counter) : "memory");
-    if (landed >= p.done_expected) break;
+    if (landed >= expected) break;
     __nanosleep(512);
   }
 }
@@ -127,15 +141,21 @@ CUTE_DEVICE void convert_block(PostprocessParams const& p, ConvertRows<kRows> co
   }
 }
 
-// Grid (ceil(seqlen / kRows), heads, B), size(TiledMma) threads.
+// Grid (ceil(seqlen / kRows), heads, B), or (block list entries, heads, 1); size(TiledMma)
+// threads.
 template <class Element, class TiledMma, bool Swapped, int kRows, int kCols>
 __global__ void __launch_bounds__(decltype(size(TiledMma{}))::value)
     flash_bwd_postprocess_sm90(PostprocessParams const p) {
   constexpr int kPad = 8;  // breaks smem bank conflicts between rows
   __shared__ alignas(16) Element tile[kRows][kCols + kPad];
-  int const block = blockIdx.x;
+  int block = blockIdx.x;
   int const head = blockIdx.y;
-  int const batch = blockIdx.z;
+  int batch = blockIdx.z;
+  if (p.blocks != nullptr) {  // the list's empty entries lie past sequence 0's rows
+    int2 const entry = __ldg(p.blocks + blockIdx.x);
+    batch = entry.x;
+    block = entry.y;
+  }
   ConvertRows<kRows> const rows_of = ConvertRows<kRows>::make(p, batch);
   join_main_kernel(p);
   if (block * kRows >= rows_of.capacity) { return; }

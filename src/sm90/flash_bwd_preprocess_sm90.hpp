@@ -46,6 +46,9 @@ struct PreprocessParams {
   int head_dim_v;
   int const* cu_seqlens_q;
   int const* seqused_q;
+  // The packed queries' row-block list (BwdParams::row_block_list, {sequence, row block}), or
+  // null: the grid's x is an entry of the list and its z is 1.
+  int2 const* row_blocks;
 };
 
 struct DSinkParams {
@@ -72,7 +75,7 @@ CUTE_DEVICE void preprocess_rows(int const* cu_seqlens_q, int const* seqused_q, 
   seqlen = seqused_q ? min(seqused_q[batch], capacity) : capacity;  // capped as in BwdSeqlen
 }
 
-// Grid (ceil(seqlen_q / kBlockM), H, B). A row is read by kLanesPerRow lanes of 8 elements
+// Grid (ceil(seqlen_q / kBlockM), H, B), or (row-block list entries, H, 1). A row is read by kLanesPerRow lanes of 8 elements
 // each (head dims up to 256), so a warp covers 32 / kLanesPerRow rows at a time: every lane holds
 // one load pair per step at every head dim, where one row per warp left half (hdim128) or three
 // quarters (hdim64) of the lanes idle. One load pair per lane fits 32 registers (ptxas, CUDA
@@ -86,9 +89,16 @@ __global__ void __launch_bounds__(256, 8) flash_bwd_preprocess_sm90(PreprocessPa
   constexpr int kRowsPerStep = 8 * kRowsPerWarp;  // 8 warps
   // So that a warp whose first row is in the block has all its rows there.
   static_assert(kBlockM % kRowsPerWarp == 0, "the block's rows must fill whole warps");
-  int const m_block = blockIdx.x;
+  int m_block = blockIdx.x;
   int const head = blockIdx.y;
-  int const batch = blockIdx.z;
+  int batch = blockIdx.z;
+  if (p.row_blocks != nullptr) {
+    // Every sequence with rows has an entry of row block 0; the list's empty entries lie past
+    // sequence 0's rows (no counter, no ticket, no row).
+    int2 const entry = __ldg(p.row_blocks + blockIdx.x);
+    batch = entry.x;
+    m_block = entry.y;
+  }
   if (p.dq_done != nullptr && m_block == 0 && threadIdx.x == 0) {
     p.dq_done[int64_t(batch) * gridDim.y + head] = 0;
   }

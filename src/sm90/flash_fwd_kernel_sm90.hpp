@@ -230,7 +230,7 @@ struct FlashFwdKernelSm90 {
     bool const longest_first = last_m_blocks_longest(p);
     int const pack_group = kPackGqa ? p.num_heads / p.num_heads_kv : 1;
     int const tile_heads = pack_group > 1 ? p.num_heads_kv : p.num_heads;
-    // The varlen row-block list (varlen_row_blocks_sm90.hpp, built by the launch): its entries
+    // The varlen row-block list (varlen_block_list_sm90.hpp, built by the launch): its entries
     // take the place of the batch, one m-block each, and hold the longest-first order themselves.
     bool const row_block_list = row_block_list_runs(p);
     int const num_m_blocks = row_block_list ? 1 : cute::ceil_div(p.seqlen_q * pack_group, kBlockM);

@@ -9,7 +9,7 @@
 #include "api/params.hpp"
 #include "cuflash/error.hpp"
 #include "sm90/flash_fwd_kernel_sm90.hpp"
-#include "sm90/varlen_row_blocks_sm90.hpp"
+#include "sm90/varlen_block_list_sm90.hpp"
 
 namespace cuflash::sm90 {
 
@@ -64,17 +64,17 @@ void launch_flash_fwd_sm90(FwdParams& params, cudaStream_t stream) {
     }
   }
   if (kernel_params.scheduler.row_blocks != nullptr) {
-    VarlenRowBlocksParams list;
-    list.cu_seqlens_q = params.cu_seqlens_q;
+    VarlenBlockListParams list;
+    list.cu_seqlens = params.cu_seqlens_q;
     list.batch = params.batch;
-    list.rows_per_query = kernel_params.packing.group;
-    list.block_m = Kernel::kBlockM;
-    list.max_blocks = int(((long long)params.seqlen_q * list.rows_per_query + Kernel::kBlockM - 1) / Kernel::kBlockM);
+    list.rows_per_token = kernel_params.packing.group;
+    list.block = Kernel::kBlockM;
+    list.max_blocks = int(((long long)params.seqlen_q * list.rows_per_token + Kernel::kBlockM - 1) / Kernel::kBlockM);
     list.num_entries = kernel_params.scheduler.batch;
-    list.empty_m_block = int(((long long)params.total_q * list.rows_per_query + Kernel::kBlockM - 1) / Kernel::kBlockM);
+    list.empty_block = int(((long long)params.total_q * list.rows_per_token + Kernel::kBlockM - 1) / Kernel::kBlockM);
     list.longest_first = Kernel::last_m_blocks_longest(params);
     list.entries = reinterpret_cast<int2*>(params.row_block_list);
-    launch_build_varlen_row_blocks(list, stream);
+    launch_build_varlen_block_list(list, stream);
     check_launch(cudaGetLastError(), "cuflash forward: the varlen row-block list's launch failed");
   }
   if (dynamic) {

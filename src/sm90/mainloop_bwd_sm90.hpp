@@ -500,6 +500,10 @@ struct MainloopBwdSm90 {
     // num_head_groups * batch), heads g * (z % num_head_groups) + x (those past num_heads idle).
     int head_group;
     int num_head_groups;
+    // The packed keys' column-block list (BwdParams::col_block_list, {sequence, column block}),
+    // or null: the grid's column-block index (x, or y heads inner) is an entry of the list, and
+    // its batch extent is 1 (block_coords in the kernel).
+    int2 const* col_blocks;
     // Deterministic dQ by atomics (no dQ smem): the second producer warp waits for each row
     // block's turn and releases it (order_dq), off the MMA warpgroups' path.
     bool dq_order_warp;
@@ -582,10 +586,12 @@ struct MainloopBwdSm90 {
       int const num_m = cute::min((seq.seqlen_q + kBlockM - 1) / kBlockM, p.num_m_blocks);
       int const num_n = (seq.seqlen_k + kBlockN - 1) / kBlockN;
       if (n_block >= num_n) { return g; }
-      // Launches without a window are (column block, head, batch) grids: the CTA's launch index
-      // (the launcher rotates only grids of fewer than 2^31 CTAs).
+      // Launches without a window are (column block, head, batch) grids, or with the column-block
+      // list (entry, head, 1) ones whose entries run over a sequence's column blocks ascending:
+      // the launch index of the head's column block 0 (the launcher rotates only grids of fewer
+      // than 2^31 CTAs).
       int const window = p.dq_rotate_window;
-      int const base = (batch * int(gridDim.y) + head) * int(gridDim.x);
+      int const base = (int(blockIdx.z) * int(gridDim.y) + int(blockIdx.y)) * int(gridDim.x) + int(blockIdx.x) - n_block;
       int const first = (base + n_block) / window * window;
       int const lo = cute::max(first - base, 0);
       int const hi = cute::min(first + window - base, num_n);

@@ -8,7 +8,7 @@
 // - one CTA per tile (the stride walk with grid = tiles): the hardware hands out tiles as SMs
 //   free up; no overlap between tiles. Kept for comparison (CUFLASH_FWD_SCHEDULER).
 // Tiles are (m_block, head, batch, split); split-KV splits count as more (batch, head) pairs.
-// With the varlen row-block list (varlen_row_blocks_sm90.hpp) the "batch" is an entry of the
+// With the varlen row-block list (varlen_block_list_sm90.hpp) the "batch" is an entry of the
 // list, one m-block per pair, and the tile takes its sequence and row block from the entry.
 // Tile order: (batch, head) pairs in sections whose K/V fit in L2 together. Without causal/local
 // masking, m-block fastest within a section; with it, the m-blocks that see the most keys (the

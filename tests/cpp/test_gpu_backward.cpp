@@ -58,6 +58,9 @@ struct BwdCase {
   // Paged: sequence 1 starts with sequence 0's first page (the same keys, a shared prefix); that
   // page's dk / dv are the sum of both sequences' gradients.
   bool shared_pages = false;
+  // varlen without the max_seqlen hints: the host's longest is the total, and the kernels walk
+  // the block lists built on the device (varlen_block_list_sm90.hpp).
+  bool no_hints = false;
   unsigned seed = 1;
 };
 
@@ -81,6 +84,7 @@ struct Problem : gpu_testing::RowLayout {
 
   explicit Problem(const BwdCase& bc) : RowLayout(bc, bc.seqused, true), c(bc) {
     seqused_past = c.seqused_past;
+    max_seqlen_hints = !c.no_hints;
     std::mt19937 rng(c.seed);
     draw_lengths(rng);
     if (c.nan_tail && c.seqused_past > 0) {
@@ -719,6 +723,49 @@ std::vector<BwdCase> backward_cases() {
     c.heads_kv = 1, c.head_dim = d, c.head_dim_v = dv, c.causal = true, c.deterministic = true, c.dlse = true,
     c.seed = seed++;
     cases.push_back(c);
+  }
+  // Packed sequences without the max_seqlen hints: the preprocess and the dQ conversion walk the
+  // row-block list, the main kernel and the dK / dV conversion the column-block list (each case's
+  // rectangle, batch x the total, is more than twice the lists). Sequence 0 is the longest,
+  // sequence 1 has no queries and sequence 2 no keys (draw_lengths); the dQ conversion waits for
+  // each sequence's own count of column blocks. The orders: heads inner (MHA causal at hdim128
+  // and the bulk-dQ hdim256), deterministic causal (each sequence's column blocks from the last
+  // down) and without a window (rotated walks); more sequences than the list kernel's 512
+  // threads. Seeds of their own.
+  unsigned list_seed = 3000;
+  for (auto [d, dv] : head_dims) {
+    auto add = [&](BwdCase c) {
+      c.head_dim = d, c.head_dim_v = dv, c.varlen = true, c.no_hints = true, c.seed = list_seed++;
+      cases.push_back(c);
+    };
+    c = {};
+    c.label = "block_list_causal_gqa", c.batch = 12, c.seqlen_q = 300, c.seqlen_k = 333, c.heads = 4, c.heads_kv = 1,
+    c.causal = true;
+    add(c);
+    c = {};
+    c.label = "block_list_causal_mha", c.batch = 6, c.seqlen_q = 400, c.seqlen_k = 400, c.heads = 3, c.heads_kv = 3,
+    c.causal = true;
+    add(c);
+    c = {};
+    c.label = "block_list_deterministic_causal", c.batch = 5, c.seqlen_q = 420, c.seqlen_k = 450, c.heads = 3,
+    c.heads_kv = 3, c.causal = true, c.deterministic = true;
+    add(c);
+    c = {};
+    c.label = "block_list_deterministic_gqa", c.batch = 4, c.seqlen_q = 640, c.seqlen_k = 560, c.heads = 4,
+    c.heads_kv = 2, c.deterministic = true;
+    add(c);
+    c = {};
+    c.label = "block_list_seqused_sink_dlse", c.batch = 9, c.seqlen_q = 260, c.seqlen_k = 300, c.heads = 2,
+    c.heads_kv = 2, c.seqused = true, c.sink = DType::kFloat32, c.dlse = true;
+    add(c);
+    c = {};
+    c.label = "block_list_local_strided_softcap", c.batch = 7, c.seqlen_q = 330, c.seqlen_k = 300, c.heads = 4,
+    c.heads_kv = 2, c.window_left = 70, c.window_right = 30, c.strided = true, c.softcap = 20.f;
+    add(c);
+    c = {};
+    c.label = "block_list_600_sequences", c.batch = 600, c.seqlen_q = 20, c.seqlen_k = 30, c.heads = 2,
+    c.heads_kv = 1;
+    add(c);
   }
   return cases;
 }

@@ -37,7 +37,7 @@ struct FwdCase {
   std::optional<DType> sink;
   bool varlen = false;   // packed rows with cu_seqlens; per-sequence lengths drawn up to seqlen_q/k
   // varlen: no max_seqlen_q / max_seqlen_k with the device cu_seqlens, so the longest sequence is
-  // total_q for the host and the forward walks its row-block list (varlen_row_blocks_sm90.hpp).
+  // total_q for the host and the forward walks its row-block list (varlen_block_list_sm90.hpp).
   bool no_hints = false;
   bool seqused = false;  // seqused_q/k cap each sequence below its length
   bool keyless = false;  // varlen: sequence 2 has queries and no keys (every row fully masked)

@@ -751,6 +751,62 @@ TEST(ParamsBackward, DetWalkChoice) {
 }
 
 
+// The varlen backward's block lists (sm90/varlen_block_list_sm90.hpp): which calls walk them and
+// the workspace they take.
+TEST(ParamsBackward, VarlenBlockLists) {
+  expect_setting_choices<decltype(&parse_bwd_block_list), BwdBlockList>(
+      parse_bwd_block_list, "CUFLASH_BWD_BLOCK_LIST",
+      {{"auto", BwdBlockList::kAuto}, {"off", BwdBlockList::kOff}, {"always", BwdBlockList::kAlways}},
+      {"on", "1", "Always"});
+  static const int cu_seqlens[65] = {};
+  BwdParams p;
+  p.batch = 64;
+  p.num_heads = p.num_heads_kv = 16;
+  p.head_dim = p.head_dim_v = 128;
+  p.dtype = static_cast<int>(DType::kBFloat16);
+  p.total_q = p.total_k = 64 * 1024;
+  p.seqlen_q = p.total_q;  // no max_seqlen hints, lengths on the device
+  p.seqlen_k = p.total_k;
+  // Dense rows: no list.
+  EXPECT_FALSE(bwd_block_list_pays(p, /*queries=*/true, 64));
+  p.cu_seqlens_q = cu_seqlens;
+  p.cu_seqlens_k = cu_seqlens;
+  // The rectangle, 64 x 1024 row blocks of 64, against 1024 + 64 entries.
+  EXPECT_EQ(varlen_block_list_entries(p.total_q, p.batch, 64), 1024 + 64);
+  EXPECT_TRUE(bwd_block_list_pays(p, /*queries=*/true, 64));
+  EXPECT_TRUE(bwd_block_list_pays(p, /*queries=*/false, 128));
+  // With the hints (1k at most): 64 x 16 = 1024 column blocks against 512 + 64 entries.
+  p.seqlen_q = p.seqlen_k = 1024;
+  EXPECT_FALSE(bwd_block_list_pays(p, /*queries=*/true, 64));
+  EXPECT_FALSE(bwd_block_list_pays(p, /*queries=*/false, 128));
+  // Lengths far apart under a hint: one sequence of 32k keys.
+  p.seqlen_k = 32 * 1024;
+  EXPECT_TRUE(bwd_block_list_pays(p, /*queries=*/false, 128));
+  // "always" under the hints too, "off" never; one sequence: nothing to gain.
+  p.seqlen_k = 1024;
+  p.block_list = static_cast<int>(BwdBlockList::kAlways);
+  EXPECT_TRUE(bwd_block_list_pays(p, /*queries=*/true, 64));
+  p.block_list = static_cast<int>(BwdBlockList::kOff);
+  p.seqlen_k = p.total_k;
+  EXPECT_FALSE(bwd_block_list_pays(p, /*queries=*/false, 128));
+  p.block_list = static_cast<int>(BwdBlockList::kAuto);
+  BwdParams one = p;
+  one.batch = 1;
+  EXPECT_FALSE(bwd_block_list_pays(one, /*queries=*/false, 128));
+#if CUFLASH_HAS_CUDA
+  // The workspace holds both lists where they pay: {sequence, block} pairs of ints, each list
+  // 256-byte aligned (for the plain hdim128 kernel's tile).
+  p.seqlen_q = p.total_q;
+  const std::size_t with_lists = sm90::backward_workspace_bytes(p);
+  BwdParams without = p;
+  without.block_list = static_cast<int>(BwdBlockList::kOff);
+  const std::size_t lists = with_lists - sm90::backward_workspace_bytes(without);
+  // Blocks of at most 128 rows (or keys) and at least 32.
+  EXPECT_GE(lists, 2 * (64 * 1024 / 128 + 64) * 2 * sizeof(int));
+  EXPECT_LE(lists, 2 * (64 * 1024 / 32 + 64) * 2 * sizeof(int) + 512);
+#endif
+}
+
 TEST(ParamsForward, ZeroVTailChoice) {
   expect_setting_choices<decltype(&parse_fwd_zero_v_tail), FwdZeroVTail>(
       parse_fwd_zero_v_tail, "CUFLASH_FWD_ZERO_V_TAIL",
@@ -881,7 +937,7 @@ TEST(ParamsForward, SchedulerChoiceAndTileCounter) {
   EXPECT_EQ(reinterpret_cast<char*>(p.tile_counter), workspace.data() + split_bytes);
 }
 
-// The varlen row-block list (sm90/varlen_row_blocks_sm90.hpp): which calls get its workspace,
+// The varlen row-block list (sm90/varlen_block_list_sm90.hpp): which calls get its workspace,
 // how many entries it holds, and when the launch walks it rather than the rectangle.
 TEST(ParamsForward, VarlenRowBlockList) {
   static const int cu_seqlens[13] = {};

@@ -316,3 +316,14 @@ def test_checked_time_us_checks_before_it_times(monkeypatch):
     monkeypatch.setattr(common, "cuda_context_ok", lambda: False)
     with pytest.raises(RuntimeError):
         common.checked_time_us(fails, None, 0.01, 1, 1)
+
+
+def test_checked_time_us_compares_each_output(monkeypatch):
+    # A column of several outputs (a backward's dq, dk, dv) is checked tensor by tensor against
+    # the reference's.
+    common = load("bench_common")
+    seen = []
+    monkeypatch.setattr(common, "relative_error", lambda results, reference: seen.append((results, reference)) or 0.0)
+    monkeypatch.setattr(common, "time_ms", lambda fn, warmup, repeats: 0.5)
+    assert common.checked_time_us(lambda: ("dq", "dk"), ("ref_dq", "ref_dk"), 0.01, 1, 1) == (500.0, 0.0, None)
+    assert seen == [(["dq", "dk"], ["ref_dq", "ref_dk"])]
