@@ -1351,10 +1351,9 @@ def flash_attn_varlen_func(
         cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 cumulative sequence starts.
         max_seqlen_q, max_seqlen_k: upper bounds of the sequence lengths (hints). With
             cu_seqlens on the GPU and no hint, the forward and the backward walk lists of the
-            blocks that hold rows, built on the GPU (the deterministic backward's semaphores
-            are still sized for one sequence of all the tokens per batch entry); a hint below
-            a sequence's length is trusted on the GPU (the rows past it are not computed) and
-            refused when cu_seqlens are in host memory.
+            blocks that hold rows, built on the GPU; a hint below a sequence's length is
+            trusted on the GPU (the rows past it are not computed) and refused when cu_seqlens
+            are in host memory.
         seqused_q, seqused_k: (batch,) int32: use only this many tokens of each sequence.
         page_table: (batch, max_num_pages_per_seq) int32 page numbers into k / v (not with
             cu_seqlens_k).

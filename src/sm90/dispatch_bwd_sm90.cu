@@ -180,8 +180,6 @@ WorkspaceLayout workspace_layout(const BwdParams& p) {
   std::size_t const k_rows = std::size_t(
       bwd::padded_rows(p.total_k, p.batch, p.seqlen_k, tile.block_n, p.cu_seqlens_k != nullptr));
   bool const gqa = p.num_heads != p.num_heads_kv;
-  std::size_t const num_m_blocks = (std::size_t(p.seqlen_q) + tile.block_m - 1) / tile.block_m;
-  std::size_t const num_n_blocks = (std::size_t(p.seqlen_k) + tile.block_n - 1) / tile.block_n;
 
   WorkspaceLayout layout;
   WorkspaceLayoutBuilder buffers;
@@ -198,18 +196,19 @@ WorkspaceLayout workspace_layout(const BwdParams& p) {
     layout.dk_accum = buffers.take(sizeof(float) * p.num_heads_kv * k_rows * dims.head_dim);
     layout.dv_accum = buffers.take(sizeof(float) * p.num_heads_kv * k_rows * dims.head_dim_v);
   }
-  // dQ semaphores per (batch, head, row block), dq_semaphore_stride ints apart, then dK / dV
-  // ones per (batch, kv head, column block).
-  std::size_t const num_semaphores =
-      std::size_t(p.batch) * p.num_heads * num_m_blocks * std::size_t(p.dq_semaphore_stride) +
-      std::size_t(p.batch) * p.num_heads_kv * num_n_blocks;
+  // dQ semaphores per (head, workspace row block), dq_semaphore_stride ints apart, then dK / dV
+  // ones per (kv head, workspace column block).
+  std::size_t const num_semaphores = std::size_t(p.num_heads) * (q_rows / tile.block_m) * std::size_t(p.dq_semaphore_stride) +
+                                     std::size_t(p.num_heads_kv) * (k_rows / tile.block_n);
   layout.semaphore = buffers.take(p.deterministic ? sizeof(int) * num_semaphores : 0);
-  // The varlen block lists, {sequence, block} pairs of ints, where they pay (bwd_block_list_pays).
+  // The varlen block lists, {sequence, block} pairs of ints, where they pay (bwd_block_list_pays);
+  // after the column-block list each sequence's count of entries (the dQ conversion's wait).
   if (bwd_block_list_pays(p, /*queries=*/true, tile.block_m)) {
     layout.row_block_list_bytes = 2 * sizeof(int) * std::size_t(varlen_block_list_entries(p.total_q, p.batch, tile.block_m));
   }
   if (bwd_block_list_pays(p, /*queries=*/false, tile.block_n)) {
-    layout.col_block_list_bytes = 2 * sizeof(int) * std::size_t(varlen_block_list_entries(p.total_k, p.batch, tile.block_n));
+    layout.col_block_list_bytes = 2 * sizeof(int) * std::size_t(varlen_block_list_entries(p.total_k, p.batch, tile.block_n)) +
+                                  sizeof(int) * std::size_t(p.batch);
   }
   layout.row_block_list = buffers.take(layout.row_block_list_bytes);
   layout.col_block_list = buffers.take(layout.col_block_list_bytes);

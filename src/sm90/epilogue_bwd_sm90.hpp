@@ -30,9 +30,8 @@ struct EpilogueBwdSm90 {
     int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
     float* dk_accum;     // GQA: (H_kv, k_rows_padded, kHeadDim), else null
     float* dv_accum;     // GQA: (H_kv, k_rows_padded, kHeadDimV)
-    int* dkv_semaphore;  // GQA and deterministic: (B, H_kv, num_n_blocks)
+    int* dkv_semaphore;  // GQA and deterministic: (H_kv, k_rows_padded / kBlockN)
     int k_rows_padded;
-    int num_n_blocks;
     int num_heads_kv;
     int head_dim, head_dim_v;  // actual (<= kHeadDim / kHeadDimV)
     float softmax_scale;
@@ -102,7 +101,8 @@ struct EpilogueBwdSm90 {
           tdKrdK, smem.k.data(), dk, p.dk_row_stride, rows, p.head_dim, thread_idx);
     } else {
       int const head_kv = head / p.qhead_per_kvhead;
-      int* semaphore = p.dkv_semaphore + (int64_t(batch) * p.num_heads_kv + head_kv) * p.num_n_blocks + n_block;
+      int* semaphore =
+          p.dkv_semaphore + workspace_row_block(head_kv, p.k_rows_padded, seq.offset_k_padded, kBlockN, n_block);
       if (p.deterministic) {
         if (thread_idx == 0) { semaphore_poll_eq(semaphore, head - head_kv * p.qhead_per_kvhead); }
         cutlass::arch::NamedBarrier::sync(NumMmaThreads, uint32_t(BwdBarrier::kEpilogue));

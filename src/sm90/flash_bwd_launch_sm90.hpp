@@ -75,8 +75,10 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // conversion) then launch one CTA per entry instead of batch x the longest sequence's blocks.
   // In the deterministic causal / local order a sequence's column blocks launch from the last
   // down, as column_block orders the rectangle's.
+  // counts: each sequence's listed entries after the list, where wanted (the dQ conversion's
+  // wait for a sequence's column blocks).
   auto build_list = [&](int* entries, int const* cu_seqlens, long long total, int block, int max_blocks,
-                        bool descending) -> int {
+                        bool descending, bool counts) -> int {
     if (entries == nullptr || max_blocks == 0) return 0;
     VarlenBlockListParams list;
     list.cu_seqlens = cu_seqlens;
@@ -84,16 +86,18 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
     list.block = block;
     list.max_blocks = max_blocks;
     list.num_entries = int(varlen_block_list_entries(total, batch, block));
-    list.empty_block = int((total + block - 1) / block);
+    list.empty_block = int(std::max<long long>((total + block - 1) / block, 1));
     list.longest_first = descending;
     list.entries = reinterpret_cast<int2*>(entries);
+    list.counts = counts ? entries + 2 * std::size_t(list.num_entries) : nullptr;
     launch_build_varlen_block_list(list, stream);
     check_launch("the varlen block list kernel");
     return list.num_entries;
   };
-  int const row_entries = build_list(params.row_block_list, params.cu_seqlens_q, params.total_q, kBlockM, num_m_blocks, false);
+  int const row_entries =
+      build_list(params.row_block_list, params.cu_seqlens_q, params.total_q, kBlockM, num_m_blocks, false, false);
   int const col_entries = build_list(params.col_block_list, params.cu_seqlens_k, params.total_k, kBlockN, num_n_blocks,
-                                     HasWindow && params.deterministic);
+                                     HasWindow && params.deterministic, true);
   auto const* const row_list = row_entries > 0 ? reinterpret_cast<int2 const*>(params.row_block_list) : nullptr;
   auto const* const col_list = col_entries > 0 ? reinterpret_cast<int2 const*>(params.col_block_list) : nullptr;
   // The grids' column-block and batch extents of the kernels over row blocks and column blocks.
@@ -137,6 +141,7 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   dq_call.num_m_blocks = num_m_blocks;
   dq_call.block_m = kBlockM;
   dq_call.num_n_blocks = num_n_blocks;
+  dq_call.list_ctas = col_list != nullptr ? std::int64_t(col_entries) * num_heads : 0;
   dq_call.clear = BwdDqClear(params.dq_clear);
   dq_call.det_walk = BwdDetWalk(params.det_walk);
   // Block lists outside deterministic mode: the device decides, from the lists' writers per row
@@ -152,10 +157,12 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
     zero(params.dk_accum, sizeof(float) * size_t(num_heads_kv) * k_rows_padded * kHeadDim);
     zero(params.dv_accum, sizeof(float) * size_t(num_heads_kv) * k_rows_padded * kHeadDimV);
   }
-  size_t const num_dq_semaphores = size_t(batch) * num_heads * num_m_blocks * size_t(params.dq_semaphore_stride);
+  // One semaphore per workspace row block of a head (dq_semaphore_stride ints apart), then one
+  // per workspace column block of a kv head (workspace_row_block).
+  size_t const num_dq_semaphores = size_t(num_heads) * (q_rows_padded / kBlockM) * size_t(params.dq_semaphore_stride);
   int* dkv_semaphore = params.deterministic ? params.dq_semaphore + num_dq_semaphores : nullptr;
   if (params.deterministic) {
-    zero(params.dq_semaphore, sizeof(int) * (num_dq_semaphores + size_t(batch) * num_heads_kv * num_n_blocks));
+    zero(params.dq_semaphore, sizeof(int) * (num_dq_semaphores + size_t(num_heads_kv) * (k_rows_padded / kBlockN)));
   }
 
   // Preprocess: dPsum and lse_log2.
@@ -336,7 +343,6 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   ep.dv_accum = gqa ? params.dv_accum : nullptr;
   ep.dkv_semaphore = dkv_semaphore;
   ep.k_rows_padded = k_rows_padded;
-  ep.num_n_blocks = num_n_blocks;
   ep.num_heads_kv = num_heads_kv;
   ep.head_dim = params.head_dim;
   ep.head_dim_v = params.head_dim_v;
@@ -349,12 +355,8 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   PostprocessParams post_q{params.dq_accum, params.dq, params.dq_batch_stride, params.dq_row_stride, params.dq_head_stride,
                            q_rows_padded, params.seqlen_q, params.head_dim, params.softmax_scale,
                            params.cu_seqlens_q, dq_done, num_n_blocks, num_heads, dq_tickets, row_list,
-                           nullptr, 0, 0};
-  if (col_list != nullptr) {  // no CTA for the column blocks past a sequence's keys
-    post_q.done_cu_seqlens = params.cu_seqlens_k;
-    post_q.done_block = kBlockN;
-    post_q.done_max_blocks = num_n_blocks;
-  }
+                           // No CTA for the column blocks past a sequence's keys with the list.
+                           col_list != nullptr ? params.col_block_list + 2 * std::size_t(col_entries) : nullptr};
   typename Kernel::Params kernel_params{ml, ep};
   auto kernel = flash_bwd_kernel_sm90<Kernel>;
   constexpr int kSmem = Kernel::kSharedStorageSize;
@@ -401,13 +403,13 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   if (gqa && num_n_blocks > 0) {
     PostprocessParams post_k{params.dk_accum, params.dk, params.dk_batch_stride, params.dk_row_stride, params.dk_head_stride,
                              k_rows_padded, params.seqlen_k, params.head_dim, params.softmax_scale,
-                             params.cu_seqlens_k, nullptr, 0, 0, nullptr, col_list, nullptr, 0, 0};
+                             params.cu_seqlens_k, nullptr, 0, 0, nullptr, col_list, nullptr};
     flash_bwd_postprocess_sm90<Element, typename Mainloop::TiledMmadK, Mainloop::dKV_swapAB, kBlockN, kHeadDim>
         <<<dim3(col_grid_x, num_heads_kv, col_grid_z), Mainloop::NumMmaThreads, 0, stream>>>(post_k);
     check_launch("the dK postprocess kernel");
     PostprocessParams post_v{params.dv_accum, params.dv, params.dv_batch_stride, params.dv_row_stride, params.dv_head_stride,
                              k_rows_padded, params.seqlen_k, params.head_dim_v, 1.f,
-                             params.cu_seqlens_k, nullptr, 0, 0, nullptr, col_list, nullptr, 0, 0};
+                             params.cu_seqlens_k, nullptr, 0, 0, nullptr, col_list, nullptr};
     flash_bwd_postprocess_sm90<Element, typename Mainloop::TiledMmadV, Mainloop::dKV_swapAB, kBlockN, kHeadDimV>
         <<<dim3(col_grid_x, num_heads_kv, col_grid_z), Mainloop::NumMmaThreads, 0, stream>>>(post_v);
     check_launch("the dV postprocess kernel");

@@ -36,11 +36,9 @@ struct PostprocessParams {
   // block}), or null: the grid's x is an entry of the list and its z is 1.
   int2 const* blocks;
   // With the main kernel's column-block list (done only): a sequence's sums are complete at its
-  // own count of column blocks, min(ceil(keys / done_block), done_max_blocks) from these
-  // cu_seqlens, since the list has no CTA for another sequence's blocks; null: done_expected.
-  int const* done_cu_seqlens;
-  int done_block;
-  int done_max_blocks;
+  // own count of column blocks, as the list holds them (VarlenBlockListParams::counts), since
+  // the list has no CTA for another sequence's blocks; null: done_expected.
+  int const* done_counts;
 };
 
 // The CTA last in launch order waits for the whole main kernel, so that this kernel does not
@@ -56,11 +54,7 @@ CUTE_DEVICE void join_main_kernel(PostprocessParams const& p) {
 CUTE_DEVICE void await_sums(PostprocessParams const& p, int head, int batch) {
   if (p.done == nullptr) return;
   int const* counter = p.done + int64_t(batch) * p.num_heads + head;
-  int expected = p.done_expected;
-  if (p.done_cu_seqlens != nullptr) {
-    int const keys = p.done_cu_seqlens[batch + 1] - p.done_cu_seqlens[batch];
-    expected = keys > 0 ? min((keys + p.done_block - 1) / p.done_block, p.done_max_blocks) : 0;
-  }
+  int const expected = p.done_counts != nullptr ? p.done_counts[batch] : p.done_expected;
   int landed;
   while (true) {
     asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(landed) : "l"(counter) : "memory");

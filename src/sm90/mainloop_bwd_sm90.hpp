@@ -486,7 +486,7 @@ struct MainloopBwdSm90 {
     float const* lse_log2;  // (H, q_rows_padded)
     float const* dpsum;     // (H, q_rows_padded)
     float* dq_accum;        // (H, q_rows_padded, kHeadDim) in fragment-order chunks
-    int* dq_semaphore;      // (B, H, num_m_blocks) x dq_semaphore_stride, deterministic only
+    int* dq_semaphore;      // (H, q_rows_padded / kBlockM) x dq_semaphore_stride, deterministic only
     int dq_semaphore_stride;  // ints from one row block's semaphore to the next
     int q_rows_padded;
     int num_m_blocks;
@@ -584,7 +584,8 @@ struct MainloopBwdSm90 {
       if (p.dq_rotate_window <= 0) { return g; }
       // Over the row blocks the walks visit: at most max_seqlen_q's (make_walk).
       int const num_m = cute::min((seq.seqlen_q + kBlockM - 1) / kBlockM, p.num_m_blocks);
-      int const num_n = (seq.seqlen_k + kBlockN - 1) / kBlockN;
+      // Over the column blocks launched: at most max_seqlen_k's (a hint below a sequence's keys).
+      int const num_n = cute::min((seq.seqlen_k + kBlockN - 1) / kBlockN, (p.seqlen_k + kBlockN - 1) / kBlockN);
       if (n_block >= num_n) { return g; }
       // Launches without a window are (column block, head, batch) grids, or with the column-block
       // list (entry, head, 1) ones whose entries run over a sequence's column blocks ascending:
@@ -622,6 +623,14 @@ struct MainloopBwdSm90 {
     }
   }
 
+  // The last column block that sees row block m_block among those launched: a packed sequence
+  // with more keys than max_seqlen_k (a hint the host cannot check against device cu_seqlens) has
+  // no CTA for the column blocks past the hint's, so the deterministic ranks must not wait on them.
+  CUTE_DEVICE static int last_launched_n_block(Params const& p, BwdSeqlen const& seq, int m_block) {
+    return cute::min(n_block_last<kBlockM, kBlockN, HasWindow>(seq, m_block, p.window_right),
+                     (p.seqlen_k + kBlockN - 1) / kBlockN - 1);
+  }
+
   // Deterministic dQ: the place of column block n_block among the contributors to row block
   // m_block's sum, which adds in that order (a semaphore per row block counts the adds). The
   // order is the one in which the column blocks reach the row block when they run side by side,
@@ -636,7 +645,7 @@ struct MainloopBwdSm90 {
   CUTE_DEVICE static int dq_rank(Params const& p, BwdSeqlen const& seq, RotationGroup const& g, int n_block,
                                  int m_block) {
     if constexpr (HasWindow) {
-      return n_block_last<kBlockM, kBlockN, HasWindow>(seq, m_block, p.window_right) - n_block;
+      return last_launched_n_block(p, seq, m_block) - n_block;
     } else {
       if (g.size == 0) { return n_block; }
       // The group's last column block whose start row block (n - lo) * M / size is <= m_block.
@@ -674,7 +683,7 @@ struct MainloopBwdSm90 {
     if constexpr (kIsFlex) {
       BlockSparseParams const& bs = p.flex.block_sparse;
       if (bs.row_class != nullptr) {
-        int const last = n_block_last<kBlockM, kBlockN, HasWindow>(seq, m_block, p.window_right);
+        int const last = last_launched_n_block(p, seq, m_block);
         int const lane = int(threadIdx.x) % cutlass::NumThreadsPerWarp;
         CUTLASS_PRAGMA_UNROLL
         for (int c = 0; c < kRankChunks; ++c) {
@@ -696,7 +705,7 @@ struct MainloopBwdSm90 {
   CUTE_DEVICE static int dq_rank_flex(Params const& p, BwdSeqlen const& seq, int n_block, int m_block, int head,
                                       int batch, RankLoads const& loads) {
     BlockSparseParams const& bs = p.flex.block_sparse;
-    int const last = n_block_last<kBlockM, kBlockN, HasWindow>(seq, m_block, p.window_right);
+    int const last = last_launched_n_block(p, seq, m_block);
     int const lane = int(threadIdx.x) % cutlass::NumThreadsPerWarp;
     int rank = 0;
     if (bs.row_class != nullptr) {
@@ -776,10 +785,13 @@ struct MainloopBwdSm90 {
     }
   }
 
-  // Deterministic dQ: the semaphores of (head, batch)'s row blocks, row block m at
-  // m * dq_semaphore_stride.
-  CUTE_DEVICE static int* dq_semaphores(Params const& p, int head, int batch) {
-    return p.dq_semaphore + (int64_t(batch) * p.num_heads + head) * p.num_m_blocks * p.dq_semaphore_stride;
+  // Deterministic dQ: the semaphores of (head, sequence)'s row blocks, row block m at
+  // m * dq_semaphore_stride; one per workspace row block (workspace_row_block, as dq_accum's
+  // chunks and tickets), so that packed sequences without a max_seqlen_q hint take no more than
+  // their rows' blocks.
+  CUTE_DEVICE static int* dq_semaphores(Params const& p, BwdSeqlen const& seq, int head) {
+    return p.dq_semaphore + workspace_row_block(head, p.q_rows_padded, seq.offset_q_padded, kBlockM, 0) *
+                                p.dq_semaphore_stride;
   }
   CUTE_DEVICE static int* row_semaphore(Params const& p, int* semaphores, int m_block) {
     return semaphores + m_block * p.dq_semaphore_stride;
@@ -926,7 +938,7 @@ struct MainloopBwdSm90 {
       RotationGroup const rotation = rotation_group(p, seq, n_block, head, batch);
       constexpr int kWgChunk = kDqChunk / NumMmaWG;
       float* dq_accum = p.dq_accum + (int64_t(head) * p.q_rows_padded + seq.offset_q_padded) * kHeadDim;
-      int* semaphore = dq_semaphores(p, head, batch);
+      int* semaphore = dq_semaphores(p, seq, head);
       bool const lane0 = cute::elect_one_sync();
       int rank = 0;  // deterministic: this column block's rank for the walk's row block
       int seen = kSemaphoreNotRead;  // deterministic: its semaphore as peek_turn read it
@@ -1031,7 +1043,7 @@ struct MainloopBwdSm90 {
     if constexpr (!kDqViaSmem) {
       auto walk = make_walk(p, seq, n_block, head, batch);
       RotationGroup const rotation = rotation_group(p, seq, n_block, head, batch);
-      int* semaphore = dq_semaphores(p, head, batch);
+      int* semaphore = dq_semaphores(p, seq, head);
       bool const lane0 = cute::elect_one_sync();
       int seen = kSemaphoreNotRead;  // the row block's semaphore as peek_turn read it
       while (walk.valid()) {
@@ -1073,7 +1085,7 @@ struct MainloopBwdSm90 {
       auto walk = make_walk(p, seq, n_block, head, batch);
       float* dq_accum = p.dq_accum + (int64_t(head) * p.q_rows_padded + seq.offset_q_padded) * kHeadDim +
                         wg * (kDqChunk / NumMmaWG);
-      int* semaphore = dq_semaphores(p, head, batch);
+      int* semaphore = dq_semaphores(p, seq, head);
       RotationGroup const rotation = rotation_group(p, seq, n_block, head, batch);
       bool const lane0 = cute::elect_one_sync();
       int piece = 0;         // pieces issued

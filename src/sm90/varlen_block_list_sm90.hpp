@@ -42,6 +42,10 @@ struct VarlenBlockListParams {
   int empty_block = 0;  // the block of an empty entry: past sequence 0's rows
   bool longest_first = false;
   int2* entries = nullptr;  // (num_entries,): {sequence, block}
+  // (batch,) or null: each sequence's entries as listed, its blocks (at most max_blocks), or
+  // fewer where malformed lengths ran past num_entries, so that a kernel waiting for a
+  // sequence's blocks (the backward's dQ conversion) waits for the CTAs that exist.
+  int* counts = nullptr;
 };
 
 // One CTA: the sequences in chunks of kThreads, each chunk's block counts scanned into the
@@ -58,7 +62,8 @@ __global__ void __launch_bounds__(kThreads) build_varlen_block_list_sm90(VarlenB
   __shared__ long long first_entry[kThreads + 1];
   int const tid = int(threadIdx.x);
   long long chunk_first = 0;  // the first entry of the current chunk
-  for (int chunk = 0; chunk < p.batch && chunk_first < p.num_entries; chunk += kThreads) {
+  int chunk = 0;
+  for (; chunk < p.batch && chunk_first < p.num_entries; chunk += kThreads) {
     int const seq = chunk + tid;
     long long blocks = 0;
     if (seq < p.batch) {
@@ -71,6 +76,10 @@ __global__ void __launch_bounds__(kThreads) build_varlen_block_list_sm90(VarlenB
     if (tid == 0) first_entry[kThreads] = chunk_first + chunk_blocks;
     __syncthreads();
     int const chunk_end = int(min(first_entry[kThreads], (long long)p.num_entries));
+    if (p.counts != nullptr && seq < p.batch) {
+      p.counts[seq] = int(min(first_entry[tid + 1], (long long)p.num_entries) -
+                          min(first_entry[tid], (long long)p.num_entries));
+    }
     for (int entry = int(chunk_first) + tid; entry < chunk_end; entry += kThreads) {
       // The last sequence of the chunk whose first entry is at or before this one: the one that
       // holds it (a sequence with no blocks shares its first entry with the next).
@@ -85,6 +94,9 @@ __global__ void __launch_bounds__(kThreads) build_varlen_block_list_sm90(VarlenB
     }
     chunk_first += chunk_blocks;
     __syncthreads();  // first_entry and the scan storage are rewritten by the next chunk
+  }
+  for (int seq = chunk + tid; p.counts != nullptr && seq < p.batch; seq += kThreads) {
+    p.counts[seq] = 0;  // past num_entries: none listed
   }
   for (int entry = int(min(chunk_first, (long long)p.num_entries)) + tid; entry < p.num_entries;
        entry += kThreads) {
