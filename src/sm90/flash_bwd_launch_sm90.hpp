@@ -196,7 +196,12 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   pre.seqused_q = params.seqused_q;
   pre.row_blocks = row_list;
   if (num_m_blocks > 0) {
-    flash_bwd_preprocess_sm90<Element, kBlockM, Mainloop::kHeadDimV><<<dim3(row_grid_x, num_heads, row_grid_z), 256, 0, stream>>>(pre);
+    dim3 const grid(row_grid_x, num_heads, row_grid_z);
+    if (row_list != nullptr) {
+      flash_bwd_preprocess_sm90<Element, kBlockM, Mainloop::kHeadDimV, true><<<grid, 256, 0, stream>>>(pre);
+    } else {
+      flash_bwd_preprocess_sm90<Element, kBlockM, Mainloop::kHeadDimV, false><<<grid, 256, 0, stream>>>(pre);
+    }
     check_launch("the backward preprocess kernel");
   }
   if (list_writers != nullptr) {

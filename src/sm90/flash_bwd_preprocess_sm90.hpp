@@ -75,13 +75,16 @@ CUTE_DEVICE void preprocess_rows(int const* cu_seqlens_q, int const* seqused_q, 
   seqlen = seqused_q ? min(seqused_q[batch], capacity) : capacity;  // capped as in BwdSeqlen
 }
 
-// Grid (ceil(seqlen_q / kBlockM), H, B), or (row-block list entries, H, 1). A row is read by kLanesPerRow lanes of 8 elements
+// Grid (ceil(seqlen_q / kBlockM), H, B), or with kRowList (row-block list entries, H, 1): a
+// kernel of its own, since reading the row block and the batch from the list spills 48 bytes
+// at hdim256 within the 32 registers below (ptxas, CUDA 13.0), which the grid's kernel stays
+// free of (the list's kernel keeps them: its calls drop far more empty CTAs). A row is read by kLanesPerRow lanes of 8 elements
 // each (head dims up to 256), so a warp covers 32 / kLanesPerRow rows at a time: every lane holds
 // one load pair per step at every head dim, where one row per warp left half (hdim128) or three
 // quarters (hdim64) of the lanes idle. One load pair per lane fits 32 registers (ptxas, CUDA
 // 13.0; the launch bounds ask for 8 CTAs per SM, a full SM of warps), the occupancy that carries
 // this kernel's memory parallelism; more rows' loads in flight per lane measured slower (above).
-template <class Element, int kBlockM, int kHeadDimV>
+template <class Element, int kBlockM, int kHeadDimV, bool kRowList>
 __global__ void __launch_bounds__(256, 8) flash_bwd_preprocess_sm90(PreprocessParams const p) {
   constexpr int kLanesPerRow = kHeadDimV > 128 ? 32 : kHeadDimV > 64 ? 16 : 8;
   static_assert(kHeadDimV <= kLanesPerRow * 8, "a row's 8-element chunks must fit its lanes");
@@ -92,7 +95,7 @@ __global__ void __launch_bounds__(256, 8) flash_bwd_preprocess_sm90(PreprocessPa
   int m_block = blockIdx.x;
   int const head = blockIdx.y;
   int batch = blockIdx.z;
-  if (p.row_blocks != nullptr) {
+  if constexpr (kRowList) {
     // Every sequence with rows has an entry of row block 0; the list's empty entries lie past
     // sequence 0's rows (no counter, no ticket, no row).
     int2 const entry = __ldg(p.row_blocks + blockIdx.x);
