@@ -87,9 +87,9 @@ std::string kernel_name(const BwdParams& p) {
 
 // Byte offsets of the buffers that run_backward carves from the workspace (workspace_layout.hpp).
 struct WorkspaceLayout {
-  std::size_t lse_log2 = 0, dpsum = 0, dq_accum = 0, dq_done = 0, dq_tickets = 0, dk_accum = 0, dv_accum = 0, semaphore = 0,
-              row_block_list = 0, col_block_list = 0, row_class = 0, row_bounds = 0, row_class_by_row = 0, row_writers = 0,
-              max_row_writers = 0;
+  std::size_t lse_log2 = 0, dpsum = 0, dq_accum = 0, dq_done = 0, dq_tickets = 0, dk_accum = 0, dv_accum = 0;
+  std::size_t semaphore = 0, row_block_list = 0, col_block_list = 0;
+  std::size_t row_class = 0, row_bounds = 0, row_class_by_row = 0, row_writers = 0, max_row_writers = 0;
   std::size_t dq_done_bytes = 0, row_block_list_bytes = 0, col_block_list_bytes = 0;
   std::size_t total = 0;
 };
@@ -198,17 +198,20 @@ WorkspaceLayout workspace_layout(const BwdParams& p) {
   }
   // dQ semaphores per (head, workspace row block), dq_semaphore_stride ints apart, then dK / dV
   // ones per (kv head, workspace column block).
-  std::size_t const num_semaphores = std::size_t(p.num_heads) * (q_rows / tile.block_m) * std::size_t(p.dq_semaphore_stride) +
-                                     std::size_t(p.num_heads_kv) * (k_rows / tile.block_n);
+  std::size_t const num_semaphores =
+      std::size_t(p.num_heads) * (q_rows / tile.block_m) * std::size_t(p.dq_semaphore_stride) +
+      std::size_t(p.num_heads_kv) * (k_rows / tile.block_n);
   layout.semaphore = buffers.take(p.deterministic ? sizeof(int) * num_semaphores : 0);
   // The varlen block lists, {sequence, block} pairs of ints, where they pay (bwd_block_list_pays);
   // after the column-block list each sequence's count of entries (the dQ conversion's wait).
+  auto list_bytes = [&](long long total, int block) {
+    return 2 * sizeof(int) * std::size_t(varlen_block_list_entries(total, p.batch, block));
+  };
   if (bwd_block_list_pays(p, /*queries=*/true, tile.block_m)) {
-    layout.row_block_list_bytes = 2 * sizeof(int) * std::size_t(varlen_block_list_entries(p.total_q, p.batch, tile.block_m));
+    layout.row_block_list_bytes = list_bytes(p.total_q, tile.block_m);
   }
   if (bwd_block_list_pays(p, /*queries=*/false, tile.block_n)) {
-    layout.col_block_list_bytes = 2 * sizeof(int) * std::size_t(varlen_block_list_entries(p.total_k, p.batch, tile.block_n)) +
-                                  sizeof(int) * std::size_t(p.batch);
+    layout.col_block_list_bytes = list_bytes(p.total_k, tile.block_n) + sizeof(int) * std::size_t(p.batch);
   }
   layout.row_block_list = buffers.take(layout.row_block_list_bytes);
   layout.col_block_list = buffers.take(layout.col_block_list_bytes);

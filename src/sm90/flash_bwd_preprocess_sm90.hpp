@@ -78,8 +78,9 @@ CUTE_DEVICE void preprocess_rows(int const* cu_seqlens_q, int const* seqused_q, 
 // Grid (ceil(seqlen_q / kBlockM), H, B), or with kRowList (row-block list entries, H, 1): a
 // kernel of its own, since reading the row block and the batch from the list spills 48 bytes
 // at hdim256 within the 32 registers below (ptxas, CUDA 13.0), which the grid's kernel stays
-// free of (the list's kernel keeps them: its calls drop far more empty CTAs). A row is read by kLanesPerRow lanes of 8 elements
-// each (head dims up to 256), so a warp covers 32 / kLanesPerRow rows at a time: every lane holds
+// free of (the list's kernel keeps them: its calls drop far more empty CTAs).
+// A row is read by kLanesPerRow lanes of 8 elements each (head dims up to 256), so a warp covers
+// 32 / kLanesPerRow rows at a time: every lane holds
 // one load pair per step at every head dim, where one row per warp left half (hdim128) or three
 // quarters (hdim64) of the lanes idle. One load pair per lane fits 32 registers (ptxas, CUDA
 // 13.0; the launch bounds ask for 8 CTAs per SM, a full SM of warps), the occupancy that carries

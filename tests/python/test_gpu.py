@@ -540,7 +540,8 @@ def test_torch_flex_with_sink_seqused_and_lse_gradient(rng, mod):
 def test_torch_varlen_without_max_seqlen_hints(rng, case):
     # Packed queries in device memory without max_seqlen_q (the seed interface's default): the
     # forward walks its row-block list, built on the GPU from cu_seqlens_q, rather than batch x
-    # total_q rows (sm90/varlen_block_list_sm90.hpp). 40 sequences, one without queries and one
+    # total_q rows, and the backward its row-block and column-block lists
+    # (sm90/varlen_block_list_sm90.hpp). 40 sequences, one without queries and one
     # longer than the rest; out, lse and the gradients against the CPU reference.
     torch = torch_cuda()
     heads, heads_kv, dim = 4, 2, 128
