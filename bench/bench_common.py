@@ -164,8 +164,8 @@ def relative_error(results, reference):
 
 def checked_time_us(fn, reference, max_err, warmup, repeats, against="the reference"):
     """(us, err, skipped) of one column: its output (a tensor, or a tuple of them) checked against
-    `reference` first (max |out - ref| / max |ref|), timed only within max_err; skipped says why it was not timed (an
-    output further off, or the error a call raised), None when timed. A device fault that leaves
+    `reference` first (max |out - ref| / max |ref|), timed only within max_err; skipped says why
+    it was not timed (an output further off, or the error a call raised), None when timed. A device fault that leaves
     the context unusable is raised: nothing after it could be measured."""
     us, err, skipped = float("nan"), None, None
     as_list = lambda x: list(x) if isinstance(x, (tuple, list)) else [x]  # noqa: E731 - several outputs

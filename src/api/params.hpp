@@ -191,6 +191,12 @@ constexpr int kFwdRowBlockListMinBlockM = 128;
 inline long long varlen_block_list_entries(long long total_rows, int batch, int block) {
   return (total_rows + block - 1) / block + batch;
 }
+// The forward's and the backward's rule for a list of `entries` against the rectangle of
+// `rectangle` blocks: where the rectangle has more than twice as many (always: whenever the
+// call may have one), and the entries fit an int.
+inline bool varlen_block_list_pays(bool always, long long rectangle, long long entries) {
+  return entries <= (long long)0x7fffffff && (always || rectangle > 2 * entries);
+}
 inline long long fwd_row_block_list_entries(const FwdParams& p, int block_m) {
   return varlen_block_list_entries((long long)p.total_q * fwd_pack_group(p), p.batch, block_m);
 }
@@ -209,7 +215,7 @@ inline bool fwd_row_block_list_pays(const FwdParams& p, int block_m) {
   long long const rectangle =
       (long long)p.batch * (((long long)p.seqlen_q * fwd_pack_group(p) + block_m - 1) / block_m);
   long long const entries = fwd_row_block_list_entries(p, block_m);
-  return (p.row_block_list_mode == FwdRowBlockList::kAlways || rectangle > 2 * entries) &&
+  return varlen_block_list_pays(p.row_block_list_mode == FwdRowBlockList::kAlways, rectangle, entries) &&
          entries <= p.row_block_list_capacity;
 }
 
@@ -345,7 +351,7 @@ inline bool bwd_block_list_pays(const BwdParams& p, bool queries, int block) {
   long long const entries = varlen_block_list_entries(queries ? p.total_q : p.total_k, p.batch, block);
   long long const longest = queries ? p.seqlen_q : p.seqlen_k;
   long long const rectangle = (long long)p.batch * ((longest + block - 1) / block);
-  return entries <= (long long)0x7fffffff && (mode == BwdBlockList::kAlways || rectangle > 2 * entries);
+  return varlen_block_list_pays(mode == BwdBlockList::kAlways, rectangle, entries);
 }
 
 // Split-KV combine: out_partial (splits, rows, H, D) and lse_partial (splits, rows, H) in fp32,

@@ -80,16 +80,10 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   auto build_list = [&](int* entries, int const* cu_seqlens, long long total, int block, int max_blocks,
                         bool descending, bool counts) -> int {
     if (entries == nullptr || max_blocks == 0) return 0;
-    VarlenBlockListParams list;
-    list.cu_seqlens = cu_seqlens;
-    list.batch = batch;
-    list.block = block;
-    list.max_blocks = max_blocks;
-    list.num_entries = int(varlen_block_list_entries(total, batch, block));
-    list.empty_block = int(std::max<long long>((total + block - 1) / block, 1));
-    list.longest_first = descending;
-    list.entries = reinterpret_cast<int2*>(entries);
-    list.counts = counts ? entries + 2 * std::size_t(list.num_entries) : nullptr;
+    int const num_entries = int(varlen_block_list_entries(total, batch, block));
+    VarlenBlockListParams const list =
+        make_varlen_block_list(cu_seqlens, batch, 1, total, block, max_blocks, descending, reinterpret_cast<int2*>(entries),
+                               counts ? entries + 2 * std::size_t(num_entries) : nullptr);
     launch_build_varlen_block_list(list, stream);
     check_launch("the varlen block list kernel");
     return list.num_entries;

@@ -64,17 +64,13 @@ void launch_flash_fwd_sm90(FwdParams& params, cudaStream_t stream) {
     }
   }
   if (kernel_params.scheduler.row_blocks != nullptr) {
-    VarlenBlockListParams list;
-    list.cu_seqlens = params.cu_seqlens_q;
-    list.batch = params.batch;
-    list.rows_per_token = kernel_params.packing.group;
-    list.block = Kernel::kBlockM;
-    list.max_blocks = int(((long long)params.seqlen_q * list.rows_per_token + Kernel::kBlockM - 1) / Kernel::kBlockM);
-    list.num_entries = kernel_params.scheduler.batch;
-    list.empty_block = int(((long long)params.total_q * list.rows_per_token + Kernel::kBlockM - 1) / Kernel::kBlockM);
-    list.longest_first = Kernel::last_m_blocks_longest(params);
-    list.entries = reinterpret_cast<int2*>(params.row_block_list);
-    launch_build_varlen_block_list(list, stream);
+    int const group = kernel_params.packing.group;
+    launch_build_varlen_block_list(
+        make_varlen_block_list(params.cu_seqlens_q, params.batch, group, (long long)params.total_q * group,
+                               Kernel::kBlockM,
+                               int(((long long)params.seqlen_q * group + Kernel::kBlockM - 1) / Kernel::kBlockM),
+                               Kernel::last_m_blocks_longest(params), reinterpret_cast<int2*>(params.row_block_list)),
+        stream);
     check_launch(cudaGetLastError(), "cuflash forward: the varlen row-block list's launch failed");
   }
   if (dynamic) {

@@ -23,6 +23,8 @@
 #include <cuda_runtime.h>
 #include <cutlass/cutlass.h>
 
+#include <algorithm>
+
 #include <cub/block/block_scan.cuh>
 
 #include "api/params.hpp"
@@ -102,6 +104,26 @@ __global__ void __launch_bounds__(kThreads) build_varlen_block_list_sm90(VarlenB
        entry += kThreads) {
     p.entries[entry] = make_int2(0, p.empty_block);
   }
+}
+
+// The list of the blocks of `block` rows over cu_seqlens (times rows_per_token) of `total_rows`
+// rows in all (the tokens times rows_per_token), at most max_blocks per sequence, in `entries`
+// (varlen_block_list_entries of them; counts, where given, after them).
+inline VarlenBlockListParams make_varlen_block_list(int const* cu_seqlens, int batch, int rows_per_token,
+                                                    long long total_rows, int block, int max_blocks,
+                                                    bool longest_first, int2* entries, int* counts = nullptr) {
+  VarlenBlockListParams list;
+  list.cu_seqlens = cu_seqlens;
+  list.batch = batch;
+  list.rows_per_token = rows_per_token;
+  list.block = block;
+  list.max_blocks = max_blocks;
+  list.num_entries = int(varlen_block_list_entries(total_rows, batch, block));
+  list.empty_block = int(std::max<long long>((total_rows + block - 1) / block, 1));
+  list.longest_first = longest_first;
+  list.entries = entries;
+  list.counts = counts;
+  return list;
 }
 
 inline void launch_build_varlen_block_list(VarlenBlockListParams const& p, cudaStream_t stream) {

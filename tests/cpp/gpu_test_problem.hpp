@@ -51,7 +51,7 @@ struct RowLayout {
   // at the length (the reference sees the capped count).
   int seqused_past = 0;
   // varlen: max_seqlen_q / max_seqlen_k given with the device cu_seqlens. Without them the
-  // longest sequence is not known on the host (the forward walks its row-block list).
+  // longest sequence is not known on the host (the kernels walk their block lists).
   bool max_seqlen_hints = true;
   std::vector<int> len_q, len_k;    // rows each sequence owns
   std::vector<int> used_q, used_k;  // rows that take part (seqused caps)
