@@ -104,6 +104,7 @@ def main():
 def forward_columns(q, k, v, cu, longest, causal):
     import torch
 
+    import cuflash
 
     return {
         "cuflash_hints": lambda: cuflash.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=causal)[0],
@@ -117,6 +118,7 @@ def backward_columns(q, k, v, dout, cu, longest, causal):
     """The backward alone: each column's own forward once, then its backward timed."""
     import torch
 
+    import cuflash
 
     with torch.no_grad():
         out, lse = cuflash.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=causal)
@@ -132,6 +134,7 @@ def backward_columns(q, k, v, dout, cu, longest, causal):
         "fa2": lambda: torch.ops.aten._flash_attention_backward(
             dout, q, k, v, fa2_out, fa2_lse, cu, cu, longest, longest, 0.0, causal, seed, offset)[:3],
     }
+
 
 if __name__ == "__main__":
     main()
