@@ -93,6 +93,8 @@ struct FwdParams {
   int head_dim = 0, head_dim_v = 0;
   int total_q = 0;  // rows of q when packed
   int total_k = 0;  // rows of k/v when packed (cu_seqlens_k), pages * page_size when paged
+  // The lengths the kernel-choice rules read (typical_seqlen_q / typical_seqlen_k below).
+  int typical_seqlen_q = 0, typical_seqlen_k = 0;
 
   const int* cu_seqlens_q = nullptr;
   const int* cu_seqlens_k = nullptr;
@@ -252,6 +254,8 @@ struct BwdParams {
 
   int batch = 0, seqlen_q = 0, seqlen_k = 0, num_heads = 0, num_heads_kv = 0;
   int head_dim = 0, head_dim_v = 0, total_q = 0, total_k = 0;
+  // The lengths the kernel-choice rules read (typical_seqlen_q / typical_seqlen_k below).
+  int typical_seqlen_q = 0, typical_seqlen_k = 0;
   const int* cu_seqlens_q = nullptr;
   const int* cu_seqlens_k = nullptr;
   const int* seqused_q = nullptr;
@@ -428,7 +432,26 @@ struct BwdLaunchChoice {
 
 // The layout version: bumped with every change to the members of FwdParams, BwdParams or
 // ModParams, since a member added into tail padding leaves the sizes below as they were.
-constexpr std::uint64_t kParamsLayoutVersion = 27;
+constexpr std::uint64_t kParamsLayoutVersion = 28;
+
+// A sequence's length as the measured kernel-choice rules read it (the forward's tile twins,
+// where the backward's dq_accum starts and how its walks turn): seqlen_q / seqlen_k where that is
+// the longest sequence (dense, a max_seqlen hint, lengths in host memory), and where it is only
+// the bound total_q / total_k (packed lengths in device memory without a hint) the mean,
+// ceil(total / batch), that make_fwd_params / make_bwd_params put in typical_seqlen_*. The
+// kernels walk each sequence's own blocks (the varlen block lists), so a rule timed on
+// sequences of one length fits such a call by its typical sequence, not by the sum of all:
+// with the total, 256 sequences of 256 tokens took the long-tile kernels and cleared dq_accum
+// (0.82 of the hinted backward on the H100, bench/NOTES.md). Grids, workspace and every bound
+// still come from seqlen_q / seqlen_k.
+template <class Params>
+inline int typical_seqlen_q(const Params& p) {
+  return p.typical_seqlen_q > 0 ? p.typical_seqlen_q : p.seqlen_q;
+}
+template <class Params>
+inline int typical_seqlen_k(const Params& p) {
+  return p.typical_seqlen_k > 0 ? p.typical_seqlen_k : p.seqlen_k;
+}
 
 // Whether a call needs the flex kernels (variants::FlexVariant): a score_mod, a mask_mod or block
 // lists. FwdParams and BwdParams alike.

@@ -182,6 +182,12 @@ void fill_attention_params(Params& p, const TensorView& q, const TensorView& k, 
   p.head_dim_v = static_cast<int>(shape.head_dim_v);
   p.total_q = static_cast<int>(shape.total_q);
   p.total_k = static_cast<int>(shape.total_k);
+  // Where the lengths are only bounded by the totals, the rules read the mean (typical_seqlen_q).
+  auto typical = [&](std::int64_t seqlen, std::int64_t total, bool is_bound) {
+    return static_cast<int>(is_bound && shape.batch > 0 ? (total + shape.batch - 1) / shape.batch : seqlen);
+  };
+  p.typical_seqlen_q = typical(shape.seqlen_q, shape.total_q, shape.seqlen_q_is_bound);
+  p.typical_seqlen_k = typical(shape.seqlen_k, shape.total_k, shape.seqlen_k_is_bound);
 
   p.cu_seqlens_q = data_of<int>(seq.cu_seqlens_q);
   p.cu_seqlens_k = data_of<int>(seq.cu_seqlens_k);
@@ -517,8 +523,9 @@ int fwd_stream_k_ctas(const FwdParams& params, FwdStreamK setting) {
   const KernelHeadDims dims = kernel_head_dims(params.head_dim, params.head_dim_v);
   const bool softcap = params.softcap > 0.f;
   // The plain hdim64 kernel's second tile, as its launch picks it (run_flash_fwd_sm90).
-  const bool narrow = !softcap && sm90::fwd_plain_narrow_tile(params.short_kernel, params.seqlen_q, params.seqlen_k,
-                                                              params.window_left, params.window_right);
+  const bool narrow = !softcap && sm90::fwd_plain_narrow_tile(params.short_kernel, typical_seqlen_q(params),
+                                                              typical_seqlen_k(params), params.window_left,
+                                                              params.window_right);
   const sm90::FwdTileSize tile = sm90::fwd_tile_size(dims.head_dim, dims.head_dim_v, /*flex=*/false, softcap, narrow);
   if (!sm90::fwd_stream_k_tile(tile, dims.head_dim, dims.head_dim_v)) return 0;
   const long long num_tiles = (long long)((params.seqlen_q + tile.block_m - 1) / tile.block_m) *

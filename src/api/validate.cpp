@@ -457,6 +457,7 @@ KnownLengths resolve_lengths(const SequenceLayout& seq, const HostLengths& lengt
     known.q = s.seqlen_q = longest(lengths.q_rows);
   } else {
     s.seqlen_q = s.total_q;
+    s.seqlen_q_is_bound = true;
   }
   if (s.varlen_k) {
     if (seq.max_seqlen_k) {
@@ -465,6 +466,7 @@ KnownLengths resolve_lengths(const SequenceLayout& seq, const HostLengths& lengt
       known.k = s.seqlen_k = longest(lengths.k_rows);
     } else {
       s.seqlen_k = s.total_k;
+      s.seqlen_k_is_bound = true;
     }
   } else if (s.paged) {
     // seqlen_k stays max_pages * page_size, what the page table can address.

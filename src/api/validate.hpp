@@ -20,6 +20,10 @@ struct AttentionShape {
   // tensors and total_* (an upper bound) for device tensors. Paged: max_pages * page_size.
   std::int64_t seqlen_q = 0;
   std::int64_t seqlen_k = 0;
+  // seqlen_q / seqlen_k is the bound total_q / total_k rather than the longest sequence: packed
+  // lengths in device memory without a max_seqlen hint.
+  bool seqlen_q_is_bound = false;
+  bool seqlen_k_is_bound = false;
   std::int64_t total_q = 0;  // rows of q (batch * seqlen_q when dense)
   std::int64_t total_k =
       0;  // rows of k (batch * seqlen_k when dense; pages * page_size when paged)

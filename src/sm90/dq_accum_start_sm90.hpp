@@ -26,12 +26,14 @@ struct DqAccumCall {
   int num_sm = 0;  // 0: unknown (the walks then ascend, which never waits on a later launch)
   int batch = 0;
   int num_heads = 0;
-  int num_m_blocks = 0;  // by seqlen_q (the longest sequence with varlen)
-  int block_m = 0;       // rows of a row block (the kernel's tile)
+  // A sequence's row / column blocks: by the longest sequence, or by the mean where the lengths
+  // are only bounded by the totals (typical_seqlen_q / typical_seqlen_k, api/params.hpp).
+  int num_m_blocks = 0;
+  int block_m = 0;  // rows of a row block (the kernel's tile)
   int num_n_blocks = 0;
-  // The main kernel's CTAs where the column-block list shapes its grid (its entries x num_heads);
-  // 0: the rectangle, num_n_blocks x num_heads x batch.
-  std::int64_t list_ctas = 0;
+  // The main kernel's CTAs (a column-block list's entries x num_heads, or the rectangle's);
+  // 0: num_n_blocks x num_heads x batch.
+  std::int64_t main_ctas = 0;
   BwdDqClear clear = BwdDqClear::kAuto;
   BwdDetWalk det_walk = BwdDetWalk::kAuto;
 };
@@ -39,7 +41,7 @@ struct DqAccumCall {
 // Rotated walks are possible: no window (a window's column blocks reach their row blocks one
 // after another anyway), and a CTA index that fits the 31-bit rotation arithmetic.
 inline bool dq_rotation_fits(DqAccumCall const& c) {
-  std::int64_t const ctas = c.list_ctas > 0 ? c.list_ctas : std::int64_t(c.num_n_blocks) * c.num_heads * c.batch;
+  std::int64_t const ctas = c.main_ctas > 0 ? c.main_ctas : std::int64_t(c.num_n_blocks) * c.num_heads * c.batch;
   return !c.kernel_window && !c.flex && c.num_sm > 0 && ctas < (std::int64_t(1) << 31);
 }
 

@@ -132,10 +132,12 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   dq_call.num_sm = params.num_sm;
   dq_call.batch = batch;
   dq_call.num_heads = num_heads;
-  dq_call.num_m_blocks = num_m_blocks;
+  // The rules' lengths: a typical sequence's where the lengths are only bounded by the totals
+  // (typical_seqlen_q); the CTA count bounds the rotation's arithmetic.
+  dq_call.num_m_blocks = batch > 0 ? (typical_seqlen_q(params) + kBlockM - 1) / kBlockM : 0;
   dq_call.block_m = kBlockM;
-  dq_call.num_n_blocks = num_n_blocks;
-  dq_call.list_ctas = col_list != nullptr ? std::int64_t(col_entries) * num_heads : 0;
+  dq_call.num_n_blocks = batch > 0 ? (typical_seqlen_k(params) + kBlockN - 1) / kBlockN : 0;
+  dq_call.main_ctas = std::int64_t(col_grid_x) * num_heads * col_grid_z;
   dq_call.clear = BwdDqClear(params.dq_clear);
   dq_call.det_walk = BwdDetWalk(params.det_walk);
   // Block lists outside deterministic mode: the device decides, from the lists' writers per row

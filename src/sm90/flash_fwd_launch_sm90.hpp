@@ -116,7 +116,7 @@ void run_flash_fwd_sm90(FwdParams& params, cudaStream_t stream) {
   // on two, for short sequences (params.short_kernel, fwd_narrow_tile_pays).
   if constexpr (Config::kNumMmaWarpGroups == 3 && !kHasSoftcap && !kIsSplit && !Variant::kIsFlex &&
                 !kIsPaged && !kPackGqa) {
-    if (fwd_plain_narrow_tile(params.short_kernel, params.seqlen_q, params.seqlen_k,
+    if (fwd_plain_narrow_tile(params.short_kernel, typical_seqlen_q(params), typical_seqlen_k(params),
                               params.window_left, params.window_right)) {
       launch_flash_fwd_sm90<FwdConfig<Element, kHeadDim, kHeadDimV, kHasSoftcap, kIsSplit, Variant, kIsPaged,
                                       kPackGqa, /*kNarrow=*/true>>(params, stream);
@@ -126,7 +126,8 @@ void run_flash_fwd_sm90(FwdParams& params, cudaStream_t stream) {
   // A kernel that issues the next tile's first Q K^T under the epilogue also holds one that does
   // not, for tiles of few n-blocks, where that lost (params.short_kernel, fwd_next_qk_pays).
   if constexpr (MainloopFwdSm90<Config>::kQStages > 1) {
-    if (fwd_single_q_kernel(params.short_kernel, params.seqlen_k, params.window_left, params.window_right)) {
+    if (fwd_single_q_kernel(params.short_kernel, typical_seqlen_k(params), params.window_left,
+                            params.window_right)) {
       launch_flash_fwd_sm90<FwdConfig<Element, kHeadDim, kHeadDimV, kHasSoftcap, kIsSplit, Variant, kIsPaged,
                                       kPackGqa, /*kNarrow=*/false, /*kStreamKPieces=*/false,
                                       /*kSingleQ=*/true>>(params, stream);

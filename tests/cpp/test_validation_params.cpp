@@ -360,9 +360,39 @@ TEST(ParamsForward, PackedAndPagedLayouts) {
   EXPECT_EQ(p.cu_seqlens_q, cu_q.data());
   EXPECT_EQ(p.cu_seqlens_k, cu_k.data());
 
+  // The rules read the longest sequence where it is known.
+  EXPECT_EQ(p.typical_seqlen_q, 30);
+  EXPECT_EQ(p.typical_seqlen_k, 60);
+
   args.seq.max_seqlen_q = 40;  // a hint wins over the computed maximum
   p = make_fwd_params(args, check_forward(args));
   EXPECT_EQ(p.seqlen_q, 40);
+  EXPECT_EQ(typical_seqlen_q(p), 40);
+
+  // Lengths in device memory: without a hint seqlen is the bound total, the rules read the mean
+  // (50 / 2 rows, 100 / 2 keys); a hint stays what they read.
+  ForwardArgs on_device = args;
+  for (TensorView* t : {&on_device.q, &on_device.k, &on_device.v, &on_device.out, &*on_device.lse,
+                        &*on_device.seq.cu_seqlens_q, &*on_device.seq.cu_seqlens_k}) {
+    t->device = Device{DeviceType::kCUDA, 0};
+  }
+  for (TensorView* t : {&on_device.q, &on_device.k, &on_device.v, &on_device.out}) t->dtype = DType::kBFloat16;
+  on_device.seq.max_seqlen_q.reset();
+  p = make_fwd_params(on_device, check_forward(on_device));
+  EXPECT_EQ(p.seqlen_q, 50);
+  EXPECT_EQ(p.seqlen_k, 100);
+  EXPECT_EQ(typical_seqlen_q(p), 25);
+  EXPECT_EQ(typical_seqlen_k(p), 50);
+  on_device.seq.max_seqlen_k = 70;
+  p = make_fwd_params(on_device, check_forward(on_device));
+  EXPECT_EQ(typical_seqlen_q(p), 25);
+  EXPECT_EQ(typical_seqlen_k(p), 70);
+  // Parameters filled by hand (no typical lengths): seqlen_q / seqlen_k.
+  FwdParams by_hand;
+  by_hand.seqlen_q = 7;
+  by_hand.seqlen_k = 9;
+  EXPECT_EQ(typical_seqlen_q(by_hand), 7);
+  EXPECT_EQ(typical_seqlen_k(by_hand), 9);
 
   std::vector<std::int32_t> page_table{0, 1, 2, 5, 4, 3}, seqused_k{40, 30};
   ForwardArgs paged;
@@ -1284,6 +1314,21 @@ TEST(ParamsBackward, PackedSequences) {
   EXPECT_FLOAT_EQ(p.softmax_scale, 0.3f);
   EXPECT_EQ(p.page_table, nullptr);
   EXPECT_FALSE(p.block_sparse.enabled);
+  EXPECT_EQ(typical_seqlen_q(p), 30);
+  EXPECT_EQ(typical_seqlen_k(p), 60);
+
+  // Lengths in device memory without hints: the bounds, and the means for the rules.
+  BackwardArgs on_device = args;
+  for (TensorView* t : {&on_device.q, &on_device.k, &on_device.v, &on_device.out, &on_device.dout,
+                        &on_device.lse, &on_device.dq, &on_device.dk, &on_device.dv,
+                        &*on_device.seq.cu_seqlens_q, &*on_device.seq.cu_seqlens_k, &*on_device.seq.seqused_k}) {
+    t->device = Device{DeviceType::kCUDA, 0};
+  }
+  const BwdParams d = make_bwd_params(on_device, check_backward(on_device));
+  EXPECT_EQ(d.seqlen_q, 50);
+  EXPECT_EQ(d.seqlen_k, 100);
+  EXPECT_EQ(typical_seqlen_q(d), 25);
+  EXPECT_EQ(typical_seqlen_k(d), 50);
 }
 
 TEST(ParamsBackward, PagedKV) {
