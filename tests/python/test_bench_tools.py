@@ -1,13 +1,18 @@
 """The benchmark helpers that run without a GPU: bench/ncu_stall_top.py on a small source page,
 bench/det_order_model.py on small launches, bench/trace_fwd.py and bench/trace_bwd.py on made-up
 timelines, bench/probe_flex_lists.py's list merging, bench_common's grid, FLOP counts and JSON,
-bench_gqa's float32 reference against cuflash's CPU reference, bench_common's check before timing."""
+bench_gqa's float32 reference against cuflash's CPU reference, bench_common's check before timing;
+and that the scripts of bench/ and tools/ and the package name nothing they never define (their
+GPU paths do not run here)."""
 
+import builtins
 import importlib.util
 import json
 import math
 import pathlib
 import sys
+
+import symtable
 
 import pytest
 
@@ -327,3 +332,34 @@ def test_checked_time_us_compares_each_output(monkeypatch):
     monkeypatch.setattr(common, "time_ms", lambda fn, warmup, repeats: 0.5)
     assert common.checked_time_us(lambda: ("dq", "dk"), ("ref_dq", "ref_dk"), 0.01, 1, 1) == (500.0, 0.0, None)
     assert seen == [(["dq", "dk"], ["ref_dq", "ref_dk"])]
+
+
+def undefined_global_names(path):
+    """(scope, name) of every name a module's code reads as a global that the module never binds
+    (assigns, imports, defines) and that is not a builtin: what a lost import leaves."""
+    top = symtable.symtable(path.read_text(), str(path), "exec")
+    bound = {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported() or s.is_namespace()}
+    known = bound | set(dir(builtins)) | {"__file__"}
+    missing = []
+
+    def walk(table):
+        missing.extend((table.get_name(), s.get_name()) for s in table.get_symbols()
+                       if s.is_referenced() and s.is_global() and s.get_name() not in known)
+        for child in table.get_children():
+            walk(child)
+
+    walk(top)
+    return missing
+
+
+def test_undefined_names_are_found(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text("import os\n\ndef columns():\n    return lambda: cuflash.run(os.sep, len)\n")
+    assert undefined_global_names(script) == [("lambda", "cuflash")]
+
+
+@pytest.mark.parametrize("folder", ["bench", "tools", "python/cuflash"])
+def test_scripts_read_no_undefined_names(folder):
+    paths = sorted((ROOT / folder).rglob("*.py"))
+    assert paths
+    assert {str(p.relative_to(ROOT)): undefined_global_names(p) for p in paths if undefined_global_names(p)} == {}
