@@ -10,9 +10,8 @@ import importlib.util
 import json
 import math
 import pathlib
-import sys
-
 import symtable
+import sys
 
 import pytest
 
@@ -362,4 +361,5 @@ def test_undefined_names_are_found(tmp_path):
 def test_scripts_read_no_undefined_names(folder):
     paths = sorted((ROOT / folder).rglob("*.py"))
     assert paths
-    assert {str(p.relative_to(ROOT)): undefined_global_names(p) for p in paths if undefined_global_names(p)} == {}
+    missing = {str(path.relative_to(ROOT)): undefined_global_names(path) for path in paths}
+    assert {name: found for name, found in missing.items() if found} == {}
