@@ -182,12 +182,15 @@ void fill_attention_params(Params& p, const TensorView& q, const TensorView& k, 
   p.head_dim_v = static_cast<int>(shape.head_dim_v);
   p.total_q = static_cast<int>(shape.total_q);
   p.total_k = static_cast<int>(shape.total_k);
-  // Where the lengths are only bounded by the totals, the rules read the mean (typical_seqlen_q).
-  auto typical = [&](std::int64_t seqlen, std::int64_t total, bool is_bound) {
-    return static_cast<int>(is_bound && shape.batch > 0 ? (total + shape.batch - 1) / shape.batch : seqlen);
+  // Where a packed side's length is only bounded by its total, the rules read the means
+  // (typical_seqlen_q): of both packed sides, so that a causal call's bottom-right offset
+  // (keys minus rows) compares like with like where only one side has a hint.
+  bool const mean = shape.seqlen_q_is_bound || shape.seqlen_k_is_bound;
+  auto typical = [&](std::int64_t seqlen, std::int64_t total, bool packed) {
+    return static_cast<int>(mean && packed && shape.batch > 0 ? (total + shape.batch - 1) / shape.batch : seqlen);
   };
-  p.typical_seqlen_q = typical(shape.seqlen_q, shape.total_q, shape.seqlen_q_is_bound);
-  p.typical_seqlen_k = typical(shape.seqlen_k, shape.total_k, shape.seqlen_k_is_bound);
+  p.typical_seqlen_q = typical(shape.seqlen_q, shape.total_q, shape.varlen_q);
+  p.typical_seqlen_k = typical(shape.seqlen_k, shape.total_k, shape.varlen_k);
 
   p.cu_seqlens_q = data_of<int>(seq.cu_seqlens_q);
   p.cu_seqlens_k = data_of<int>(seq.cu_seqlens_k);

@@ -31,18 +31,20 @@ struct DqAccumCall {
   int num_m_blocks = 0;
   int block_m = 0;  // rows of a row block (the kernel's tile)
   int num_n_blocks = 0;
-  // The main kernel's CTAs (a column-block list's entries x num_heads, or the rectangle's);
-  // 0: num_n_blocks x num_heads x batch.
+  // The main kernel's CTAs (a column-block list's entries x num_heads, or the rectangle's; the
+  // grid without heads inner, which only windows take, and rotation has none); 0: num_n_blocks x
+  // num_heads x batch, for calls whose lengths are the real ones.
   std::int64_t main_ctas = 0;
   BwdDqClear clear = BwdDqClear::kAuto;
   BwdDetWalk det_walk = BwdDetWalk::kAuto;
 };
 
 // Rotated walks are possible: no window (a window's column blocks reach their row blocks one
-// after another anyway), and a CTA index that fits the 31-bit rotation arithmetic.
+// after another anyway), and CTA indices that fit the 31-bit rotation arithmetic (a window's end,
+// up to num_sm past the last CTA, included).
 inline bool dq_rotation_fits(DqAccumCall const& c) {
   std::int64_t const ctas = c.main_ctas > 0 ? c.main_ctas : std::int64_t(c.num_n_blocks) * c.num_heads * c.batch;
-  return !c.kernel_window && !c.flex && c.num_sm > 0 && ctas < (std::int64_t(1) << 31);
+  return !c.kernel_window && !c.flex && c.num_sm > 0 && ctas + c.num_sm < (std::int64_t(1) << 31);
 }
 
 // The sliced kernels past this many row blocks keep the memset but in narrow windows (below).

@@ -370,7 +370,7 @@ TEST(ParamsForward, PackedAndPagedLayouts) {
   EXPECT_EQ(typical_seqlen_q(p), 40);
 
   // Lengths in device memory: without a hint seqlen is the bound total, the rules read the mean
-  // (50 / 2 rows, 100 / 2 keys); a hint stays what they read.
+  // (50 / 2 rows, 100 / 2 keys).
   ForwardArgs on_device = args;
   for (TensorView* t : {&on_device.q, &on_device.k, &on_device.v, &on_device.out, &*on_device.lse,
                         &*on_device.seq.cu_seqlens_q, &*on_device.seq.cu_seqlens_k}) {
@@ -383,9 +383,15 @@ TEST(ParamsForward, PackedAndPagedLayouts) {
   EXPECT_EQ(p.seqlen_k, 100);
   EXPECT_EQ(typical_seqlen_q(p), 25);
   EXPECT_EQ(typical_seqlen_k(p), 50);
+  // A hint on one side only: the means of both (a causal offset compares like with like).
   on_device.seq.max_seqlen_k = 70;
   p = make_fwd_params(on_device, check_forward(on_device));
+  EXPECT_EQ(p.seqlen_k, 70);
   EXPECT_EQ(typical_seqlen_q(p), 25);
+  EXPECT_EQ(typical_seqlen_k(p), 50);
+  on_device.seq.max_seqlen_q = 30;
+  p = make_fwd_params(on_device, check_forward(on_device));
+  EXPECT_EQ(typical_seqlen_q(p), 30);
   EXPECT_EQ(typical_seqlen_k(p), 70);
   // Parameters filled by hand (no typical lengths): seqlen_q / seqlen_k.
   FwdParams by_hand;
@@ -1681,6 +1687,15 @@ TEST(ParamsBackward, DqAccumStartRules) {
   DqAccumCall huge = call(256, 2048, false, false);
   huge.batch = 1 << 26;
   EXPECT_FALSE(dq_first_stores(huge));
+  // The launch's CTA count wins over the one the lengths give (typical lengths of calls without
+  // hints are means), and a rotation window's end past the last CTA must fit too.
+  DqAccumCall typical = call(256, 2048, false, false);
+  EXPECT_TRUE(dq_first_stores(typical));
+  typical.main_ctas = (std::int64_t(1) << 31) - 132;
+  EXPECT_FALSE(dq_first_stores(typical));
+  EXPECT_EQ(dq_rotate_window(typical, true), 0);
+  typical.main_ctas = (std::int64_t(1) << 31) - 133;
+  EXPECT_EQ(dq_rotate_window(typical, true), 132);
 
   // Rotation windows: first stores or deterministic, no window; deterministic runs rotate while a
   // head's column blocks fit on the card (auto) and ascend past that.
