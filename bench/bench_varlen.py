@@ -12,7 +12,8 @@ Columns:
                    maxima)
 --directions fwd,bwd: the forward, and the backward alone (after one forward of each column's own).
 Layouts (--layouts): "uniform:N:L" N sequences of L tokens; "mixed:N:L" N sequences of lengths
-drawn uniformly in [L / 16, L] (fixed seed). FLOPs count each sequence's own square (half of it
+drawn uniformly in [L / 16, L] (fixed seed); "skewed:N:L" one sequence of L tokens and N - 1 of
+L / 1024 (at least 1), where the mean length the no-hint choices read understates the longest. FLOPs count each sequence's own square (half of it
 causal; the backward 2.5 times the forward). Each column's output (the backward: dq, dk, dv) is
 checked against FA2's (max |x - fa2| / max |fa2|) before it is timed. Writes varlen_sm90{tag}.json
 (records {impl, direction, dtype, hdim, layout, batch, total_q, nheads, causal, us, fwd_tflops or
@@ -36,7 +37,9 @@ def lengths_of(layout, rng):
         return [length] * count
     if kind == "mixed":
         return [int(x) for x in rng.integers(max(1, length // 16), length + 1, size=count)]
-    raise ValueError(f"--layouts: expected uniform:N:L or mixed:N:L, got {layout!r}")
+    if kind == "skewed":
+        return [length] + [max(1, length // 1024)] * (count - 1)
+    raise ValueError(f"--layouts: expected uniform:N:L, mixed:N:L or skewed:N:L, got {layout!r}")
 
 
 def main():

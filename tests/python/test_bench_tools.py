@@ -363,3 +363,15 @@ def test_scripts_read_no_undefined_names(folder):
     assert paths
     missing = {str(path.relative_to(ROOT)): undefined_global_names(path) for path in paths}
     assert {name: found for name, found in missing.items() if found} == {}
+
+
+def test_varlen_layouts():
+    np = pytest.importorskip("numpy")
+    varlen = load("bench_varlen")
+    rng = np.random.default_rng(0)
+    assert varlen.lengths_of("uniform:3:256", rng) == [256, 256, 256]
+    assert varlen.lengths_of("skewed:4:16384", rng) == [16384, 16, 16, 16]
+    mixed = varlen.lengths_of("mixed:64:2048", rng)
+    assert len(mixed) == 64 and all(128 <= n <= 2048 for n in mixed)
+    with pytest.raises(ValueError, match="skewed:N:L"):
+        varlen.lengths_of("ragged:2:8", rng)
