@@ -103,8 +103,9 @@ struct SequenceLayout {
   // of it). The GPU kernels size their grids by them; read from host memory they are checked,
   // in device memory trusted (CUFLASH_CHECK_INPUTS=1 checks them). Absent: the longest segment
   // from host memory, else total rows (an upper bound): the forward and the backward then walk
-  // lists of the blocks that hold rows, built on the GPU, and the forward's tile twins and the
-  // backward's dQ accumulator start read the mean length (total / batch, rounded up).
+  // lists of the blocks that hold rows, built on the GPU, and the forward's tile twins, the
+  // default pack_gqa choice and the backward's dQ accumulator start read the mean length
+  // (total / batch, rounded up).
   std::optional<std::int64_t> max_seqlen_q, max_seqlen_k;
   std::optional<TensorView> page_table;
 };

@@ -434,8 +434,8 @@ struct BwdLaunchChoice {
 // ModParams, since a member added into tail padding leaves the sizes below as they were.
 constexpr std::uint64_t kParamsLayoutVersion = 28;
 
-// A sequence's length as the measured kernel-choice rules read it (the forward's tile twins,
-// where the backward's dq_accum starts and how its walks turn): seqlen_q / seqlen_k where that is
+// A sequence's length as the measured kernel-choice rules read it (the forward's tile twins and
+// default pack_gqa, where the backward's dq_accum starts and how its walks turn): seqlen_q / seqlen_k where that is
 // the longest sequence (dense, a max_seqlen hint, lengths in host memory) or a paged cache's
 // capacity, and where a packed side's is only the bound total_q / total_k (lengths in device
 // memory without a hint) the means of the packed sides, ceil(total / batch), that make_fwd_params

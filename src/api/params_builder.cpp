@@ -398,13 +398,15 @@ bool choose_pack_gqa(const FwdParams& params) {
     return false;
   if (params.block_sparse.enabled && !block_lists_refuse_packing(params).empty()) return false;
   // Pack when it fills the row tiles markedly better (decode, short prompts): the rows a
-  // tile holds over the rows it computes, unpacked against packed (the longest sequence's).
+  // tile holds over the rows it computes, unpacked against packed (the longest sequence's, or
+  // the mean where the lengths are only bounded by the total: typical_seqlen_q).
   constexpr std::int64_t kBlockM = 128;
   const std::int64_t group = params.num_heads / params.num_heads_kv;
   auto fill = [&](std::int64_t rows) {
     return rows <= 0 ? 1.0 : double(rows) / double((rows + kBlockM - 1) / kBlockM * kBlockM);
   };
-  return fill(params.seqlen_q) < 0.9 * fill(params.seqlen_q * group);
+  const std::int64_t rows = typical_seqlen_q(params);
+  return fill(rows) < 0.9 * fill(rows * group);
 }
 
 int choose_num_splits(const FwdParams& params, int requested, int num_sm) {

@@ -217,6 +217,26 @@ TEST(ParamsForward, PackGqaDefaultFollowsTileFill) {
   EXPECT_TRUE(call(512, 8, 2).pack_gqa);  // asked for
   EXPECT_TRUE(call(512, 8, 2).pack_gqa_requested);
   EXPECT_FALSE(call(512, 8, 8).pack_gqa);  // MHA: asked for, nothing to pack
+
+  // Packed decode rows in device memory without max_seqlen_q: 256 sequences of one row each,
+  // a total of 256 (whole tiles) but one row per sequence (4 of 128 packed against 1).
+  std::vector<std::int32_t> cu(257), cu_k(257);
+  for (int b = 0; b <= 256; ++b) cu[b] = b, cu_k[b] = 300 * b;
+  const Device gpu{DeviceType::kCUDA, 0};
+  ForwardArgs decode;
+  decode.q = TensorView(dummy_data(), DType::kBFloat16, {256, 8, 64}, gpu);
+  decode.k = TensorView(dummy_data(), DType::kBFloat16, {256 * 300, 2, 64}, gpu);
+  decode.v = decode.k;
+  decode.out = decode.q;
+  decode.seq.cu_seqlens_q = TensorView(cu.data(), DType::kInt32, {257}, gpu);
+  decode.seq.cu_seqlens_k = TensorView(cu_k.data(), DType::kInt32, {257}, gpu);
+  FwdParams p = make_fwd_params(decode, check_forward(decode));
+  EXPECT_EQ(p.seqlen_q, 256);
+  EXPECT_TRUE(p.pack_gqa);
+  // Hints of whole tiles (both sides: with one alone the rules read the means of both): no gain.
+  decode.seq.max_seqlen_q = 256;
+  decode.seq.max_seqlen_k = 300;
+  EXPECT_FALSE(make_fwd_params(decode, check_forward(decode)).pack_gqa);
 }
 
 // The flex kernels pack too: each row's mods see its own head. Not callables compiled at run
