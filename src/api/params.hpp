@@ -435,17 +435,17 @@ struct BwdLaunchChoice {
 constexpr std::uint64_t kParamsLayoutVersion = 28;
 
 // A sequence's length as the measured kernel-choice rules read it (the forward's tile twins and
-// default pack_gqa, where the backward's dq_accum starts and how its walks turn): seqlen_q / seqlen_k where that is
-// the longest sequence (dense, a max_seqlen hint, lengths in host memory) or a paged cache's
-// capacity, and where a packed side's is only the bound total_q / total_k (lengths in device
-// memory without a hint) the means of the packed sides, ceil(total / batch), that make_fwd_params
-// / make_bwd_params put in typical_seqlen_*. Lengths far apart make the mean understate the
-// longest (one 16k sequence among 63 of 16 tokens reads as 270): the hints are the remedy. The
-// kernels walk each sequence's own blocks (the varlen block lists), so a rule timed on
-// sequences of one length fits such a call by its typical sequence, not by the sum of all:
-// with the total, 256 sequences of 256 tokens took the long-tile kernels and cleared dq_accum
-// (0.82 of the hinted backward on the H100, bench/NOTES.md). Grids, workspace and every bound
-// still come from seqlen_q / seqlen_k.
+// default pack_gqa, where the backward's dq_accum starts and how its walks turn): seqlen_q /
+// seqlen_k where that is the longest sequence (dense, a max_seqlen hint, lengths in host memory)
+// or a paged cache's capacity, and where a packed side's is only the bound total_q / total_k
+// (lengths in device memory without a hint) the means of the packed sides, ceil(total /
+// batch), that make_fwd_params / make_bwd_params put in typical_seqlen_*. Lengths far apart
+// make the mean understate the longest (one 16k sequence among 63 of 16 tokens reads as 270):
+// the hints are the remedy. The kernels walk each sequence's own blocks (the varlen block
+// lists), so a rule timed on sequences of one length fits such a call by its typical sequence,
+// not by the sum of all: with the total, 256 sequences of 256 tokens took the long-tile
+// kernels and cleared dq_accum (0.82 of the hinted backward on the H100, bench/NOTES.md).
+// Grids, workspace and every bound still come from seqlen_q / seqlen_k.
 template <class Params>
 inline int typical_seqlen_q(const Params& p) {
   return p.typical_seqlen_q > 0 ? p.typical_seqlen_q : p.seqlen_q;

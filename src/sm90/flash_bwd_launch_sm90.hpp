@@ -78,20 +78,21 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
   // counts: each sequence's listed entries after the list, where wanted (the dQ conversion's
   // wait for a sequence's column blocks).
   auto build_list = [&](int* entries, int const* cu_seqlens, long long total, int block, int max_blocks,
-                        bool descending, bool counts) -> int {
-    if (entries == nullptr || max_blocks == 0) return 0;
-    int const num_entries = int(varlen_block_list_entries(total, batch, block));
-    VarlenBlockListParams const list =
-        make_varlen_block_list(cu_seqlens, batch, 1, total, block, max_blocks, descending, reinterpret_cast<int2*>(entries),
-                               counts ? entries + 2 * std::size_t(num_entries) : nullptr);
+                        bool descending, bool counts) -> VarlenBlockListParams {
+    if (entries == nullptr || max_blocks == 0) return {};
+    VarlenBlockListParams list = make_varlen_block_list(cu_seqlens, batch, 1, total, block, max_blocks, descending,
+                                                        reinterpret_cast<int2*>(entries));
+    if (counts) list.counts = entries + 2 * std::size_t(list.num_entries);
     launch_build_varlen_block_list(list, stream);
     check_launch("the varlen block list kernel");
-    return list.num_entries;
+    return list;
   };
-  int const row_entries =
+  VarlenBlockListParams const row_built =
       build_list(params.row_block_list, params.cu_seqlens_q, params.total_q, kBlockM, num_m_blocks, false, false);
-  int const col_entries = build_list(params.col_block_list, params.cu_seqlens_k, params.total_k, kBlockN, num_n_blocks,
-                                     HasWindow && params.deterministic, true);
+  VarlenBlockListParams const col_built = build_list(params.col_block_list, params.cu_seqlens_k, params.total_k,
+                                                     kBlockN, num_n_blocks, HasWindow && params.deterministic, true);
+  int const row_entries = row_built.num_entries;
+  int const col_entries = col_built.num_entries;
   auto const* const row_list = row_entries > 0 ? reinterpret_cast<int2 const*>(params.row_block_list) : nullptr;
   auto const* const col_list = col_entries > 0 ? reinterpret_cast<int2 const*>(params.col_block_list) : nullptr;
   // The grids' column-block and batch extents of the kernels over row blocks and column blocks.
@@ -357,7 +358,7 @@ void run_bwd_config(BwdParams const& params, cudaStream_t stream) {
                            q_rows_padded, params.seqlen_q, params.head_dim, params.softmax_scale,
                            params.cu_seqlens_q, dq_done, num_n_blocks, num_heads, dq_tickets, row_list,
                            // No CTA for the column blocks past a sequence's keys with the list.
-                           col_list != nullptr ? params.col_block_list + 2 * std::size_t(col_entries) : nullptr};
+                           col_list != nullptr ? col_built.counts : nullptr};
   typename Kernel::Params kernel_params{ml, ep};
   auto kernel = flash_bwd_kernel_sm90<Kernel>;
   constexpr int kSmem = Kernel::kSharedStorageSize;

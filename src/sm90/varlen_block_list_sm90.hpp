@@ -108,10 +108,10 @@ __global__ void __launch_bounds__(kThreads) build_varlen_block_list_sm90(VarlenB
 
 // The list of the blocks of `block` rows over cu_seqlens (times rows_per_token) of `total_rows`
 // rows in all (the tokens times rows_per_token), at most max_blocks per sequence, in `entries`
-// (varlen_block_list_entries of them; counts, where given, after them).
+// (varlen_block_list_entries of them); no counts (a caller that wants them sets `counts`).
 inline VarlenBlockListParams make_varlen_block_list(int const* cu_seqlens, int batch, int rows_per_token,
                                                     long long total_rows, int block, int max_blocks,
-                                                    bool longest_first, int2* entries, int* counts = nullptr) {
+                                                    bool longest_first, int2* entries) {
   VarlenBlockListParams list;
   list.cu_seqlens = cu_seqlens;
   list.batch = batch;
@@ -122,7 +122,6 @@ inline VarlenBlockListParams make_varlen_block_list(int const* cu_seqlens, int b
   list.empty_block = int(std::max<long long>((total_rows + block - 1) / block, 1));
   list.longest_first = longest_first;
   list.entries = entries;
-  list.counts = counts;
   return list;
 }
 
