@@ -140,9 +140,10 @@ struct FwdParams {
   // before the kernel; null: no dynamic scheduling (see fwd_tiles_unequal).
   int* tile_counter = nullptr;
   // The varlen row-block list (sm90/varlen_block_list_sm90.hpp): device workspace for
-  // row_block_list_capacity {sequence, row block} pairs of ints, given by dispatch to packed
-  // queries of more than one sequence; the launch builds and walks it where
-  // fwd_row_block_list_pays. Null: the batch x row-block rectangle.
+  // row_block_list_capacity {sequence, row block} pairs of ints and, after them, the count of
+  // entries the builder listed (fwd_row_block_list_listed), given by dispatch to packed queries
+  // of more than one sequence; the launch builds and walks it where fwd_row_block_list_pays.
+  // Null: the batch x row-block rectangle.
   int* row_block_list = nullptr;
   int row_block_list_capacity = 0;
   FwdRowBlockList row_block_list_mode = FwdRowBlockList::kAuto;  // from CUFLASH_FWD_ROW_BLOCK_LIST
@@ -219,6 +220,12 @@ inline bool fwd_row_block_list_pays(const FwdParams& p, int block_m) {
   long long const entries = fwd_row_block_list_entries(p, block_m);
   return varlen_block_list_pays(p.row_block_list_mode == FwdRowBlockList::kAlways, rectangle, entries) &&
          entries <= p.row_block_list_capacity;
+}
+
+// Where the builder writes how many of the list's entries hold a row block (one int after the
+// capacity's pairs): the kernel walks those and none of the empty ones after them.
+inline int* fwd_row_block_list_listed(const FwdParams& p) {
+  return p.row_block_list + 2 * static_cast<long long>(p.row_block_list_capacity);
 }
 
 // Whether the forward's static schedule may end in a stream-K tail (sm90/stream_k_sm90.hpp):

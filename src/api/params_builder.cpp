@@ -740,7 +740,8 @@ bool uses_tile_counter(const FwdParams& params, FwdScheduler scheduler) {
 bool uses_stream_k(const FwdParams& params) { return params.stream_k_ctas > 0; }
 std::size_t row_block_list_bytes(const FwdParams& params) {
   if (!fwd_row_block_list_wanted(params)) return 0;
-  return std::size_t(fwd_row_block_list_entries(params, kFwdRowBlockListMinBlockM)) * 2 * sizeof(int);
+  // The entries' pairs, then the listed count (in a pair's slot).
+  return std::size_t(fwd_row_block_list_entries(params, kFwdRowBlockListMinBlockM) + 1) * 2 * sizeof(int);
 }
 }  // namespace
 
@@ -770,7 +771,7 @@ void assign_forward_workspace(FwdParams& params, void* workspace, FwdScheduler s
   }
   std::size_t const list_bytes = row_block_list_bytes(params);
   params.row_block_list = list_bytes > 0 ? reinterpret_cast<int*>(next) : nullptr;
-  params.row_block_list_capacity = list_bytes > 0 ? int(list_bytes / (2 * sizeof(int))) : 0;
+  params.row_block_list_capacity = list_bytes > 0 ? int(list_bytes / (2 * sizeof(int)) - 1) : 0;
 }
 
 CombineParams make_split_combine_params(const FwdParams& params, const ForwardArgs& args,

@@ -240,7 +240,10 @@ struct FlashFwdKernelSm90 {
         Scheduler::choose_section_size(
             (long long)p.seqlen_k * (p.head_dim + p.head_dim_v) * (long long)sizeof(Element),
             tile_heads / p.num_heads_kv, tile_heads * batch_entries * (kIsSplit ? p.num_splits : 1)));
-    if (row_block_list) scheduler.row_blocks = reinterpret_cast<int2 const*>(p.row_block_list);
+    if (row_block_list) {
+      scheduler.row_blocks = reinterpret_cast<int2 const*>(p.row_block_list);
+      scheduler.listed_entries = fwd_row_block_list_listed(p);
+    }
     typename Variant::Params variant = Variant::to_params(p);
     if constexpr (kIsFlex) {
       if (flex_scale_in_exp) variant.score_scale = 1.f;  // the multiply FlexTileMods::score skips
@@ -386,7 +389,7 @@ struct FlashFwdKernelSm90 {
     // With a stream-K tail the plain kernel runs only the whole waves.
     int const num_tiles = kStreamKEligible && !kStreamKTail && params.stream_k.enabled()
                               ? params.stream_k.dp_tiles
-                              : scheduler.num_tiles();
+                              : scheduler.num_walked_tiles();
 
     int const warp_group_idx = cutlass::canonical_warp_group_idx();
     int const warp_idx = cutlass::canonical_warp_idx_sync();

@@ -65,12 +65,12 @@ void launch_flash_fwd_sm90(FwdParams& params, cudaStream_t stream) {
   }
   if (kernel_params.scheduler.row_blocks != nullptr) {
     int const group = kernel_params.packing.group;
-    launch_build_varlen_block_list(
-        make_varlen_block_list(params.cu_seqlens_q, params.batch, group, (long long)params.total_q * group,
-                               Kernel::kBlockM,
-                               int(((long long)params.seqlen_q * group + Kernel::kBlockM - 1) / Kernel::kBlockM),
-                               Kernel::last_m_blocks_longest(params), reinterpret_cast<int2*>(params.row_block_list)),
-        stream);
+    VarlenBlockListParams list = make_varlen_block_list(
+        params.cu_seqlens_q, params.batch, group, (long long)params.total_q * group, Kernel::kBlockM,
+        int(((long long)params.seqlen_q * group + Kernel::kBlockM - 1) / Kernel::kBlockM),
+        Kernel::last_m_blocks_longest(params), reinterpret_cast<int2*>(params.row_block_list));
+    list.listed = fwd_row_block_list_listed(params);  // where the kernel's tiles stop
+    launch_build_varlen_block_list(list, stream);
     check_launch(cudaGetLastError(), "cuflash forward: the varlen row-block list's launch failed");
   }
   if (dynamic) {

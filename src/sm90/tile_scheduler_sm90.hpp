@@ -45,10 +45,10 @@ struct FwdTile {
 // Only parities are waited on, so h modulo 4 is all either side needs. mbarrier arrive releases
 // and its wait acquires (CTA scope): the store is visible to the readers, and their loads are
 // done before the slot is written again. Every role takes every handoff, including the last,
-// whose index (>= num_tiles) ends every role's loop alike, so all see the same tiles and the
-// same end. The writer waits only for readers to take handoff h - 2, which needs nothing from
-// it beyond what it did before handoff h - 1 (the loads of tiles up to h - 1): no cycle, hence
-// no deadlock; the writer runs at most two tiles ahead of the slowest reader.
+// whose index (past num_walked_tiles) ends every role's loop alike, so all see the same tiles
+// and the same end. The writer waits only for readers to take handoff h - 2, which needs nothing
+// from it beyond what it did before handoff h - 1 (the loads of tiles up to h - 1): no cycle,
+// hence no deadlock; the writer runs at most two tiles ahead of the slowest reader.
 struct TileHandoff {
   cutlass::arch::ClusterBarrier full[2];
   cutlass::arch::ClusterBarrier empty[2];
@@ -94,6 +94,9 @@ struct PersistentTileSchedulerSm90 {
   // The varlen row-block list (device memory, read by tile() on the device only): entry e is
   // {sequence, row block} of the tiles with "batch" e. Null: the batch x num_m_blocks rectangle.
   int2 const* row_blocks;
+  // With the list: how many of its entries hold a row block (written by the list's builder); the
+  // tiles of the entries after them are empty. Null: every entry is walked.
+  int const* listed_entries;
   // The divisions of tile(), by multiply and shift (make fills them): a consumer decodes its next
   // tile between two tiles, where a chain of integer divisions held up the next tile's first
   // Q K^T (a few hundred cycles per tile, bench/NOTES.md).
@@ -113,6 +116,7 @@ struct PersistentTileSchedulerSm90 {
     s.section_size = section_size;
     s.tile_counter = nullptr;
     s.row_blocks = nullptr;
+    s.listed_entries = nullptr;
     int const pairs = s.num_heads_batches();
     int const sections = (pairs + section_size - 1) / section_size;
     s.div_section_tiles = cutlass::FastDivmod(std::max(1, num_m_blocks * section_size));
@@ -126,6 +130,18 @@ struct PersistentTileSchedulerSm90 {
 
   CUTLASS_HOST_DEVICE int num_heads_batches() const { return num_heads * batch * num_splits; }
   CUTLASS_HOST_DEVICE int num_tiles() const { return num_m_blocks * num_heads_batches(); }
+
+  // The tiles a CTA walks: with the list, those of its listed entries only. One m-block per
+  // entry and the heads and splits of an entry before the next (tile()), so a tile's index is
+  // (entry x splits + split) x heads + head: the listed entries' tiles come first. Every role of
+  // a CTA reads the same count, so producer and consumers stop at the same tile.
+  CUTLASS_DEVICE int num_walked_tiles() const {
+    if (listed_entries == nullptr) return num_tiles();
+    // Clamped to the list, so that no count can overflow the product (the builder writes at most
+    // the entries the list holds).
+    int const listed = min(max(*listed_entries, 0), batch);
+    return min(num_tiles(), listed * num_heads * num_splits);
+  }
 
   static dim3 grid_shape(int num_tiles, int num_sm) {
     return dim3(unsigned(std::max(1, std::min(num_tiles, num_sm))));
@@ -143,7 +159,8 @@ struct PersistentTileSchedulerSm90 {
 
   // Dynamic: the writer claims the tile after the current one, once per tile (also for tiles
   // it skips). The first gridDim.x tiles are the CTAs' first ones, so claim c of the whole grid
-  // gets tile gridDim.x + c; each CTA's last claim is past num_tiles (num_tiles claims in all).
+  // gets tile gridDim.x + c; each CTA's last claim is past the walked tiles (num_walked_tiles:
+  // as many claims in all).
   CUTLASS_DEVICE int claim() const {
     return is_dynamic() ? atomicAdd(tile_counter, 1) + int(gridDim.x) : 0;
   }

@@ -48,6 +48,9 @@ struct VarlenBlockListParams {
   // fewer where malformed lengths ran past num_entries, so that a kernel waiting for a
   // sequence's blocks (the backward's dQ conversion) waits for the CTAs that exist.
   int* counts = nullptr;
+  // (1,) or null: how many entries the builder listed, those with a block; the rest, after them,
+  // are empty. The forward's persistent tiles stop there rather than claim and skip each.
+  int* listed = nullptr;
 };
 
 // One CTA: the sequences in chunks of kThreads, each chunk's block counts scanned into the
@@ -97,6 +100,7 @@ __global__ void __launch_bounds__(kThreads) build_varlen_block_list_sm90(VarlenB
     chunk_first += chunk_blocks;
     __syncthreads();  // first_entry and the scan storage are rewritten by the next chunk
   }
+  if (p.listed != nullptr && tid == 0) *p.listed = int(min(chunk_first, (long long)p.num_entries));
   for (int seq = chunk + tid; p.counts != nullptr && seq < p.batch; seq += kThreads) {
     p.counts[seq] = 0;  // past num_entries: none listed
   }
@@ -108,7 +112,8 @@ __global__ void __launch_bounds__(kThreads) build_varlen_block_list_sm90(VarlenB
 
 // The list of the blocks of `block` rows over cu_seqlens (times rows_per_token) of `total_rows`
 // rows in all (the tokens times rows_per_token), at most max_blocks per sequence, in `entries`
-// (varlen_block_list_entries of them); no counts (a caller that wants them sets `counts`).
+// (varlen_block_list_entries of them); no counts or listed count (a caller that wants them sets
+// `counts` / `listed`).
 inline VarlenBlockListParams make_varlen_block_list(int const* cu_seqlens, int batch, int rows_per_token,
                                                     long long total_rows, int block, int max_blocks,
                                                     bool longest_first, int2* entries) {

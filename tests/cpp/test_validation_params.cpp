@@ -1026,6 +1026,9 @@ TEST(ParamsForward, VarlenRowBlockList) {
   assign_forward_workspace(p, workspace.data(), FwdScheduler::kDynamic);
   EXPECT_EQ(reinterpret_cast<char*>(p.row_block_list), workspace.data() + 256);
   EXPECT_EQ(std::size_t(p.row_block_list_capacity), list_bytes / (2 * sizeof(int)));
+  // The listed count after the entries' pairs, inside the workspace.
+  EXPECT_EQ(reinterpret_cast<char*>(fwd_row_block_list_listed(p)), workspace.data() + 256 + list_bytes);
+  EXPECT_LE(reinterpret_cast<char*>(fwd_row_block_list_listed(p) + 1), workspace.data() + workspace.size());
   // The rectangle: 12 x 15 row blocks against 27 entries.
   EXPECT_TRUE(fwd_row_block_list_pays(p, 128));
   EXPECT_TRUE(fwd_row_block_list_pays(p, 192));
