@@ -419,7 +419,12 @@ int choose_num_splits(const FwdParams& params, int requested, int num_sm) {
       params.mask_mod.kind == int(MaskModKind::kExpression) || params.block_sparse.enabled)
     return 1;
   constexpr int kBlockM = 128, kBlockN = 128, kMaxHeuristicSplits = 128;
-  std::int64_t seqlen_k_loaded = params.seqlen_k;
+  // The typical sequence (typical_seqlen_q / typical_seqlen_k): without hints the totals
+  // would count 64 decode rows as one 64-row sequence and 64 sequences of 256 keys as one of
+  // 16k, and split short keys into one-block shares. The row-block list that such a call walks
+  // has a tile per sequence's row block, as the typical sequence counts them.
+  const std::int64_t seqlen_q = typical_seqlen_q(params);
+  std::int64_t seqlen_k_loaded = typical_seqlen_k(params);
   if (params.is_local && params.window_left >= 0 && params.window_right >= 0) {
     seqlen_k_loaded = std::min<std::int64_t>(
         seqlen_k_loaded, std::int64_t{params.window_left} + params.window_right + 1 + kBlockM);
@@ -432,13 +437,13 @@ int choose_num_splits(const FwdParams& params, int requested, int num_sm) {
   std::int64_t mask_keys = -1;
   switch (params.mask_mod.kind) {
     case int(MaskModKind::kCausal):
-      mask_keys = params.seqlen_q;
+      mask_keys = seqlen_q;
       break;
     case int(MaskModKind::kSlidingWindow):  // keys [0, seqlen_q - 1 + right], width left + right + 1
-      mask_keys = std::min<std::int64_t>(scalar(0) + scalar(1) + 1, params.seqlen_q + scalar(1));
+      mask_keys = std::min<std::int64_t>(scalar(0) + scalar(1) + 1, seqlen_q + scalar(1));
       break;
     case int(MaskModKind::kPrefixLM):
-      mask_keys = std::max<std::int64_t>(scalar(0), params.seqlen_q);
+      mask_keys = std::max<std::int64_t>(scalar(0), seqlen_q);
       break;
     default:
       break;
@@ -451,7 +456,7 @@ int choose_num_splits(const FwdParams& params, int requested, int num_sm) {
   const std::int64_t group = fwd_pack_group(params);
   const std::int64_t tile_heads = params.num_heads / group;
   const std::int64_t num_m_blocks =
-      (std::int64_t{params.seqlen_q} * group + kBlockM - 1) / kBlockM;
+      (seqlen_q * group + kBlockM - 1) / kBlockM;
   const std::int64_t total_m_blocks =
       std::max<std::int64_t>(1, std::int64_t{params.batch} * tile_heads * num_m_blocks);
   const std::int64_t splits = std::min(

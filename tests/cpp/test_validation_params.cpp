@@ -698,6 +698,30 @@ TEST(ParamsForward, SplitHeuristicAndBuffers) {
   p.mask_mod.kind = int(MaskModKind::kExpression);
   EXPECT_EQ(choose_num_splits(p, 0, 132), 1);
   p.mask_mod.kind = 0;
+  // Packed sequences without hints: the typical sequence counts, not the totals. 8 sequences of
+  // 16 rows on 8 kv heads (packed group 4) are 8 x 8 tiles of 64 rows, 2 splits over 8192 keys;
+  // the total (128 rows, 4 tiles of the group's 512) made 256 tiles and no split.
+  p.batch = 8;
+  p.num_heads = 32;
+  p.num_heads_kv = 8;
+  p.pack_gqa = true;
+  p.seqlen_q = 8 * 16;
+  p.seqlen_k = 8 * 8192;
+  p.typical_seqlen_q = 16;
+  p.typical_seqlen_k = 8192;
+  EXPECT_EQ(choose_num_splits(p, 0, 132), 2);
+  p.typical_seqlen_q = p.typical_seqlen_k = 0;  // read as the totals
+  EXPECT_EQ(choose_num_splits(p, 0, 132), 1);
+  // Two sequences of 512 keys are 4 key blocks each: no split; their total, 8 blocks, split 8.
+  p.batch = 2;
+  p.seqlen_q = 2 * 16;
+  p.seqlen_k = 2 * 512;
+  p.typical_seqlen_q = 16;
+  p.typical_seqlen_k = 512;
+  EXPECT_EQ(choose_num_splits(p, 0, 132), 1);
+  p.typical_seqlen_q = p.typical_seqlen_k = 0;
+  EXPECT_EQ(choose_num_splits(p, 0, 132), 8);
+  p.pack_gqa = false;
   p.score_mod.kind = int(ScoreModKind::kExpression);
   EXPECT_EQ(choose_num_splits(p, 0, 132), 1);
   p.score_mod.kind = 0;
