@@ -20,6 +20,13 @@ column further than --max-err off, or one that fails, is recorded as skipped (us
 Writes gqa_sm90{tag}.json (records {impl, dtype, hdim, seqlen_q, seqlen_k, batch, nheads,
 nheads_kv, causal, us, kv_gbps, max_err, skipped, gpu, date}) to --out.
 
+--packed runs the cuflash columns on the same batch laid out as packed sequences (cu_seqlens_q /
+cu_seqlens_k) without max_seqlen hints, as a server that keeps its lengths on the GPU calls it: the
+host then knows only the totals, and the split-KV heuristic (cuflash_split) and pack_gqa=None read
+the typical sequence, the totals over the batch. It adds the column cuflash_split_hints (the same
+call with max_seqlen_q / max_seqlen_k) and writes gqa_sm90_packed{tag}.json, whose records carry
+packed: true. The peers stay the dense batch.
+
 --score-mod alibi runs cuflash with the built-in ALiBi score_mod (the flex kernels, packed and
 unpacked; each packed row's slope is its own head's) and writes gqa_sm90_alibi{tag}.json; the
 peers stay the plain causal call, a bound on what the mod-free decode costs, and only the cuflash
@@ -59,6 +66,23 @@ def reference(q, k, v, bias=None):
     return torch.stack(outs)
 
 
+def packed_call(cuflash, q, k, v, packed, hints, **kwargs):
+    """A cuflash call on the dense batch q (batch, seqlen_q, ...), k / v (batch, seqlen_k, ...), or
+    (packed) on the same tokens as packed sequences, cu_seqlens_q / cu_seqlens_k on the GPU and the
+    max_seqlen hints only with `hints`; its output in q's (batch, seqlen_q, ...) shape either way."""
+    import torch
+
+    if not packed:
+        return lambda: cuflash.flash_attn_varlen_func(q, k, v, **kwargs)[0]
+    batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+    cu_q, cu_k = (torch.arange(0, (batch + 1) * n, n, device=q.device, dtype=torch.int32)
+                  for n in (seqlen_q, seqlen_k))
+    qp, kp, vp = (x.reshape(-1, *x.shape[2:]) for x in (q, k, v))
+    lengths = dict(max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k) if hints else {}
+    return lambda: cuflash.flash_attn_varlen_func(qp, kp, vp, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **lengths,
+                                                  **kwargs)[0].view(q.shape[:3] + v.shape[3:])
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=".")
@@ -74,6 +98,8 @@ def main():
                         help="outputs further than this from the float32 reference (relative to its max) are "
                              "recorded as skipped, not timed")
     parser.add_argument("--score-mod", choices=("none", "alibi"), default="none")
+    parser.add_argument("--packed", action="store_true",
+                        help="cuflash on packed sequences without max_seqlen hints (see above)")
     args = parser.parse_args()
 
     import torch
@@ -85,12 +111,14 @@ def main():
     gpu = torch.cuda.get_device_name()
     date = common.utc_now()
     hdim, dtype = 128, common.torch_dtype(args.dtype)
-    suffix = "" if args.score_mod == "none" else f"_{args.score_mod}"
+    suffix = ("" if args.score_mod == "none" else f"_{args.score_mod}") + ("_packed" if args.packed else "")
     json_path = common.out_path(args, f"gqa_sm90{suffix}", "json")
     records = []
-    names = ("cuflash_packed", "cuflash_unpacked", "cuflash_split", "cudnn", "fa2")
+    names = ("cuflash_packed", "cuflash_unpacked", "cuflash_split") + (("cuflash_split_hints",) if args.packed else ())
+    names += ("cudnn", "fa2")
+    layout = "packed sequences without hints" if args.packed else "dense batch"
     print(f"GQA forward, {args.dtype}, hdim {hdim}, seqlen_k {args.seqlen_k}, batch {args.batch}, causal "
-          f"(bottom-right), score_mod {args.score_mod}; {gpu}, {date}")
+          f"(bottom-right), score_mod {args.score_mod}, cuflash on the {layout}; {gpu}, {date}")
     print(f"{'heads':>7} {'sq':>4} " + " ".join(f"{n + ' us':>17}" for n in names) + f" {'packed GB/s':>12}")
     for pair in args.groups.split(","):
         heads, heads_kv = (int(x) for x in pair.split(":"))
@@ -122,11 +150,13 @@ def main():
             def fa2():
                 return torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, is_causal=True)[0].transpose(1, 2)
 
-            columns = {
-                name: (lambda pack=pack, splits=splits: cuflash.flash_attn_varlen_func(
-                    q, k, v, causal=True, pack_gqa=pack, num_splits=splits, score_mod=score_mod)[0])
-                for name, pack, splits in (("cuflash_packed", True, 1), ("cuflash_unpacked", False, 1),
-                                           ("cuflash_split", True, 0))}
+            cuflash_columns = [("cuflash_packed", True, 1, False), ("cuflash_unpacked", False, 1, False),
+                               ("cuflash_split", True, 0, False)]
+            if args.packed:
+                cuflash_columns.append(("cuflash_split_hints", True, 0, True))
+            columns = {name: packed_call(cuflash, q, k, v, args.packed, hints, causal=True, pack_gqa=pack,
+                                         num_splits=splits, score_mod=score_mod)
+                       for name, pack, splits, hints in cuflash_columns}
             columns.update(cudnn=cudnn, fa2=fa2)
             checked = {name: reference(q, k, v, bias) if bias is not None and name.startswith("cuflash")
                        else expected for name in columns}
@@ -139,7 +169,7 @@ def main():
                 records.append(dict(impl=name, dtype=args.dtype, hdim=hdim, seqlen_q=seqlen_q,
                                     seqlen_k=args.seqlen_k, batch=args.batch, nheads=heads, nheads_kv=heads_kv,
                                     causal=True, us=us, kv_gbps=kv_bytes / us / 1e3, max_err=err,
-                                    skipped=skipped, gpu=gpu, date=date))
+                                    skipped=skipped, gpu=gpu, date=date, packed=args.packed))
             print(f"{heads:>3}:{heads_kv:<3} {seqlen_q:>4} " + " ".join(f"{times[n]:>17.1f}" for n in names) +
                   f" {kv_bytes / times['cuflash_packed'] / 1e3:>12.0f}", flush=True)
             common.write_json(records, json_path)

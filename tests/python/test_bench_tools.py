@@ -285,6 +285,13 @@ def test_gqa_reference_is_cuflash_semantics(alibi):
     expected = gqa.reference(q, k, v, bias)
     out = cuflash.flash_attn_varlen_func(q, k, v, causal=True, score_mod=score_mod)[0]
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+    # --packed: the same tokens as packed sequences, with and without hints, give the batch's
+    # output back in its shape.
+    for packed, hints in ((False, False), (True, False), (True, True)):
+        call = gqa.packed_call(cuflash, q, k, v, packed, hints, causal=True, score_mod=score_mod, num_splits=0)
+        out = call()
+        assert out.shape == q.shape
+        torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
     # Without the mask the output differs: the check has teeth.
     unmasked = cuflash.flash_attn_varlen_func(q, k, v, score_mod=score_mod)[0]
     assert (unmasked.float() - expected).abs().max() > 0.1
