@@ -67,6 +67,7 @@ FwdParams device_fwd_params(const ForwardArgs& args, const detail::AttentionShap
   params.num_sm = sm90::device_sm_count(shape.device.index);
   params.short_kernel = detail::fwd_short_kernel();
   params.row_block_list_mode = detail::fwd_row_block_list();
+  params.row_block_list_order = detail::fwd_row_block_list_order();
   params.zero_v_tail = detail::fwd_zero_v_tail(params);
   params.num_splits = detail::choose_num_splits(params, args.num_splits, params.num_sm);
   // The heuristics may only pick kernels the build has; an explicit request that the build

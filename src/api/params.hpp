@@ -72,6 +72,14 @@ enum class FwdShortKernel { kAuto, kLong, kShort };
 // Whether the varlen forward walks its row-block list (FwdParams::row_block_list_mode): where it
 // pays (kAuto), never, or for every call with packed queries of more than one sequence.
 enum class FwdRowBlockList { kAuto, kOff, kAlways };
+// The order in which the forward's persistent tiles walk the row-block list
+// (FwdParams::row_block_list_order): kEntries, an entry's heads (and splits) one after another
+// before the next entry, so that at any time the CTAs read every head's K / V of the same few
+// sequences; kHeads, the heads of one kv head (one head, for MHA or packed GQA) over every
+// entry before the next, so that they read one kv head's K / V over as many sequences, as the
+// rectangle's L2 sections do (a smaller working set where a sequence's K / V of all heads
+// outgrows L2).
+enum class FwdRowBlockListOrder { kEntries, kHeads };
 
 struct FwdParams {
   // q: (B, Sq, H, D) or packed (total_q, H, D) with cu_seqlens_q (batch stride unused).
@@ -147,6 +155,8 @@ struct FwdParams {
   int* row_block_list = nullptr;
   int row_block_list_capacity = 0;
   FwdRowBlockList row_block_list_mode = FwdRowBlockList::kAuto;  // from CUFLASH_FWD_ROW_BLOCK_LIST
+  // from CUFLASH_FWD_ROW_BLOCK_LIST_ORDER
+  FwdRowBlockListOrder row_block_list_order = FwdRowBlockListOrder::kEntries;
   // Stream-K tail of the static schedule (sm90/stream_k_sm90.hpp): how many CTAs share the last
   // wave's tiles (0: none; set by dispatch, detail::fwd_stream_k_ctas), and device workspace for
   // the pieces' arrival counters and ready flags (zeroed by the launch) and their partial states.
@@ -439,7 +449,7 @@ struct BwdLaunchChoice {
 
 // The layout version: bumped with every change to the members of FwdParams, BwdParams or
 // ModParams, since a member added into tail padding leaves the sizes below as they were.
-constexpr std::uint64_t kParamsLayoutVersion = 28;
+constexpr std::uint64_t kParamsLayoutVersion = 29;
 
 // A sequence's length as the measured kernel-choice rules read it (the forward's tile twins and
 // default pack_gqa, where the backward's dq_accum starts and how its walks turn): seqlen_q /

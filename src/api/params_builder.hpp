@@ -129,6 +129,11 @@ FwdShortKernel fwd_short_kernel();
 FwdRowBlockList parse_fwd_row_block_list(const char* value);
 // The process's choice, from CUFLASH_FWD_ROW_BLOCK_LIST, read once.
 FwdRowBlockList fwd_row_block_list();
+// The order of the forward's walk of that list (FwdParams::row_block_list_order): "entries" (or
+// null / empty) or "heads". Throws kInvalidArgument otherwise.
+FwdRowBlockListOrder parse_fwd_row_block_list_order(const char* value);
+// The process's choice, from CUFLASH_FWD_ROW_BLOCK_LIST_ORDER, read once.
+FwdRowBlockListOrder fwd_row_block_list_order();
 
 // Whether the varlen backward walks its block lists (BwdParams::block_list): "auto" (or null /
 // empty), "off" or "always". Throws kInvalidArgument otherwise.

@@ -243,6 +243,9 @@ struct FlashFwdKernelSm90 {
     if (row_block_list) {
       scheduler.row_blocks = reinterpret_cast<int2 const*>(p.row_block_list);
       scheduler.listed_entries = fwd_row_block_list_listed(p);
+      if (p.row_block_list_order == FwdRowBlockListOrder::kHeads) {
+        scheduler.list_section_pairs = tile_heads / p.num_heads_kv;
+      }
     }
     typename Variant::Params variant = Variant::to_params(p);
     if constexpr (kIsFlex) {

@@ -97,6 +97,11 @@ struct PersistentTileSchedulerSm90 {
   // With the list: how many of its entries hold a row block (written by the list's builder); the
   // tiles of the entries after them are empty. Null: every entry is walked.
   int const* listed_entries;
+  // With the list walked in the heads order (FwdRowBlockListOrder::kHeads): the (head, split)
+  // pairs of a section, walked over every listed entry before the next section (the query heads
+  // of one kv head; 1 for MHA and packed GQA). 0: the entries order, every pair of an entry
+  // before the next entry.
+  int list_section_pairs;
   // The divisions of tile(), by multiply and shift (make fills them): a consumer decodes its next
   // tile between two tiles, where a chain of integer divisions held up the next tile's first
   // Q K^T (a few hundred cycles per tile, bench/NOTES.md).
@@ -117,6 +122,7 @@ struct PersistentTileSchedulerSm90 {
     s.tile_counter = nullptr;
     s.row_blocks = nullptr;
     s.listed_entries = nullptr;
+    s.list_section_pairs = 0;
     int const pairs = s.num_heads_batches();
     int const sections = (pairs + section_size - 1) / section_size;
     s.div_section_tiles = cutlass::FastDivmod(std::max(1, num_m_blocks * section_size));
@@ -141,6 +147,21 @@ struct PersistentTileSchedulerSm90 {
     // the entries the list holds).
     int const listed = min(max(*listed_entries, 0), batch);
     return min(num_tiles(), listed * num_heads * num_splits);
+  }
+
+  // The heads order's tile `index` over `listed` entries (listed > 0) and `pairs` (head, split)
+  // pairs in sections of section_pairs: {entry, pair}. A section's tiles are its pairs of one
+  // entry, then of the next; the last section holds the pairs left. Every index below listed x
+  // pairs is one tile, each once (tested on the host). Two divisions by values only the device
+  // knows (listed), at one tile's start; the entries order needs none.
+  CUTLASS_HOST_DEVICE static int2 list_heads_order(int index, int listed, int section_pairs, int pairs) {
+    int const per_section = listed * section_pairs;
+    int const section = index / per_section;
+    int const rest = index - section * per_section;
+    int const first_pair = section * section_pairs;
+    int const pairs_here = pairs - first_pair < section_pairs ? pairs - first_pair : section_pairs;
+    int const entry = rest / pairs_here;
+    return make_int2(entry, first_pair + rest - entry * pairs_here);
   }
 
   static dim3 grid_shape(int num_tiles, int num_sm) {
@@ -181,6 +202,16 @@ struct PersistentTileSchedulerSm90 {
   }
 
   CUTLASS_HOST_DEVICE FwdTile tile(int index) const {
+#if defined(__CUDA_ARCH__)
+    if (row_blocks != nullptr && list_section_pairs > 0) {
+      int const listed = listed_entries != nullptr ? min(max(*listed_entries, 1), batch) : batch;
+      int2 const at = list_heads_order(index, listed, list_section_pairs, num_heads * num_splits);
+      int split, head;
+      div_heads(split, head, at.y);
+      int2 const entry = row_blocks[at.x];
+      return {entry.y, head, entry.x, split};
+    }
+#endif
     int section, rest;
     div_section_tiles(section, rest, index);
     int const first_head_batch = section * section_size;

@@ -1070,6 +1070,10 @@ TEST(ParamsForward, VarlenRowBlockList) {
   EXPECT_EQ(parse_fwd_row_block_list(nullptr), FwdRowBlockList::kAuto);
   EXPECT_EQ(parse_fwd_row_block_list("always"), FwdRowBlockList::kAlways);
   EXPECT_EQ(parse_fwd_row_block_list("off"), FwdRowBlockList::kOff);
+  EXPECT_EQ(parse_fwd_row_block_list_order(nullptr), FwdRowBlockListOrder::kEntries);
+  EXPECT_EQ(parse_fwd_row_block_list_order("entries"), FwdRowBlockListOrder::kEntries);
+  EXPECT_EQ(parse_fwd_row_block_list_order("heads"), FwdRowBlockListOrder::kHeads);
+  expect_setting_refused(parse_fwd_row_block_list_order, "rows", "CUFLASH_FWD_ROW_BLOCK_LIST_ORDER");
   expect_setting_refused(parse_fwd_row_block_list, "on", "CUFLASH_FWD_ROW_BLOCK_LIST");
   p.seqlen_q = 300;
   p.row_block_list_mode = FwdRowBlockList::kAlways;

@@ -3,6 +3,8 @@
 // compiled by nvcc for the CUTLASS headers, run on the CPU.
 #include <gtest/gtest.h>
 
+#include <vector>
+
 #include "sm90/tile_scheduler_sm90.hpp"
 
 namespace cuflash::sm90 {
@@ -47,6 +49,36 @@ TEST(TileSchedulerDecode, MatchesDivisions) {
               }
             }
   EXPECT_GT(checked, 100000);
+}
+
+// The varlen list's heads order (list_heads_order): every index below listed x pairs is one
+// {entry, pair}, each once; a section's pairs go over every entry before the next section; within
+// a section, an entry's pairs are consecutive.
+TEST(TileSchedulerDecode, ListHeadsOrderIsOneWalk) {
+  for (int listed : {1, 2, 7, 40})
+    for (int pairs : {1, 3, 8, 48})
+      for (int section : {1, 2, 3, 4, 8, 64}) {
+        std::vector<int> seen(std::size_t(listed) * pairs, 0);
+        int last_section = 0;
+        for (int i = 0; i < listed * pairs; ++i) {
+          int2 const at = PersistentTileSchedulerSm90::list_heads_order(i, listed, section, pairs);
+          ASSERT_GE(at.x, 0);
+          ASSERT_LT(at.x, listed);
+          ASSERT_GE(at.y, 0);
+          ASSERT_LT(at.y, pairs);
+          ++seen[std::size_t(at.x) * pairs + at.y];
+          int const pair_section = at.y / section;
+          ASSERT_GE(pair_section, last_section) << "index " << i;  // sections one after another
+          last_section = pair_section;
+          if (i > 0) {
+            int2 const before = PersistentTileSchedulerSm90::list_heads_order(i - 1, listed, section, pairs);
+            if (before.y / section == pair_section) {  // within a section: entry by entry
+              ASSERT_TRUE(at.x == before.x ? at.y == before.y + 1 : at.x == before.x + 1) << "index " << i;
+            }
+          }
+        }
+        for (int count : seen) ASSERT_EQ(count, 1);
+      }
 }
 
 }  // namespace
