@@ -1,7 +1,8 @@
 """The benchmark helpers that run without a GPU: bench/ncu_stall_top.py on a small source page,
 bench/det_order_model.py on small launches, bench/trace_fwd.py and bench/trace_bwd.py on made-up
 timelines, bench/probe_flex_lists.py's list merging, bench_common's grid, FLOP counts and JSON,
-bench_gqa's float32 reference against cuflash's CPU reference, bench_common's check before timing;
+bench_gqa's float32 reference against cuflash's CPU reference, bench_common's check before timing,
+tools/branch_overlay.sh on a repository of its own;
 and that the scripts of bench/ and tools/ and the package name nothing they never define (their
 GPU paths do not run here)."""
 
@@ -382,3 +383,57 @@ def test_varlen_layouts():
     assert len(mixed) == 64 and all(128 <= n <= 2048 for n in mixed)
     with pytest.raises(ValueError, match="skewed:N:L"):
         varlen.lengths_of("ragged:2:8", rng)
+
+
+def test_branch_overlay(tmp_path):
+    # tools/branch_overlay.sh in a repository of its own: a branch's changed files laid out under
+    # the folder; refused where the branch deletes a file or main changed the branch's files.
+    import shutil
+    import subprocess
+
+    repo = tmp_path / "repo"
+    (repo / "tools").mkdir(parents=True)
+    shutil.copy(ROOT / "tools" / "branch_overlay.sh", repo / "tools" / "branch_overlay.sh")
+
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True,
+                              capture_output=True, text=True).stdout
+
+    def overlay(branch, folder):
+        return subprocess.run(["bash", "tools/branch_overlay.sh", branch, folder], cwd=repo, capture_output=True,
+                              text=True)
+
+    git("init", "-q", "-b", "main")
+    (repo / "src").mkdir()
+    (repo / "src" / "a.hpp").write_text("a0\n")
+    (repo / "src" / "b.hpp").write_text("b0\n")
+    git("add", "-A")
+    git("commit", "-q", "-m", "base")
+    git("checkout", "-q", "-b", "feature")
+    (repo / "src" / "a.hpp").write_text("a1\n")
+    (repo / "src" / "new").mkdir()
+    (repo / "src" / "new" / "c.hpp").write_text("c1\n")
+    git("add", "-A")
+    git("commit", "-q", "-m", "feature")
+    git("checkout", "-q", "main")
+    (repo / "src" / "b.hpp").write_text("b1\n")  # main moves on elsewhere: allowed
+    git("commit", "-q", "-am", "main")
+
+    result = overlay("feature", "ab_feature")
+    assert result.returncode == 0, result.stderr
+    files = sorted(str(p.relative_to(repo / "ab_feature")) for p in (repo / "ab_feature").rglob("*") if p.is_file())
+    assert files == ["src/a.hpp", "src/new/c.hpp"]
+    assert (repo / "ab_feature" / "src" / "a.hpp").read_text() == "a1\n"
+
+    (repo / "src" / "a.hpp").write_text("a2\n")  # main changes a file of the branch: refused
+    git("commit", "-q", "-am", "main again")
+    result = overlay("feature", "ab_again")
+    assert result.returncode == 2 and "src/a.hpp" in result.stderr and "rebase" in result.stderr
+    assert not (repo / "ab_again").exists()
+
+    git("checkout", "-q", "-b", "deletes")
+    git("rm", "-q", "src/b.hpp")
+    git("commit", "-q", "-m", "delete")
+    git("checkout", "-q", "main")
+    result = overlay("deletes", "ab_deletes")
+    assert result.returncode == 2 and "deletes or renames" in result.stderr
