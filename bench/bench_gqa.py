@@ -24,8 +24,8 @@ nheads_kv, causal, us, kv_gbps, max_err, skipped, gpu, date}) to --out.
 cu_seqlens_k) without max_seqlen hints, as a server that keeps its lengths on the GPU calls it: the
 host then knows only the totals, and the split-KV heuristic (cuflash_split) and pack_gqa=None read
 the typical sequence, the totals over the batch. It adds the column cuflash_split_hints (the same
-call with max_seqlen_q / max_seqlen_k) and writes gqa_sm90_packed{tag}.json, whose records carry
-packed: true. The peers stay the dense batch.
+call with max_seqlen_q / max_seqlen_k) and writes gqa_sm90_packed{tag}.json, whose cuflash records
+carry packed: true. The peers stay the dense batch (packed: false).
 
 --score-mod alibi runs cuflash with the built-in ALiBi score_mod (the flex kernels, packed and
 unpacked; each packed row's slope is its own head's) and writes gqa_sm90_alibi{tag}.json; the
@@ -169,7 +169,8 @@ def main():
                 records.append(dict(impl=name, dtype=args.dtype, hdim=hdim, seqlen_q=seqlen_q,
                                     seqlen_k=args.seqlen_k, batch=args.batch, nheads=heads, nheads_kv=heads_kv,
                                     causal=True, us=us, kv_gbps=kv_bytes / us / 1e3, max_err=err,
-                                    skipped=skipped, gpu=gpu, date=date, packed=args.packed))
+                                    skipped=skipped, gpu=gpu, date=date,
+                                    packed=args.packed and name.startswith("cuflash")))
             print(f"{heads:>3}:{heads_kv:<3} {seqlen_q:>4} " + " ".join(f"{times[n]:>17.1f}" for n in names) +
                   f" {kv_bytes / times['cuflash_packed'] / 1e3:>12.0f}", flush=True)
             common.write_json(records, json_path)

@@ -396,14 +396,15 @@ def test_branch_overlay(tmp_path):
     shutil.copy(ROOT / "tools" / "branch_overlay.sh", repo / "tools" / "branch_overlay.sh")
 
     def git(*args):
-        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True,
-                              capture_output=True, text=True).stdout
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false", *args],
+                              cwd=repo, check=True, capture_output=True, text=True).stdout
 
     def overlay(branch, folder):
         return subprocess.run(["bash", "tools/branch_overlay.sh", branch, folder], cwd=repo, capture_output=True,
                               text=True)
 
-    git("init", "-q", "-b", "main")
+    git("init", "-q")
+    git("symbolic-ref", "HEAD", "refs/heads/main")
     (repo / "src").mkdir()
     (repo / "src" / "a.hpp").write_text("a0\n")
     (repo / "src" / "b.hpp").write_text("b0\n")
@@ -436,4 +437,21 @@ def test_branch_overlay(tmp_path):
     git("commit", "-q", "-m", "delete")
     git("checkout", "-q", "main")
     result = overlay("deletes", "ab_deletes")
-    assert result.returncode == 2 and "deletes or renames" in result.stderr
+    assert result.returncode == 2 and "deletes, renames" in result.stderr
+
+    # A folder with tracked files is never removed; nor is the root or a path outside.
+    for folder in ("src", "tools/", ".", "../x"):
+        result = overlay("feature", folder)
+        assert result.returncode == 2, folder
+    assert (repo / "src" / "a.hpp").read_text() == "a2\n" and (repo / "tools" / "branch_overlay.sh").exists()
+
+    # Names with unusual bytes arrive whole (NUL-separated), and a name with pattern characters
+    # is not taken for a pattern.
+    git("checkout", "-q", "-b", "names")
+    (repo / "src" / "caf\u00e9 [1].hpp").write_text("x\n")
+    git("add", "-A")
+    git("commit", "-q", "-m", "names")
+    git("checkout", "-q", "main")
+    result = overlay("names", "ab_names")
+    assert result.returncode == 0, result.stderr
+    assert (repo / "ab_names" / "src" / "caf\u00e9 [1].hpp").read_text() == "x\n"
