@@ -1351,7 +1351,9 @@ def flash_attn_varlen_func(
         cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 cumulative sequence starts.
         max_seqlen_q, max_seqlen_k: upper bounds of the sequence lengths (hints). With
             cu_seqlens on the GPU and no hint, the forward and the backward walk lists of the
-            blocks that hold rows, built on the GPU; a hint below a sequence's length is
+            blocks that hold rows, built on the GPU, and the kernel choices (tiles, pack_gqa=None,
+            num_splits <= 0, where dQ's accumulator starts) read the mean length; with lengths
+            far apart the hints choose better (README). A hint below a sequence's length is
             trusted on the GPU (the rows past it are not computed) and refused when cu_seqlens
             are in host memory.
         seqused_q, seqused_k: (batch,) int32: use only this many tokens of each sequence.
