@@ -78,7 +78,7 @@ enum class FwdRowBlockList { kAuto, kOff, kAlways };
 // sequences; kHeads, the heads of one kv head (one head, for MHA or packed GQA) over every
 // entry before the next, so that they read one kv head's K / V over as many sequences, as the
 // rectangle's L2 sections do (a smaller working set where a sequence's K / V of all heads
-// outgrows L2).
+// outgrows L2). kHeads applies up to head dim 128 (FlashFwdKernelSm90::kListHeadsOrder).
 enum class FwdRowBlockListOrder { kEntries, kHeads };
 
 struct FwdParams {

@@ -131,6 +131,11 @@ struct FlashFwdKernelSm90 {
       Config::kHeadDimV == 256 && !kIsSplit && !kIsPaged && !kPackGqa;
   static constexpr int kLazyRescaleLog2 = kLazyRescalePlain || kLazyRescaleFlex ? 8 : 0;
 
+  // The varlen list's heads order (CUFLASH_FWD_ROW_BLOCK_LIST_ORDER=heads) up to head dim 128:
+  // its decode in every kernel made the plain hdim256 one spill 8 bytes (ptxas), and the
+  // working set it shrinks is largest at the small head dims. Larger ones walk the entries order.
+  static constexpr bool kListHeadsOrder = Config::kHeadDimV <= 128;
+
   // O gets its own buffer when it fits, so the next tile's Q can land while this tile's
   // epilogue runs; otherwise it reuses Q's.
   static constexpr int kSmemBytesO =
@@ -243,7 +248,7 @@ struct FlashFwdKernelSm90 {
     if (row_block_list) {
       scheduler.row_blocks = reinterpret_cast<int2 const*>(p.row_block_list);
       scheduler.listed_entries = fwd_row_block_list_listed(p);
-      if (p.row_block_list_order == FwdRowBlockListOrder::kHeads) {
+      if (kListHeadsOrder && p.row_block_list_order == FwdRowBlockListOrder::kHeads) {
         scheduler.list_section_pairs = tile_heads / p.num_heads_kv;
       }
     }
@@ -440,7 +445,7 @@ struct FlashFwdKernelSm90 {
           if constexpr (kDynamicScheduling) {
             if (leader) claimed = scheduler.claim();
           }
-          FwdTile const tile = scheduler.tile(tile_index);
+          FwdTile const tile = scheduler.template tile<kListHeadsOrder>(tile_index);
           TileWork const work = tile_work(params, tile, cursor);
           if (!work.has_rows || !work.has_keys()) continue;
           // Packed tiles are per kv head, and their Q is loaded by the MMA warpgroups.
@@ -487,7 +492,7 @@ struct FlashFwdKernelSm90 {
       bool s_issued = false;
       int tile_index = first_tile(params, cursor, num_tiles);
       while (tile_index < num_tiles) {
-        FwdTile const tile = scheduler.tile(tile_index);
+        FwdTile const tile = scheduler.template tile<kListHeadsOrder>(tile_index);
         TileWork const work = tile_work(params, tile, cursor);
         if (!work.has_rows) {
           tile_index = advance(tile_index);
@@ -541,7 +546,8 @@ struct FlashFwdKernelSm90 {
               int next = advance(tile_index);
               bool next_has_keys = false;
               for (; next < num_tiles; next = advance(next)) {
-                TileWork const ahead = tile_work(params, scheduler.tile(next), cursor);
+                TileWork const ahead =
+                    tile_work(params, scheduler.template tile<kListHeadsOrder>(next), cursor);
                 if (ahead.has_rows) {
                   next_has_keys = ahead.has_keys();
                   break;

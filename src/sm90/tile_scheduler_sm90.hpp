@@ -201,9 +201,12 @@ struct PersistentTileSchedulerSm90 {
     return ring.take(handoff);
   }
 
+  // kListHeadsOrder: the kernel may walk its list in the heads order (list_section_pairs); a
+  // kernel built without it carries none of that decode.
+  template <bool kListHeadsOrder = false>
   CUTLASS_HOST_DEVICE FwdTile tile(int index) const {
 #if defined(__CUDA_ARCH__)
-    if (row_blocks != nullptr && list_section_pairs > 0) {
+    if (kListHeadsOrder && row_blocks != nullptr && list_section_pairs > 0) {
       int const listed = listed_entries != nullptr ? min(max(*listed_entries, 1), batch) : batch;
       int2 const at = list_heads_order(index, listed, list_section_pairs, num_heads * num_splits);
       int split, head;
