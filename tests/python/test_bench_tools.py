@@ -2,7 +2,7 @@
 bench/det_order_model.py on small launches, bench/trace_fwd.py and bench/trace_bwd.py on made-up
 timelines, bench/probe_flex_lists.py's list merging, bench_common's grid, FLOP counts and JSON,
 bench_gqa's float32 reference against cuflash's CPU reference, bench_common's check before timing,
-tools/branch_overlay.sh on a repository of its own;
+tools/branch_overlay.sh and tools/patch_overlay.sh on repositories of their own;
 and that the scripts of bench/ and tools/ and the package name nothing they never define (their
 GPU paths do not run here)."""
 
@@ -455,3 +455,72 @@ def test_branch_overlay(tmp_path):
     result = overlay("names", "ab_names")
     assert result.returncode == 0, result.stderr
     assert (repo / "ab_names" / "src" / "caf\u00e9 [1].hpp").read_text() == "x\n"
+
+
+def test_patch_overlay(tmp_path):
+    # tools/patch_overlay.sh in a repository of its own: the files that patches change, applied
+    # in order onto HEAD, laid out under the folder; the working tree untouched; refused where a
+    # patch does not apply or deletes a file; no scratch worktree left behind.
+    import shutil
+    import subprocess
+
+    repo = tmp_path / "repo"
+    (repo / "tools").mkdir(parents=True)
+    shutil.copy(ROOT / "tools" / "patch_overlay.sh", repo / "tools" / "patch_overlay.sh")
+
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false", *args],
+                              cwd=repo, check=True, capture_output=True, text=True).stdout
+
+    def overlay(folder, *patches):
+        return subprocess.run(["bash", "tools/patch_overlay.sh", folder, *patches], cwd=repo, capture_output=True,
+                              text=True)
+
+    git("init", "-q")
+    git("symbolic-ref", "HEAD", "refs/heads/main")
+    (repo / "src").mkdir()
+    (repo / "src" / "a.hpp").write_text("a0\nkeep\n")
+    (repo / "src" / "b.hpp").write_text("b0\n")
+    git("add", "-A")
+    git("commit", "-q", "-m", "base")
+    # Two patches made on top of each other: the second changes a.hpp again and adds a file.
+    (repo / "src" / "a.hpp").write_text("a1\nkeep\n")
+    (repo / "first.patch").write_text(git("diff"))
+    git("commit", "-q", "-am", "first")
+    (repo / "src" / "a.hpp").write_text("a1\nkeep2\n")
+    (repo / "src" / "new").mkdir()
+    (repo / "src" / "new" / "c.hpp").write_text("c1\n")
+    git("add", "src")
+    (repo / "second.patch").write_text(git("diff", "--cached"))
+    git("reset", "-q", "--hard", "HEAD~1")
+    (repo / "src" / "b.hpp").write_text("b-local\n")  # an uncommitted edit elsewhere: kept
+
+    result = overlay("ab_both", "first.patch", "second.patch")
+    assert result.returncode == 0, result.stderr
+    files = sorted(str(p.relative_to(repo / "ab_both")) for p in (repo / "ab_both").rglob("*") if p.is_file())
+    assert files == ["src/a.hpp", "src/new/c.hpp"]
+    assert (repo / "ab_both" / "src" / "a.hpp").read_text() == "a1\nkeep2\n"
+    assert (repo / "src" / "a.hpp").read_text() == "a0\nkeep\n"  # the working tree untouched
+    assert (repo / "src" / "b.hpp").read_text() == "b-local\n"
+    assert not (repo / "src" / "new").exists()
+    assert git("worktree", "list").count("\n") == 1  # the scratch worktree is gone
+
+    # The second patch alone does not apply on HEAD (it was made after the first): refused.
+    result = overlay("ab_second", "second.patch")
+    assert result.returncode == 2 and "does not apply" in result.stderr
+    assert not (repo / "ab_second").exists()
+
+    # A patch that deletes a file: refused.
+    git("checkout", "-q", "--", "src/b.hpp")
+    git("rm", "-q", "src/b.hpp")
+    (repo / "delete.patch").write_text(git("diff", "--cached", "HEAD"))
+    git("reset", "-q", "--hard", "HEAD")
+    result = overlay("ab_delete", "delete.patch")
+    assert result.returncode == 2 and "delete" in result.stderr
+
+    # A folder with tracked files is never removed; nor is the root or a path outside.
+    for folder in ("src", "tools/", ".", "../x"):
+        result = overlay(folder, "first.patch")
+        assert result.returncode == 2, folder
+    assert (repo / "src" / "a.hpp").read_text() == "a0\nkeep\n"
+    assert git("worktree", "list").count("\n") == 1
