@@ -2,7 +2,8 @@
 bench/det_order_model.py on small launches, bench/trace_fwd.py and bench/trace_bwd.py on made-up
 timelines, bench/probe_flex_lists.py's list merging, bench_common's grid, FLOP counts and JSON,
 bench_gqa's float32 reference against cuflash's CPU reference, bench_common's check before timing,
-tools/branch_overlay.sh and tools/patch_overlay.sh on repositories of their own;
+tools/branch_overlay.sh and tools/patch_overlay.sh on repositories of their own, tools/sass_loops.py on a
+made-up listing;
 and that the scripts of bench/ and tools/ and the package name nothing they never define (their
 GPU paths do not run here)."""
 
@@ -524,3 +525,37 @@ def test_patch_overlay(tmp_path):
         assert result.returncode == 2, folder
     assert (repo / "src" / "a.hpp").read_text() == "a0\nkeep\n"
     assert git("worktree", "list").count("\n") == 1
+
+
+def test_sass_loops(tmp_path, capsys):
+    # tools/sass_loops.py on a made-up listing: one kernel whose loop holds two HGMMAs, an R2UR,
+    # a wait before its exponentials and one after; a second loop with no exponentials is left out.
+    spec = importlib.util.spec_from_file_location("sass_loops", ROOT / "tools" / "sass_loops.py")
+    sass_loops = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sass_loops)
+    body = [
+        "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ",
+        "R2UR UR6, R2",
+        "WARPGROUP.DEPBAR.LE gsb0, 0x1",
+        "MUFU.EX2 R1, R1",
+        "MUFU.EX2 R2, R2",
+        "HGMMA.64x128x16.F32.BF16 R88, R120, gdesc[UR8], R88",
+        "WARPGROUP.DEPBAR.LE gsb0, 0x0",
+        "@P0 BRA 0x0100",
+        "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ",
+        "@P1 BRA 0x0180",
+        "EXIT",
+    ]
+    lines = ["\t\tFunction : _Z6kernelv\n", "        /*0000*/                   MOV R1, c[0x0][0x28] ;\n"]
+    for i, text in enumerate(body):
+        lines.append(f"        /*{0x100 + 0x10 * i:04x}*/                   {text} ;   /* 0x0 */\n")
+    listing = tmp_path / "s.txt"
+    listing.write_text("".join(lines))
+    kernels = sass_loops.functions(lines)
+    assert list(kernels) == ["_Z6kernelv"] and len(kernels["_Z6kernelv"]) == 1 + len(body)
+    found = sass_loops.loops(kernels["_Z6kernelv"], min_hgmma=2, min_ex2=2)
+    assert found == [{"start": 0x100, "end": 0x170, "instructions": 8, "hgmma": 2, "ex2": 2, "r2ur": 1,
+                      "depbar": [2, 6], "first_ex2": 3, "last_ex2": 4}]
+    assert sass_loops.main([str(listing), "--min-hgmma", "2", "--min-ex2", "2"]) == 0
+    assert "R2UR 1, DEPBAR at [2, 6], exponentials 3-4" in capsys.readouterr().out
+    assert sass_loops.main([str(listing), "--kernel", "nothing"]) == 1
