@@ -386,31 +386,38 @@ def test_varlen_layouts():
         varlen.lengths_of("ragged:2:8", rng)
 
 
-def test_branch_overlay(tmp_path):
-    # tools/branch_overlay.sh in a repository of its own: a branch's changed files laid out under
-    # the folder; refused where the branch deletes a file or main changed the branch's files.
+def tool_repo(tmp_path, script, base_files):
+    """A git repository of its own holding tools/SCRIPT and, committed on main as its base, the
+    files of base_files ({path: text}): its path, a git runner (stdout, failing on error) and a
+    runner of the script (the completed process)."""
     import shutil
     import subprocess
 
     repo = tmp_path / "repo"
     (repo / "tools").mkdir(parents=True)
-    shutil.copy(ROOT / "tools" / "branch_overlay.sh", repo / "tools" / "branch_overlay.sh")
+    shutil.copy(ROOT / "tools" / script, repo / "tools" / script)
 
     def git(*args):
         return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false", *args],
                               cwd=repo, check=True, capture_output=True, text=True).stdout
 
-    def overlay(branch, folder):
-        return subprocess.run(["bash", "tools/branch_overlay.sh", branch, folder], cwd=repo, capture_output=True,
-                              text=True)
+    def run(*args):
+        return subprocess.run(["bash", f"tools/{script}", *args], cwd=repo, capture_output=True, text=True)
 
     git("init", "-q")
     git("symbolic-ref", "HEAD", "refs/heads/main")
-    (repo / "src").mkdir()
-    (repo / "src" / "a.hpp").write_text("a0\n")
-    (repo / "src" / "b.hpp").write_text("b0\n")
+    for path, text in base_files.items():
+        (repo / path).parent.mkdir(parents=True, exist_ok=True)
+        (repo / path).write_text(text)
     git("add", "-A")
     git("commit", "-q", "-m", "base")
+    return repo, git, run
+
+
+def test_branch_overlay(tmp_path):
+    # tools/branch_overlay.sh in a repository of its own: a branch's changed files laid out under
+    # the folder; refused where the branch deletes a file or main changed the branch's files.
+    repo, git, overlay = tool_repo(tmp_path, "branch_overlay.sh", {"src/a.hpp": "a0\n", "src/b.hpp": "b0\n"})
     git("checkout", "-q", "-b", "feature")
     (repo / "src" / "a.hpp").write_text("a1\n")
     (repo / "src" / "new").mkdir()
@@ -462,28 +469,7 @@ def test_patch_overlay(tmp_path):
     # tools/patch_overlay.sh in a repository of its own: the files that patches change, applied
     # in order onto HEAD, laid out under the folder; the working tree untouched; refused where a
     # patch does not apply or deletes a file; no scratch worktree left behind.
-    import shutil
-    import subprocess
-
-    repo = tmp_path / "repo"
-    (repo / "tools").mkdir(parents=True)
-    shutil.copy(ROOT / "tools" / "patch_overlay.sh", repo / "tools" / "patch_overlay.sh")
-
-    def git(*args):
-        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false", *args],
-                              cwd=repo, check=True, capture_output=True, text=True).stdout
-
-    def overlay(folder, *patches):
-        return subprocess.run(["bash", "tools/patch_overlay.sh", folder, *patches], cwd=repo, capture_output=True,
-                              text=True)
-
-    git("init", "-q")
-    git("symbolic-ref", "HEAD", "refs/heads/main")
-    (repo / "src").mkdir()
-    (repo / "src" / "a.hpp").write_text("a0\nkeep\n")
-    (repo / "src" / "b.hpp").write_text("b0\n")
-    git("add", "-A")
-    git("commit", "-q", "-m", "base")
+    repo, git, overlay = tool_repo(tmp_path, "patch_overlay.sh", {"src/a.hpp": "a0\nkeep\n", "src/b.hpp": "b0\n"})
     # Two patches made on top of each other: the second changes a.hpp again and adds a file.
     (repo / "src" / "a.hpp").write_text("a1\nkeep\n")
     (repo / "first.patch").write_text(git("diff"))
