@@ -10,10 +10,12 @@
 #   VARIANTS="base all@ab_all" ... tools/gpu_ab.sh
 #
 # The patches apply in a scratch worktree of BASE (removed at exit), so the working tree is never
-# touched but for DIR. DIR is relative to the repository root and must hold no tracked file (it
-# is removed and written anew). Refused: a patch that does not apply on BASE after the ones
-# before it, and patches that delete or rename files or change a file's mode (an overlay only
-# adds and replaces plain files). The folder is untracked; remove it before committing.
+# touched but for DIR. DIR is relative to the repository root, reached through no symlink, not
+# inside .git, and must hold no tracked file (it is removed and written anew). Refused: a patch
+# that does not apply on BASE after the ones before it; patches that delete or rename files,
+# change a file's mode or add anything but plain files (an overlay only adds and replaces plain
+# files); with BASE other than HEAD, patched files that HEAD has changed since BASE (the overlay
+# would undo that change). The folder is untracked; remove it before committing.
 set -euo pipefail
 
 usage="usage: tools/patch_overlay.sh DIR PATCH..."
@@ -26,49 +28,76 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 patches=()
 for p in "$@"; do
   [[ -f $p ]] || { echo "patch_overlay: no patch file '$p'" >&2; exit 2; }
-  patches+=("$(cd "$(dirname "$p")" && pwd)/$(basename "$p")")
+  patches+=("$(realpath -- "$p")")
 done
 cd "$ROOT"
+DIR_GIVEN=$DIR
+# DIR: a new folder inside the repository, reached through no symlink (rm and cp follow them)
+# and not inside .git.
+DIR=$(printf '%s' "$DIR" | tr -s '/')
 DIR=${DIR%/}
-if [[ -z $DIR || $DIR == . || $DIR == /* || $DIR == *..* ]]; then
-  echo "patch_overlay: DIR must be a folder name inside the repository, got '$1'" >&2
+case "/$DIR/" in
+  //|/./* | */../* | */./* | /.git/* | */.git/*) dir_ok=0 ;;
+  *) dir_ok=1 ;;
+esac
+if [[ $dir_ok == 1 && $DIR != /* ]]; then
+  part=$ROOT
+  IFS=/ read -ra parts <<<"$DIR"
+  for component in "${parts[@]}"; do
+    part=$part/$component
+    [[ -L $part ]] && { dir_ok=0; break; }
+  done
+else
+  dir_ok=0
+fi
+if [[ $dir_ok != 1 ]]; then
+  echo "patch_overlay: DIR must be a new folder inside the repository (no '..', '.git' or symlink on the way), got '$DIR_GIVEN'" >&2
   exit 2
 fi
-if [[ -n $(git ls-files -- "$DIR") ]]; then
+tracked=$(git ls-files -- "$DIR")
+if [[ -n $tracked ]]; then
   echo "patch_overlay: $DIR holds tracked files; name a new folder" >&2
   exit 2
 fi
 
+base=$(git rev-parse --verify --quiet "$BASE^{commit}") || { echo "patch_overlay: no commit '$BASE'" >&2; exit 2; }
 scratch=$(mktemp -d)
 tree=$scratch/tree
 cleanup() {
   git worktree remove --force "$tree" >/dev/null 2>&1 || true
   rm -rf "$scratch"
-  git worktree prune >/dev/null 2>&1 || true
 }
 trap cleanup EXIT
-git worktree add -q --detach "$tree" "$BASE"
+git -c core.hooksPath=/dev/null worktree add -q --detach "$tree" "$base"
 for p in "${patches[@]}"; do
-  if ! git -C "$tree" apply --check "$p" 2>"$scratch/err"; then
+  # --index: what the patch touches is staged, ignored names included.
+  if ! git -C "$tree" apply --index "$p" 2>"$scratch/err"; then
     echo "patch_overlay: $p does not apply on $BASE (after the patches before it):" >&2
     cat "$scratch/err" >&2
     exit 2
   fi
-  git -C "$tree" apply "$p"
 done
-git -C "$tree" add -A
-# NUL-separated status and names, read from files so that a failing git stops the script.
-git -C "$tree" diff --cached -z --name-status --no-renames --diff-filter=DT "$BASE" >"$scratch/refused"
-git -C "$tree" diff --cached --summary "$BASE" | grep -E '^ (mode change|delete mode)' >"$scratch/modes" || true
-if [[ -s $scratch/refused || -s $scratch/modes ]]; then
-  echo "patch_overlay: the patches delete files or change a file's type or mode; an overlay cannot:" >&2
-  tr '\0' '\n' <"$scratch/refused" >&2
-  cat "$scratch/modes" >&2
+# Only added or modified plain files (modes 100644 / 100755) can be laid over a tree. Raw lines
+# (NUL-separated): ":old_mode new_mode old_sha new_sha status", then the name.
+git -C "$tree" diff --cached -z --raw --no-renames "$base" >"$scratch/raw"
+refused=$(tr '\0' '\n' <"$scratch/raw" | awk '/^:/ { split(substr($0, 2), f, " "); if (f[5] !~ /^[AM]$/ || (f[2] != "100644" && f[2] != "100755") || (f[5] == "M" && f[1] != f[2])) { bad = 1; print } next } bad { print; bad = 0 }')
+if [[ -n $refused ]]; then
+  echo "patch_overlay: the patches delete files, change a file's type or mode, or add a link; an overlay cannot:" >&2
+  echo "$refused" >&2
   exit 2
 fi
-git -C "$tree" diff --cached -z --name-only --no-renames "$BASE" >"$scratch/files"
+git -C "$tree" diff --cached -z --name-only --no-renames "$base" >"$scratch/files"
 mapfile -d '' files <"$scratch/files"
 [[ ${#files[@]} -gt 0 ]] || { echo "patch_overlay: the patches change nothing on $BASE" >&2; exit 2; }
+if [[ $base != $(git rev-parse HEAD) ]]; then
+  # The overlay replaces the working tree's files: refuse those that HEAD changed since BASE.
+  git --literal-pathspecs diff -z --name-only "$base" HEAD -- "${files[@]}" >"$scratch/moved"
+  if [[ -s $scratch/moved ]]; then
+    echo "patch_overlay: HEAD changed these files of the patches since $BASE:" >&2
+    tr '\0' '\n' <"$scratch/moved" >&2
+    exit 2
+  fi
+fi
 rm -rf "$DIR"
 for f in "${files[@]}"; do
   mkdir -p "$DIR/$(dirname "$f")"

@@ -10,6 +10,9 @@ exponential (a wait before the first one means the softmax does not run under th
     cuobjdump -sass build/CMakeFiles/cuflash.dir/src/instantiations/flash_fwd_hdim128_bf16_sm90.cu.o > s.txt
     python3 tools/sass_loops.py s.txt --kernel 'ELb0ELb0EEEEEEEvNT_6ParamsE$'
 
+The input is cuobjdump's listing (kernels under "Function :" headers, branch targets as
+addresses); nvdisasm's label form is not read. Spans that hold an EXIT (retry stubs placed
+after the kernel's end that branch back) are left out; nested loops are listed each on its own.
 cuobjdump and nvdisasm come with a full CUDA toolkit, or from PyPI (the wheels
 nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm, whose bin/ folder goes on PATH).
 """
@@ -50,6 +53,10 @@ def loops(instructions, min_hgmma=8, min_ex2=32):
         if target >= address or target not in index:
             continue
         body = [t for _, t in instructions[index[target]:i + 1]]
+        # A span holding an EXIT is no loop: ptxas puts retry stubs (a barrier's phase check)
+        # after the kernel's end, branching back into the code.
+        if any(re.search(r"\bEXIT\b", t) for t in body):
+            continue
         hgmma = sum("HGMMA" in t for t in body)
         ex2 = [j for j, t in enumerate(body) if "MUFU.EX2" in t]
         if hgmma < min_hgmma or len(ex2) < min_ex2:

@@ -414,6 +414,14 @@ def tool_repo(tmp_path, script, base_files):
     return repo, git, run
 
 
+def subprocess_env_run(cwd, command, **env):
+    """command in cwd with these environment variables added (the completed process)."""
+    import os
+    import subprocess
+
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, env={**os.environ, **env})
+
+
 def test_branch_overlay(tmp_path):
     # tools/branch_overlay.sh in a repository of its own: a branch's changed files laid out under
     # the folder; refused where the branch deletes a file or main changed the branch's files.
@@ -447,10 +455,14 @@ def test_branch_overlay(tmp_path):
     result = overlay("deletes", "ab_deletes")
     assert result.returncode == 2 and "deletes, renames" in result.stderr
 
-    # A folder with tracked files is never removed; nor is the root or a path outside.
-    for folder in ("src", "tools/", ".", "../x"):
+    # A folder with tracked files is never removed; nor is the root, a path outside, .git, or a
+    # path through a symlink.
+    (repo / "lnk").symlink_to("src")
+    for folder in ("src", "tools/", ".", "../x", ".git", ".git/refs", "lnk//", "lnk/sub"):
         result = overlay("feature", folder)
         assert result.returncode == 2, folder
+    (repo / "lnk").unlink()
+    assert (repo / ".git" / "HEAD").exists()
     assert (repo / "src" / "a.hpp").read_text() == "a2\n" and (repo / "tools" / "branch_overlay.sh").exists()
 
     # Names with unusual bytes arrive whole (NUL-separated), and a name with pattern characters
@@ -505,11 +517,40 @@ def test_patch_overlay(tmp_path):
     result = overlay("ab_delete", "delete.patch")
     assert result.returncode == 2 and "delete" in result.stderr
 
-    # A folder with tracked files is never removed; nor is the root or a path outside.
-    for folder in ("src", "tools/", ".", "../x"):
+    # A folder with tracked files is never removed; nor is the root, a path outside, .git, or a
+    # path through a symlink (rm and cp would follow it into tracked files).
+    (repo / "lnk").symlink_to("src")
+    for folder in ("src", "tools/", ".", "../x", ".git", ".git/refs", "x/.git", "lnk", "lnk//", "lnk/sub", "a//..//b"):
         result = overlay(folder, "first.patch")
         assert result.returncode == 2, folder
+    assert (repo / ".git" / "HEAD").exists() and (repo / "src" / "b.hpp").exists()
     assert (repo / "src" / "a.hpp").read_text() == "a0\nkeep\n"
+    assert git("worktree", "list").count("\n") == 1
+
+    # A patch that adds a symlink: refused; one that adds an ignored name: kept; a BASE other
+    # than HEAD is read as a commit of the main tree, and HEAD's later change to a patched file
+    # is refused.
+    (repo / "lnk").unlink()
+    (repo / ".gitignore").write_text("*.log\n")
+    git("add", ".gitignore")
+    git("commit", "-q", "-m", "ignore")
+    (repo / "src" / "x.log").write_text("log\n")
+    git("add", "-f", "src/x.log")
+    (repo / "ignored.patch").write_text(git("diff", "--cached"))
+    git("reset", "-q", "--hard", "HEAD")
+    result = overlay("ab_ignored", "ignored.patch")
+    assert result.returncode == 0, result.stderr
+    assert (repo / "ab_ignored" / "src" / "x.log").read_text() == "log\n"
+    (repo / "src" / "link.hpp").symlink_to("a.hpp")
+    git("add", "src/link.hpp")
+    (repo / "link.patch").write_text(git("diff", "--cached"))
+    git("reset", "-q", "--hard", "HEAD")
+    result = overlay("ab_link", "link.patch")
+    assert result.returncode == 2 and "link" in result.stderr
+    (repo / "src" / "a.hpp").write_text("a9\nkeep\n")
+    git("commit", "-q", "-am", "head moves a.hpp")
+    result = subprocess_env_run(repo, ["bash", "tools/patch_overlay.sh", "ab_base", "first.patch"], BASE="HEAD~2")
+    assert result.returncode == 2 and "HEAD changed" in result.stderr
     assert git("worktree", "list").count("\n") == 1
 
 
@@ -531,6 +572,8 @@ def test_sass_loops(tmp_path, capsys):
         "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ",
         "@P1 BRA 0x0180",
         "EXIT",
+        "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R3",
+        "BRA 0x0120",  # a retry stub back into the loop: its span holds the EXIT
     ]
     lines = ["\t\tFunction : _Z6kernelv\n", "        /*0000*/                   MOV R1, c[0x0][0x28] ;\n"]
     for i, text in enumerate(body):
