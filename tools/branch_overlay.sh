@@ -20,34 +20,8 @@ DIR=${2:?usage: tools/branch_overlay.sh BRANCH DIR}
 BASE=${BASE:-main}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
-DIR_GIVEN=$DIR
-# DIR: a new folder inside the repository, reached through no symlink (rm and cp follow them)
-# and not inside .git.
-DIR=$(printf '%s' "$DIR" | tr -s '/')
-DIR=${DIR%/}
-case "/$DIR/" in
-  //|/./* | */../* | */./* | /.git/* | */.git/*) dir_ok=0 ;;
-  *) dir_ok=1 ;;
-esac
-if [[ $dir_ok == 1 && $DIR != /* ]]; then
-  part=$ROOT
-  IFS=/ read -ra parts <<<"$DIR"
-  for component in "${parts[@]}"; do
-    part=$part/$component
-    [[ -L $part ]] && { dir_ok=0; break; }
-  done
-else
-  dir_ok=0
-fi
-if [[ $dir_ok != 1 ]]; then
-  echo "branch_overlay: DIR must be a new folder inside the repository (no '..', '.git' or symlink on the way), got '$DIR_GIVEN'" >&2
-  exit 2
-fi
-tracked=$(git ls-files -- "$DIR")
-if [[ -n $tracked ]]; then
-  echo "branch_overlay: $DIR holds tracked files; name a new folder" >&2
-  exit 2
-fi
+source "$ROOT/tools/overlay_dir.sh"
+DIR=$(overlay_dir branch_overlay "$DIR") || exit 2
 
 base=$(git merge-base "$BASE" "$BRANCH")
 changes=$(git diff --name-status --diff-filter=DRT "$base" "$BRANCH")

@@ -31,34 +31,8 @@ for p in "$@"; do
   patches+=("$(realpath -- "$p")")
 done
 cd "$ROOT"
-DIR_GIVEN=$DIR
-# DIR: a new folder inside the repository, reached through no symlink (rm and cp follow them)
-# and not inside .git.
-DIR=$(printf '%s' "$DIR" | tr -s '/')
-DIR=${DIR%/}
-case "/$DIR/" in
-  //|/./* | */../* | */./* | /.git/* | */.git/*) dir_ok=0 ;;
-  *) dir_ok=1 ;;
-esac
-if [[ $dir_ok == 1 && $DIR != /* ]]; then
-  part=$ROOT
-  IFS=/ read -ra parts <<<"$DIR"
-  for component in "${parts[@]}"; do
-    part=$part/$component
-    [[ -L $part ]] && { dir_ok=0; break; }
-  done
-else
-  dir_ok=0
-fi
-if [[ $dir_ok != 1 ]]; then
-  echo "patch_overlay: DIR must be a new folder inside the repository (no '..', '.git' or symlink on the way), got '$DIR_GIVEN'" >&2
-  exit 2
-fi
-tracked=$(git ls-files -- "$DIR")
-if [[ -n $tracked ]]; then
-  echo "patch_overlay: $DIR holds tracked files; name a new folder" >&2
-  exit 2
-fi
+source "$ROOT/tools/overlay_dir.sh"
+DIR=$(overlay_dir patch_overlay "$DIR") || exit 2
 
 base=$(git rev-parse --verify --quiet "$BASE^{commit}") || { echo "patch_overlay: no commit '$BASE'" >&2; exit 2; }
 scratch=$(mktemp -d)

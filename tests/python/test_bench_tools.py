@@ -395,7 +395,8 @@ def tool_repo(tmp_path, script, base_files):
 
     repo = tmp_path / "repo"
     (repo / "tools").mkdir(parents=True)
-    shutil.copy(ROOT / "tools" / script, repo / "tools" / script)
+    for name in (script, "overlay_dir.sh"):
+        shutil.copy(ROOT / "tools" / name, repo / "tools" / name)
 
     def git(*args):
         return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false", *args],
