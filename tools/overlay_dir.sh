@@ -24,7 +24,7 @@ overlay_dir() {
     echo "$tool: DIR must be a new folder inside the repository (no '..', '.git' or symlink on the way), got '$given'" >&2
     return 2
   fi
-  tracked=$(git ls-files -- "$dir") || return 2
+  tracked=$(git --literal-pathspecs ls-files -- "$dir") || return 2
   if [[ -n $tracked ]]; then
     echo "$tool: $dir holds tracked files; name a new folder" >&2
     return 2
