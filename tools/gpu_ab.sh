@@ -98,6 +98,8 @@ for variant in $VARIANTS; do
   [[ $name != "${TEST_VARIANT:-}" ]] && extra="$extra -DCUFLASH_BUILD_TESTS=OFF"
   [[ $first == 1 ]] || { [[ ${DRY_RUN:-0} == 1 ]] || sleep "$STAGGER"; }
   first=0
+  # gpu_check appends to its summary, and a warm machine keeps /tmp between calls.
+  rm -rf "/tmp/ab_out_$name"
   run "$(tree_of "$variant")" "/tmp/ab_build_$name.log" OUT="/tmp/ab_out_$name" BUILD_DIR="$(build_of "$variant")" STEPS=build \
     CMAKE_EXTRA="$extra" &
 done
@@ -108,6 +110,7 @@ for name in "${names[@]}"; do
 done
 
 if [[ -n ${TEST_VARIANT:-} ]]; then
+  rm -rf /tmp/ab_tests
   run "$(tree_named "$TEST_VARIANT")" /tmp/ab_tests.log OUT=/tmp/ab_tests BUILD_DIR="$(build_named "$TEST_VARIANT")" STEPS=test \
     GTEST_FILTER="${GTEST_FILTER:-*Gpu*}" TEST_TIMEOUT="${TEST_TIMEOUT:-240}"
   log "== tests on $TEST_VARIANT"

@@ -50,15 +50,21 @@ struct EpilogueFwdSm90 {
   using SmemLayoutAtomO =
       decltype(cutlass::gemm::collective::detail::ss_smem_selector<
                cute::GMMA::Major::K, Element, cute::Int<kBlockM>, cute::Int<kHeadDimV>>());
-  // Head-dim tiles before row tiles, so that each warpgroup's 64 rows are one contiguous
-  // SmemLayoutOWarpGroup block (its own TMA store source).
+  // Each warpgroup's 64 rows are one contiguous SmemLayoutOWarpGroup block (its own TMA store
+  // source). Within it the row atoms come first, so that the TMA store moves 64-row boxes: one
+  // box per 64 columns (2 at hdimV 128) instead of one per 8 rows and 64 columns (16). At
+  // hdimV 256 rows first spills; there the head-dim atoms come first.
   static constexpr int kWarpGroupRows = 64;
-  using SmemLayoutO = decltype(cute::tile_to_shape(
-      SmemLayoutAtomO{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDimV>>{},
-      cute::Step<cute::_2, cute::_1>{}));
+  static_assert(kBlockM % kWarpGroupRows == 0);
+  static constexpr bool kRowsFirstO = kHeadDimV <= 192;
   using SmemLayoutOWarpGroup = decltype(cute::tile_to_shape(
       SmemLayoutAtomO{}, cute::Shape<cute::Int<kWarpGroupRows>, cute::Int<kHeadDimV>>{},
-      cute::Step<cute::_2, cute::_1>{}));
+      std::conditional_t<kRowsFirstO, cute::Step<cute::_1, cute::_2>,
+                         cute::Step<cute::_2, cute::_1>>{}));
+  // The warpgroups' blocks one after another: row r is row r % 64 of block r / 64.
+  using SmemLayoutO = decltype(cute::blocked_product(
+      SmemLayoutOWarpGroup{},
+      cute::make_layout(cute::Shape<cute::Int<kBlockM / kWarpGroupRows>, cute::_1>{})));
   using SmemCopyAtomO = cute::Copy_Atom<cute::SM90_U32x4_STSM_N, Element>;
 
   // Global stores: 16 bytes per thread, a power-of-two number of threads per row.
@@ -172,23 +178,27 @@ struct EpilogueFwdSm90 {
     Tensor sO = make_tensor(make_smem_ptr(smem_o), SmemLayoutO{});
     constexpr bool packed = kPackGqa;
 
-    // LSE: one thread of each quad writes the quad's rows.
-    auto thr_mma_pv = tiled_mma_pv.get_thread_slice(thread_idx);
-    Tensor tOcO =
-        thr_mma_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
-    Tensor tOcO_rowcol = make_tensor(tOcO.data(), acc_rowcol_layout(tOcO.layout()));
-    if (p.lse != nullptr && thread_idx % 4 == 0) {
-      float* lse_ptr = p.cu_seqlens_q != nullptr ? p.lse + seqlen.offset_q
-                                                 : p.lse + int64_t(batch) * p.lse_batch_stride;
-      CUTLASS_PRAGMA_UNROLL
-      for (int m = 0; m < kRows; ++m) {
-        int const row = m_block * kBlockM + get<0>(tOcO_rowcol(m, 0));
-        int query_row, row_head;
-        place_row(packing, row, head, query_row, row_head);
-        if (row < seqlen.seqlen_q_range)
-          lse_ptr[int64_t(row_head) * p.lse_head_stride + query_row] = lse[m];
+    // LSE: one thread of each quad writes the quad's rows. On the TMA path after O's store is
+    // issued: the proxy fence before it (MEMBAR) waits for this thread's earlier global stores,
+    // so LSE stores issued before it would put their latency on the warpgroup's path.
+    auto store_lse = [&]() {
+      auto thr_mma_pv = tiled_mma_pv.get_thread_slice(thread_idx);
+      Tensor tOcO =
+          thr_mma_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
+      Tensor tOcO_rowcol = make_tensor(tOcO.data(), acc_rowcol_layout(tOcO.layout()));
+      if (p.lse != nullptr && thread_idx % 4 == 0) {
+        float* lse_ptr = p.cu_seqlens_q != nullptr ? p.lse + seqlen.offset_q
+                                                   : p.lse + int64_t(batch) * p.lse_batch_stride;
+        CUTLASS_PRAGMA_UNROLL
+        for (int m = 0; m < kRows; ++m) {
+          int const row = m_block * kBlockM + get<0>(tOcO_rowcol(m, 0));
+          int query_row, row_head;
+          place_row(packing, row, head, query_row, row_head);
+          if (row < seqlen.seqlen_q_range)
+            lse_ptr[int64_t(row_head) * p.lse_head_stride + query_row] = lse[m];
+        }
       }
-    }
+    };
 
     Tensor tOrO_out = make_tensor<Element>(tOrO.layout());
     convert_into(tOrO, tOrO_out);
@@ -220,9 +230,11 @@ struct EpilogueFwdSm90 {
           copy(params.tma_store_o, block_tma_o.partition_S(sO_rows), block_tma_o.partition_D(gO));
           tma_store_arrive();
         }
+        store_lse();
         return;
       }
     }
+    store_lse();
 
     // Every warpgroup must be done with the buffer (its last Q K^T when O reuses Q's buffer,
     // its reads of the previous tile's O otherwise) before any thread overwrites it.

@@ -624,15 +624,26 @@ struct FlashFwdKernelSm90 {
         // P V (kFinalizeUnderLastPv).
         if (!kFinalizeUnderLastPv || !work.has_keys()) finalize();
         // Normalise; rows past seqused_q (and any row without a visible key) give 0 and lse -inf.
+        // Rows past seqused_q may hold NaN (their queries are whatever memory holds), so they are
+        // selected out, not scaled by 0; a tile with no such row (all but a sequence's last) only
+        // scales, without the per-element select.
         Tensor out = make_tensor(tOrO.data(), acc_rowcol_layout(tOrO.layout()));
-        CUTLASS_PRAGMA_UNROLL
-        for (int m = 0; m < kRowsPerThread; ++m) {
-          bool const row_valid =
-              tile.m_block * kBlockM + get<0>(coords(m, 0)) < work.seqlen.seqlen_q;
-          if (!row_valid) lse[m] = -INFINITY;
+        if ((tile.m_block + 1) * kBlockM <= work.seqlen.seqlen_q) {
           CUTLASS_PRAGMA_UNROLL
-          for (int n = 0; n < size<1>(out); ++n)
-            out(m, n) = row_valid ? out(m, n) * out_scale[m] : 0.f;
+          for (int m = 0; m < kRowsPerThread; ++m) {
+            CUTLASS_PRAGMA_UNROLL
+            for (int n = 0; n < size<1>(out); ++n) out(m, n) *= out_scale[m];
+          }
+        } else {
+          CUTLASS_PRAGMA_UNROLL
+          for (int m = 0; m < kRowsPerThread; ++m) {
+            bool const row_valid =
+                tile.m_block * kBlockM + get<0>(coords(m, 0)) < work.seqlen.seqlen_q;
+            if (!row_valid) lse[m] = -INFINITY;
+            CUTLASS_PRAGMA_UNROLL
+            for (int n = 0; n < size<1>(out); ++n)
+              out(m, n) = row_valid ? out(m, n) * out_scale[m] : 0.f;
+          }
         }
         cutlass::arch::ClusterBarrier* smem_release =
             !kSeparateO && work.has_keys() && !packed ? &storage.barrier_q.empty(q_loads) : nullptr;

@@ -596,6 +596,14 @@ struct MainloopFwdSm90 {
     return cute::partition_fragment_C(TiledMmaQK{}, cute::select<0, 1>(TileShapeQK{}));
   }
 
+  // The warpgroup index, warp-uniform. The shared-memory operands' WGMMA descriptors depend only
+  // on the warpgroup, so they are sliced at its first thread: with the index known uniform,
+  // ptxas keeps Q's descriptor in uniform registers instead of rebuilding it per thread around
+  // every Q K^T.
+  CUTLASS_DEVICE static int uniform_warp_group(int thread_idx) {
+    return __shfl_sync(0xffffffff, thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
+  }
+
   // A tile's first S = Q K^T, issued (not waited for) in the warpgroup's turn: the first K stage
   // at smem_pipe_read (not consumed here: mma releases it) against Q of the CTA's tile number q.
   // mma issues it itself, or the kernel does under the previous tile's last P V (s_issued).
@@ -610,10 +618,10 @@ struct MainloopFwdSm90 {
     Tensor sQ = make_tensor(make_smem_ptr(q_buffer(storage, q)), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
     TiledMmaQK tiled_mma_qk;
-    auto thr_mma_qk = tiled_mma_qk.get_thread_slice(thread_idx);
-    Tensor tSrQ = thr_mma_qk.partition_fragment_A(sQ);
-    Tensor tSrK = thr_mma_qk.partition_fragment_B(sK);
-    int const warp_group = thread_idx / cutlass::NumThreadsPerWarpGroup;
+    int const warp_group = uniform_warp_group(thread_idx);
+    auto wg_mma_qk = tiled_mma_qk.get_thread_slice(warp_group * cutlass::NumThreadsPerWarpGroup);
+    Tensor tSrQ = wg_mma_qk.partition_fragment_A(sQ);
+    Tensor tSrK = wg_mma_qk.partition_fragment_B(sK);
     if (operands_ready) {
       pipeline_k.consumer_wait(smem_pipe_read);
       if (q_by_tma) barrier_q.wait_full(q);
@@ -651,15 +659,16 @@ struct MainloopFwdSm90 {
     Tensor sQ = make_tensor(make_smem_ptr(q_buffer(storage, q_loads)), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
     Tensor sVt = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutVt{});
-    int const warp_group = thread_idx / cutlass::NumThreadsPerWarpGroup;
+    int const warp_group = uniform_warp_group(thread_idx);
 
     TiledMmaQK tiled_mma_qk;
     TiledMmaPV tiled_mma_pv;
     auto thr_mma_qk = tiled_mma_qk.get_thread_slice(thread_idx);
-    auto thr_mma_pv = tiled_mma_pv.get_thread_slice(thread_idx);
-    Tensor tSrQ = thr_mma_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K)
-    Tensor tSrK = thr_mma_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stages)
-    Tensor tOrV = thr_mma_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stages)
+    auto wg_mma_qk = tiled_mma_qk.get_thread_slice(warp_group * cutlass::NumThreadsPerWarpGroup);
+    auto wg_mma_pv = tiled_mma_pv.get_thread_slice(warp_group * cutlass::NumThreadsPerWarpGroup);
+    Tensor tSrQ = wg_mma_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K)
+    Tensor tSrK = wg_mma_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stages)
+    Tensor tOrV = wg_mma_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stages)
     Tensor tScS = thr_mma_qk.partition_C(make_identity_tensor(select<0, 1>(TileShapeQK{})));
     Tensor tOrP = make_tensor<Element>(acc_as_a_operand_layout(tSrS.layout()));
 
@@ -673,6 +682,7 @@ struct MainloopFwdSm90 {
 
     int n_block = walk.first();
     float scores_scale[Softmax::kNumRows];
+    constexpr bool kClearVTailBeforePvWait = kHeadDimV > 64 && kHeadDimV <= 128 && kStages >= 2;
 
     // Keys past the sequence in a boundary block have P = 0, but the V rows behind them (memory
     // past seqused_k, such as a cache's unused tail, or a paged cache's last page) may hold NaN or
@@ -737,11 +747,21 @@ struct MainloopFwdSm90 {
         if (walk.masked) mods.mask(tSrS, tScS, m_block, n_block);
       }
       softmax.template online</*kFirst=*/false>(tSrS, scores_scale);
+      // The clear's branch ends ptxas's scheduling region, so the wait for this warpgroup's
+      // P V stays after the softmax instead of being hoisted above it (the softmax then runs
+      // under that GEMM). It writes block n_block's V stage, which the in-flight P V (the
+      // walk's previous block, in another stage) does not read. At hdimV 256 the longer live
+      // ranges spill. With one stage both blocks share it, and the clear's wait for V(n_block)
+      // would wait on the release of V(previous) that follows it. At hdimV 64 the P V GEMM is
+      // too short to hide the softmax and the later wait measured 2-4% slower (H100); at 128 it
+      // gains 1-3% alone, 3-4% with the uniform descriptors and the epilogue's changes
+      // (bench/results/fwd_sm90_v42_levers_ab_h100.txt).
+      if constexpr (kClearVTailBeforePvWait) clear_v_tail(smem_pipe_read);
       warpgroup_wait<0>();
       pipeline_v.consumer_release(smem_pipe_read_v);
       convert_into(tSrS, tOrP);
       if constexpr (kRescaleAfterPv) softmax.rescale_o(tOrO, scores_scale);
-      clear_v_tail(smem_pipe_read);
+      if constexpr (!kClearVTailBeforePvWait) clear_v_tail(smem_pipe_read);
       smem_pipe_read_v = smem_pipe_read;
       ++smem_pipe_read;
     }
