@@ -43,7 +43,8 @@ struct FwdCase {
   bool keyless = false;  // varlen: sequence 2 has queries and no keys (every row fully masked)
   int seqused_past = 0;  // device seqused past the rows on even sequences (capped by the kernel)
   // K / V rows past each sequence's seqused_k hold NaN (memory a cache has not filled), which
-  // the kernel must not let into the output (under the default CUFLASH_FWD_ZERO_V_TAIL=auto).
+  // the kernel must not let into the output (under the default CUFLASH_FWD_ZERO_V_TAIL=auto);
+  // so do Q rows past seqused_q, whose output must still be 0 and lse -inf.
   bool nan_tail = false;
   // CUFLASH_FWD_ZERO_V_TAIL around the call where set (nan_tail cases take "auto").
   const char* zero_v_tail = nullptr;
@@ -107,6 +108,7 @@ struct Problem : gpu_testing::RowLayout {
       }
     }
     if (c.nan_tail) {
+      fill_unused_rows_with_nan(q, /*query=*/true, c.heads, c.head_dim);
       fill_unused_rows_with_nan(k, /*query=*/false, c.heads_kv, c.head_dim);
       fill_unused_rows_with_nan(v, /*query=*/false, c.heads_kv, c.head_dim_v);
     }
@@ -483,6 +485,12 @@ std::vector<FwdCase> forward_cases() {
       c = {};
       c.label = "varlen_seqused_nan_tail", c.batch = 4, c.seqlen_q = 100, c.seqlen_k = 300,
       c.heads = 4, c.heads_kv = 2, c.varlen = true, c.seqused = true, c.nan_tail = true;
+      add(c);
+      // Sequences of several row tiles: the tiles below seqused_q are normalised without the
+      // per-row select, and only the last one holds NaN query rows.
+      c = {};
+      c.label = "varlen_seqused_nan_tail_long_q", c.batch = 3, c.seqlen_q = 400, c.seqlen_k = 300,
+      c.heads = 2, c.heads_kv = 2, c.varlen = true, c.seqused = true, c.nan_tail = true;
       add(c);
       c = {};
       c.label = "dense_seqused_nan_tail_causal_split2", c.batch = 3, c.seqlen_q = 50, c.seqlen_k = 333,
