@@ -9,10 +9,10 @@
 #   VARIANTS="base seq@ab_seq" ... tools/gpu_ab.sh
 #
 # DIR is relative to the repository root, reached through no symlink, not inside .git, and must
-# hold no tracked file (tools/overlay_dir.sh; it is removed and written anew). Refused: a branch that deletes or renames files or changes a file's type (an
-# overlay only adds and replaces plain files), and one whose files main has changed since the
-# branch left it (the overlay would undo main's change: rebase the branch first). The folder is
-# untracked; remove it before committing.
+# hold no tracked file (tools/overlay_dir.sh; it is removed and written anew). Refused: a branch
+# that deletes or renames files or changes a file's type (an overlay only adds and replaces plain
+# files), and one whose files main has changed since the branch left it (the overlay would undo
+# main's change: rebase the branch first). The folder is untracked; remove it before committing.
 set -euo pipefail
 
 BRANCH=${1:?usage: tools/branch_overlay.sh BRANCH DIR}

@@ -12,11 +12,11 @@
 # The patches apply in a scratch worktree of BASE (removed at exit), so the working tree is never
 # touched but for DIR. DIR is relative to the repository root, reached through no symlink, not
 # inside .git, and must hold no tracked file (tools/overlay_dir.sh; it is removed and written
-# anew). Refused: a patch
-# that does not apply on BASE after the ones before it; patches that delete or rename files,
-# change a file's mode or add anything but plain files (an overlay only adds and replaces plain
-# files); with BASE other than HEAD, patched files that HEAD has changed since BASE (the overlay
-# would undo that change). The folder is untracked; remove it before committing.
+# anew). Refused: a patch that does not apply on BASE after the ones before it; patches that
+# delete or rename files, change a file's mode or add anything but plain files (an overlay only
+# adds and replaces plain files); with BASE other than HEAD, patched files that HEAD has changed
+# since BASE (the overlay would undo that change). The folder is untracked; remove it before
+# committing.
 set -euo pipefail
 
 usage="usage: tools/patch_overlay.sh DIR PATCH..."

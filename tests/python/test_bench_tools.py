@@ -389,7 +389,8 @@ def test_varlen_layouts():
 def tool_repo(tmp_path, script, base_files):
     """A git repository of its own holding tools/SCRIPT and, committed on main as its base, the
     files of base_files ({path: text}): its path, a git runner (stdout, failing on error) and a
-    runner of the script (the completed process)."""
+    runner of the script (the completed process; keyword arguments are added to its environment)."""
+    import os
     import shutil
     import subprocess
 
@@ -402,8 +403,9 @@ def tool_repo(tmp_path, script, base_files):
         return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false", *args],
                               cwd=repo, check=True, capture_output=True, text=True).stdout
 
-    def run(*args):
-        return subprocess.run(["bash", f"tools/{script}", *args], cwd=repo, capture_output=True, text=True)
+    def run(*args, **env):
+        return subprocess.run(["bash", f"tools/{script}", *args], cwd=repo, capture_output=True, text=True,
+                              env={**os.environ, **env})
 
     git("init", "-q")
     git("symbolic-ref", "HEAD", "refs/heads/main")
@@ -413,14 +415,6 @@ def tool_repo(tmp_path, script, base_files):
     git("add", "-A")
     git("commit", "-q", "-m", "base")
     return repo, git, run
-
-
-def subprocess_env_run(cwd, command, **env):
-    """command in cwd with these environment variables added (the completed process)."""
-    import os
-    import subprocess
-
-    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, env={**os.environ, **env})
 
 
 def test_branch_overlay(tmp_path):
@@ -550,7 +544,7 @@ def test_patch_overlay(tmp_path):
     assert result.returncode == 2 and "link" in result.stderr
     (repo / "src" / "a.hpp").write_text("a9\nkeep\n")
     git("commit", "-q", "-am", "head moves a.hpp")
-    result = subprocess_env_run(repo, ["bash", "tools/patch_overlay.sh", "ab_base", "first.patch"], BASE="HEAD~2")
+    result = overlay("ab_base", "first.patch", BASE="HEAD~2")
     assert result.returncode == 2 and "HEAD changed" in result.stderr
     assert git("worktree", "list").count("\n") == 1
 
