@@ -471,6 +471,14 @@ std::vector<FwdCase> forward_cases() {
       c.label = "split_auto_varlen_seqused", c.batch = 3, c.seqlen_q = 17, c.seqlen_k = 900,
       c.heads = 2, c.heads_kv = 1, c.varlen = true, c.seqused = true, c.num_splits = 0;
       add(c);
+      c = {};  // more splits than a warp's lanes: the combine weighs them in groups of 32
+      c.label = "split40_decode_gqa4", c.batch = 2, c.seqlen_q = 1, c.seqlen_k = 5000, c.heads = 8,
+      c.heads_kv = 2, c.num_splits = 40;
+      add(c);
+      c = {};  // 12 key blocks over 40 splits: 28 see no key (lse -inf, partials never written)
+      c.label = "split40_mostly_empty_causal", c.batch = 2, c.seqlen_q = 3, c.seqlen_k = 1500, c.heads = 4,
+      c.heads_kv = 2, c.causal = true, c.num_splits = 40;
+      add(c);
       c = {};
       c.label = "split5_local_decode", c.batch = 2, c.seqlen_q = 1, c.seqlen_k = 777, c.heads = 8,
       c.heads_kv = 2, c.window_left = 300, c.window_right = 0, c.num_splits = 5;

@@ -642,6 +642,27 @@ def test_torch_check_inputs_reads_device_index_tensors(monkeypatch):
         cuflash.flash_attn_combine(out_partial, lse_partial, cu_seqlens=bad)
 
 
+def test_torch_combine_many_splits_and_empty_splits(rng):
+    # More than 32 splits (the kernel weighs them in groups of 32), splits that saw no key (lse
+    # -inf) whose partials hold NaN, which must not reach the output, and a row that no split saw.
+    torch = torch_cuda()
+    splits, batch, seqlen, heads, dim = 40, 2, 3, 4, 128
+    out_partial = rng.standard_normal((splits, batch, seqlen, heads, dim)).astype(np.float32)
+    lse_partial = (rng.standard_normal((splits, batch, seqlen, heads)) * 3).astype(np.float32)
+    empty = rng.random(lse_partial.shape) < 0.3
+    empty[:, 1, 2, 3] = True
+    lse_partial[empty] = -np.inf
+    expected_out, expected_lse = ref.combine(out_partial, lse_partial)
+    out_partial[empty] = np.nan
+    for out_dtype in (None, torch.bfloat16):
+        out, lse = cuflash.flash_attn_combine(torch.from_numpy(out_partial).cuda(),
+                                              torch.from_numpy(lse_partial).cuda(), out_dtype=out_dtype)
+        assert bool(torch.isfinite(out).all())
+        assert_close(to_f64(out), expected_out, "float16" if out_dtype is None else "bfloat16", what="out")
+        assert_lse_close(to_f64(lse), expected_lse)
+        assert bool((out[1, 2, 3] == 0).all()) and float(lse[1, 2, 3]) == -np.inf
+
+
 def test_torch_gpu_matches_cpu_reference(rng):
     torch = torch_cuda()
     q, k, v = (torch.from_numpy(x.astype(np.float32)).bfloat16() for x in reference_inputs(rng, "bfloat16"))
