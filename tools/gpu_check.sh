@@ -281,20 +281,27 @@ fi
 if has_step profile; then
   # Nsight Compute on single launches: PROFILE is a list of kind:hdim:seqlen:causal[:det] (kind
   # fwd or bwd; det 1 for a deterministic backward), e.g. "bwd:256:4096:0 bwd:256:4096:0:1
-  # fwd:128:2048:0"; one text report per entry.
+  # fwd:128:2048:0"; one text report per entry. Kind decode is decode:hdim:seqlen_k:HQ:HKV[:seqlen_q]
+  # (bench_gqa's decode step, batch 4, the forward kernel; PROFILE_KERNEL_ARGS for the combine).
   make_pkg
   for spec in ${PROFILE:-bwd:256:4096:0 bwd:128:4096:0}; do
-    IFS=: read -r kind hdim seqlen causal det <<<"$spec"
-    if [[ $kind == fwd ]]; then kernel=regex:flash_fwd_kernel; extra=--no-backward; else kernel=regex:flash_bwd_kernel_sm90; extra="--deterministic ${det:-0}"; fi
+    IFS=: read -r kind hdim seqlen causal det rows <<<"$spec"
+    causal_arg=$causal
+    if [[ $kind == fwd ]]; then kernel=regex:flash_fwd_kernel; extra=--no-backward
+    elif [[ $kind == decode ]]; then
+      kernel=regex:flash_fwd_kernel; causal_arg=1
+      extra="--no-backward --decode $causal:$det --decode-seqlen-q ${rows:-1}"
+    else kernel=regex:flash_bwd_kernel_sm90; extra="--deterministic ${det:-0}"; fi
     start=$(date +%s)
-    name="ncu_${kind}_d${hdim}_s${seqlen}_c${causal}${det:+_det$det}"
+    if [[ $kind == decode ]]; then name="ncu_decode_d${hdim}_s${seqlen}_h${causal}_${det}_q${rows:-1}"
+    else name="ncu_${kind}_d${hdim}_s${seqlen}_c${causal}${det:+_det$det}"; fi
     rm -f "/tmp/$name.ncu-rep"  # a failed run must not report an older profile
     # PROFILE_KERNEL_ARGS replaces the kernel choice, e.g. the stream-K pieces' kernel:
     # "--kernel-name-base mangled -k regex:Lb1EEEEEEEvNT_6ParamsE -s 1".
     # shellcheck disable=SC2086
     PYTHONPATH="$pkg" timeout "${PROFILE_TIMEOUT:-120}" ncu --set full -o "/tmp/$name" -f \
       ${PROFILE_KERNEL_ARGS:--k $kernel -s 1} -c 1 \
-      python3 "$ROOT/bench/profile_kernel.py" --hdim "$hdim" --seqlen "$seqlen" --causal "$causal" $extra \
+      python3 "$ROOT/bench/profile_kernel.py" --hdim "$hdim" --seqlen "$seqlen" --causal "$causal_arg" $extra \
       >"/tmp/$name.log" 2>&1
     note "profile $spec: rc=$? in $(( $(date +%s) - start )) s"
     # The details page as text, and the instructions where the warps stall most (source page).
