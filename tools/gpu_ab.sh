@@ -84,6 +84,17 @@ if [[ -n ${TEST_VARIANT:-} && " ${names[*]} " != *" $TEST_VARIANT "* ]]; then
   echo "TEST_VARIANT: '$TEST_VARIANT' is not among VARIANTS ($VARIANTS)" >&2
   exit 2
 fi
+# A benchmark of the backward runs the forward first (for the output and lse it differentiates):
+# a kernel regex that leaves the forward kernels out builds and tests, then times nothing.
+if [[ -n ${REGEX:-} && ( ${BENCH:-} == bwd || ( ${BENCH:-} == varlen && ${BENCH_ARGS:-} == *bwd* ) ) ]]; then
+  for hdim in ${HDIMS//;/ }; do
+    kernel="flash_fwd_hdim${hdim}_${DTYPES%%;*}_sm90"
+    if ! [[ $kernel =~ $REGEX ]]; then
+      echo "REGEX: '$REGEX' leaves out $kernel, whose forward BENCH=$BENCH's backward runs first" >&2
+      exit 2
+    fi
+  done
+fi
 
 first=1
 for variant in $VARIANTS; do

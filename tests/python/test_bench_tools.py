@@ -2,8 +2,8 @@
 bench/det_order_model.py on small launches, bench/trace_fwd.py and bench/trace_bwd.py on made-up
 timelines, bench/probe_flex_lists.py's list merging, bench_common's grid, FLOP counts and JSON,
 bench_gqa's float32 reference against cuflash's CPU reference, bench_common's check before timing,
-tools/branch_overlay.sh and tools/patch_overlay.sh on repositories of their own, tools/sass_loops.py on a
-made-up listing;
+tools/branch_overlay.sh and tools/patch_overlay.sh on repositories of their own, tools/gpu_ab.sh's
+checks of its settings (dry runs), tools/sass_loops.py on a made-up listing;
 and that the scripts of bench/ and tools/ and the package name nothing they never define (their
 GPU paths do not run here)."""
 
@@ -547,6 +547,30 @@ def test_patch_overlay(tmp_path):
     result = overlay("ab_base", "first.patch", BASE="HEAD~2")
     assert result.returncode == 2 and "HEAD changed" in result.stderr
     assert git("worktree", "list").count("\n") == 1
+
+
+def test_gpu_ab_refuses_a_backward_benchmark_without_the_forward(tmp_path):
+    # A backward benchmark runs the forward first: a kernel regex that builds only the backward
+    # kernels is refused before anything is built; with the forward kernels in it the dry run
+    # goes through, as it does for a forward benchmark on the forward kernels.
+    import os
+    import shutil
+    import subprocess
+
+    (tmp_path / "tools").mkdir()
+    shutil.copy(ROOT / "tools" / "gpu_ab.sh", tmp_path / "tools" / "gpu_ab.sh")
+
+    def dry_run(regex, bench, args):
+        env = {**os.environ, "OUT": str(tmp_path / "out"), "DRY_RUN": "1", "VARIANTS": "base", "HDIMS": "64;128",
+               "REGEX": regex, "BENCH": bench, "BENCH_ARGS": args, "PASSES": "1"}
+        return subprocess.run(["bash", "tools/gpu_ab.sh"], cwd=tmp_path, capture_output=True, text=True, env=env)
+
+    backward_only = "^flash_bwd_hdim(64|128)_bf16_sm90$"
+    for bench, args in (("varlen", "--directions bwd"), ("bwd", "--hdims 64,128")):
+        result = dry_run(backward_only, bench, args)
+        assert result.returncode == 2 and "leaves out flash_fwd_hdim64_bf16_sm90" in result.stderr
+    assert dry_run("^flash_(fwd|bwd)_hdim(64|128)_bf16_sm90$", "varlen", "--directions bwd").returncode == 0
+    assert dry_run("^flash_fwd_hdim(64|128)_bf16_sm90$", "fwd", "--hdims 64,128").returncode == 0
 
 
 def test_sass_loops(tmp_path, capsys):
