@@ -285,23 +285,25 @@ if has_step profile; then
   # (bench_gqa's decode step, batch 4, the forward kernel; PROFILE_KERNEL_ARGS for the combine).
   make_pkg
   for spec in ${PROFILE:-bwd:256:4096:0 bwd:128:4096:0}; do
-    IFS=: read -r kind hdim seqlen causal det rows <<<"$spec"
-    causal_arg=$causal
-    if [[ $kind == fwd ]]; then kernel=regex:flash_fwd_kernel; extra=--no-backward
-    elif [[ $kind == decode ]]; then
-      kernel=regex:flash_fwd_kernel; causal_arg=1
-      extra="--no-backward --decode $causal:$det --decode-seqlen-q ${rows:-1}"
-    else kernel=regex:flash_bwd_kernel_sm90; extra="--deterministic ${det:-0}"; fi
+    IFS=: read -r kind hdim seqlen causal det <<<"$spec"
+    case $kind in
+      fwd) kernel=regex:flash_fwd_kernel extra=--no-backward name="ncu_fwd_d${hdim}_s${seqlen}_c${causal}${det:+_det$det}" ;;
+      decode)
+        IFS=: read -r kind hdim seqlen heads heads_kv rows <<<"$spec"
+        causal=1 kernel=regex:flash_fwd_kernel
+        extra="--no-backward --decode $heads:$heads_kv --decode-seqlen-q ${rows:-1}"
+        name="ncu_decode_d${hdim}_s${seqlen}_h${heads}_${heads_kv}_q${rows:-1}" ;;
+      *) kernel=regex:flash_bwd_kernel_sm90 extra="--deterministic ${det:-0}"
+         name="ncu_${kind}_d${hdim}_s${seqlen}_c${causal}${det:+_det$det}" ;;
+    esac
     start=$(date +%s)
-    if [[ $kind == decode ]]; then name="ncu_decode_d${hdim}_s${seqlen}_h${causal}_${det}_q${rows:-1}"
-    else name="ncu_${kind}_d${hdim}_s${seqlen}_c${causal}${det:+_det$det}"; fi
     rm -f "/tmp/$name.ncu-rep"  # a failed run must not report an older profile
     # PROFILE_KERNEL_ARGS replaces the kernel choice, e.g. the stream-K pieces' kernel:
     # "--kernel-name-base mangled -k regex:Lb1EEEEEEEvNT_6ParamsE -s 1".
     # shellcheck disable=SC2086
     PYTHONPATH="$pkg" timeout "${PROFILE_TIMEOUT:-120}" ncu --set full -o "/tmp/$name" -f \
       ${PROFILE_KERNEL_ARGS:--k $kernel -s 1} -c 1 \
-      python3 "$ROOT/bench/profile_kernel.py" --hdim "$hdim" --seqlen "$seqlen" --causal "$causal_arg" $extra \
+      python3 "$ROOT/bench/profile_kernel.py" --hdim "$hdim" --seqlen "$seqlen" --causal "$causal" $extra \
       >"/tmp/$name.log" 2>&1
     note "profile $spec: rc=$? in $(( $(date +%s) - start )) s"
     # The details page as text, and the instructions where the warps stall most (source page).

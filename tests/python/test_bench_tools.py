@@ -553,17 +553,11 @@ def test_gpu_ab_refuses_a_backward_benchmark_without_the_forward(tmp_path):
     # A backward benchmark runs the forward first: a kernel regex that builds only the backward
     # kernels is refused before anything is built; with the forward kernels in it the dry run
     # goes through, as it does for a forward benchmark on the forward kernels.
-    import os
-    import shutil
-    import subprocess
-
-    (tmp_path / "tools").mkdir()
-    shutil.copy(ROOT / "tools" / "gpu_ab.sh", tmp_path / "tools" / "gpu_ab.sh")
+    repo, _, gpu_ab = tool_repo(tmp_path, "gpu_ab.sh", {})
 
     def dry_run(regex, bench, args):
-        env = {**os.environ, "OUT": str(tmp_path / "out"), "DRY_RUN": "1", "VARIANTS": "base", "HDIMS": "64;128",
-               "REGEX": regex, "BENCH": bench, "BENCH_ARGS": args, "PASSES": "1"}
-        return subprocess.run(["bash", "tools/gpu_ab.sh"], cwd=tmp_path, capture_output=True, text=True, env=env)
+        return gpu_ab(OUT=str(repo / "out"), DRY_RUN="1", VARIANTS="base", HDIMS="64;128", REGEX=regex,
+                      BENCH=bench, BENCH_ARGS=args, PASSES="1")
 
     backward_only = "^flash_bwd_hdim(64|128)_bf16_sm90$"
     for bench, args in (("varlen", "--directions bwd"), ("bwd", "--hdims 64,128")):
