@@ -20,7 +20,9 @@ void check_forward_supported(const FwdParams& params);
 void run_forward(FwdParams& params, StreamHandle stream);
 // Whether the forward kernel that `params` (num_splits included) would launch is in this build.
 bool forward_kernel_built(const FwdParams& params);
-void run_combine(const CombineParams& params, StreamHandle stream);
+// after_forward: the combine of a split-KV forward just launched on the same stream, started as
+// that kernel's programmatic dependent (its launch overlaps the forward's last CTAs).
+void run_combine(const CombineParams& params, StreamHandle stream, bool after_forward = false);
 void run_backward(BwdParams& params, StreamHandle stream);
 std::size_t backward_workspace_bytes(const BwdParams& params);
 // Whether the backward kernel that `params` would launch is in this build.

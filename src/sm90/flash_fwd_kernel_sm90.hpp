@@ -388,6 +388,10 @@ struct FlashFwdKernelSm90 {
 
   CUTLASS_DEVICE void operator()(Params const& params, char* smem_buf) {
     using namespace cute;
+    // The split-KV combine, launched as this kernel's programmatic dependent (run_combine with
+    // after_forward), may be scheduled once every CTA has started: its CTAs wait in
+    // griddepcontrol.wait for this grid's end and its writes, so only its launch overlaps.
+    if constexpr (kIsSplit) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
     using PipelineK = typename Mainloop::PipelineK;
     using PipelineV = typename Mainloop::PipelineV;
     using PipelineState = typename Mainloop::PipelineState;
