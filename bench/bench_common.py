@@ -120,6 +120,35 @@ def time_ms(fn, warmup, repeats, groups=5):
     return statistics.median(means)
 
 
+def kernel_events(run, calls):
+    """The CUDA kernels (and copies / memsets) of `calls` back-to-back runs of `run` under
+    torch.profiler, in start order: (name, duration us, gap us since the previous one's end, None
+    for the first). Three runs warm up first, outside the profile."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            run()
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    rows, previous_end = [], None
+    for e in events:
+        start, end = e.time_range.start, e.time_range.end
+        rows.append((e.name, end - start, None if previous_end is None else start - previous_end))
+        previous_end = end
+    return rows
+
+
+def kernel_event_lines(rows, name_width=90):
+    """kernel_events' rows as lines: duration, gap, name."""
+    return [f"  {duration:9.1f} us{'' if gap is None else f' gap {gap:8.1f} us'}  {name[:name_width]}"
+            for name, duration, gap in rows]
+
+
 def _finite_or_none(value):
     """JSON has no NaN or infinity: a number that is not finite (a failed or skipped
     measurement) is written as null, which `lookup` reads back as NaN."""

@@ -27,6 +27,11 @@ the typical sequence, the totals over the batch. It adds the column cuflash_spli
 call with max_seqlen_q / max_seqlen_k) and writes gqa_sm90_packed{tag}.json, whose cuflash records
 carry packed: true. The peers stay the dense batch (packed: false).
 
+--splits 4,8,16 adds a column cuflash_split<N> per count: the split call with num_splits=N (hinted
+when --packed), next to the heuristic's choice. --kernel-times prints, per point, each kernel of
+the split call (hinted when --packed) and of cuDNN's with the gaps between them (torch.profiler):
+how much of a decode is the forward kernel, the combine and the launches between them.
+
 --score-mod alibi runs cuflash with the built-in ALiBi score_mod (the flex kernels, packed and
 unpacked; each packed row's slope is its own head's) and writes gqa_sm90_alibi{tag}.json; the
 peers stay the plain causal call, a bound on what the mod-free decode costs, and only the cuflash
@@ -100,6 +105,9 @@ def main():
     parser.add_argument("--score-mod", choices=("none", "alibi"), default="none")
     parser.add_argument("--packed", action="store_true",
                         help="cuflash on packed sequences without max_seqlen hints (see above)")
+    parser.add_argument("--splits", default="", help="num_splits values, each its own column (see above)")
+    parser.add_argument("--kernel-times", action="store_true",
+                        help="each kernel of the split call and of cuDNN's, per point (see above)")
     args = parser.parse_args()
 
     import torch
@@ -114,7 +122,9 @@ def main():
     suffix = ("" if args.score_mod == "none" else f"_{args.score_mod}") + ("_packed" if args.packed else "")
     json_path = common.out_path(args, f"gqa_sm90{suffix}", "json")
     records = []
+    forced_splits = common.ints(args.splits) if args.splits else []
     names = ("cuflash_packed", "cuflash_unpacked", "cuflash_split") + (("cuflash_split_hints",) if args.packed else ())
+    names += tuple(f"cuflash_split{n}" for n in forced_splits)
     names += ("cudnn", "fa2")
     layout = "packed sequences without hints" if args.packed else "dense batch"
     print(f"GQA forward, {args.dtype}, hdim {hdim}, seqlen_k {args.seqlen_k}, batch {args.batch}, causal "
@@ -154,6 +164,7 @@ def main():
                                ("cuflash_split", True, 0, False)]
             if args.packed:
                 cuflash_columns.append(("cuflash_split_hints", True, 0, True))
+            cuflash_columns += [(f"cuflash_split{n}", True, n, args.packed) for n in forced_splits]
             columns = {name: packed_call(cuflash, q, k, v, args.packed, hints, causal=True, pack_gqa=pack,
                                          num_splits=splits, score_mod=score_mod)
                        for name, pack, splits, hints in cuflash_columns}
@@ -173,6 +184,13 @@ def main():
                                     packed=args.packed and name.startswith("cuflash")))
             print(f"{heads:>3}:{heads_kv:<3} {seqlen_q:>4} " + " ".join(f"{times[n]:>17.1f}" for n in names) +
                   f" {kv_bytes / times['cuflash_packed'] / 1e3:>12.0f}", flush=True)
+            if args.kernel_times:
+                for name in ("cuflash_split_hints" if args.packed else "cuflash_split", "cudnn"):
+                    if math.isnan(times[name]):
+                        continue  # skipped above: its call failed or its output was off
+                    print(f"  kernels of {name}, {heads}:{heads_kv} sq {seqlen_q}, two calls:")
+                    print("\n".join(common.kernel_event_lines(common.kernel_events(columns[name], 2), 70)),
+                          flush=True)
             common.write_json(records, json_path)
 
 

@@ -28,8 +28,6 @@ def main():
         parser.error("--deterministic is cuflash's option (--impl cuflash)")
 
     import torch
-    from torch.profiler import ProfilerActivity, profile
-
     import cuflash
 
     batch, heads = common.shape_of(args)
@@ -53,24 +51,12 @@ def main():
         run = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # noqa: E731
     else:
         run = forward
-    for _ in range(3):
-        run()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.calls):
-            run()
-        torch.cuda.synchronize()
-    events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    rows = common.kernel_events(run, args.calls)
     print(f"{args.impl} {'backward' if args.backward else 'forward'} hdim {args.hdim} seqlen {args.seqlen} "
           f"batch {batch} heads {heads} causal {args.causal}"
           f"{' deterministic' if args.deterministic else ''} "
           f"CUFLASH_FWD_STREAM_K={os.environ.get('CUFLASH_FWD_STREAM_K', 'auto')}")
-    previous_end = None
-    for e in events:
-        start, end = e.time_range.start, e.time_range.end
-        gap = "" if previous_end is None else f" gap {start - previous_end:8.1f} us"
-        print(f"  {end - start:9.1f} us{gap}  {e.name[:90]}")
-        previous_end = end
+    print("\n".join(common.kernel_event_lines(rows)))
 
 
 if __name__ == "__main__":

@@ -309,6 +309,15 @@ def test_ratio_to_the_best_peer():
     assert [line.split()[-1] for line in lines[2:]] == ["0.938", "1.500"]
 
 
+def test_kernel_event_lines():
+    # kernel_times.py and bench_gqa --kernel-times print the profiler's rows alike: duration,
+    # then the gap since the previous kernel's end (none for the first), then the name, cut.
+    common = load("bench_common")
+    rows = [("flash_fwd_kernel_sm90<long template>", 31.25, None), ("flash_combine_kernel", 2.5, 1.75)]
+    lines = common.kernel_event_lines(rows, name_width=16)
+    assert lines == ["       31.2 us  flash_fwd_kernel", "        2.5 us gap      1.8 us  flash_combine_ke"]
+
+
 def test_checked_time_us_checks_before_it_times(monkeypatch):
     # A column is timed only when its output is within max_err of the reference; otherwise, or
     # when the call raises, it is recorded as skipped with the reason and not timed.
