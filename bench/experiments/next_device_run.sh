@@ -43,6 +43,10 @@ if [[ -d ab_pdl ]] && (( $(left) > 200 )); then
   unset TEST_ENV_B GTEST_FILTER_B
   cp /tmp/ab_tests/summary.txt "$RUN/pdl/tests_summary.txt" 2>/dev/null
   grep -h "^tests" /tmp/ab_tests/summary.txt
+  # The Python varlen, split and graph-capture tests on the patch, every list call walked.
+  OUT=$RUN/pdl_py BUILD_DIR=/tmp/ab_build_pdl_overlay STEPS=pytest JIT_MODULES=0 PYTEST_K='varlen or split or graph' \
+    CUFLASH_FWD_ROW_BLOCK_LIST=always timeout 150 bash /tmp/ab_tree_pdl/tools/gpu_check.sh >/dev/null 2>&1
+  grep -h "^pytest" "$RUN/pdl_py/summary.txt"
   for v in base:/tmp/ab_build_base:. pdl:/tmp/ab_build_pdl_overlay:/tmp/ab_tree_pdl; do
     IFS=: read -r name build tree <<<"$v"
     (( $(left) > 60 )) || break
