@@ -8,7 +8,7 @@
 # The call (carry .cutlass .deps): BUDGET=570 bash bench/experiments/next_device_run.sh
 # Steps: 1 (H200 only) issue 3 / 4 re-time: the forward and backward grids at hdims 64 / 128 / 256;
 # 2 the list builder's programmatic launch (ab_pdl) against main, tests under both list settings;
-# 3 the decode's split sweep and kernel times (main's build of step 2);
+# 3 the decode's split sweep and kernel times, and the list's auto order against entries (main's build of step 2);
 # 4 the backward's long-sequence clear alone (ab_lsc) against main.
 set -u
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -63,6 +63,12 @@ if [[ -d /tmp/ab_build_base ]] && (( $(left) > 60 )); then
     BENCH_GQA_ARGS_B='--batch 8 --groups 32:8 --seqlens-q 1 --splits 8,16,24,32 --kernel-times' \
     timeout $(( $(left) - 10 )) bash tools/gpu_check.sh >/dev/null 2>&1
   cat "$RUN/sweep/summary.txt" 2>/dev/null
+  # The list's order under auto (heads past 16 MB of K / V per sequence, non-causal) against
+  # entries, on main's build.
+  OUT=$RUN/order BUILD_DIR=/tmp/ab_build_base STEPS=bench_varlen \
+    BENCH_VARLEN_ARGS='--hdims 128 --directions fwd --layouts uniform:16:4096,uniform:2:8192,uniform:64:1024' \
+    BENCH_VARLEN_ENV_B='CUFLASH_FWD_ROW_BLOCK_LIST_ORDER=entries' timeout 120 bash tools/gpu_check.sh >/dev/null 2>&1
+  cat "$RUN/order/summary.txt" 2>/dev/null
 fi
 
 if [[ -d ab_lsc ]] && (( $(left) > 200 )); then

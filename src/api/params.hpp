@@ -78,8 +78,9 @@ enum class FwdRowBlockList { kAuto, kOff, kAlways };
 // sequences; kHeads, the heads of one kv head (one head, for MHA or packed GQA) over every
 // entry before the next, so that they read one kv head's K / V over as many sequences, as the
 // rectangle's L2 sections do (a smaller working set where a sequence's K / V of all heads
-// outgrows L2). kHeads applies up to head dim 128 (FlashFwdKernelSm90::kListHeadsOrder).
-enum class FwdRowBlockListOrder { kEntries, kHeads };
+// outgrows L2). kHeads applies up to head dim 128 (FlashFwdKernelSm90::kListHeadsOrder). kAuto:
+// the one fwd_list_heads_order picks.
+enum class FwdRowBlockListOrder { kAuto, kEntries, kHeads };
 
 struct FwdParams {
   // q: (B, Sq, H, D) or packed (total_q, H, D) with cu_seqlens_q (batch stride unused).
@@ -156,7 +157,7 @@ struct FwdParams {
   int row_block_list_capacity = 0;
   FwdRowBlockList row_block_list_mode = FwdRowBlockList::kAuto;  // from CUFLASH_FWD_ROW_BLOCK_LIST
   // from CUFLASH_FWD_ROW_BLOCK_LIST_ORDER
-  FwdRowBlockListOrder row_block_list_order = FwdRowBlockListOrder::kEntries;
+  FwdRowBlockListOrder row_block_list_order = FwdRowBlockListOrder::kAuto;
   // Stream-K tail of the static schedule (sm90/stream_k_sm90.hpp): how many CTAs share the last
   // wave's tiles (0: none; set by dispatch, detail::fwd_stream_k_ctas), and device workspace for
   // the pieces' arrival counters and ready flags (zeroed by the launch) and their partial states.
@@ -205,10 +206,11 @@ inline long long varlen_block_list_entries(long long total_rows, int batch, int 
   return (total_rows + block - 1) / block + batch;
 }
 // The forward's and the backward's rule for a list of `entries` against the rectangle of
-// `rectangle` blocks: where the rectangle has more than twice as many (always: whenever the
-// call may have one), and the entries fit an int.
-inline bool varlen_block_list_pays(bool always, long long rectangle, long long entries) {
-  return entries <= (long long)0x7fffffff && (always || rectangle > 2 * entries);
+// `rectangle` blocks: where the rectangle has more than twice as many, or (`any_more`) more at
+// all; and the entries fit an int (always: whenever the call may have one).
+inline bool varlen_block_list_pays(bool always, long long rectangle, long long entries, bool any_more = false) {
+  return entries <= (long long)0x7fffffff &&
+         (always || rectangle > 2 * entries || (any_more && rectangle > entries));
 }
 inline long long fwd_row_block_list_entries(const FwdParams& p, int block_m) {
   return varlen_block_list_entries((long long)p.total_q * fwd_pack_group(p), p.batch, block_m);
@@ -228,7 +230,17 @@ inline bool fwd_row_block_list_pays(const FwdParams& p, int block_m) {
   long long const rectangle =
       (long long)p.batch * (((long long)p.seqlen_q * fwd_pack_group(p) + block_m - 1) / block_m);
   long long const entries = fwd_row_block_list_entries(p, block_m);
-  return varlen_block_list_pays(p.row_block_list_mode == FwdRowBlockList::kAlways, rectangle, entries) &&
+  // Without a max_seqlen_q hint (seqlen_q is total_q) the forward takes the list wherever the
+  // rectangle has more blocks: the rectangle of two or of a few short sequences is not twice the
+  // list (batch 2: 2R blocks against R + 2; a packed decode of 4 x 16 queries at group 8: 4 x 4
+  // against 4 + 4) and still mostly empty, and the dynamic scheduler's CTAs, claiming a tile
+  // ahead, run two blocks with rows back to back while other SMs idle. Measured on the H100
+  // (bench/NOTES.md, the no-hint lists): 2 x 1024 non-causal +17.5%, 2 x 8192 causal +6.4%, the
+  // packed decode at seqlen_q 16 +8% (32:4) and +16% (64:8). Where every sequence fits one block
+  // the rectangle (batch blocks, all with rows) is not more than the list (batch + 1) and stays.
+  // The backward keeps the twice rule: its list lost 7.5-9% at 2 x 1024.
+  return varlen_block_list_pays(p.row_block_list_mode == FwdRowBlockList::kAlways, rectangle, entries,
+                                /*any_more=*/p.seqlen_q >= p.total_q) &&
          entries <= p.row_block_list_capacity;
 }
 
@@ -470,6 +482,30 @@ inline int typical_seqlen_q(const Params& p) {
 template <class Params>
 inline int typical_seqlen_k(const Params& p) {
   return p.typical_seqlen_k > 0 ? p.typical_seqlen_k : p.seqlen_k;
+}
+
+// The K / V bytes the forward's CTAs should keep within L2 at a time: the rectangle walks its
+// (batch, head) pairs in sections of this much K / V (PersistentTileSchedulerSm90::
+// choose_section_size), leaving the rest of the H200's 50 MB (the H100's) for the Q / O streams.
+constexpr long long kFwdKvL2BudgetBytes = 16ll << 20;
+
+// Whether the forward walks its row-block list in the heads order (FwdRowBlockListOrder): as
+// set, or (kAuto) where a typical sequence's K / V over every kv head is more than
+// kFwdKvL2BudgetBytes and every row block sees all of its sequence's keys (no causal mask,
+// window or mask_mod). The entries order then has the CTAs read every head's K / V of the same
+// few sequences at once, more than L2 holds, where the heads order reads one kv head's over the
+// sequences as the rectangle's sections do. Measured on the H100 (bf16, 16 heads, no hints,
+// one pass, bench/NOTES.md): 16 x 4k (32 MB per sequence) +4.1% at hdim128 and +2.9% at hdim64
+// with the heads order; 64 x 1k and 256 x 256 (8 and 2 MB) -2.9 to +0.9%, and causal 16 x 4k -2
+// to -3% (its longest-first walk of each sequence): the entries order there.
+inline bool fwd_list_heads_order(const FwdParams& p) {
+  if (p.row_block_list_order != FwdRowBlockListOrder::kAuto) {
+    return p.row_block_list_order == FwdRowBlockListOrder::kHeads;
+  }
+  if (p.is_causal || p.is_local || p.mask_mod.kind != 0 || p.block_sparse.enabled) return false;
+  long long const kv_bytes_per_sequence =
+      (long long)typical_seqlen_k(p) * p.num_heads_kv * (p.head_dim + p.head_dim_v) * 2;
+  return kv_bytes_per_sequence > kFwdKvL2BudgetBytes;
 }
 
 // Whether a call needs the flex kernels (variants::FlexVariant): a score_mod, a mask_mod or block

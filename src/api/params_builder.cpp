@@ -623,12 +623,15 @@ FwdRowBlockList fwd_row_block_list() {
 FwdRowBlockListOrder parse_fwd_row_block_list_order(const char* value) {
   return parse_setting<FwdRowBlockListOrder>(
       "CUFLASH_FWD_ROW_BLOCK_LIST_ORDER", value,
-      {{"entries", FwdRowBlockListOrder::kEntries}, {"heads", FwdRowBlockListOrder::kHeads}});
+      {{"auto", FwdRowBlockListOrder::kAuto},
+       {"entries", FwdRowBlockListOrder::kEntries},
+       {"heads", FwdRowBlockListOrder::kHeads}});
 }
 
 FwdRowBlockListOrder fwd_row_block_list_order() {
-  // "entries" (the default): an entry's heads one after another; "heads": a kv head's over every
-  // entry first (FwdRowBlockListOrder), for timing one against the other.
+  // "auto" (the default): fwd_list_heads_order's rule; "entries": an entry's heads one after
+  // another; "heads": a kv head's over every entry first (FwdRowBlockListOrder), for timing one
+  // against the other.
   static const FwdRowBlockListOrder choice =
       parse_fwd_row_block_list_order(std::getenv("CUFLASH_FWD_ROW_BLOCK_LIST_ORDER"));
   return choice;

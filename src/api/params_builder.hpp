@@ -129,8 +129,8 @@ FwdShortKernel fwd_short_kernel();
 FwdRowBlockList parse_fwd_row_block_list(const char* value);
 // The process's choice, from CUFLASH_FWD_ROW_BLOCK_LIST, read once.
 FwdRowBlockList fwd_row_block_list();
-// The order of the forward's walk of that list (FwdParams::row_block_list_order): "entries" (or
-// null / empty) or "heads". Throws kInvalidArgument otherwise.
+// The order of the forward's walk of that list (FwdParams::row_block_list_order): "auto" (or
+// null / empty), "entries" or "heads". Throws kInvalidArgument otherwise.
 FwdRowBlockListOrder parse_fwd_row_block_list_order(const char* value);
 // The process's choice, from CUFLASH_FWD_ROW_BLOCK_LIST_ORDER, read once.
 FwdRowBlockListOrder fwd_row_block_list_order();

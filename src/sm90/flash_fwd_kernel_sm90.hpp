@@ -248,7 +248,7 @@ struct FlashFwdKernelSm90 {
     if (row_block_list) {
       scheduler.row_blocks = reinterpret_cast<int2 const*>(p.row_block_list);
       scheduler.listed_entries = fwd_row_block_list_listed(p);
-      if (kListHeadsOrder && p.row_block_list_order == FwdRowBlockListOrder::kHeads) {
+      if (kListHeadsOrder && fwd_list_heads_order(p)) {
         scheduler.list_section_pairs = tile_heads / p.num_heads_kv;
       }
     }

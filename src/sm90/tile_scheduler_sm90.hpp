@@ -23,6 +23,8 @@
 
 #include <algorithm>
 
+#include "api/params.hpp"
+
 namespace cuflash::sm90 {
 
 struct FwdTile {
@@ -170,9 +172,7 @@ struct PersistentTileSchedulerSm90 {
 
   static int choose_section_size(long long kv_bytes_per_head, int heads_per_kv_head,
                                  int num_heads_batches) {
-    constexpr long long kL2Budget = 16ll
-                                    << 20;  // of the H200's 50 MB, leaving room for Q/O streams
-    long long const kv_heads = std::max(1ll, kL2Budget / std::max(1ll, kv_bytes_per_head));
+    long long const kv_heads = std::max(1ll, kFwdKvL2BudgetBytes / std::max(1ll, kv_bytes_per_head));
     return int(std::max(1ll, std::min<long long>(kv_heads * heads_per_kv_head, num_heads_batches)));
   }
 
