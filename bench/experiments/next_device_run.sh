@@ -69,6 +69,12 @@ if [[ -d /tmp/ab_build_base ]] && (( $(left) > 60 )); then
     BENCH_VARLEN_ARGS='--hdims 128 --directions fwd --layouts uniform:16:4096,uniform:2:8192,uniform:64:1024' \
     BENCH_VARLEN_ENV_B='CUFLASH_FWD_ROW_BLOCK_LIST_ORDER=entries' timeout 120 bash tools/gpu_check.sh >/dev/null 2>&1
   cat "$RUN/order/summary.txt" 2>/dev/null
+  # The no-hint list rule at a larger decode batch (the list where the rectangle of 2 blocks per
+  # sequence is half empty) against the rectangle.
+  OUT=$RUN/decode32 BUILD_DIR=/tmp/ab_build_base STEPS=bench_gqa \
+    BENCH_GQA_ARGS='--packed --batch 32 --groups 32:4 --seqlens-q 1,4' \
+    BENCH_GQA_ENV_B='CUFLASH_FWD_ROW_BLOCK_LIST=off' timeout 90 bash tools/gpu_check.sh >/dev/null 2>&1
+  cat "$RUN/decode32/summary.txt" 2>/dev/null
 fi
 
 if [[ -d ab_lsc ]] && (( $(left) > 200 )); then

@@ -222,9 +222,10 @@ inline bool fwd_row_block_list_wanted(const FwdParams& p) {
 }
 // Whether the launch walks the list rather than the rectangle of batch x ceil(seqlen_q /
 // block_m) row blocks: where the rectangle has more than twice the list's entries, as it has
-// with the lengths on the device and no max_seqlen_q (seqlen_q is then total_q) or with lengths
-// far apart. The list costs a one-CTA kernel before the forward and a load per tile; the
-// rectangle a decode, length reads and a skip per empty tile.
+// with lengths far apart under a max_seqlen_q hint, and without the hint (lengths on the
+// device, seqlen_q is then total_q) where it has more at all. The list costs a one-CTA kernel
+// before the forward and a load per tile; the rectangle a decode, length reads and a skip per
+// empty tile.
 inline bool fwd_row_block_list_pays(const FwdParams& p, int block_m) {
   if (p.row_block_list == nullptr || !fwd_row_block_list_wanted(p)) return false;
   long long const rectangle =
@@ -236,8 +237,9 @@ inline bool fwd_row_block_list_pays(const FwdParams& p, int block_m) {
   // against 4 + 4) and still mostly empty, and the dynamic scheduler's CTAs, claiming a tile
   // ahead, run two blocks with rows back to back while other SMs idle. Measured on the H100
   // (bench/NOTES.md, the no-hint lists): 2 x 1024 non-causal +17.5%, 2 x 8192 causal +6.4%, the
-  // packed decode at seqlen_q 16 +8% (32:4) and +16% (64:8). Where every sequence fits one block
-  // the rectangle (batch blocks, all with rows) is not more than the list (batch + 1) and stays.
+  // packed decode at seqlen_q 16 +8% (32:4) and +16% (64:8). Where the rows of all sequences
+  // together fit one block (total_q x group <= block_m) the rectangle (batch blocks, all with
+  // rows) is not more than the list (batch + 1) and stays.
   // The backward keeps the twice rule: its list lost 7.5-9% at 2 x 1024.
   return varlen_block_list_pays(p.row_block_list_mode == FwdRowBlockList::kAlways, rectangle, entries,
                                 /*any_more=*/p.seqlen_q >= p.total_q) &&
@@ -461,7 +463,7 @@ struct BwdLaunchChoice {
 
 // The layout version: bumped with every change to the members of FwdParams, BwdParams or
 // ModParams, since a member added into tail padding leaves the sizes below as they were.
-constexpr std::uint64_t kParamsLayoutVersion = 29;
+constexpr std::uint64_t kParamsLayoutVersion = 30;
 
 // A sequence's length as the measured kernel-choice rules read it (the forward's tile twins and
 // default pack_gqa, where the backward's dq_accum starts and how its walks turn): seqlen_q /
@@ -490,13 +492,13 @@ inline int typical_seqlen_k(const Params& p) {
 constexpr long long kFwdKvL2BudgetBytes = 16ll << 20;
 
 // Whether the forward walks its row-block list in the heads order (FwdRowBlockListOrder): as
-// set, or (kAuto) where a typical sequence's K / V over every kv head is more than
+// set, or (kAuto) where a typical sequence's K / V over every kv head is at least
 // kFwdKvL2BudgetBytes and every row block sees all of its sequence's keys (no causal mask,
-// window or mask_mod). The entries order then has the CTAs read every head's K / V of the same
+// window, mask_mod or block lists). The entries order then has the CTAs read every head's K / V of the same
 // few sequences at once, more than L2 holds, where the heads order reads one kv head's over the
 // sequences as the rectangle's sections do. Measured on the H100 (bf16, 16 heads, no hints,
-// one pass, bench/NOTES.md): 16 x 4k (32 MB per sequence) +4.1% at hdim128 and +2.9% at hdim64
-// with the heads order; 64 x 1k and 256 x 256 (8 and 2 MB) -2.9 to +0.9%, and causal 16 x 4k -2
+// one pass, bench/NOTES.md): 16 x 4k (32 MB per sequence at hdim128, 16 MB at hdim64) +4.1% at
+// hdim128 and +2.9% at hdim64 with the heads order; 64 x 1k and 256 x 256 (8 and 2 MB) -2.9 to +0.9%, and causal 16 x 4k -2
 // to -3% (its longest-first walk of each sequence): the entries order there.
 inline bool fwd_list_heads_order(const FwdParams& p) {
   if (p.row_block_list_order != FwdRowBlockListOrder::kAuto) {
@@ -505,7 +507,7 @@ inline bool fwd_list_heads_order(const FwdParams& p) {
   if (p.is_causal || p.is_local || p.mask_mod.kind != 0 || p.block_sparse.enabled) return false;
   long long const kv_bytes_per_sequence =
       (long long)typical_seqlen_k(p) * p.num_heads_kv * (p.head_dim + p.head_dim_v) * 2;
-  return kv_bytes_per_sequence > kFwdKvL2BudgetBytes;
+  return kv_bytes_per_sequence >= kFwdKvL2BudgetBytes;
 }
 
 // Whether a call needs the flex kernels (variants::FlexVariant): a score_mod, a mask_mod or block

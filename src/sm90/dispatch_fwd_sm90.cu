@@ -165,9 +165,9 @@ static void check_tile_count(const FwdParams& params) {
   long long const tiles = (rows + 63) / 64 * tile_heads * params.batch * splits;
   constexpr long long kMaxTiles = INT32_MAX - (1 << 20);
   // The varlen row-block list (varlen_block_list_sm90.hpp), where the call may walk it: its
-  // tiles (row blocks x heads x splits), at 128 rows or more. The launch takes it over a
-  // rectangle of more than twice its row blocks, so a list within half the limit covers every
-  // rectangle past the limit.
+  // tiles (row blocks x heads x splits), at 128 rows or more. The launch takes it at least over
+  // a rectangle of more than twice its row blocks (fwd_row_block_list_pays), so a list within
+  // half the limit covers every rectangle past the limit.
   bool const list = fwd_row_block_list_wanted(params) && (long long)params.total_q * group <= INT32_MAX - 256;
   long long const list_tiles = fwd_row_block_list_entries(params, kFwdRowBlockListMinBlockM) * tile_heads * splits;
   bool const list_fits = list && list_tiles <= kMaxTiles / 2;

@@ -1080,12 +1080,14 @@ TEST(ParamsForward, VarlenRowBlockList) {
     // With the hint (16 queries each) the rectangle is 4 x 1, every block with rows: no list.
     decode.seqlen_q = 16;
     EXPECT_FALSE(fwd_row_block_list_pays(decode, 128));
-    // One query row each (8 packed rows) without the hint: the rectangle, 4 x 1 blocks all with
-    // rows, is less than the list's 1 + 4 entries: no list, it would only add its builder.
+    // One query row each (8 packed rows, 32 in all: one block) without the hint: the rectangle,
+    // 4 x 1 blocks all with rows, is less than the list's 1 + 4 entries: no list, it would only
+    // add its builder.
     decode.total_q = decode.seqlen_q = 4;
     EXPECT_EQ(fwd_row_block_list_entries(decode, 128), 1 + 4);
     EXPECT_FALSE(fwd_row_block_list_pays(decode, 128));
-    // Two sequences of any length without the hint: 2R blocks against R + 2.
+    // Two sequences of any length without the hint: 2R blocks against R + 2 (the pays rule reads
+    // the capacity only; nothing is written here).
     FwdParams two = p;
     two.batch = 2;
     two.total_q = two.seqlen_q = 8192;
@@ -1131,12 +1133,16 @@ TEST(ParamsForward, RowBlockListOrder) {
   p.typical_seqlen_q = p.typical_seqlen_k = 4096;
   // 16 x 4k at 16 heads: 4096 x 16 x 256 x 2 bytes = 32 MB per sequence, the measured gain.
   EXPECT_TRUE(fwd_list_heads_order(p));
-  // Under the budget (64 x 1k: 8 MB), the entries order; exactly at it too.
+  // At hdim64 the same call is 16 MB, the budget itself, and gained too.
+  p.head_dim = p.head_dim_v = 64;
+  EXPECT_TRUE(fwd_list_heads_order(p));
+  p.head_dim = p.head_dim_v = 128;
+  // Under the budget (64 x 1k: 8 MB), the entries order.
   p.typical_seqlen_k = 1024;
   EXPECT_FALSE(fwd_list_heads_order(p));
-  p.typical_seqlen_k = 2048;
+  p.typical_seqlen_k = 2047;
   EXPECT_FALSE(fwd_list_heads_order(p));
-  p.typical_seqlen_k = 2049;
+  p.typical_seqlen_k = 2048;
   EXPECT_TRUE(fwd_list_heads_order(p));
   // Fewer kv heads hold less: GQA 16:2 at 4k is 4 MB.
   p.typical_seqlen_k = 4096;
@@ -1154,6 +1160,9 @@ TEST(ParamsForward, RowBlockListOrder) {
   p.mask_mod.kind = int(MaskModKind::kDocument);
   EXPECT_FALSE(fwd_list_heads_order(p));
   p.mask_mod.kind = 0;
+  p.block_sparse.enabled = true;
+  EXPECT_FALSE(fwd_list_heads_order(p));
+  p.block_sparse.enabled = false;
   // The setting wins either way.
   p.row_block_list_order = FwdRowBlockListOrder::kEntries;
   EXPECT_FALSE(fwd_list_heads_order(p));
