@@ -218,7 +218,8 @@ void run_forward_call(const ForwardArgs& args, StreamHandle stream, Workspace wo
   detail::assign_forward_workspace(params, base == nullptr ? nullptr : base + list_bytes, scheduler);
   sm90::run_forward(params, stream);
   if (params.num_splits > 1) {
-    sm90::run_combine(detail::make_split_combine_params(params, args, shape), stream, /*after_forward=*/true);
+    sm90::run_combine(detail::make_split_combine_params(params, args, shape), stream,
+                      /*after_forward=*/true);
   }
 #else
   (void)stream;

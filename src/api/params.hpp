@@ -208,7 +208,8 @@ inline long long varlen_block_list_entries(long long total_rows, int batch, int 
 // The forward's and the backward's rule for a list of `entries` against the rectangle of
 // `rectangle` blocks: where the rectangle has more than twice as many, or (`any_more`) more at
 // all; and the entries fit an int (always: whenever the call may have one).
-inline bool varlen_block_list_pays(bool always, long long rectangle, long long entries, bool any_more = false) {
+inline bool varlen_block_list_pays(bool always, long long rectangle, long long entries,
+                                   bool any_more = false) {
   return entries <= (long long)0x7fffffff &&
          (always || rectangle > 2 * entries || (any_more && rectangle > entries));
 }
@@ -241,8 +242,8 @@ inline bool fwd_row_block_list_pays(const FwdParams& p, int block_m) {
   // together fit one block (total_q x group <= block_m) the rectangle (batch blocks, all with
   // rows) is not more than the list (batch + 1) and stays.
   // The backward keeps the twice rule: its list lost 7.5-9% at 2 x 1024.
-  return varlen_block_list_pays(p.row_block_list_mode == FwdRowBlockList::kAlways, rectangle, entries,
-                                /*any_more=*/p.seqlen_q >= p.total_q) &&
+  return varlen_block_list_pays(p.row_block_list_mode == FwdRowBlockList::kAlways, rectangle,
+                                entries, /*any_more=*/p.seqlen_q >= p.total_q) &&
          entries <= p.row_block_list_capacity;
 }
 
@@ -494,12 +495,13 @@ constexpr long long kFwdKvL2BudgetBytes = 16ll << 20;
 // Whether the forward walks its row-block list in the heads order (FwdRowBlockListOrder): as
 // set, or (kAuto) where a typical sequence's K / V over every kv head is at least
 // kFwdKvL2BudgetBytes and every row block sees all of its sequence's keys (no causal mask,
-// window, mask_mod or block lists). The entries order then has the CTAs read every head's K / V of the same
-// few sequences at once, more than L2 holds, where the heads order reads one kv head's over the
-// sequences as the rectangle's sections do. Measured on the H100 (bf16, 16 heads, no hints,
-// one pass, bench/NOTES.md): 16 x 4k (32 MB per sequence at hdim128, 16 MB at hdim64) +4.1% at
-// hdim128 and +2.9% at hdim64 with the heads order; 64 x 1k and 256 x 256 (8 and 2 MB) -2.9 to +0.9%, and causal 16 x 4k -2
-// to -3% (its longest-first walk of each sequence): the entries order there.
+// window, mask_mod or block lists). The entries order then has the CTAs read every head's K / V
+// of the same few sequences at once, more than L2 holds, where the heads order reads one kv
+// head's over the sequences as the rectangle's sections do. Measured on the H100 (bf16, 16
+// heads, no hints, one pass, bench/NOTES.md): 16 x 4k (32 MB per sequence at hdim128, 16 MB at
+// hdim64) +4.1% at hdim128 and +2.9% at hdim64 with the heads order; 64 x 1k and 256 x 256 (8
+// and 2 MB) -2.9 to +0.9%, and causal 16 x 4k -2 to -3% (its longest-first walk of each
+// sequence): the entries order there.
 inline bool fwd_list_heads_order(const FwdParams& p) {
   if (p.row_block_list_order != FwdRowBlockListOrder::kAuto) {
     return p.row_block_list_order == FwdRowBlockListOrder::kHeads;

@@ -169,7 +169,8 @@ void run_combine(const CombineParams& params, StreamHandle stream, bool after_fo
       status = cudaLaunchKernelEx(&config, flash_combine_kernel<__half>, params, packed, num_rows);
       break;
     case DType::kBFloat16:
-      status = cudaLaunchKernelEx(&config, flash_combine_kernel<__nv_bfloat16>, params, packed, num_rows);
+      status = cudaLaunchKernelEx(&config, flash_combine_kernel<__nv_bfloat16>, params, packed,
+                                  num_rows);
       break;
     default:
       status = cudaLaunchKernelEx(&config, flash_combine_kernel<float>, params, packed, num_rows);

@@ -172,7 +172,8 @@ struct PersistentTileSchedulerSm90 {
 
   static int choose_section_size(long long kv_bytes_per_head, int heads_per_kv_head,
                                  int num_heads_batches) {
-    long long const kv_heads = std::max(1ll, kFwdKvL2BudgetBytes / std::max(1ll, kv_bytes_per_head));
+    long long const kv_heads =
+        std::max(1ll, kFwdKvL2BudgetBytes / std::max(1ll, kv_bytes_per_head));
     return int(std::max(1ll, std::min<long long>(kv_heads * heads_per_kv_head, num_heads_batches)));
   }
 
